@@ -1,0 +1,279 @@
+"""Single-device model code against transformers 5.23 as the oracle (tiny random checkpoints, CPU, fp32).
+
+    .venv/bin/python -m pytest tests/test_models.py -q
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from torch import nn
+
+from tptrain.models import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config
+from tptrain.models.rope import rope_inv_freq
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            max_position_embeddings=256)
+CASES = {
+    # llama3 rope scaling (all three frequency bands hit at head_dim 16) and tied embeddings
+    "llama": dict(TINY, model_type="llama", num_attention_heads=4, num_key_value_heads=2,
+                  tie_word_embeddings=True, rope_scaling={
+                      "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # 4:1 GQA, q/k/v bias
+    "qwen2": dict(TINY, model_type="qwen2", num_attention_heads=4, num_key_value_heads=1, rope_theta=1e6),
+    # q/k norm, head_dim (24) != hidden_size / heads (16)
+    "qwen3": dict(TINY, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+}
+ATOL = RTOL = 1e-5
+
+
+def _randomize(model: nn.Module, seed: int = 0) -> None:
+    """Every parameter random (norms around 1), so zero-init biases and unit norms are tested too."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.2
+            p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
+
+
+def _hf_model(kwargs: dict) -> nn.Module:
+    kwargs = dict(kwargs)
+    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def load_weights(model: nn.Module, checkpoint_dir) -> None:
+    """Stand-in for the sharded loader (tptrain.modeling.from_pretrained): one full state dict."""
+    state = safetensors.torch.load_file(checkpoint_dir / "model.safetensors")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    assert not unexpected and set(missing) == tied, (missing, unexpected)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    """(arch, directory of a transformers-written checkpoint, the transformers model)."""
+    torch.manual_seed(0)
+    hf = _hf_model(CASES[request.param])
+    _randomize(hf)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return request.param, path, hf
+
+
+def _load_tptrain(path) -> nn.Module:
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    load_weights(model, path)
+    return model.eval()
+
+
+def _batch(seed: int = 1, batch: int = 2, seq: int = 24):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, TINY["vocab_size"], (batch, seq), generator=gen)
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    labels[1, -5:-2] = -100
+    return input_ids, labels
+
+
+def test_logits_loss_and_grads_match_transformers(checkpoint):
+    arch, path, hf = checkpoint
+    model = _load_tptrain(path)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    input_ids, labels = _batch()
+
+    out, ref = model(input_ids, labels=labels), hf(input_ids, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=RTOL)
+
+    n_items = torch.tensor(50)  # e.g. real tokens over several micro-batches
+    out = model(input_ids, labels=labels, num_items_in_batch=n_items)
+    ref = hf(input_ids, labels=labels, num_items_in_batch=n_items)
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=RTOL)
+    model.zero_grad(), hf.zero_grad()
+    out.loss.backward(), ref.loss.backward()
+    ref_grads = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_rope_inv_freq_is_transformers(checkpoint):
+    arch, path, hf = checkpoint
+    assert torch.equal(rope_inv_freq(AutoConfig.from_pretrained(path)), hf.model.rotary_emb.inv_freq)
+
+
+def test_left_padding_mask(checkpoint):
+    arch, path, hf = checkpoint
+    model = _load_tptrain(path)
+    input_ids, _ = _batch(seq=12)
+    mask = torch.ones_like(input_ids)
+    mask[0, :5] = 0  # row 0 left-padded by 5
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool()
+
+    out = model(input_ids, attention_mask=mask, position_ids=position_ids).logits
+    ref = hf(input_ids, attention_mask=mask, position_ids=position_ids).logits
+    torch.testing.assert_close(out[real], ref[real], atol=ATOL, rtol=RTOL)
+    assert torch.isfinite(out).all()
+    alone = model(input_ids[:1, 5:]).logits  # the same sequence without its padding
+    torch.testing.assert_close(out[0, 5:], alone[0], atol=ATOL, rtol=RTOL)
+    # Gradients stay finite although padded queries see no key at all.
+    out = model(input_ids, labels=input_ids.masked_fill(~real, -100), attention_mask=mask)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_saved_config_builds_identical_transformers_model(arch, tmp_path):
+    kwargs = dict(CASES[arch])
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    config.save_pretrained(tmp_path)
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _randomize(model)
+
+    hf.load_state_dict(model.state_dict())  # strict: same names, same shapes
+    assert torch.equal(rope_inv_freq(config), hf.model.rotary_emb.inv_freq)
+    input_ids, labels = _batch()
+    out, ref = model(input_ids, labels=labels), hf(input_ids, labels=labels)
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=RTOL)
+    assert AutoConfig.from_pretrained(tmp_path) == config
+
+
+# Llama-3.2-1B's config.json as published (legacy rope keys, torch_dtype, transformers 4 keys).
+LLAMA32_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def test_published_legacy_config_round_trips(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA32_CONFIG))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, LlamaConfig)
+    assert (config.rope_theta, config.rope_type, config.torch_dtype) == (500000.0, "llama3", "bfloat16")
+    assert config.extra["transformers_version"] == "4.45.0.dev0"
+    written = config.to_dict()
+    assert {k: written[k] for k in LLAMA32_CONFIG} == LLAMA32_CONFIG
+    hf_config = transformers.LlamaConfig.from_dict(LLAMA32_CONFIG)
+    ref, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf_config)
+    assert torch.equal(rope_inv_freq(config), ref)
+
+
+def test_transformers5_rope_parameters_and_dtype():
+    config = Qwen3Config.from_dict({
+        "model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "dtype": "bfloat16",
+        "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"}})
+    assert (config.rope_theta, config.rope_scaling, config.torch_dtype) == (1000000, None, "bfloat16")
+    assert config.head_dim == 128  # transformers' Qwen3 default, not hidden_size // heads
+    scaled = LlamaConfig.from_dict({"rope_parameters": dict(CASES["llama"]["rope_scaling"], rope_theta=5e5)})
+    assert scaled.rope_theta == 5e5 and scaled.rope_type == "llama3"
+    assert "rope_theta" not in scaled.rope_scaling
+
+
+def test_unknown_model_type_and_unsupported_features(tmp_path):
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, qwen2, qwen3"):
+        AutoConfig.for_model("gpt2")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    with pytest.raises(ValueError, match="'mistral'"):
+        AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="AutoConfig"):
+        LlamaConfig.from_dict({"model_type": "qwen2"})
+    with pytest.raises(ValueError, match="yarn"):
+        LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        AutoConfig.for_model("qwen2", extra={"use_sliding_window": True})
+    with pytest.raises(TypeError, match="needs a LlamaConfig, got Qwen3Config"):
+        LlamaForCausalLM(Qwen3Config(**TINY, num_attention_heads=4))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        AutoConfig.from_pretrained(tmp_path / "empty")
+
+
+def _shard(linear: nn.Linear, dim: int, chunks: int, index: int) -> nn.Linear:
+    """A copy of `linear` holding chunk `index` of its weight (and bias) split along `dim`."""
+    shard = copy.deepcopy(linear)
+    shard.weight = nn.Parameter(linear.weight.chunk(chunks, dim)[index])
+    if linear.bias is not None:
+        shard.bias = nn.Parameter(linear.bias.chunk(chunks, 0)[index] if dim == 0 else linear.bias / chunks)
+    return shard
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_attention_and_mlp_run_on_sharded_weights(tp):
+    """The TP contract: with q/k/v/gate/up split by rows and o/down by columns, the same module code
+    runs on local heads, and the shard outputs sum to the full output (tp=4 replicates KV heads)."""
+    torch.manual_seed(0)
+    config = Qwen3Config(**TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                         attention_bias=True)
+    model = AutoModelForCausalLM.from_config(config)
+    layer = model.model.layers[0]
+    _randomize(layer)
+    x = torch.randn(2, 10, config.hidden_size)
+    cos, sin = model.model.rotary_emb(x, torch.arange(10)[None])
+    kv_replicas = max(1, tp // config.num_key_value_heads)
+    attn_parts, mlp_parts = [], []
+    for rank in range(tp):
+        attn, mlp = copy.deepcopy(layer.self_attn), copy.deepcopy(layer.mlp)
+        attn.q_proj = _shard(layer.self_attn.q_proj, 0, tp, rank)
+        attn.k_proj = _shard(layer.self_attn.k_proj, 0, tp // kv_replicas, rank // kv_replicas)
+        attn.v_proj = _shard(layer.self_attn.v_proj, 0, tp // kv_replicas, rank // kv_replicas)
+        attn.o_proj = _shard(layer.self_attn.o_proj, 1, tp, rank)
+        mlp.gate_proj, mlp.up_proj = (_shard(m, 0, tp, rank) for m in (mlp.gate_proj, mlp.up_proj))
+        mlp.down_proj = _shard(layer.mlp.down_proj, 1, tp, rank)
+        attn_parts.append(attn(x, cos, sin, None))
+        mlp_parts.append(mlp(x))
+    torch.testing.assert_close(sum(attn_parts), layer.self_attn(x, cos, sin, None), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(sum(mlp_parts), layer.mlp(x), atol=ATOL, rtol=RTOL)
+
+
+def test_meta_build_materialise_and_init():
+    config = AutoConfig.for_model("qwen2", **TINY, num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, device="meta")
+    assert all(p.is_meta for p in model.parameters()) and not list(model.buffers())
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    attn = model.model.layers[0].self_attn
+    assert torch.equal(attn.q_proj.bias, torch.zeros(64)) and attn.o_proj.bias is None
+    assert torch.equal(model.model.norm.weight, torch.ones(64))
+    assert 0.015 < model.model.layers[1].mlp.up_proj.weight.std() < 0.025
+    input_ids, labels = _batch()
+    assert torch.isfinite(model(input_ids, labels=labels).loss)
+
+
+def test_gradient_checkpointing_and_bf16():
+    torch.manual_seed(0)
+    config = Qwen3Config(**TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=24)
+    model = AutoModelForCausalLM.from_config(config)
+    input_ids, labels = _batch()
+    model(input_ids, labels=labels).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(input_ids, labels=labels).loss.backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, atol=ATOL, rtol=RTOL)
+
+    bf16 = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    bf16.load_state_dict(model.state_dict())
+    out = bf16(input_ids, labels=labels)
+    assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss, model(input_ids, labels=labels).loss, atol=2e-2, rtol=0)

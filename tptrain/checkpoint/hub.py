@@ -1,0 +1,80 @@
+"""Resolve a checkpoint argument (local directory or Hugging Face hub id) to a local directory.
+
+Hub ids go through `huggingface_hub.snapshot_download`, so HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE and
+the shared cache behave exactly as they do for `transformers`, without importing it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+from huggingface_hub.utils import validate_repo_id
+
+# Only what building and training a model needs: never *.bin / *.pt / original/ duplicates, which can
+# double the download of a large repository.
+HUB_ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",  # tokenizer.json, tokenizer_config.json, tokenizer.model
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template.jinja",
+]
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Path:
+    """Return the local directory holding the checkpoint `path_or_id`.
+
+    An existing local directory is returned as-is (it must contain config.json). Anything else is
+    treated as a hub id (`org/name`) and resolved through the HF cache, downloading when online.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"checkpoint directory {path} has no config.json; pass the directory that "
+                "save_pretrained wrote (it holds config.json and the *.safetensors files)"
+            )
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"checkpoint {path} is a file; pass the directory that contains it")
+    return _resolve_hub_id(os.fspath(path_or_id), revision)
+
+
+def _resolve_hub_id(repo_id: str, revision: str | None) -> Path:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise FileNotFoundError(
+            f"checkpoint {repo_id!r} is not a local directory and not a valid hub id (org/name); "
+            "check the path"
+        ) from e
+    try:
+        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
+    # LocalEntryNotFoundError: offline (HF_HUB_OFFLINE=1 or no network) and not cached.
+    # RepositoryNotFoundError: online, but the hub has no such repo (often a mistyped local path).
+    except (LocalEntryNotFoundError, RepositoryNotFoundError) as e:
+        raise FileNotFoundError(_not_found_message(repo_id, revision)) from e
+    if not (snapshot / "config.json").is_file():
+        raise FileNotFoundError(
+            f"hub checkpoint {repo_id!r} resolved to {snapshot}, which has no config.json; "
+            "it is not a transformers model repository (or the cached snapshot is incomplete)"
+        )
+    return snapshot
+
+
+def _not_found_message(repo_id: str, revision: str | None) -> str:
+    at = f" at revision {revision!r}" if revision else ""
+    # The effective values (env vars are read once, when huggingface_hub is imported).
+    return (
+        f"checkpoint {repo_id!r} is neither a local directory nor a hub model{at} found in the HF cache "
+        f"({constants.HF_HUB_CACHE}, HF_HUB_OFFLINE={int(constants.HF_HUB_OFFLINE)}). Fix: pass the path "
+        "of a local checkpoint directory, or point HF_HOME / HF_HUB_CACHE at a cache that holds it, or "
+        f"download it first on a machine with network (`hf download {repo_id}`)."
+    )

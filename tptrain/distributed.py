@@ -1,0 +1,93 @@
+"""DistributedConfig: process-group start-up and the named device mesh.
+
+The mesh is always 3-D, `("dp_replicate", "dp_shard", "tp")`, TP innermost so a TP group is a block
+of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+def env_world_size() -> int:
+    """World size of the job: the live process group's, else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed() -> torch.device:
+    """Start the default process group if needed (nccl for CUDA, gloo for CPU); return this rank's device."""
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, **kwargs)
+    else:  # a plain `python script.py`: a one-process world, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+@dataclass
+class DistributedConfig:
+    """How a model is spread over the processes of the job.
+
+    tp_size: tensor-parallel degree; None infers WORLD_SIZE // (dp_replicate_size * dp_shard_size).
+    tp_plan: "auto" (the model's own `base_model_tp_plan`) or a dict of {module-glob: style}
+        overrides of it (a value of None removes a rule). A rule that matches no module is an error.
+    enable_sequence_parallel: shard norms and the residual stream along the sequence between TP regions.
+    dp_replicate_size: replicated data-parallel degree (DDP, or the replica axis of HSDP).
+    dp_shard_size: sharded data-parallel degree (FSDP2); None: whatever WORLD_SIZE leaves over.
+    """
+
+    tp_size: int | None = None
+    tp_plan: str | Mapping[str, Any] = "auto"
+    enable_sequence_parallel: bool = False
+    dp_replicate_size: int = 1
+    dp_shard_size: int | None = None
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+
+    def sizes(self, world_size: int | None = None) -> dict[str, int]:
+        """Resolve every mesh axis against the world size; ValueError (same on every rank) if impossible."""
+        world = env_world_size() if world_size is None else world_size
+        for name in ("tp_size", "dp_replicate_size", "dp_shard_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"DistributedConfig.{name} must be a positive int, got {value!r}")
+        rep, shard, tp = self.dp_replicate_size, self.dp_shard_size, self.tp_size
+        if tp is None:
+            tp = world // (rep * (shard or 1))
+        if shard is None:
+            shard = world // (rep * tp) if world % (rep * tp) == 0 else 0
+        if tp < 1 or shard < 1 or rep * shard * tp != world:
+            raise ValueError(
+                f"world size {world} cannot be laid out as dp_replicate={rep} x dp_shard={self.dp_shard_size} x "
+                f"tp={self.tp_size}: the product must equal the number of processes. Launch with "
+                f"`torchrun --nproc-per-node N` where N is a multiple of tp_size, or change the sizes.")
+        return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
+
+    def device_mesh(self) -> tuple[DeviceMesh, torch.device]:
+        """Start the process group (if needed) and build the named mesh; cached on this config."""
+        sizes = self.sizes()  # validate before the rendezvous, so a bad layout fails fast everywhere
+        device = init_distributed()
+        if self._mesh is None:
+            self._mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
+        return self._mesh, device

@@ -1,0 +1,211 @@
+"""PreTrainedModel: the Hugging Face-style entry points of every model.
+
+`from_pretrained` builds the model on the meta device, applies the tensor-parallel plan, then fills
+each parameter with only this rank's slice, read straight from the safetensors files.
+`save_pretrained` gathers the shards and writes one consolidated HF checkpoint, once, atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tptrain.distributed import DistributedConfig
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: Any) -> torch.dtype:
+    """None/"auto": the checkpoint's own dtype from config.json (float32 if it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32"
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    name = str(dtype).replace("torch.", "")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or a torch.dtype")
+    return _DTYPES[name]
+
+
+class PreTrainedModel(nn.Module):
+    """Base of every CausalLM. Subclasses set `config_class` and `_tp_plan` (the head's plan)."""
+
+    config_class: ClassVar[type]
+    _tp_plan: ClassVar[dict[str, str]] = {}
+    base_model_prefix: ClassVar[str] = "model"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_size = 1
+        self.tp_plan: dict[str, str] = {}
+        self.device_mesh = None
+        self.tp_layout = None  # tptrain.parallel.tensor_parallel.TPLayout once parallelised
+
+    @classmethod
+    def from_config(cls, config: Any, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> "PreTrainedModel":
+        """Build with random init (or on `device="meta"` for sharded loading)."""
+        prev = torch.get_default_dtype()
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device or "cpu"):
+                return cls(config)
+        finally:
+            torch.set_default_dtype(prev)
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str | os.PathLike, *, dtype: torch.dtype | str | None = "auto",
+                        distributed_config: DistributedConfig | None = None, device_map: Any = None,
+                        tp_plan: Any = None, tp_size: int | None = None,
+                        device: torch.device | str | None = None, revision: str | None = None) -> "PreTrainedModel":
+        """Load an HF checkpoint (local directory or hub id), optionally tensor-parallel.
+
+        With `distributed_config`, every rank reads only its own slice of each sharded tensor.
+        """
+        from tptrain.checkpoint import CheckpointReader, resolve_checkpoint
+
+        if device_map is not None and distributed_config is not None:
+            raise ValueError("device_map cannot be combined with distributed_config: under tensor parallelism "
+                             "each rank's device comes from LOCAL_RANK and every rank holds a slice of every "
+                             "layer. Drop device_map (or drop distributed_config for a single-device load).")
+        if tp_plan is not None or tp_size is not None:
+            if distributed_config is not None:
+                raise ValueError("pass tp_plan/tp_size inside distributed_config, not next to it")
+            warnings.warn("from_pretrained(tp_plan=...) is deprecated; pass "
+                          "distributed_config=DistributedConfig(tp_size=..., tp_plan=...) instead",
+                          FutureWarning, stacklevel=2)
+            distributed_config = DistributedConfig(tp_size=tp_size, tp_plan=tp_plan or "auto")
+        directory = resolve_checkpoint(pretrained, revision=revision)
+        config = cls.config_class.from_pretrained(directory)
+        dtype = resolve_dtype(dtype, config)
+        reader = CheckpointReader(directory)
+        model = cls.from_config(config, dtype=dtype, device="meta")
+        model.name_or_path = str(pretrained)
+        if distributed_config is None:
+            target = torch.device(device or (device_map if isinstance(device_map, (str, torch.device)) else "cpu"))
+            model._load(reader, target, dtype, rank=0)
+            return model
+        model.parallelize(distributed_config, reader=reader, dtype=dtype)
+        return model
+
+    def parallelize(self, distributed_config: DistributedConfig, *, reader=None,
+                    dtype: torch.dtype | None = None) -> "PreTrainedModel":
+        """Shard this model over the TP axis of `distributed_config`'s mesh.
+
+        On a meta model, `reader` fills each rank's slice from the checkpoint; a materialised model is
+        sliced in memory (how tests compare against the same model on one device).
+        """
+        from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan
+
+        tp = distributed_config.sizes()["tp"]
+        _, _, problems = check_plan(self, distributed_config.tp_plan, tp,
+                                    sequence_parallel=distributed_config.enable_sequence_parallel)
+        if problems:  # identical on every rank, raised before any collective
+            raise ValueError(f"cannot shard {type(self).__name__} over tp_size={tp}:\n  - " + "\n  - ".join(problems))
+        mesh, device = distributed_config.device_mesh()
+        layout = apply_tensor_parallel(self, distributed_config.tp_plan, tp_group=mesh["tp"].get_group(),
+                                       sequence_parallel=distributed_config.enable_sequence_parallel)
+        self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = tp, layout.plan, mesh, layout
+        if reader is not None:
+            self._load(reader, device, dtype, rank=layout.ctx.rank)
+        elif any(p.device != device for p in self.parameters()):
+            self.to(device)
+        layout.grad_sync.bind(self)
+        return self
+
+    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
+        """Fill every (meta) parameter with this rank's slice of the checkpoint tensor."""
+        from tptrain.checkpoint import check_tensor_shape
+        from tptrain.parallel.styles import ShardSpec
+
+        layout = self.tp_layout
+        size = self.tp_size
+        params = dict(self.named_parameters())  # tied aliases dedup'd: lm_head reads embed_tokens
+        global_shapes = layout.global_shapes if layout else {n: tuple(p.shape) for n, p in params.items()}
+        missing = [n for n in params if n not in reader]
+        if missing:
+            raise ValueError(f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) the model needs, "
+                             f"e.g. {missing[:3]}; it was not saved for this architecture/config")
+        for name in params:  # every shape checked before any byte is read
+            check_tensor_shape(name, global_shapes[name], tuple(reader.shape(name)), reader.file_of(name))
+        loaded: dict[int, nn.Parameter] = {}
+        for name, p in params.items():
+            spec = layout.specs[name] if layout else ShardSpec()
+            t = reader.read(name, dim=spec.dim, index=spec.chunk_index(rank), count=spec.num_chunks(size),
+                            dtype=dtype, device=device)
+            loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+        for name, p in list(self.named_parameters(remove_duplicate=False)):
+            mod_name, _, pname = name.rpartition(".")
+            setattr(self.get_submodule(mod_name), pname, loaded[id(p)])
+
+    # ---------------------------------------------------------------- saving
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every parameter gathered to its full shape, on CPU; tied aliases dropped (HF convention).
+        Collective over the TP group; returns the dict on TP rank 0 and None elsewhere."""
+        from tptrain.parallel.tensor_parallel import gather_full
+
+        layout = self.tp_layout
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            t = p.detach() if layout is None else gather_full(p.detach(), layout.specs[name], layout.ctx)
+            out[name] = t.cpu()
+        return out if layout is None or layout.ctx.rank == 0 else None
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
+        """Write one consolidated HF checkpoint (config.json + safetensors), whatever tp_size was.
+
+        Collective: every rank must call it. Global rank 0 writes, atomically; a failure on the
+        writer is raised on every rank.
+        """
+        from tptrain.checkpoint import save_checkpoint
+
+        distributed = dist.is_initialized() and self.tp_layout is not None
+        writer = not distributed or dist.get_rank() == 0
+        target = Path(save_directory)
+        error = _writable_error(target) if writer else None
+        _raise_everywhere(error, distributed)
+        state = self.full_state_dict()
+        if writer:
+            try:
+                config = self.config.to_dict()
+                config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+                save_checkpoint(state, target, max_shard_size=max_shard_size,
+                                extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
+            except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+                error = f"saving to {target} failed: {type(exc).__name__}: {exc}"
+        _raise_everywhere(error, distributed)
+
+
+def _writable_error(target: Path) -> str | None:
+    parent = target.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {parent}: {exc}"
+    if not os.access(parent, os.W_OK):
+        return f"output directory {parent} is not writable; choose another save_directory"
+    if target.exists() and not target.is_dir():
+        return f"{target} exists and is not a directory"
+    return None
+
+
+def _raise_everywhere(error: str | None, distributed: bool) -> None:
+    """Share the writer's error with every rank, so none is left waiting in a later collective."""
+    if distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise OSError(error)

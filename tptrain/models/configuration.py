@@ -1,0 +1,216 @@
+"""Model configs: one typed dataclass reading and writing Hugging Face `config.json`.
+
+    cfg = AutoConfig.from_pretrained("path/to/checkpoint")   # or Qwen3Config.from_pretrained(...)
+    cfg.save_pretrained("out/")                              # transformers' AutoConfig loads it too
+
+Keys are written in the spelling every transformers version reads: `rope_theta` + `rope_scaling`
+(not 5.x's `rope_parameters`) and `torch_dtype` (not `dtype`). Both spellings are read. Keys this
+class does not know (`transformers_version`, `use_cache`, `layer_types`, ...) are kept in `extra` and
+written back unchanged.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, ClassVar
+
+from tptrain.checkpoint.hub import resolve_checkpoint
+
+CONFIG_NAME = "config.json"
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+# HF's plan for LlamaModel / Qwen2Model, plus our vocab-parallel embedding.
+_DECODER_TP_PLAN = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class PretrainedConfig:
+    """Architecture of a decoder-only LM. Defaults are transformers' LlamaConfig defaults."""
+
+    model_type: ClassVar[str] = ""
+    # {module glob relative to the base model: partition style name}; see parallel/plan.py.
+    base_model_tp_plan: ClassVar[dict[str, str]] = {}
+    # RMSNorm over head_dim on q and k before RoPE (Qwen3). Fixed per architecture, not in config.json.
+    qk_norm: ClassVar[bool] = False
+
+    vocab_size: int = 32000  # rows of embed_tokens and lm_head
+    hidden_size: int = 4096  # residual stream width
+    intermediate_size: int = 11008  # MLP inner width (gate/up output rows)
+    num_hidden_layers: int = 32  # decoder layers
+    num_attention_heads: int = 32  # query heads
+    num_key_value_heads: int | None = None  # key/value heads (GQA); None -> num_attention_heads
+    head_dim: int | None = None  # per-head width; None -> hidden_size // num_attention_heads
+    hidden_act: str = "silu"  # MLP activation; only "silu" is implemented
+    max_position_embeddings: int = 2048  # longest sequence the model was trained for
+    initializer_range: float = 0.02  # std of the normal init of Linear/Embedding weights
+    rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base wavelength
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3", "factor": ..., ...} or None
+    attention_bias: bool = False  # bias on q/k/v (and o, except Qwen2) projections
+    mlp_bias: bool = False  # bias on gate/up/down projections
+    tie_word_embeddings: bool = False  # lm_head.weight is model.embed_tokens.weight
+    bos_token_id: int | None = 1  # beginning-of-sequence token
+    eos_token_id: int | list[int] | None = 2  # end-of-sequence token(s)
+    pad_token_id: int | None = None  # padding token; its embedding row gets no gradient (as in HF)
+    torch_dtype: str | None = None  # dtype the weights were saved in, e.g. "bfloat16"
+    architectures: list[str] | None = None  # model class names, e.g. ["LlamaForCausalLM"] (vLLM reads it)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # unknown keys, kept for round-trip
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self._validate()
+
+    def _validate(self) -> None:
+        name = type(self).__name__
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{name}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it to be.")
+        if self.hidden_act != "silu":
+            raise ValueError(f"{name}: hidden_act={self.hidden_act!r} is not implemented; only 'silu' is.")
+        if self.extra.get("use_sliding_window"):
+            raise ValueError(f"{name}: use_sliding_window=true is not implemented; set it to false "
+                             "(full causal attention) to train this model with tptrain.")
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+        if rope_type == "llama3":
+            missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
+            if missing:
+                raise ValueError(f"{name}: rope_scaling of type 'llama3' lacks {missing}.")
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return self.attention_bias
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any]) -> "PretrainedConfig":
+        d = copy.deepcopy(config_dict)
+        model_type = d.pop("model_type", cls.model_type)
+        if cls.model_type and model_type != cls.model_type:
+            raise ValueError(f"{cls.__name__} reads model_type {cls.model_type!r}, the config says "
+                             f"{model_type!r}; use tptrain.models.AutoConfig to pick the class.")
+        if (dtype := d.pop("dtype", None)) is not None:  # transformers-5 spelling wins, as there
+            d["torch_dtype"] = dtype
+        _absorb_rope_parameters(d)
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: d.pop(k) for k in list(d) if k in names}
+        return cls(**known, extra=d)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: copy.deepcopy(getattr(self, f.name))
+               for f in dataclasses.fields(self) if f.name != "extra"}
+        out.update(copy.deepcopy(self.extra))
+        out["model_type"] = self.model_type
+        return dict(sorted(out.items()))
+
+    @classmethod
+    def from_json_file(cls, json_file: str | os.PathLike) -> "PretrainedConfig":
+        return cls.from_dict(json.loads(pathlib.Path(json_file).read_text()))
+
+    @classmethod
+    def from_pretrained(cls, path_or_id: str | os.PathLike) -> "PretrainedConfig":
+        """Read `config.json` from a checkpoint directory or hub id."""
+        return cls.from_dict(load_config_dict(path_or_id))
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> pathlib.Path:
+        """Write `save_directory/config.json`; returns its path."""
+        path = pathlib.Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        config_file = path / CONFIG_NAME
+        config_file.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return config_file
+
+
+def _absorb_rope_parameters(d: dict[str, Any]) -> None:
+    """Fold transformers-5 `rope_parameters` into `rope_theta` / `rope_scaling`, in place.
+
+    Priority is transformers': a `rope_scaling` key beats `rope_parameters`, and the theta inside
+    `rope_parameters` beats a top-level `rope_theta`.
+    """
+    params = d.pop("rope_parameters", None)
+    if not params:
+        return
+    params = dict(params)
+    if "rope_theta" in params:
+        d["rope_theta"] = params.pop("rope_theta")
+    if d.get("rope_scaling") is None and params.get("rope_type", params.get("type", "default")) != "default":
+        d["rope_scaling"] = params
+
+
+def load_config_dict(path_or_id: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of a checkpoint directory or hub id."""
+    return json.loads((resolve_checkpoint(path_or_id) / CONFIG_NAME).read_text())
+
+
+@dataclasses.dataclass(kw_only=True)
+class LlamaConfig(PretrainedConfig):
+    """Llama 2/3 (and Llama-architecture models such as TinyLlama, SmolLM)."""
+
+    model_type: ClassVar[str] = "llama"
+    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+
+
+@dataclasses.dataclass(kw_only=True)
+class Qwen2Config(PretrainedConfig):
+    """Qwen2 / Qwen2.5: bias on q/k/v, none on o_proj."""
+
+    model_type: ClassVar[str] = "qwen2"
+    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+
+    vocab_size: int = 151936
+    intermediate_size: int = 22016
+    max_position_embeddings: int = 32768
+    attention_bias: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def o_proj_bias(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass(kw_only=True)
+class Qwen3Config(PretrainedConfig):
+    """Qwen3 (dense): RMSNorm on q and k per head, explicit head_dim, no bias by default."""
+
+    model_type: ClassVar[str] = "qwen3"
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        **_DECODER_TP_PLAN,
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    }
+    qk_norm: ClassVar[bool] = True
+
+    vocab_size: int = 151936
+    intermediate_size: int = 22016
+    max_position_embeddings: int = 32768
+    head_dim: int | None = 128  # transformers' Qwen3 default; not hidden_size // num_attention_heads
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None

@@ -1,0 +1,224 @@
+"""The one decoder-only transformer. Llama, Qwen2 and Qwen3 differ only by config flags.
+
+    model = LlamaForCausalLM.from_config(LlamaConfig(...))
+    out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
+
+Single-device code with Hugging Face parameter names. Under tensor parallelism the same code runs
+on sharded q/k/v/o and MLP weights: head counts and widths are read from tensor shapes, never
+from the config, and the loss goes through `self.loss_function`, which the TP engine may replace.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tptrain.modeling import PreTrainedModel
+from tptrain.models.configuration import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from tptrain.models.rope import RotaryEmbedding, apply_rotary
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None  # scalar, None without labels
+    logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+                   num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy in fp32. Labels are shifted here; IGNORE_INDEX positions don't count.
+
+    With `num_items_in_batch` (real tokens over all micro-batches of a step) the loss is
+    sum / num_items_in_batch, so gradient accumulation matches one large batch; else a token mean.
+    """
+    labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # position t predicts token t + 1
+    # Upcast half precision to fp32 (as transformers does); fp32/fp64 stay as they are.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits, labels.reshape(-1).to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction=reduction)
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) 1/0 padding mask -> (batch, 1, seq, seq) bool, True where a query sees a key.
+
+    A query that sees no key at all (left padding) gets a zero output from SDPA, as in transformers.
+    """
+    seq = attention_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the input dtype: transformers' LlamaRMSNorm, bit for bit.
+        h = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (exact tests)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(hidden, config.num_attention_heads * head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * head_dim, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the weights' shapes: under TP they are this rank's local heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (batch, seq, local_heads, head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
+        if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local_heads * head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The `model.` part: embeddings, decoder layers, final norm. Returns hidden states."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # (batch, seq, hidden)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        cos, sin = self.rotary_emb(h, position_ids)
+        mask = None if attention_mask is None else causal_padding_mask(attention_mask)
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, mask)
+        return self.norm(h)
+
+
+class DecoderForCausalLM(PreTrainedModel):
+    """DecoderModel + lm_head. Subclasses only name their config class."""
+
+    config_class = PretrainedConfig
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got "
+                            f"{type(config).__name__}; use tptrain.models.AutoModelForCausalLM.")
+        super().__init__(config)
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss_function = causal_lm_loss
+        self.tie_weights()
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head.weight with embed_tokens.weight if the config says so.
+
+        Call again after `to_empty()` / materialisation: it replaces parameters one module at a time
+        and so unties them.
+        """
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """transformers' random init: Linear/Embedding ~ N(0, initializer_range), biases 0, norms 1.
+
+        Works on whatever tensors the modules hold (full, sharded, or meta, where it is a no-op).
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each decoder layer in backward (non-reentrant torch.utils.checkpoint)."""
+        self.model.gradient_checkpointing = True
+
+    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None) -> CausalLMOutput:
+        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        logits = self.lm_head(h)  # (batch, seq, vocab)
+        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    config_class = LlamaConfig
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    config_class = Qwen2Config
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    config_class = Qwen3Config

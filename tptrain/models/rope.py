@@ -1,0 +1,75 @@
+"""Rotary position embeddings, with the inverse frequencies computed exactly as transformers does.
+
+Nothing here is a parameter or buffer: the model is built on the meta device and materialised from
+the checkpoint, so the (tiny) inverse-frequency vector is computed on CPU at construction and kept
+as a plain attribute, copied once per device it is used on.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tptrain.models.configuration import PretrainedConfig
+
+
+def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
+    """Inverse frequencies, (head_dim // 2,) fp32 on CPU, for rope type "default" or "llama3"."""
+    dim = config.head_dim
+    # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, config.rope_scaling, config.max_position_embeddings)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling (transformers' `_compute_llama3_parameters`)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling.get("original_max_position_embeddings", max_position_embeddings)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """position_ids -> (cos, sin), each (batch or 1, seq, head_dim), in the activations' dtype."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {inv_freq.device: inv_freq}
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
+        return self._inv_freq[device]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq_on(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, head_dim // 2), fp32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

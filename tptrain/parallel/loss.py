@@ -1,0 +1,67 @@
+"""Vocab-parallel cross-entropy: the loss straight from vocabulary-sharded logits.
+
+No rank ever holds the full (batch, seq, vocab) logits. The loss needs exactly three all-reduces of
+(tokens,) scalars: the max logit, the target logit, and the sum of exponentials.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from tptrain.parallel import comm
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(Function):
+    """per-token CE from local logits (tokens, vocab/tp); 3 all-reduces fwd / none bwd."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        rank, local_vocab = dist.get_rank(group), logits.shape[-1]
+        start = rank * local_vocab
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> fp32, as single-device
+        max_logit = comm.all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
+        shifted = logits - max_logit.unsqueeze(-1)
+        outside = (target < start) | (target >= start + local_vocab)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        comm.all_reduce(target_logit, group)
+        exp = shifted.exp_()  # reuse the buffer: saved below as the softmax numerator
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)
+        loss = torch.log(sum_exp) - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - onehot(target); modified in place (used once)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    """Per-token loss (tokens,) from (tokens, vocab/tp) logits; positions with IGNORE_INDEX give 0."""
+    ignored = target == IGNORE_INDEX
+    loss = _VocabParallelCrossEntropy.apply(logits, target.masked_fill(ignored, 0), group)
+    return loss.masked_fill(ignored, 0.0)
+
+
+def make_vocab_parallel_causal_lm_loss(group):
+    """The TP replacement for a model's `loss_function(logits, labels, num_items_in_batch)`:
+    same shift, ignore index and normalisation as the single-device loss."""
+
+    def loss_function(logits, labels, num_items_in_batch=None):
+        # Shift by padding the labels (not slicing the logits, which would copy them).
+        target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(logits.device)
+        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, group)
+        denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
+        return per_token.sum() / denom
+
+    return loss_function

@@ -1,0 +1,219 @@
+"""Partition styles: how one module is split across the tensor-parallel axis.
+
+A style is a small class registered by name. It declares, as data, which dim of each parameter is
+split (`ShardSpec`) and installs the forward-time communication on the module. Adding a style means
+adding one class here. Modules stay ordinary `nn.Linear` / `nn.Embedding` / norm modules holding
+their local shard under their Hugging Face parameter names.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tptrain.parallel import comm
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is laid out over the TP axis.
+
+    dim: the tensor dim split into equal chunks (None: every rank holds the whole tensor).
+    replicas: how many consecutive ranks hold the same chunk (KV heads when tp > num_key_value_heads).
+    partial_grad: each rank's gradient is only its share; the true gradient is the sum over the ranks
+        holding the same chunk (replicated weights applied to sharded activations).
+    """
+
+    dim: int | None = None
+    replicas: int = 1
+    partial_grad: bool = False
+
+    def num_chunks(self, tp_size: int) -> int:
+        return 1 if self.dim is None else tp_size // self.replicas
+
+    def chunk_index(self, tp_rank: int) -> int:
+        return 0 if self.dim is None else tp_rank // self.replicas
+
+    def local_shape(self, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(shape)
+        out = list(shape)
+        out[self.dim] //= self.num_chunks(tp_size)
+        return tuple(out)
+
+
+@dataclass
+class TPContext:
+    """Run-time state shared by every style of one model: the TP group and per-forward flags."""
+
+    group: comm.ProcessGroup
+    size: int
+    rank: int
+    sequence_parallel: bool = False
+    # Set per forward by the engine: with labels, the head keeps logits vocab-sharded for the
+    # vocab-parallel loss instead of all-gathering them.
+    keep_logits_sharded: bool = False
+    _boundary: tuple | None = field(default=None, repr=False)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Input boundary of a column-parallel block.
+
+        Siblings reading the same tensor (q/k/v, gate/up) share one boundary, so backward issues a
+        single all-reduce (or reduce-scatter under SP) for all of them: the Megatron minimum.
+        """
+        if self._boundary is not None and self._boundary[0]() is x:
+            return self._boundary[1]
+        if self.sequence_parallel:
+            y = comm.gather_to_sp(x, self.group, dim=1)
+        else:
+            y = comm.copy_to_tp(x, self.group)
+        self._boundary = (weakref.ref(x), y)
+        return y
+
+    def exit(self, partial: torch.Tensor) -> torch.Tensor:
+        """Output boundary of a row-parallel block: sum the per-rank partial results."""
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sp(partial, self.group, dim=1)
+        return comm.reduce_from_tp(partial, self.group)
+
+    def reset(self) -> None:
+        self._boundary = None
+
+
+class ParallelStyle:
+    """Base class. `kv_replicas` > 1 only for colwise projections producing replicated KV heads."""
+
+    name: ClassVar[str]
+    module_types: ClassVar[tuple[type, ...]] = (nn.Module,)
+
+    def __init__(self, *, kv_replicas: int = 1) -> None:
+        self.kv_replicas = kv_replicas
+
+    def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
+        """ShardSpec of each parameter directly owned by `module` (local names)."""
+        raise NotImplementedError
+
+    def install(self, module: nn.Module, ctx: TPContext) -> None:
+        """Attach the forward-time communication. Called once, after the parameters are sharded."""
+
+
+STYLES: dict[str, type[ParallelStyle]] = {}
+
+
+def register_style(cls: type[ParallelStyle]) -> type[ParallelStyle]:
+    STYLES[cls.name] = cls
+    return cls
+
+
+def make_style(name: str, *, where: str, kv_replicas: int = 1) -> ParallelStyle:
+    if name not in STYLES:
+        raise ValueError(f"unknown tensor-parallel style {name!r} for {where!r}; "
+                         f"known styles: {', '.join(sorted(STYLES))}")
+    return STYLES[name](kv_replicas=kv_replicas)
+
+
+def _own_params(module: nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters(recurse=False) if p is not None]
+
+
+def _replace_forward(module: nn.Module, fn: Callable) -> None:
+    # An instance attribute shadows the class's forward; nn.Module.__call__ (and its hooks) still run.
+    module.forward = fn.__get__(module, type(module))
+
+
+@register_style
+class ColwiseParallel(ParallelStyle):
+    """Split output features (weight dim 0, bias dim 0); the output stays sharded."""
+
+    name = "colwise"
+    module_types = (nn.Linear,)
+
+    def param_specs(self, module):
+        spec = ShardSpec(0, self.kv_replicas, partial_grad=self.kv_replicas > 1)
+        return {n: spec for n in _own_params(module)}
+
+    def install(self, module, ctx):
+        module.register_forward_pre_hook(lambda m, args: (ctx.enter(args[0]), *args[1:]))
+
+
+@register_style
+class RowwiseParallel(ParallelStyle):
+    """Split input features (weight dim 1); partial outputs are summed, then the bias added once."""
+
+    name = "rowwise"
+    module_types = (nn.Linear,)
+
+    def param_specs(self, module):
+        specs = {"weight": ShardSpec(1)}
+        if module.bias is not None:
+            specs["bias"] = ShardSpec(None)
+        return specs
+
+    def install(self, module, ctx):
+        def forward(self, x):
+            y = ctx.exit(F.linear(x, self.weight))
+            return y if self.bias is None else y + self.bias
+
+        _replace_forward(module, forward)
+
+
+@register_style
+class ColwiseGatherOutput(ColwiseParallel):
+    """LM head: colwise, then all-gather the vocabulary unless the vocab-parallel loss consumes it."""
+
+    name = "colwise_gather_output"
+
+    def install(self, module, ctx):
+        super().install(module, ctx)
+
+        def gather(m, args, out):
+            return out if ctx.keep_logits_sharded else comm.gather_from_tp(out, ctx.group, dim=-1)
+
+        module.register_forward_hook(gather)
+
+
+@register_style
+class EmbeddingRowwise(ParallelStyle):
+    """Vocab-parallel embedding: each rank owns a contiguous slice of the vocabulary (weight dim 0)."""
+
+    name = "embedding_rowwise"
+    module_types = (nn.Embedding,)
+
+    def param_specs(self, module):
+        return {"weight": ShardSpec(0)}
+
+    def install(self, module, ctx):
+        def forward(self, ids):
+            local_vocab = self.weight.shape[0]
+            start = ctx.rank * local_vocab
+            outside = (ids < start) | (ids >= start + local_vocab)
+            # Ids owned by another rank look up row 0 and are zeroed; the sum over ranks fills them in.
+            pad = self.padding_idx  # the pad row gets no gradient, as in nn.Embedding; only its owner has it
+            local_pad = pad - start if pad is not None and start <= pad < start + local_vocab else None
+            local = F.embedding((ids - start).masked_fill(outside, 0), self.weight, padding_idx=local_pad)
+            return ctx.exit(local.masked_fill(outside.unsqueeze(-1), 0.0))
+
+        _replace_forward(module, forward)
+
+
+@register_style
+class ReplicatedWithGradAllreduce(ParallelStyle):
+    """Whole weights on every rank, applied to sharded activations (Qwen3's per-head q/k norms):
+    forward needs no communication, the gradient is a partial sum over the TP group."""
+
+    name = "replicated_with_grad_allreduce"
+
+    def param_specs(self, module):
+        return {n: ShardSpec(None, partial_grad=True) for n in _own_params(module)}
+
+
+@register_style
+class SequenceParallel(ReplicatedWithGradAllreduce):
+    """Norms between TP regions under sequence parallelism: each rank normalises its own sequence
+    shard, so the weight gradient is a partial sum over the TP group."""
+
+    name = "sequence_parallel"
