@@ -20,7 +20,6 @@ def test_corpus_is_clean_utf8_prose():
     text = (DATA / "corpus.txt").read_bytes().decode("utf-8")
     assert 1_000_000 < len(text) < 2_100_000
     assert "gutenberg" not in text.lower()
-    assert text.startswith("HAMLET, PRINCE OF DENMARK")
 
 
 def test_tokenizer_matches_config_and_round_trips(config):
@@ -36,7 +35,6 @@ def test_hf_auto_classes_load_the_directory(config):
     transformers = pytest.importorskip("transformers")
     hf_config = transformers.AutoConfig.from_pretrained(str(MODEL))
     assert hf_config.model_type == "qwen3" and hf_config.vocab_size == config["vocab_size"]
-    assert hf_config.num_attention_heads * hf_config.head_dim == 256
     tok = transformers.AutoTokenizer.from_pretrained(str(MODEL))
     assert tok.eos_token_id == tok.pad_token_id == config["eos_token_id"]
     for text in ODD_TEXTS:
