@@ -28,11 +28,13 @@ HUB_ALLOW_PATTERNS = [
 ]
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Path:
+def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None,
+                       config_only: bool = False) -> Path:
     """Return the local directory holding the checkpoint `path_or_id`.
 
     An existing local directory is returned as-is (it must contain config.json). Anything else is
-    treated as a hub id (`org/name`) and resolved through the HF cache, downloading when online.
+    treated as a hub id (`org/name`) and resolved through the HF cache, downloading when online
+    (only config.json with `config_only`: reading a config, or `tptrain plan`, never fetches weights).
     """
     path = Path(path_or_id).expanduser()
     if path.is_dir():
@@ -44,10 +46,10 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
         return path
     if path.exists():
         raise NotADirectoryError(f"checkpoint {path} is a file; pass the directory that contains it")
-    return _resolve_hub_id(os.fspath(path_or_id), revision)
+    return _resolve_hub_id(os.fspath(path_or_id), revision, ["config.json"] if config_only else HUB_ALLOW_PATTERNS)
 
 
-def _resolve_hub_id(repo_id: str, revision: str | None) -> Path:
+def _resolve_hub_id(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
@@ -56,7 +58,7 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> Path:
             "check the path"
         ) from e
     try:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
+        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns))
     # LocalEntryNotFoundError: offline (HF_HUB_OFFLINE=1 or no network) and not cached.
     # RepositoryNotFoundError: online, but the hub has no such repo (often a mistyped local path).
     except (LocalEntryNotFoundError, RepositoryNotFoundError) as e:

@@ -166,7 +166,7 @@ def _absorb_rope_parameters(d: dict[str, Any]) -> None:
 
 def load_config_dict(path_or_id: str | os.PathLike) -> dict[str, Any]:
     """The parsed `config.json` of a checkpoint directory or hub id."""
-    return json.loads((resolve_checkpoint(path_or_id) / CONFIG_NAME).read_text())
+    return json.loads((resolve_checkpoint(path_or_id, config_only=True) / CONFIG_NAME).read_text())
 
 
 @dataclasses.dataclass(kw_only=True)

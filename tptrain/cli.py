@@ -1,0 +1,84 @@
+"""The `tptrain` command: `tptrain plan` (a dry run of a tensor-parallel layout) and `tptrain train`.
+
+    tptrain plan Qwen/Qwen3-0.6B --tp-size 4                  # or a checkpoint directory
+    tptrain plan ./ckpt --tp-size 8 --sequence-parallel --dtype bfloat16
+    tptrain plan ./ckpt --tp-size 2 --tp-plan '{"layers.*.mlp.down_proj": "rowwise"}'
+    python -m tptrain plan ...                                # the same
+    tptrain train --help
+
+`plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
+when the config cannot be read. `train` lives in tptrain/training/cli.py and is imported only when it
+is the command, so `plan` works without the training stack.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from types import ModuleType
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train = None
+    if argv[:1] == ["train"]:
+        try:
+            from tptrain.training import cli as train
+        except ImportError as exc:
+            return _fail("train", f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
+    args = _parser(train).parse_args(argv)
+    return args.handler(args)
+
+
+def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
+    """`train`'s own flags are added only when it is the command (`train` is tptrain.training.cli then)."""
+    parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
+                                                                 "decoder LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train}")
+    plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
+                          description="Print how MODEL would be split at --tp-size, without starting any process: "
+                                      "each module's style, each parameter's global and per-rank shape, parameter "
+                                      "bytes per rank, and every divisibility problem (exit code 2 if any).")
+    plan.add_argument("model", help="checkpoint directory or hub id (only config.json is read)")
+    plan.add_argument("--tp-size", type=int, required=True, help="tensor-parallel degree")
+    plan.add_argument("--sequence-parallel", action="store_true", help="shard norms along the sequence too")
+    plan.add_argument("--tp-plan", type=_json_object, default=None,
+                      help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
+                           '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
+    plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")
+    plan.set_defaults(handler=_run_plan)
+    train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
+    if train is not None:
+        train.add_train_arguments(train_parser)
+        train_parser.set_defaults(handler=train.run_train)
+    return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{module-glob: style}}, got {text!r}")
+    return value
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from tptrain.models import AutoConfig
+    from tptrain.parallel.report import plan_report
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+        report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
+                             sequence_parallel=args.sequence_parallel, dtype=args.dtype)
+    except (OSError, ValueError, TypeError) as exc:
+        return _fail("plan", str(exc))
+    print(report.text, end="")
+    return 2 if report.problems else 0
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"tptrain {command}: error: {message}", file=sys.stderr)
+    return 1

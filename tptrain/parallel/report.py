@@ -1,0 +1,139 @@
+"""The layout a tensor-parallel degree gives a model, as text: what `tptrain plan` prints.
+
+A dry run: the model is built on the meta device from its config and the plan resolved with the same
+`check_plan` that `from_pretrained` runs on every rank, so no process group and no weights are needed.
+
+    report = plan_report(AutoConfig.from_pretrained("Qwen/Qwen3-0.6B"), tp_size=4)
+    print(report.text); sys.exit(2 if report.problems else 0)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from tptrain.modeling import resolve_dtype
+from tptrain.models import AutoModelForCausalLM
+from tptrain.parallel.plan import kv_replicas
+from tptrain.parallel.styles import ShardSpec
+from tptrain.parallel.tensor_parallel import check_plan
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass
+class PlanReport:
+    """text: the printable report. problems: every reason the layout is impossible (empty if fine).
+    bytes_per_rank / total_bytes: parameter bytes one rank holds / the whole model holds."""
+
+    text: str
+    problems: list[str]
+    bytes_per_rank: int
+    total_bytes: int
+
+
+def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] = "auto",
+                sequence_parallel: bool = False, dtype: torch.dtype | str | None = None) -> PlanReport:
+    """Resolve `tp_plan` for `config` at `tp_size` and describe every module's shards."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    dtype = resolve_dtype(dtype, config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
+    resolved, specs, problems = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
+    rows, per_rank, total = _rows(model, resolved, specs, tp_size, dtype.itemsize)
+    lines = [f"tptrain plan: {type(model).__name__} (model_type {config.model_type!r}), tp_size={tp_size}, "
+             f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
+             *_head_lines(config, tp_size), "", *_table(rows), "",
+             f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
+             f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
+    if problems:
+        lines += ["", f"IMPOSSIBLE LAYOUT: {len(problems)} problem(s):", *(f"  - {p}" for p in problems)]
+    else:
+        lines += ["layout OK"]
+    return PlanReport("\n".join(lines) + "\n", problems, per_rank, total)
+
+
+def _head_lines(config: Any, tp_size: int) -> list[str]:
+    heads, n_kv = config.num_attention_heads, config.num_key_value_heads
+    out = [f"attention: {heads} query heads, {n_kv} KV heads, head_dim {config.head_dim}; "
+           f"vocab_size {config.vocab_size}, intermediate_size {config.intermediate_size}"]
+    if heads % tp_size == 0 and (n_kv % tp_size == 0 or tp_size % n_kv == 0):
+        out.append(f"per rank: {heads // tp_size} query head(s), {max(n_kv // tp_size, 1)} KV head(s)")
+    replicas = kv_replicas(config, tp_size)
+    if replicas > 1:
+        out.append(f"KV heads replicated: tp_size={tp_size} > num_key_value_heads={n_kv}, so each KV head is held by "
+                   f"{replicas} consecutive ranks (rank r holds KV head r // {replicas})")
+    return out
+
+
+def _rows(model: torch.nn.Module, resolved: Mapping[str, str], specs: Mapping[str, ShardSpec], tp_size: int,
+          itemsize: int) -> tuple[list[tuple[str, str, str, str, str, str]], int, int]:
+    """One row per parameter, identical decoder layers merged into one `layers.[0-N]` row."""
+    seen: dict[int, str] = {}
+    groups: dict[tuple, list[int]] = {}  # (generic module, style, pname, shapes, note) -> layer indices
+    per_rank = total = 0
+    for full, p in model.named_parameters(remove_duplicate=False):
+        module, _, pname = full.rpartition(".")
+        spec = specs.get(full, ShardSpec())
+        shape = tuple(p.shape)
+        local = spec.local_shape(shape, tp_size)
+        if id(p) in seen:
+            note = f"tied to {seen[id(p)]}"
+        else:
+            seen[id(p)] = full
+            total += p.numel() * itemsize
+            per_rank += _numel(local) * itemsize
+            note = _split_note(spec, shape, tp_size)
+        style = resolved.get(module, "replicated")  # no rule: the whole tensor on every rank
+        match = _LAYER_INDEX.search(module)
+        generic = _LAYER_INDEX.sub(".{}.", module, count=1) if match else module
+        key = (generic, style, pname, str(shape), str(local), note)
+        groups.setdefault(key, []).append(int(match.group(1)) if match else -1)
+    rows = [(generic.format(f"[{_ranges(idx)}]") if "{}" in generic else generic, style, pname, shape, local, note)
+            for (generic, style, pname, shape, local, note), idx in groups.items()]
+    return rows, per_rank, total
+
+
+def _split_note(spec: ShardSpec, shape: tuple[int, ...], tp_size: int) -> str:
+    if spec.dim is None:
+        return "whole on every rank" + ("; gradient all-reduced over TP" if spec.partial_grad else "")
+    chunks = spec.num_chunks(tp_size)
+    note = f"dim {spec.dim} split in {chunks}"
+    if spec.replicas > 1:
+        note += f", each chunk on {spec.replicas} ranks"
+    if shape[spec.dim] % chunks:
+        note += f"  <-- {shape[spec.dim]} is not divisible by {chunks}"
+    return note
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    header = ("module", "style", "param", "global shape", "shape per rank", "layout")
+    cells = [header, *rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(header) - 1)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]) for r in cells]
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], indices[0]
+    for prev, cur in zip(indices, [*indices[1:], None]):
+        if cur != prev + 1:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(out)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
