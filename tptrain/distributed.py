@@ -79,9 +79,10 @@ class DistributedConfig:
             shard = world // (rep * tp) if world % (rep * tp) == 0 else 0
         if tp < 1 or shard < 1 or rep * shard * tp != world:
             raise ValueError(
-                f"world size {world} cannot be laid out as dp_replicate={rep} x dp_shard={self.dp_shard_size} x "
-                f"tp={self.tp_size}: the product must equal the number of processes. Launch with "
-                f"`torchrun --nproc-per-node N` where N is a multiple of tp_size, or change the sizes.")
+                f"world size {world} cannot be laid out as dp_replicate={rep} x "
+                f"dp_shard={self.dp_shard_size or 'auto'} x tp={self.tp_size or 'auto'}: the product must equal the "
+                f"number of processes. Launch with `torchrun --nproc-per-node N` where N is a multiple of tp_size, "
+                f"or change the sizes.")
         return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
 
     def device_mesh(self) -> tuple[DeviceMesh, torch.device]:

@@ -6,6 +6,7 @@ each parameter with only this rank's slice, read straight from the safetensors f
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -15,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from tptrain.distributed import DistributedConfig
 
@@ -34,6 +36,16 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: Any) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or a torch.dtype")
     return _DTYPES[name]
+
+
+class _SkipInit(TorchFunctionMode):
+    """Make torch.nn.init.* no-ops. Meta tensors hold no values, and the meta kernel of normal_ would
+    import torch._dynamo and sympy on first use (~2 s and ~70 MB per rank, on every load)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 class PreTrainedModel(nn.Module):
@@ -58,8 +70,9 @@ class PreTrainedModel(nn.Module):
         prev = torch.get_default_dtype()
         if dtype is not None:
             torch.set_default_dtype(dtype)
+        device = torch.device(device or "cpu")
         try:
-            with torch.device(device or "cpu"):
+            with device, (_SkipInit() if device.type == "meta" else contextlib.nullcontext()):
                 return cls(config)
         finally:
             torch.set_default_dtype(prev)
@@ -156,10 +169,15 @@ class PreTrainedModel(nn.Module):
         Collective over the TP group; returns the dict on TP rank 0 and None elsewhere."""
         from tptrain.parallel.tensor_parallel import gather_full
 
+        from torch.distributed.tensor import DTensor
+
         layout = self.tp_layout
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named_parameters():
-            t = p.detach() if layout is None else gather_full(p.detach(), layout.specs[name], layout.ctx)
+            t = p.detach()
+            if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: gather this rank's TP shard
+                t = t.full_tensor()
+            t = t if layout is None else gather_full(t, layout.specs[name], layout.ctx)
             out[name] = t.cpu()
         return out if layout is None or layout.ctx.rank == 0 else None
 
@@ -169,9 +187,13 @@ class PreTrainedModel(nn.Module):
         Collective: every rank must call it. Global rank 0 writes, atomically; a failure on the
         writer is raised on every rank.
         """
+        from torch.distributed.tensor import DTensor
+
         from tptrain.checkpoint import save_checkpoint
 
-        distributed = dist.is_initialized() and self.tp_layout is not None
+        # Sharded over TP, or over data parallelism by FSDP2 (DTensor parameters): a collective save.
+        distributed = dist.is_initialized() and (
+            self.tp_layout is not None or any(isinstance(p, DTensor) for p in self.parameters()))
         writer = not distributed or dist.get_rank() == 0
         target = Path(save_directory)
         error = _writable_error(target) if writer else None

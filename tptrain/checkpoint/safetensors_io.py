@@ -68,6 +68,10 @@ class CheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         return self._info(name).dtype
 
+    def file_of(self, name: str) -> Path:
+        """The safetensors file holding tensor `name` (for error messages)."""
+        return self._info(name).file
+
     def read(self, name: str, *, dim: int | None = None, index: int = 0, count: int = 1,
              dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """Chunk `index` of `count` equal chunks of tensor `name` along `dim` (None: the whole tensor).

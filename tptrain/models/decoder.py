@@ -89,9 +89,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        b, s, _ = x.shape
-        # Head counts come from the weights' shapes: under TP they are this rank's local heads.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (batch, seq, local_heads, head_dim)
+        q = self.q_proj(x)
+        # Shapes come from the projections, not from x: under TP the heads are this rank's local
+        # heads, and under sequence parallelism x is a sequence shard while q spans the full sequence.
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim)  # (batch, seq, local_heads, head_dim)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
         if self.qk_norm:

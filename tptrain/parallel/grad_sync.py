@@ -54,30 +54,47 @@ class PartialGradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self.sync)
         return grad
 
+    def unbind(self) -> None:
+        """Remove the hooks: the owner then sums the gradients itself with `reduce_grads` once per
+        optimizer step (a trainer under FSDP, whose sharded parameters never see these hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._params, self._pending, self.auto = [], {}, {}, False
+
     def sync(self) -> None:
         """Replace every recorded local share in `.grad` by the sum over the ranks sharing it."""
         self._queued = False
         if not self._pending:
             return
-        names = [n for n in self.specs if n in self._pending]  # fixed order: identical on every rank
+        local = {name: t.clone() for name, t in self._pending.items()}
+        self.reduce_grads(self._pending)
+        for name, summed in self._pending.items():
+            p = self._params[name]
+            if torch.equal(p.grad, local[name]):  # nothing else accumulated: take the sum as is, so replicated
+                p.grad.copy_(summed)  # weights stay bit-identical across ranks (g + (s - g) != s in floats)
+            else:
+                p.grad.add_(summed.to(p.grad.dtype) - local[name].to(p.grad.dtype))
+        self._pending.clear()
+
+    def reduce_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Sum each local share in `grads` ({param name: tensor}, updated in place) over the ranks
+        holding the same chunk, all in one all-reduce. Names that need no sum are ignored."""
+        names = [n for n in self.specs if n in grads]  # fixed order: identical on every rank
+        if not names:
+            return
         # At least fp32, so half-precision gradients are summed without loss; fp64 stays fp64.
-        dtype = functools.reduce(torch.promote_types, (self._pending[n].dtype for n in names), torch.float32)
-        flat = torch.cat([self._slot_buffer(n, dtype).flatten() for n in names])
+        dtype = functools.reduce(torch.promote_types, (grads[n].dtype for n in names), torch.float32)
+        flat = torch.cat([self._slot_buffer(grads[n], self.specs[n], dtype).flatten() for n in names])
         comm.all_reduce(flat, self.ctx.group, phase="grad_sync")
         offset = 0
         for name in names:
-            local = self._pending[name]
-            spec = self.specs[name]
+            local, spec = grads[name], self.specs[name]
             width = local.numel() * spec.num_chunks(self.ctx.size)
             region = flat[offset:offset + width].view(spec.num_chunks(self.ctx.size), -1)
-            summed = region[spec.chunk_index(self.ctx.rank)].view_as(local)
-            p = self._params[name]
-            p.grad.add_(summed.to(p.grad.dtype) - local.to(p.grad.dtype))
+            local.copy_(region[spec.chunk_index(self.ctx.rank)].view_as(local))
             offset += width
-        self._pending.clear()
 
-    def _slot_buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        local, spec = self._pending[name], self.specs[name]
+    def _slot_buffer(self, local: torch.Tensor, spec: ShardSpec, dtype: torch.dtype) -> torch.Tensor:
         buf = local.new_zeros((spec.num_chunks(self.ctx.size), local.numel()), dtype=dtype)
         buf[spec.chunk_index(self.ctx.rank)] = local.flatten()
         return buf

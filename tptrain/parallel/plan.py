@@ -6,6 +6,7 @@ could hang.
 """
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Mapping
 
@@ -75,8 +76,10 @@ def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "au
         rx = _glob_regex(glob)
         hits = [n for n in names if rx.match(n)]
         if not hits:
+            generic = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names)  # layers.0 -> layers.*
+            near = difflib.get_close_matches(glob, generic, n=1) or [names[min(3, len(names) - 1)]]
             problems.append(f"tp_plan rule {glob!r} matches no module of {type(model).__name__} "
-                            f"(module names look like {names[min(3, len(names) - 1)]!r}); fix or remove the rule")
+                            f"(closest module name: {near[0]!r}); fix or remove the rule")
         resolved.update({n: style for n in hits})
     return resolved, problems
 
@@ -104,11 +107,16 @@ def head_problems(config: Any, tp_size: int) -> list[str]:
     return out
 
 
-_FIX_HINTS = {
-    "embed_tokens": "pad the vocabulary (vocab_size) to a multiple of tp_size, or choose a tp_size that divides it",
-    "lm_head": "pad the vocabulary (vocab_size) to a multiple of tp_size, or choose a tp_size that divides it",
-    "_proj": "choose a tp_size that divides it",
-}
+def _fix_hint(name: str, config: Any, chunks: int) -> str:
+    """The config field behind a dim that does not split, and what to do about it."""
+    if "embed_tokens" in name or "lm_head" in name:
+        return (f"vocab_size={getattr(config, 'vocab_size', '?')} must be a multiple of {chunks}. tptrain does not "
+                f"pad the vocabulary for you: pad it (embed_tokens and lm_head rows, then vocab_size in "
+                f"config.json) to a multiple of {chunks}, or choose a tp_size that divides it")
+    if ".mlp." in name:
+        return (f"intermediate_size={getattr(config, 'intermediate_size', '?')} must be a multiple of {chunks}; "
+                f"choose a tp_size that divides it")
+    return "choose a tp_size that divides it"
 
 
 def layout_specs(model: nn.Module, resolved: Mapping[str, str], tp_size: int
@@ -131,9 +139,9 @@ def layout_specs(model: nn.Module, resolved: Mapping[str, str], tp_size: int
             shape = tuple(getattr(module, pname).shape)
             chunks = spec.num_chunks(tp_size)
             if spec.dim is not None and shape[spec.dim] % chunks:
-                hint = next((h for k, h in _FIX_HINTS.items() if k in name), "choose a tp_size that divides it")
-                problems.append(f"{name}.{pname} has shape {shape}: dim {spec.dim} (size {shape[spec.dim]}) "
+                layers = re.sub(r"\.\d+\.", ".*.", name)  # one line for all layers, not one per layer
+                problems.append(f"{layers}.{pname} has shape {shape}: dim {spec.dim} (size {shape[spec.dim]}) "
                                 f"cannot be split into {chunks} equal shards for style {style_name!r} at "
-                                f"tp_size={tp_size}; {hint}")
+                                f"tp_size={tp_size}; {_fix_hint(name, model.config, chunks)}")
             specs[f"{name}.{pname}"] = spec
-    return specs, problems
+    return specs, list(dict.fromkeys(problems))

@@ -8,12 +8,14 @@ their local shard under their Hugging Face parameter names.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from tptrain.parallel import comm
 
@@ -57,6 +59,9 @@ class TPContext:
     # Set per forward by the engine: with labels, the head keeps logits vocab-sharded for the
     # vocab-parallel loss instead of all-gathering them.
     keep_logits_sharded: bool = False
+    # Called as on_gather(local, gathered, dim) after each SP all-gather: sequence_parallel.py keeps
+    # only `local` for backward wherever autograd would save `gathered`.
+    on_gather: Callable[[torch.Tensor, torch.Tensor, int], None] | None = field(default=None, repr=False)
     _boundary: tuple | None = field(default=None, repr=False)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +74,8 @@ class TPContext:
             return self._boundary[1]
         if self.sequence_parallel:
             y = comm.gather_to_sp(x, self.group, dim=1)
+            if self.on_gather is not None:
+                self.on_gather(x, y, 1)
         else:
             y = comm.copy_to_tp(x, self.group)
         self._boundary = (weakref.ref(x), y)
@@ -125,6 +132,39 @@ def _replace_forward(module: nn.Module, fn: Callable) -> None:
     module.forward = fn.__get__(module, type(module))
 
 
+def register_local_output_hook(module: nn.Module, hook: Callable) -> RemovableHandle:
+    """Run `hook(module, input, local_out) -> local_out` on this rank's result of `module`, before the style's
+    output collective (rowwise / vocab-parallel embedding: the all-reduce of partial sums; colwise_gather_output:
+    the vocabulary gather). `input` is what the local computation saw (a colwise module's entered tensor).
+    Adapters such as LoRA join the base computation here and so need no collective of their own.
+    Modules whose output needs no collective run it as a forward hook, prepended so it precedes a gather hook."""
+    hooks = getattr(module, "_local_output_hooks", None)
+    if hooks is None:
+        return module.register_forward_hook(lambda m, args, out: hook(m, args[0], out), prepend=True)
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def _local_output(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    for hook in module._local_output_hooks.values():
+        out = hook(module, x, out)
+    return out
+
+
+def vocab_shard_embedding(ids: torch.Tensor, weight: torch.Tensor, *, rank: int,
+                          padding_idx: int | None = None) -> torch.Tensor:
+    """F.embedding on rank `rank`'s contiguous vocabulary slice `weight` (local_vocab, dim); ids owned by another
+    rank give zero rows, which the sum over ranks fills in."""
+    local_vocab = weight.shape[0]
+    start = rank * local_vocab
+    outside = (ids < start) | (ids >= start + local_vocab)
+    # The pad row gets no gradient, as in nn.Embedding; only the rank owning it has it.
+    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + local_vocab else None
+    local = F.embedding((ids - start).masked_fill(outside, 0), weight, padding_idx=local_pad)
+    return local.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 @register_style
 class ColwiseParallel(ParallelStyle):
     """Split output features (weight dim 0, bias dim 0); the output stays sharded."""
@@ -155,9 +195,10 @@ class RowwiseParallel(ParallelStyle):
 
     def install(self, module, ctx):
         def forward(self, x):
-            y = ctx.exit(F.linear(x, self.weight))
+            y = ctx.exit(_local_output(self, x, F.linear(x, self.weight)))
             return y if self.bias is None else y + self.bias
 
+        module._local_output_hooks = OrderedDict()  # weak-referenceable, for RemovableHandle
         _replace_forward(module, forward)
 
 
@@ -188,15 +229,10 @@ class EmbeddingRowwise(ParallelStyle):
 
     def install(self, module, ctx):
         def forward(self, ids):
-            local_vocab = self.weight.shape[0]
-            start = ctx.rank * local_vocab
-            outside = (ids < start) | (ids >= start + local_vocab)
-            # Ids owned by another rank look up row 0 and are zeroed; the sum over ranks fills them in.
-            pad = self.padding_idx  # the pad row gets no gradient, as in nn.Embedding; only its owner has it
-            local_pad = pad - start if pad is not None and start <= pad < start + local_vocab else None
-            local = F.embedding((ids - start).masked_fill(outside, 0), self.weight, padding_idx=local_pad)
-            return ctx.exit(local.masked_fill(outside.unsqueeze(-1), 0.0))
+            local = vocab_shard_embedding(ids, self.weight, rank=ctx.rank, padding_idx=self.padding_idx)
+            return ctx.exit(_local_output(self, ids, local))
 
+        module._local_output_hooks = OrderedDict()  # weak-referenceable, for RemovableHandle
         _replace_forward(module, forward)
 
 

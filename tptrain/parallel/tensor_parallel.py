@@ -16,6 +16,7 @@ from torch import nn
 from tptrain.parallel import comm
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss
+from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.plan import KV_PROJECTIONS, kv_replicas, layout_specs, resolve_plan
 from tptrain.parallel.styles import ShardSpec, TPContext, make_style
 
@@ -35,9 +36,15 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
                sequence_parallel: bool = False) -> tuple[dict[str, str], dict[str, ShardSpec], list[str]]:
     """Resolve and validate without touching the model or any process group."""
     resolved, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel)
-    if tp_size > 1 and not resolved and not problems:
-        problems.append(f"{type(model).__name__} declares no base_model_tp_plan, so tp_size={tp_size} has nothing "
-                        f"to shard; pass DistributedConfig(tp_plan={{module-glob: style}}) or use tp_size=1")
+    user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
+    if tp_size > 1 and not problems and not getattr(model.config, "base_model_tp_plan", None) and not user_rules:
+        # The head's own plan alone would split only lm_head: that is not tensor parallelism of the model.
+        problems.append(f"{type(model).__name__}'s config declares no base_model_tp_plan, so tptrain does not know "
+                        f"how to shard it at tp_size={tp_size}; pass DistributedConfig(tp_plan={{module-glob: style}}) "
+                        f"rules, or use tp_size=1")
+    elif tp_size > 1 and not problems and not resolved:
+        problems.append(f"the tensor-parallel plan of {type(model).__name__} is empty (the tp_plan overrides removed "
+                        f"every rule), so tp_size={tp_size} has nothing to shard; keep some rules or use tp_size=1")
     specs, layout_problems = layout_specs(model, resolved, tp_size)
     return resolved, specs, problems + layout_problems
 
@@ -124,5 +131,7 @@ def apply_tensor_parallel(model: nn.Module, tp_plan: str | Mapping[str, Any] | N
     else:
         model.register_forward_pre_hook(lambda module, args: ctx.reset())
     model.register_forward_hook(lambda module, args, out: ctx.reset())
+    if sequence_parallel:
+        install_sequence_parallel(model, ctx)
     grad_sync = PartialGradSync(model, all_specs, ctx)
     return TPLayout(plan, all_specs, global_shapes, ctx, grad_sync)

@@ -1,0 +1,149 @@
+"""The Trainer against a single-device training loop: same global batches, same AdamW and schedule.
+
+fp64 on CPU/gloo, so any layout or normalisation bug shows as an O(1) error, not noise. The
+reference is written out by hand (torch AdamW, torch's clip_grad_norm_, a batch-mean loss), so it
+checks the Trainer's token counting, gradient sums over TP / FSDP / DDP and global-norm clipping.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tptrain import DistributedConfig
+from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.training.args import ParallelismConfig, TrainingArguments
+from tptrain.training.data import DataOrder, PackedDataset
+from tptrain.training.optim import lr_multiplier, param_groups
+from tptrain.training.trainer import Trainer
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+BF16_TOL = dict(rtol=0, atol=0.05)  # bf16 compute against the fp64 curve: loss ~4.9, bf16 eps 2**-8
+SEQ = 16
+# Qwen3: q/k norms are partial-gradient parameters; at tp 4 the 2 KV heads are shared by 2 ranks each.
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def tiny_model(**overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3", **{**TINY, **overrides})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+
+def tiny_dataset(num_blocks: int = 64, seed: int = 1) -> PackedDataset:
+    g = torch.Generator().manual_seed(seed)
+    return PackedDataset(torch.randint(0, TINY["vocab_size"], (num_blocks * SEQ,), generator=g), SEQ)
+
+
+def training_args(output_dir, **kw) -> TrainingArguments:
+    defaults = dict(per_device_train_batch_size=4, max_steps=20, seq_len=SEQ, learning_rate=3e-3, weight_decay=0.1,
+                    warmup_steps=3, lr_scheduler_type="cosine", max_grad_norm=0.5, seed=7, logging_steps=5)
+    return TrainingArguments(output_dir=str(output_dir), **{**defaults, **kw})
+
+
+def reference_losses(model, dataset, args: TrainingArguments, global_batch: int) -> list[float]:
+    """Plain single-device training on the same global batches."""
+    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(
+        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
+    order = DataOrder(len(dataset), seed=args.seed, dp_rank=0, dp_size=1, global_batch=global_batch)
+    losses = []
+    for _ in range(args.max_steps):
+        ids = torch.stack([dataset[i] for i in order.next_batch()])
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step(), sched.step(), opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_layout(output_dir, tp: int, *, rep: int = 1, shard: int | None = None, sp: bool = False, **kw):
+    ref = tiny_model()
+    # bf16 runs keep fp32 master weights, as a user would (autocast leaves fp64 alone).
+    model = copy.deepcopy(ref).to(torch.float32 if kw.get("bf16") else torch.float64)
+    if tp > 1:
+        model.parallelize(DistributedConfig(tp_size=tp, enable_sequence_parallel=sp))
+    args = training_args(output_dir, parallelism_config=ParallelismConfig(tp, dp_shard_size=shard,
+                                                                          dp_replicate_size=rep), **kw)
+    out = Trainer(model=model, args=args, train_dataset=tiny_dataset()).train()
+    return ref, args, out
+
+
+def _layouts_worker(tmp: str, cases: list[dict]) -> None:
+    ref_cache: dict[tuple[int, int], list[float]] = {}
+    for i, case in enumerate(cases):
+        case = dict(case)
+        global_batch = case.pop("global_batch")
+        tol = case.pop("tol", TOL)
+        ref, args, out = _train_layout(f"{tmp}/run{i}", **case)
+        key = (global_batch, args.max_steps)
+        if key not in ref_cache:
+            ref_cache[key] = reference_losses(ref, tiny_dataset(), args, global_batch)
+        expected = ref_cache[key]
+        assert out.global_step == args.max_steps and len(out.losses) == args.max_steps
+        torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), **tol,
+                                   msg=lambda m: f"losses of layout {case}: {m}")
+        if args.bf16:  # and bf16 really computed in bf16
+            assert (torch.tensor(out.losses) - torch.tensor(expected)).abs().max() > 1e-6
+        if args.save_steps:  # resumed from the middle, at the same layout: the same losses, bit for bit
+            again = _train_layout(f"{tmp}/resumed{i}", resume_from_checkpoint=f"{tmp}/run{i}/checkpoint-10", **case)[2]
+            assert again.losses == out.losses[10:], (again.losses, out.losses)
+    if torch.distributed.get_rank() == 0:  # the consolidated checkpoint of the last run is the trained model
+        saved = AutoModelForCausalLM.from_pretrained(out.final_dir, dtype=torch.float64)
+        trained = tiny_model()
+        reference_losses(trained, tiny_dataset(), args, global_batch)
+        for name, p in trained.named_parameters():
+            torch.testing.assert_close(saved.get_parameter(name), p, **TOL, msg=lambda m: f"saved {name}: {m}")
+        lines = [json.loads(line) for line in open(f"{tmp}/run{len(cases) - 1}/metrics.jsonl")]
+        assert [r["step"] for r in lines] == [5, 10, 15, 20] and "loss" in lines[0]
+
+
+def test_tp2_and_gradient_accumulation(tmp_path):
+    """TP 2 at batch 4, also with sequence parallelism; bf16 autocast loosely; TP 2 with 4 micro-batches
+    of 1 (accumulation 4 x 1 == batch 4)."""
+    run_distributed(_layouts_worker, 2, str(tmp_path), [
+        dict(tp=2, global_batch=4),
+        dict(tp=2, sp=True, global_batch=4),  # sequence-parallel norms: partial gradients summed per step
+        dict(tp=2, bf16=True, max_steps=4, global_batch=4, tol=BF16_TOL),  # autocast (no FSDP)
+        dict(tp=2, per_device_train_batch_size=1, gradient_accumulation_steps=4, global_batch=4),
+    ])
+
+
+def test_tp4_and_tp2_with_fsdp_hsdp_ddp(tmp_path):
+    """4 ranks: TP 4; TP 2 x dp_shard 2 (FSDP2), dp_replicate 2 x dp_shard 2 (HSDP) and TP 2 x
+    dp_replicate 2 (DDP) at the doubled batch; bf16 with activation checkpointing follows the fp64 curve
+    loosely."""
+    run_distributed(_layouts_worker, 4, str(tmp_path), [
+        dict(tp=4, global_batch=4, save_steps=10),  # checkpoints with KV heads shared by 2 ranks
+        dict(tp=2, shard=2, global_batch=8),
+        dict(tp=2, shard=2, bf16=True, gradient_checkpointing=True, max_steps=4, global_batch=8, tol=BF16_TOL),
+        dict(tp=1, shard=2, rep=2, global_batch=8, per_device_train_batch_size=2),  # HSDP, no TP
+        dict(tp=2, shard=1, rep=2, global_batch=8, gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    ], timeout=400)
+
+
+def test_schedule_param_groups_and_argument_checks():
+    linear = lr_multiplier("linear", warmup_steps=4, total_steps=10)
+    assert [linear(s) for s in (0, 2, 4, 7, 10, 12)] == [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
+    cosine = lr_multiplier("cosine", warmup_steps=2, total_steps=12)
+    torch.testing.assert_close(torch.tensor([cosine(s) for s in (1, 2, 7, 12)], dtype=torch.float64),
+                               torch.tensor([0.5, 1.0, 0.5, 0.0], dtype=torch.float64))
+
+    model = tiny_model(attention_bias=True)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed = {names[id(p)] for p in no_decay["params"]}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    assert undecayed == {n for n in names.values() if n.endswith((".bias", "norm.weight"))}
+    assert "model.layers.0.self_attn.q_norm.weight" in undecayed and "model.layers.0.self_attn.q_proj.bias" in undecayed
+
+    with pytest.raises(ValueError, match="lr_scheduler_type='poly'"):
+        TrainingArguments(output_dir="x", lr_scheduler_type="poly")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, got 0"):
+        TrainingArguments(output_dir="x", gradient_accumulation_steps=0)

@@ -1,0 +1,172 @@
+"""LoraConfig: PEFT's LoRA settings (the subset tptrain implements), validated, and its adapter_config.json.
+
+Target matching follows peft 0.21 exactly, so one config adapts the same modules in both libraries:
+a list matches a module whose full name equals an entry or ends with "." + entry; a string is a regex
+that must match the full module name; "all-linear" is every nn.Linear except the output layer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+ALL_LINEAR = "all-linear"
+BIAS_MODES = ("none", "all", "lora_only")
+# peft's default targets for Llama, Qwen2 and Qwen3 when target_modules is None.
+DEFAULT_TARGETS = ["q_proj", "v_proj"]
+SUPPORTED_TYPES = (nn.Linear, nn.Embedding)
+# adapter_config.json keys whose non-default values change the math; tptrain refuses them rather than
+# silently computing something else.
+_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform",
+                "layers_pattern", "exclude_modules", "target_parameters", "trainable_token_indices",
+                "layer_replication", "use_qalora", "alora_invocation_tokens", "use_bdlora", "megatron_config")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapter settings; field names and meanings are peft's.
+
+    r: adapter rank (> 0).
+    lora_alpha: the update is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
+    lora_dropout: dropout probability on the adapter's input (linear layers only, as in peft).
+    target_modules: module names (full name or last components), a regex over full names, or "all-linear";
+        None means peft's default for Llama/Qwen ["q_proj", "v_proj"].
+    bias: "none", "all" (train every bias) or "lora_only" (train the biases of adapted layers).
+    use_rslora: rank-stabilised scaling lora_alpha / sqrt(r).
+    modules_to_save: modules trained in full and saved with the adapter (peft matches name suffixes).
+    task_type, base_model_name_or_path, inference_mode: recorded in adapter_config.json for peft.
+    """
+
+    r: int = 8
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    target_modules: list[str] | str | None = None
+    bias: str = "none"
+    use_rslora: bool = False
+    modules_to_save: list[str] | None = None
+    task_type: str | None = "CAUSAL_LM"
+    base_model_name_or_path: str | None = None
+    inference_mode: bool = False
+    peft_type: str = field(default="LORA", init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"LoraConfig.r must be a positive int (the adapter rank), got {self.r!r}")
+        if not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
+            raise ValueError(f"LoraConfig.lora_alpha must be a positive number, got {self.lora_alpha!r}")
+        if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.bias not in BIAS_MODES:
+            raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
+        if self.target_modules is None:
+            self.target_modules = list(DEFAULT_TARGETS)
+        if isinstance(self.target_modules, (set, tuple)):
+            self.target_modules = sorted(self.target_modules)
+        if isinstance(self.target_modules, str):
+            try:
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise ValueError(f"LoraConfig.target_modules {self.target_modules!r} is not a valid regex: {e}") from e
+        elif not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+            raise ValueError("LoraConfig.target_modules must be a non-empty list of module names, a regex string or "
+                             f"'all-linear', got {self.target_modules!r}")
+        if self.modules_to_save is not None and not all(isinstance(m, str) and m for m in self.modules_to_save):
+            raise ValueError(f"LoraConfig.modules_to_save must be a list of module names, got {self.modules_to_save!r}")
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (self.r ** 0.5 if self.use_rslora else self.r)
+
+    # ------------------------------------------------------------------ adapter_config.json
+
+    def to_peft_dict(self) -> dict[str, Any]:
+        """adapter_config.json as peft writes it (defaults for the features tptrain does not implement)."""
+        out = {"peft_type": self.peft_type, "task_type": self.task_type,
+               "base_model_name_or_path": self.base_model_name_or_path, "r": self.r, "lora_alpha": self.lora_alpha,
+               "lora_dropout": self.lora_dropout, "bias": self.bias, "use_rslora": self.use_rslora,
+               "modules_to_save": self.modules_to_save, "inference_mode": True, "init_lora_weights": True,
+               "fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "rank_pattern": {},
+               "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
+               "revision": None}
+        out["target_modules"] = self.target_modules
+        return out
+
+    def save(self, directory: str | os.PathLike) -> None:
+        (Path(directory) / CONFIG_NAME).write_text(json.dumps(self.to_peft_dict(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "LoraConfig":
+        """Read a (peft- or tptrain-written) adapter_config.json; refuse settings tptrain cannot reproduce."""
+        path = Path(directory) / CONFIG_NAME
+        if not path.is_file():
+            hint = (" (it holds config.json: that is a full model checkpoint, not an adapter)"
+                    if (Path(directory) / "config.json").is_file() else "")
+            raise FileNotFoundError(f"{directory} has no {CONFIG_NAME}, so it is not a PEFT adapter directory{hint}; "
+                                    "pass the directory written by PeftModel.save_pretrained")
+        try:
+            raw = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{path} describes a {raw.get('peft_type')} adapter; tptrain loads only LoRA adapters")
+        bad = {k: raw[k] for k in _UNSUPPORTED if raw.get(k) not in (None, False, {}, [], "")}
+        if bad:
+            raise ValueError(f"{path} uses peft features tptrain does not implement: {bad}; "
+                             "retrain the adapter without them, or merge it with peft first")
+        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "modules_to_save",
+                "task_type", "base_model_name_or_path")
+        return cls(**{k: raw[k] for k in keys if k in raw})
+
+
+def _excluded_by_modules_to_save(config: LoraConfig, name: str) -> bool:
+    # peft never puts an adapter inside a module it trains in full.
+    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.modules_to_save or ())
+
+
+def matches(config: LoraConfig, name: str) -> bool:
+    """Whether module `name` is a LoRA target (peft's check_target_module_exists, minus excluded modules)."""
+    if _excluded_by_modules_to_save(config, name):
+        return False
+    targets = config.target_modules
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return name in targets or any(name.endswith(f".{t}") for t in targets)
+
+
+def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
+    """{module name: module} the adapter wraps. Pure (no collective), so every rank raises the same errors."""
+    names = [(n, m) for n, m in model.named_modules() if n]
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        output = getattr(model, "lm_head", None)  # peft excludes the output layer of a causal LM
+        found = {n: m for n, m in names if isinstance(m, nn.Linear) and m is not output
+                 and not _excluded_by_modules_to_save(config, n)}
+    else:
+        found = {n: m for n, m in names if matches(config, n)}
+    if not found:
+        raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module of "
+                         f"{type(model).__name__} (module names look like {names[min(5, len(names) - 1)][0]!r}); "
+                         "give names such as ['q_proj', 'v_proj'], a regex over full names, or 'all-linear'")
+    for name, module in found.items():
+        if not isinstance(module, SUPPORTED_TYPES):
+            raise ValueError(f"LoRA cannot adapt {name!r}: it is a {type(module).__name__}, and tptrain's LoRA "
+                             "supports only nn.Linear and nn.Embedding; narrow target_modules (e.g. end a regex with "
+                             "'(q|k|v|o)_proj')")
+    return found
+
+
+def modules_to_save(model: nn.Module, config: LoraConfig) -> list[str]:
+    """Modules trained in full; peft matches any module name ending with an entry."""
+    entries = config.modules_to_save or []
+    found = [n for n, _ in model.named_modules() if n and any(n.endswith(e) for e in entries)]
+    missing = [e for e in entries if not any(n.endswith(e) for n in found)]
+    if missing:
+        raise ValueError(f"LoraConfig.modules_to_save entries {missing} match no module of {type(model).__name__}")
+    # A module inside another saved module is saved with it.
+    return [n for n in found if not any(n.startswith(f"{o}.") for o in found)]

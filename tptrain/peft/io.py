@@ -1,0 +1,95 @@
+"""The PEFT adapter directory on disk: adapter_config.json + adapter_model.safetensors with full tensors.
+
+Keys are peft's: the in-memory name under `base_model.model.` with the adapter name dropped
+(`...q_proj.lora_A.default.weight` -> `base_model.model....q_proj.lora_A.weight`). Writing is atomic
+(temp dir, fsync, rename: the checkpoint writer's swap); reading checks every key and shape before
+any byte is loaded, then reads only this rank's slice.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tptrain.checkpoint.safetensors_io import _check_replaceable, _fsync, _swap_into_place
+from tptrain.parallel.styles import ShardSpec
+from tptrain.peft.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
+from tptrain.peft.lora import ADAPTER
+
+PREFIX = "base_model.model."
+
+
+def disk_key(name: str) -> str:
+    """peft's checkpoint key for a parameter `name` of the adapted model (adapter name removed)."""
+    parts = name.split(".")
+    if parts[-1] == ADAPTER:  # a bare nn.Parameter (lora_embedding_A.default)
+        parts.pop()
+    elif len(parts) > 1 and parts[-2] == ADAPTER:  # a module's parameter (lora_A.default.weight)
+        del parts[-2]
+    return PREFIX + ".".join(parts)
+
+
+def write_adapter(directory: str | os.PathLike, state: dict[str, torch.Tensor], config: LoraConfig) -> None:
+    target = Path(os.path.abspath(directory))
+    _check_replaceable(target)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, os.fspath(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        config.save(tmp)
+        for name in (WEIGHTS_NAME, CONFIG_NAME):
+            _fsync(tmp / name)
+        _swap_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_adapter_file(directory: str | os.PathLike, expected: dict[str, str], extra: dict[str, str],
+                       shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Match the file's keys to model parameters: `expected` {disk key: name} must all be present, `extra`
+    {disk key: name} may be (base tensors peft saves too, e.g. a targeted embedding's base weight).
+    Raises on a missing, unknown or wrongly shaped tensor. Returns {disk key: parameter name} to load."""
+    path = Path(directory) / WEIGHTS_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"adapter directory {directory} has {CONFIG_NAME} but no {WEIGHTS_NAME}; "
+                                "re-save the adapter (tptrain and peft write safetensors)")
+    with safe_open(os.fspath(path), framework="pt") as f:
+        file_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    missing = [k for k in expected if k not in file_shapes]
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} tensor(s) the adapter config implies, e.g. {missing[:3]}; "
+                         "the file does not match its adapter_config.json")
+    known = {**extra, **expected}
+    unknown = [k for k in file_shapes if k not in known]
+    if unknown:
+        raise ValueError(f"{path} holds tensor(s) that match no parameter of this model, e.g. {unknown[:3]}; "
+                         "the adapter was saved for a different architecture")
+    for key, shape in file_shapes.items():
+        want = shapes[known[key]]
+        if shape != tuple(want):
+            raise ValueError(f"adapter tensor {key!r} in {path} has shape {shape}, but this model needs {tuple(want)}; "
+                             "the adapter was trained for a different base model (or a different r)")
+    return {k: known[k] for k in file_shapes}
+
+
+def read_slices(directory: str | os.PathLike, keys: dict[str, str], params: dict[str, torch.nn.Parameter],
+                specs: dict[str, ShardSpec], tp_size: int, tp_rank: int) -> None:
+    """Copy this rank's slice of every file tensor `keys` {disk key: name} into `params[name]`."""
+    with safe_open(os.fspath(Path(directory) / WEIGHTS_NAME), framework="pt") as f, torch.no_grad():
+        for key, name in keys.items():
+            spec, p = specs.get(name, ShardSpec()), params[name]
+            sl = f.get_slice(key)
+            if spec.dim is None:
+                t = sl[:]
+            else:
+                size = sl.get_shape()[spec.dim] // spec.num_chunks(tp_size)
+                start = spec.chunk_index(tp_rank) * size
+                t = sl[(slice(None),) * spec.dim + (slice(start, start + size),)]
+            p.copy_(t.to(p.dtype))

@@ -1,0 +1,282 @@
+"""PeftModel: a (tensor-parallel or single-device) model with LoRA adapters, saved and loaded in the PEFT format.
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    ...train...
+    model.save_pretrained("adapter/")                     # collective; global rank 0 writes, atomically
+    model = PeftModel.from_pretrained(base, "adapter/")   # onto a base of any tp_size, or one device
+    merged = model.merge_and_unload()                     # a plain TP model; merged.save_pretrained(...)
+
+Structure and parameter names are peft's (`base_model.model.<HF name>`), so the on-disk keys are the
+in-memory names without the adapter name. The base is frozen: only adapter factors (plus the biases /
+modules_to_save the config asks for) require grad, so optimizers built from `requires_grad` parameters
+hold no state for base weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tptrain.parallel import comm
+from tptrain.parallel.styles import ShardSpec
+from tptrain.peft import io
+from tptrain.peft.config import ALL_LINEAR, LoraConfig, modules_to_save, resolve_targets
+from tptrain.peft.lora import LoraEmbedding, LoraLayer, LoraLinear, LoraRuntime, factor_specs
+
+
+class LoraModel(nn.Module):
+    """peft's tuner level: holds the adapted model as `.model`, so parameter names read `base_model.model.…`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class PeftModel(nn.Module):
+    """LoRA adapters injected into `model` (in place). Attribute lookups fall through to the base model
+    (`config`, `tp_layout`, `tp_size`, `gradient_checkpointing_enable`, ...)."""
+
+    def __init__(self, model: nn.Module, config: LoraConfig, *, trainable: bool = True,
+                 seed: int | None = None) -> None:
+        super().__init__()
+        if isinstance(model, PeftModel):
+            raise TypeError("the model already has LoRA adapters (it is a PeftModel); merge_and_unload() it first, "
+                            "or load the adapter onto the plain base model")
+        targets = resolve_targets(model, config)  # pure checks first: identical errors on every rank
+        if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+            config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
+        if config.base_model_name_or_path is None:
+            config = dataclasses.replace(config, base_model_name_or_path=getattr(model, "name_or_path", None))
+        full_modules = modules_to_save(model, config)
+        layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
+        factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in targets}
+
+        self.base_model = LoraModel(model)
+        self.peft_config = {"default": config}
+        self.runtime = LoraRuntime(seed=_agree_seed(model, layout) if seed is None else seed)
+        self._requires_grad = [(p, p.requires_grad) for p in model.parameters()]
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.lora_layers: dict[str, LoraLayer] = {}
+        for name, module in targets.items():
+            self.lora_layers[name] = _wrap(model, name, module, config, factors[name], layout, self.runtime)
+        self._saved = _trainable_extras(model, config, targets, full_modules)
+        self._saved += [n for n, p in model.named_parameters() if _is_lora(n)]
+        self.set_trainable(trainable)
+        self._step_hook = model.register_forward_pre_hook(lambda m, args: self._advance())
+
+    def _advance(self) -> None:
+        self.runtime.step += 1
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base_model":
+                raise
+            return getattr(self.base_model.model, name)
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+    def get_base_model(self) -> nn.Module:
+        return self.base_model.model
+
+    def set_trainable(self, trainable: bool) -> None:
+        """Adapter factors (and the config's biases / modules_to_save) require grad iff `trainable`."""
+        params = dict(self.get_base_model().named_parameters(remove_duplicate=False))
+        for name in self._saved:
+            params[name].requires_grad_(trainable)
+        layout = getattr(self.get_base_model(), "tp_layout", None)
+        if layout is not None:
+            layout.grad_sync.bind(self.get_base_model())
+
+    def print_trainable_parameters(self) -> None:
+        model = self.get_base_model()
+        layout = getattr(model, "tp_layout", None)
+        numel = {n: math.prod(layout.global_shapes[n] if layout else p.shape) for n, p in model.named_parameters()}
+        trainable = sum(numel[n] for n, p in model.named_parameters() if p.requires_grad)
+        total = sum(numel.values())
+        print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
+
+    # ---------------------------------------------------------------- saving / loading
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group;
+        the dict on TP rank 0, None elsewhere."""
+        from tptrain.parallel.tensor_parallel import gather_full
+
+        model = self.get_base_model()
+        layout = getattr(model, "tp_layout", None)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        out = {}
+        for name in self._saved:
+            t = params[name].detach()
+            if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: first this rank's TP shard
+                t = t.full_tensor()
+            out[io.disk_key(name)] = (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
+        return out if layout is None or layout.ctx.rank == 0 else None
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
+        """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
+        Collective: every rank calls it; global rank 0 writes atomically; a failure is raised on every rank."""
+        from tptrain.modeling import _raise_everywhere, _writable_error
+
+        model = self.get_base_model()
+        distributed = dist.is_initialized() and (getattr(model, "tp_layout", None) is not None
+                                                 or any(isinstance(p, DTensor) for p in model.parameters()))
+        writer = not distributed or dist.get_rank() == 0
+        error = _writable_error(Path(save_directory)) if writer else None
+        _raise_everywhere(error, distributed)
+        state = self.adapter_state_dict()
+        if writer:
+            try:
+                io.write_adapter(save_directory, state, self.peft_config["default"])
+            except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+                error = f"saving the adapter to {save_directory} failed: {type(exc).__name__}: {exc}"
+        _raise_everywhere(error, distributed)
+
+    @classmethod
+    def from_pretrained(cls, model: nn.Module, model_id: str | os.PathLike, *,
+                        is_trainable: bool = False) -> "PeftModel":
+        """Load a peft/tptrain LoRA adapter directory onto `model` (TP of any tp_size, or single-device).
+        Each rank reads only its slice. `is_trainable=False` (peft's default) freezes the adapter too."""
+        config = LoraConfig.from_pretrained(model_id)
+        config.inference_mode = not is_trainable
+        # The init is overwritten by the file: a fixed seed avoids a collective before the file is checked.
+        peft = cls(model, config, trainable=is_trainable, seed=0)
+        try:
+            peft.load_adapter_weights(model_id)
+        except Exception:
+            peft.unload()
+            raise
+        layout = getattr(model, "tp_layout", None)
+        peft.runtime.seed = _agree_seed(model, layout)  # for dropout masks when training on
+        if not is_trainable:
+            peft.eval()
+        return peft
+
+    def load_adapter_weights(self, directory: str | os.PathLike) -> None:
+        """Overwrite this adapter's tensors (and saved base tensors) with a saved adapter's, sliced per layout.
+        Every check happens before any tensor is read, identically on every rank."""
+        model = self.get_base_model()
+        layout = getattr(model, "tp_layout", None)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        shapes = layout.global_shapes if layout else {n: tuple(p.shape) for n, p in params.items()}
+        expected = {io.disk_key(n): n for n in self._saved if _is_lora(n)}
+        extra = {io.PREFIX + n: n for n in params if not _is_lora(n)}
+        keys = io.check_adapter_file(directory, expected, extra, shapes)
+        io.read_slices(directory, keys, params, layout.specs if layout else {},
+                       layout.ctx.size if layout else 1, layout.ctx.rank if layout else 0)
+
+    # ---------------------------------------------------------------- merging
+
+    def merge_and_unload(self) -> nn.Module:
+        """Fold every adapter into its base shard (each rank its own block of s * B @ A) and return the plain
+        model (TP layout intact, original requires_grad restored): its save_pretrained writes a merged HF
+        checkpoint."""
+        return self._unload(merge=True)
+
+    def unload(self) -> nn.Module:
+        """Remove the adapters without merging; return the plain base model."""
+        return self._unload(merge=False)
+
+    def _unload(self, *, merge: bool) -> nn.Module:
+        model = self.get_base_model()
+        layout = getattr(model, "tp_layout", None)
+        for name, layer in self.lora_layers.items():
+            base = layer.merge() if merge else layer.unhook()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, base)
+            if layout is not None:
+                _rename_layout(layout, f"{name}.lora_", "", drop=True)
+                _rename_layout(layout, f"{name}.base_layer.", f"{name}.")
+        self.lora_layers = {}
+        self._step_hook.remove()
+        for p, flag in self._requires_grad:
+            p.requires_grad_(flag)
+        if layout is not None:
+            layout.grad_sync.bind(model)
+        return model
+
+
+def get_peft_model(model: nn.Module, config: LoraConfig) -> PeftModel:
+    """Inject fresh LoRA adapters (peft's init: A uniform, B zero; embedding A zero, B normal) into `model`.
+    Collective under TP (one all-reduce agreeing on the init seed)."""
+    return PeftModel(model, config)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _is_lora(name: str) -> bool:
+    return ".lora_" in name
+
+
+def _spec(layout, name: str) -> ShardSpec:
+    return layout.specs.get(name, ShardSpec()) if layout is not None else ShardSpec()
+
+
+def _agree_seed(model: nn.Module, layout) -> int:
+    """A seed drawn from the global RNG, made equal on every rank (max over the world): replicated factors and
+    dropout masks then agree across TP ranks, and initial adapters across data-parallel replicas."""
+    seed = int(torch.randint(0, 2**62, ()))
+    if layout is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return seed
+    t = torch.tensor([seed], dtype=torch.int64, device=next(model.parameters()).device)
+    comm.all_reduce(t, None, op=dist.ReduceOp.MAX, phase="setup")
+    return int(t.item())
+
+
+def _wrap(model: nn.Module, name: str, module: nn.Module, config: LoraConfig, specs: tuple[ShardSpec, ShardSpec],
+          layout, runtime: LoraRuntime) -> LoraLayer:
+    shape = layout.global_shapes[f"{name}.weight"] if layout is not None else tuple(module.weight.shape)
+    linear = isinstance(module, nn.Linear)
+    full_out, full_in = shape if linear else shape[::-1]  # Linear (out, in); Embedding (vocab, dim): A reads vocab
+    half = module.weight.dtype in (torch.float16, torch.bfloat16)
+    cls = LoraLinear if linear else LoraEmbedding
+    layer = cls(module, name=name, r=config.r, scaling=config.scaling, dropout=config.lora_dropout, specs=specs,
+                ctx=layout.ctx if layout is not None else None, runtime=runtime, full_in=full_in, full_out=full_out,
+                dtype=torch.float32 if half else module.weight.dtype)  # peft keeps half-precision adapters in fp32
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)
+    if layout is not None:
+        _rename_layout(layout, f"{name}.", f"{name}.base_layer.")
+        for local, (spec, global_shape) in layer.layout().items():
+            full = f"{name}.{local}"
+            layout.specs[full], layout.global_shapes[full] = spec, global_shape
+            if spec.partial_grad:
+                layout.grad_sync.specs[full] = spec
+    return layer
+
+
+def _rename_layout(layout, old: str, new: str, *, drop: bool = False) -> None:
+    """Move the layout entries under name prefix `old` to prefix `new` (or drop them)."""
+    for table in (layout.specs, layout.global_shapes, layout.grad_sync.specs):
+        for key in [k for k in table if k.startswith(old)]:
+            value = table.pop(key)
+            if not drop:
+                table[new + key[len(old):]] = value
+
+
+def _trainable_extras(model: nn.Module, config: LoraConfig, targets, full_modules: list[str]) -> list[str]:
+    """Base parameters trained and saved with the adapter: biases per `bias`, and modules_to_save."""
+    names = [n for n, _ in model.named_parameters()]
+    if config.bias == "all":
+        out = [n for n in names if n == "bias" or n.endswith(".bias")]
+    elif config.bias == "lora_only":
+        out = [f"{t}.base_layer.bias" for t in targets if f"{t}.base_layer.bias" in names]
+    else:
+        out = []
+    out += [n for n in names for m in full_modules if n.startswith(f"{m}.") and n not in out]
+    return out

@@ -1,0 +1,118 @@
+"""TrainingArguments and ParallelismConfig: everything a training run is told, as typed dataclasses.
+
+    args = TrainingArguments(output_dir="run", per_device_train_batch_size=8, max_steps=1000,
+                             parallelism_config=ParallelismConfig(tp_size=2, dp_shard_size=2))
+
+Values are checked when the dataclass is built, so a bad argument fails on every rank before any
+process group exists.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tptrain.distributed import DistributedConfig
+
+SCHEDULERS = ("linear", "cosine", "constant")
+
+
+@dataclass
+class ParallelismConfig:
+    """How the ranks of a training run are laid out: mesh axes ("dp_replicate", "dp_shard", "tp").
+
+    tp_size: tensor-parallel degree; must equal the model's `tp_size` (None: take the model's).
+    dp_shard_size: FSDP2 degree (parameters, gradients and optimizer state sharded over it);
+        None: whatever WORLD_SIZE leaves over.
+    dp_replicate_size: replicated data-parallel degree (DDP when dp_shard_size is 1, HSDP otherwise).
+    """
+
+    tp_size: int | None = None
+    dp_shard_size: int | None = None
+    dp_replicate_size: int = 1
+
+    def distributed_config(self) -> DistributedConfig:
+        """The equivalent DistributedConfig: it owns size validation and mesh construction."""
+        return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
+                                 dp_replicate_size=self.dp_replicate_size)
+
+    def sizes(self, world_size: int | None = None) -> dict[str, int]:
+        """{"dp_replicate", "dp_shard", "tp"} resolved against the world size; ValueError if impossible."""
+        return self.distributed_config().sizes(world_size)
+
+
+@dataclass
+class TrainingArguments:
+    """What to train for and how.
+
+    output_dir: where checkpoints (checkpoint-<step>/), metrics and the final model (final/) go.
+    per_device_train_batch_size: sequences per micro-batch on one data-parallel rank (every rank of a
+        TP group processes the same sequences).
+    gradient_accumulation_steps: micro-batches per optimizer step. The global batch is
+        per_device_train_batch_size x gradient_accumulation_steps x (dp_replicate x dp_shard).
+    max_steps: number of optimizer steps.
+    seq_len: tokens per training sequence (when the Trainer packs raw text itself).
+    learning_rate: peak learning rate, reached after warmup.
+    weight_decay: AdamW decoupled weight decay; never applied to norms or biases.
+    adam_beta1, adam_beta2, adam_epsilon: AdamW hyper-parameters.
+    max_grad_norm: clip the global gradient norm (over all shards) to this; 0 disables clipping.
+    lr_scheduler_type: "linear" (decay to 0 at max_steps), "cosine" (to 0) or "constant", after warmup.
+    warmup_steps: linear warmup from 0 to learning_rate over this many steps.
+    bf16: bfloat16 compute with float32 gradient reduction (FSDP2 mixed precision, or autocast
+        without data parallelism). Parameters stay in the dtype the model was loaded in.
+    gradient_checkpointing: recompute each decoder layer in backward to save activation memory.
+    seed: seeds the data order and torch's RNG.
+    logging_steps: report loss / lr / tokens per second every this many steps.
+    save_steps: write a resumable checkpoint every this many steps; 0 disables.
+    save_total_limit: keep at most this many checkpoints (oldest pruned after a new one is complete);
+        None keeps all.
+    resume_from_checkpoint: True resumes from the latest complete checkpoint in output_dir, a path
+        from that checkpoint; None/False starts fresh.
+    parallelism_config: the rank layout; None: the model's tp_size, remaining ranks FSDP2 dp_shard.
+    """
+
+    output_dir: str
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_steps: int = 100
+    seq_len: int = 512
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    logging_steps: int = 1
+    save_steps: int = 0
+    save_total_limit: int | None = None
+    resume_from_checkpoint: bool | str | os.PathLike | None = None
+    parallelism_config: ParallelismConfig | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
+                    "logging_steps")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TrainingArguments.{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "save_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainingArguments.{name} must be an int >= 0, got {value!r}")
+        if self.save_total_limit is not None and (not isinstance(self.save_total_limit, int)
+                                                  or self.save_total_limit < 1):
+            raise ValueError(f"TrainingArguments.save_total_limit must be None or an int >= 1, "
+                             f"got {self.save_total_limit!r}")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainingArguments.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.lr_scheduler_type not in SCHEDULERS:
+            raise ValueError(f"TrainingArguments.lr_scheduler_type={self.lr_scheduler_type!r} is not one of "
+                             f"{SCHEDULERS}")
+        if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
+            raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
+                            f"{type(self.parallelism_config).__name__}")

@@ -1,0 +1,99 @@
+"""AdamW, the learning-rate schedule, and global gradient-norm clipping over every shard.
+
+Parameters may be TP shards (plain local tensors) wrapped by FSDP2 (DTensors sharded over the
+data-parallel axes). AdamW and weight decay are element-wise, so they act on whatever piece a rank
+holds; only the gradient norm needs the whole picture, and `clip_grad_norm_` counts every element
+of every parameter exactly once.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tptrain.parallel import comm
+from tptrain.parallel.styles import ShardSpec
+from tptrain.training.args import TrainingArguments
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices, and undecayed norms and biases (every 1-D parameter)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+
+
+def lr_multiplier(kind: str, *, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Factor of the peak learning rate for optimizer step `step` (0-based), as transformers'
+    get_{linear,cosine,constant}_schedule_with_warmup: linear warmup from 0, then the decay to 0 at
+    `total_steps`."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return multiplier
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
+        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece: the local shard of an FSDP2 DTensor (a view: writes go through), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: dict[str, ShardSpec], tp_rank: int,
+                    replicate_rank: int) -> torch.Tensor:
+    """Global L2 norm of all gradients (over TP, dp_shard and dp_replicate), then scale them so it is
+    at most `max_norm` (0: measure only). Same formula as torch.nn.utils.clip_grad_norm_. Collective.
+
+    Each rank adds the squares of the pieces it "owns", and one all-reduce over the world sums them:
+    FSDP shards are disjoint (all count); a TP-sharded tensor counts on one rank per chunk (KV chunks
+    held by `replicas` ranks count on the first); a tensor replicated across TP counts on TP rank 0;
+    dp_replicate copies count on replica 0 only.
+    """
+    grads, owned = [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = local_tensor(p.grad)
+        grads.append(g)
+        spec = specs.get(name, ShardSpec())
+        owner = tp_rank % spec.replicas == 0 if spec.dim is not None else tp_rank == 0
+        if owner and replicate_rank == 0:
+            owned.append(g)
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=dtype, device=device)
+    for g in owned:
+        squares += g.to(dtype).pow(2).sum()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        comm.all_reduce(squares, dist.group.WORLD, phase="grad_sync")
+    norm = squares.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return norm

@@ -1,0 +1,98 @@
+"""The run's device mesh and the parallelisms applied to the model, in the fixed order
+tensor parallel -> activation checkpointing -> FSDP2 / HSDP / DDP.
+
+Tensor parallelism is applied when the model is loaded (`from_pretrained(distributed_config=...)` or
+`model.parallelize(...)`); this module checks that the training layout agrees with it, then wraps
+the TP-sharded model in FSDP2 over the data-parallel axes. TP parameters are plain local tensors,
+so FSDP shards each rank's TP shard as an ordinary parameter.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from tptrain.distributed import MESH_AXES, env_world_size, init_distributed
+from tptrain.training.args import ParallelismConfig
+
+
+def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
+                        world_size: int | None = None) -> tuple[ParallelismConfig, dict[str, int]]:
+    """The run's layout: `config` checked against the model's tp_size and the world size, or, without
+    one, the model's tp_size with the remaining ranks as FSDP2 shards. Raises the same ValueError on
+    every rank (no collective is involved)."""
+    model_tp = getattr(model, "tp_size", 1)
+    if config is None:
+        config = ParallelismConfig(tp_size=model_tp)
+    elif config.tp_size is None:
+        config = dataclasses.replace(config, tp_size=model_tp)
+    elif config.tp_size != model_tp:
+        raise ValueError(f"ParallelismConfig(tp_size={config.tp_size}) disagrees with the model, which is sharded "
+                         f"over tp_size={model_tp}; load the model with DistributedConfig(tp_size={config.tp_size}) "
+                         f"or set ParallelismConfig(tp_size={model_tp})")
+    sizes = config.sizes(world_size)
+    return config, sizes
+
+
+def build_mesh(model: nn.Module, sizes: dict[str, int]) -> tuple[DeviceMesh, torch.device]:
+    """One ("dp_replicate", "dp_shard", "tp") mesh for the run: the model's own when the sizes agree.
+
+    TP is the innermost axis in both, so a TP group is the same block of consecutive ranks and the
+    model's TP process group stays valid under a new mesh."""
+    device = init_distributed()
+    mesh = getattr(model, "device_mesh", None)
+    if mesh is not None and dict(zip(mesh.mesh_dim_names, mesh.shape)) == sizes:
+        return mesh, device
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert env_world_size() == sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
+    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
+    return mesh, device
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    return list(getattr(base, "layers", []))
+
+
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> bool:
+    """FSDP2 over dp_shard; HSDP over (dp_replicate, dp_shard) when dp_replicate > 1 (plain replicated
+    DP when dp_shard is 1). Returns whether the model was wrapped (False when both dp degrees are 1).
+
+    Gradients are SUMMED over data-parallel ranks, not averaged: the loss is already divided by the
+    real-token count of the global batch, so FSDP's default 1/dp would count each token dp times too
+    little."""
+    rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
+    if rep * shard == 1:
+        return False
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+                 else MixedPrecisionPolicy())
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM everywhere: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
+            module.set_force_sum_reduction_for_comms(True)
+    return True
+
+
+def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_checkpointing: bool,
+                             bf16: bool) -> bool:
+    """TP (already applied) -> activation checkpointing -> FSDP2/HSDP/DDP. Returns whether FSDP wraps it.
+
+    The TP engine's PartialGradSync hooks sit on the parameter objects FSDP replaces, so they are
+    removed here; the Trainer sums those partial gradients over TP once per optimizer step."""
+    model_tp = getattr(model, "tp_size", 1)
+    assert model_tp == mesh["tp"].size(), (model_tp, mesh)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if getattr(model, "tp_layout", None) is not None:
+        model.tp_layout.grad_sync.unbind()
+    return apply_data_parallel(model, mesh, bf16=bf16)

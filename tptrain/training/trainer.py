@@ -1,0 +1,232 @@
+"""Trainer: tensor parallel x FSDP2 / HSDP / DDP training with resumable, layout-independent checkpoints.
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
+    args = TrainingArguments(output_dir="run", per_device_train_batch_size=8, max_steps=1000, save_steps=200)
+    Trainer(model=model, args=args, train_dataset="corpus.txt").train()
+
+    torchrun --nproc-per-node 4 train.py     # tp 2 x dp_shard 2
+
+One optimizer step: the real (non -100) target tokens of the GLOBAL batch are counted once (one
+all-reduce), every micro-batch's loss is its token sum divided by that count, and data-parallel
+gradients are summed, so the update equals one step on the whole batch on one device.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tptrain.modeling import _writable_error
+from tptrain.parallel import comm
+from tptrain.training import checkpointing as ckpt
+from tptrain.training.args import TrainingArguments
+from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
+from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_, local_tensor
+from tptrain.training.parallelize import build_mesh, parallelize_for_training, resolve_parallelism
+
+IGNORE_INDEX = -100
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+@dataclass
+class TrainOutput:
+    global_step: int
+    losses: list[float]  # the global-batch loss of every step this call ran
+    final_dir: Path  # the consolidated HF checkpoint
+
+
+class Trainer:
+    """Trains `model` (already tensor-parallel if tp_size > 1) on `train_dataset`.
+
+    train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
+        strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's).
+    Every rank must construct the Trainer and call `train()`; all validation happens in the
+    constructor, identically on every rank, before any collective.
+    """
+
+    def __init__(self, model: nn.Module, *, args: TrainingArguments, train_dataset: Any, tokenizer: Any = None) -> None:
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"args must be a TrainingArguments, got {type(args).__name__}")
+        self.args, self.model, self.tokenizer = args, model, tokenizer
+        # A PeftModel wraps the TP model: parameter names, layouts and sharding are the inner model's,
+        # while forward and the final save (which then writes the adapter) go through the wrapper.
+        self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model = self.inner
+        self.parallelism, self.sizes = resolve_parallelism(model, args.parallelism_config)
+        self._check_sequence_split()
+        self.dataset = self._dataset(train_dataset)
+        self.dp_size = self.sizes["dp_replicate"] * self.sizes["dp_shard"]
+        self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dp_size
+        self.mesh, self.device = build_mesh(model, self.sizes)
+        self.rank = dist.get_rank()
+        self.is_rank0 = self.rank == 0
+        coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+        self.tp_rank, self.replicate_rank = coords["tp"], coords["dp_replicate"]
+        dp_rank = coords["dp_replicate"] * self.sizes["dp_shard"] + coords["dp_shard"]
+        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_rank, dp_size=self.dp_size,
+                                    global_batch=self.global_batch)
+        ckpt.raise_on_any_rank(_writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
+        if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
+            model.to(self.device)
+        torch.manual_seed(args.seed)
+        self.fsdp = parallelize_for_training(model, self.mesh, gradient_checkpointing=args.gradient_checkpointing,
+                                             bf16=args.bf16)
+        self.optimizer = build_optimizer(model, args)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.converter = ckpt.StateConverter(model)
+        layout = getattr(model, "tp_layout", None)
+        self.specs = layout.specs if layout else {}
+        self.grad_sync = layout.grad_sync if layout else None
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ set-up checks (no collectives)
+
+    def _dataset(self, source: Any) -> PackedDataset:
+        if isinstance(source, PackedDataset):
+            if source.seq_len != self.args.seq_len:
+                raise ValueError(f"train_dataset has blocks of {source.seq_len} tokens but "
+                                 f"TrainingArguments.seq_len={self.args.seq_len}; make them equal")
+            return source
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self._model_dir())
+        vocab = self.inner.config.vocab_size
+        if self.tokenizer.vocab_size > vocab:
+            raise ValueError(f"the tokenizer produces ids up to {self.tokenizer.vocab_size - 1} but the model's "
+                             f"vocab_size is {vocab}; pass the model's own tokenizer")
+        return build_dataset(source, self.tokenizer, self.args.seq_len)
+
+    def _model_dir(self) -> Path | None:
+        name = getattr(self.inner, "name_or_path", None)
+        if name is None:
+            return None
+        from tptrain.checkpoint import resolve_checkpoint
+
+        return resolve_checkpoint(name)
+
+    def _check_sequence_split(self) -> None:
+        layout = getattr(self.inner, "tp_layout", None)
+        tp = self.sizes["tp"]
+        if layout is not None and layout.ctx.sequence_parallel and self.args.seq_len % tp:
+            raise ValueError(f"sequence parallelism splits each sequence over tp_size={tp} ranks, but "
+                             f"seq_len={self.args.seq_len} is not a multiple of {tp}; choose a seq_len divisible "
+                             f"by {tp}")
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = None) -> TrainOutput:
+        """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model."""
+        args = self.args
+        resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
+        path = ckpt.resolve_resume(resume, args.output_dir)
+        if path is not None:
+            self._load(path)
+        reporter = self._reporter()
+        losses = []
+        self.model.train()
+        while self.global_step < args.max_steps:
+            start, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the lr this step uses
+            loss, grad_norm = self.training_step(self.data_order.next_batch())
+            self.global_step += 1
+            losses.append(loss)
+            if reporter is not None and (self.global_step % args.logging_steps == 0
+                                         or self.global_step == args.max_steps):
+                reporter.log(self.global_step, {
+                    "loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
+                    "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start})
+            if args.save_steps and self.global_step % args.save_steps == 0:
+                saved = self.save_checkpoint()
+                if reporter is not None:
+                    reporter.message(f"saved {saved}")
+        if reporter is not None:
+            reporter.close()
+        final = self.save_model()
+        return TrainOutput(self.global_step, losses, final)
+
+    def training_step(self, indices: list[int]) -> tuple[float, float]:
+        """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
+        b = self.args.per_device_train_batch_size
+        micro = [torch.stack([self.dataset[i] for i in indices[k:k + b]]).to(self.device)
+                 for k in range(0, len(indices), b)]
+        num_items = self._global_token_count(micro)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for ids in micro:
+            with self._autocast():
+                loss = self.model(ids, labels=ids, num_items_in_batch=num_items).loss
+            loss.backward()
+            loss_sum += loss.detach().to(torch.float64)
+        if self.grad_sync is not None:  # partial gradients (q/k norms, shared KV chunks) summed over TP
+            self.grad_sync.reduce_grads({n: local_tensor(p.grad) for n, p in self.inner.named_parameters()
+                                         if p.grad is not None})
+        grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, tp_rank=self.tp_rank,
+                                    replicate_rank=self.replicate_rank)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Every TP rank holds the same loss: count TP rank 0's share of each dp rank's tokens.
+        loss_sum *= float(self.tp_rank == 0)
+        comm.all_reduce(loss_sum, dist.group.WORLD, phase="grad_sync")
+        return loss_sum.item(), grad_norm.item()
+
+    def _global_token_count(self, micro: list[torch.Tensor]) -> int:
+        """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
+        local = sum(int((ids[:, 1:] != IGNORE_INDEX).sum()) for ids in micro)
+        count = torch.tensor([local], dtype=torch.int64, device=self.device)
+        comm.all_reduce(count, dist.group.WORLD, phase="grad_sync")
+        return int(count.item()) // self.sizes["tp"]  # each TP group's ranks counted the same tokens
+
+    def _autocast(self):
+        if self.args.bf16 and not self.fsdp:  # under FSDP2 its MixedPrecisionPolicy casts instead
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _reporter(self):
+        try:
+            from tptrain.training.reporting import Reporter
+        except ImportError:
+            return None
+        return Reporter(self.args.output_dir, total_steps=self.args.max_steps, enabled=self.is_rank0)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """Write output_dir/checkpoint-<step> (collective); returns its path."""
+        state = {"global_step": self.global_step, "data_order": self.data_order.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "layout": self.sizes}
+        return ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
+                                    optimizer=self.optimizer, conv=self.converter, trainer_state=state,
+                                    save_total_limit=self.args.save_total_limit)
+
+    def _load(self, path: Path) -> None:
+        state = ckpt.load_checkpoint(path, model=self.inner, optimizer=self.optimizer, conv=self.converter)
+        self.global_step = state["global_step"]
+        self.data_order.load_state_dict(state["data_order"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+
+    def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
+        """The consolidated HF checkpoint (default output_dir/final), loadable by transformers, plus the
+        source model's tokenizer files. Collective: FSDP and TP shards are gathered, rank 0 writes."""
+        target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
+        self.model.save_pretrained(target)
+        if self.is_rank0:
+            source = self._tokenizer_dir()
+            for name in TOKENIZER_FILES if source is not None else ():
+                if (source / name).is_file():
+                    shutil.copy2(source / name, target / name)
+        if dist.is_initialized():
+            dist.barrier()
+        return target
+
+    def _tokenizer_dir(self) -> Path | None:
+        path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json
+        return Path(path).parent if path is not None else self._model_dir()
