@@ -1,0 +1,55 @@
+"""`tptrain train` end to end: its own 2-rank launcher, a few steps, the files it promises, resume, errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tptrain.cli import main
+from tptrain.models import AutoModelForCausalLM
+from tptrain.training.reporting import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tptrain_train(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "tptrain", "train", "--smoke-test", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_smoke_run_writes_everything_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    run = tptrain_train("--output-dir", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    final = out / "final"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (final / name).is_file(), f"{name} missing from {sorted(os.listdir(final))}"
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert model.config.model_type == "qwen3"
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["loss"] > 0 for r in records)
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert "greedy continuation" in run.stdout and run.stdout.count("tptrain train:") == 1  # rank 0 only
+
+    resumed = tptrain_train("--output-dir", str(out), "--resume", "--max-steps", "6")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_errors_are_reported_once_for_all_ranks(tmp_path, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf".encode() + "é".encode("latin-1") * 100)
+    run = tptrain_train("--output-dir", str(tmp_path / "run"), "--data", str(bad))
+    assert run.returncode == 1
+    assert "error on ranks 0, 1: ValueError" in run.stderr and run.stderr.count("byte offset 3") == 1, run.stderr
+    assert "Traceback" not in run.stderr
+
+    assert main(["train", "--nproc-per-node", "3"]) == 2  # refused before any worker starts
+    assert "--nproc-per-node 3 is not a multiple of --tp-size 2" in capsys.readouterr().err

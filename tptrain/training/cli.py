@@ -1,0 +1,232 @@
+"""`tptrain train`: train a model with tensor parallelism from the command line.
+
+    tptrain train                                   # bundled tiny Qwen3 on the bundled corpus, TP 2, CPU
+    tptrain train --model PATH --data FILE --tp-size 4 --nproc-per-node 8 --max-steps 1000
+    torchrun --nproc-per-node 4 -m tptrain train --tp-size 4 ...   # under an existing launcher
+
+Without RANK in the environment and with more than one process wanted, the command starts its own
+workers with torch's elastic launcher (rendezvous on 127.0.0.1, a free port); under torchrun it is
+one of the workers. Ranks beyond the TP degree become FSDP2 data-parallel shards.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+BUNDLED_MODEL = str(files("tptrain") / "data" / "tiny-qwen3")
+BUNDLED_DATA = str(files("tptrain") / "data" / "corpus.txt")
+DEFAULT_PROMPT = "Ham.\nTo be, or not to be"
+SCRATCH_LR, FINETUNE_LR = 6e-3, 3e-5  # the first is tuned on the bundled 4.2M-parameter model
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    """The flags a run leaves unset: the embedded default run, and a seconds-long smoke run."""
+
+    max_steps: int
+    batch_size: int
+    seq_len: int
+    save_steps: int
+    max_new_tokens: int
+
+
+FULL = _Defaults(max_steps=300, batch_size=16, seq_len=128, save_steps=100, max_new_tokens=32)
+SMOKE = _Defaults(max_steps=4, batch_size=2, seq_len=32, save_steps=2, max_new_tokens=8)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `tptrain train` flags; unset sizes come from the default run (or --smoke-test)."""
+    p = parser
+    p.add_argument("--model", default=BUNDLED_MODEL,
+                   help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
+                        "tiny Qwen3 config) is randomly initialised")
+    p.add_argument("--data", default=BUNDLED_DATA,
+                   help=".txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per line) file "
+                        "(default: the bundled Shakespeare corpus)")
+    p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="worker processes to start (default: --tp-size); extra ranks become FSDP2 data-parallel")
+    p.add_argument("--output-dir", default="runs/default", help="checkpoints, metrics.jsonl, loss.png, final/")
+    p.add_argument("--max-steps", type=int, help=f"optimizer steps (default: {FULL.max_steps})")
+    p.add_argument("--batch-size", type=int, help=f"sequences per device per step (default: {FULL.batch_size})")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: {FULL.seq_len})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default: {SCRATCH_LR} for a model trained from scratch, {FINETUNE_LR} "
+                        "for a checkpoint with weights)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 10%% of max steps)")
+    p.add_argument("--save-steps", type=int, help=f"resumable checkpoint every N steps, 0: never "
+                                                  f"(default: {FULL.save_steps})")
+    p.add_argument("--save-total-limit", type=int, default=2, help="resumable checkpoints kept (default: 2)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order (default: 0)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="parameter dtype (default: float32)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="resume from the latest checkpoint in --output-dir, or from CHECKPOINT")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="greedy continuation printed after training")
+    p.add_argument("--max-new-tokens", type=int, help=f"length of that continuation (default: {FULL.max_new_tokens})")
+    p.add_argument("--smoke-test", action="store_true",
+                   help=f"seconds-long run for tests: {SMOKE.max_steps} steps of batch {SMOKE.batch_size} x "
+                        f"{SMOKE.seq_len} tokens, unless the flags above say otherwise")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Entry point of `tptrain train`; returns the process exit code."""
+    defaults = SMOKE if args.smoke_test else FULL
+    for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
+    if args.warmup_steps is None:
+        args.warmup_steps = args.max_steps // 10
+    nproc = args.nproc_per_node or args.tp_size
+    if args.tp_size < 1 or nproc % args.tp_size:
+        print(f"tptrain train: error: --nproc-per-node {nproc} is not a multiple of --tp-size {args.tp_size}; "
+              "each tensor-parallel group needs tp-size processes", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ or nproc == 1:
+        return _worker(args, error_dir=None)
+    return _launch(args, nproc)
+
+
+# ------------------------------------------------------------------ launcher
+
+
+def _launch(args: argparse.Namespace, nproc: int) -> int:
+    """Start `nproc` local workers; print each distinct worker error once."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    for logger in ("torch.distributed.elastic", "torch.multiprocessing"):  # failures are reported below, once
+        logging.getLogger(logger).setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tptrain-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1")
+    with tempfile.TemporaryDirectory(prefix="tptrain-errors-") as error_dir:
+        try:
+            elastic_launch(config, _worker)(args, error_dir)
+        except ChildFailedError:
+            _print_worker_errors(Path(error_dir))
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _print_worker_errors(error_dir: Path) -> None:
+    """Ranks usually fail with the same message (inputs are validated on every rank): say it once."""
+    by_message: dict[str, list[str]] = {}
+    for path in sorted(error_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
+        by_message.setdefault(path.read_text(), []).append(path.stem[4:])
+    if not by_message:
+        print("tptrain train: error: a worker died without reporting an error (killed, or out of memory?)",
+              file=sys.stderr)
+    for message, ranks in by_message.items():
+        print(f"tptrain train: error on rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {message}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ worker
+
+
+def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
+    """One rank's run. User errors (bad flags, data, sizes) print one line; anything else its traceback."""
+    try:
+        _train(args)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - reported below, once per distinct message
+        user_error = isinstance(exc, (ValueError, TypeError, OSError))
+        message = f"{type(exc).__name__}: {exc}" if user_error else traceback.format_exc()
+        if error_dir is None:  # under torchrun (or one process): every rank says it, prefixed
+            print(f"tptrain train: error (rank {os.environ.get('RANK', '0')}): {message}", file=sys.stderr)
+            return 1
+        Path(error_dir, f"rank{os.environ.get('RANK', '0')}.txt").write_text(message)
+        sys.exit(1)  # quietly: the launcher prints it
+
+
+def _train(args: argparse.Namespace) -> None:
+    import torch
+
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.checkpoint import resolve_checkpoint
+    from tptrain.distributed import init_distributed
+    from tptrain.models import AutoConfig
+    from tptrain.modeling import resolve_dtype
+    from tptrain.training.args import TrainingArguments
+    from tptrain.training.data import build_dataset, load_tokenizer
+    from tptrain.training.generate import greedy_generate
+    from tptrain.training.trainer import Trainer
+
+    _set_threads(torch)
+    start = time.perf_counter()
+    model_dir = resolve_checkpoint(args.model)
+    from_scratch = not any(model_dir.glob("*.safetensors"))
+    lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
+        seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
+        weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
+        seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume)
+    tokenizer = load_tokenizer(model_dir)
+    dataset = build_dataset(args.data, tokenizer, args.seq_len)  # before any collective: errors on every rank
+    config = AutoConfig.from_pretrained(model_dir)
+    dtype = resolve_dtype(args.dtype, config)
+    distributed = DistributedConfig(tp_size=args.tp_size)
+    if from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).parallelize(distributed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=distributed)
+    init_distributed()
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
+        print(f"tptrain train: {config.model_type} {'initialised from' if from_scratch else 'loaded from'} "
+              f"{args.model} ({params / 1e6:.1f}M parameters); {dataset.num_tokens:,} tokens from {args.data} in "
+              f"{len(dataset):,} blocks of {args.seq_len}; world size {torch.distributed.get_world_size()}, "
+              f"tp {args.tp_size}; lr {training_args.learning_rate:g}", flush=True)
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, tokenizer=tokenizer)
+    result = trainer.train()  # ends with the consolidated model + tokenizer files in output_dir/final
+    text = greedy_generate(trainer.model, tokenizer, args.prompt, args.max_new_tokens)
+    if rank == 0:
+        _summary(args, result, time.perf_counter() - start, text)
+
+
+def _set_threads(torch) -> None:
+    """cores // local processes, unless OMP_NUM_THREADS says otherwise: ranks must not oversubscribe."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, threads))
+
+
+def _summary(args: argparse.Namespace, result, seconds: float, text: str) -> None:
+    losses = result.losses
+    if losses:
+        tail = losses[-10:]
+        print(f"trained to step {result.global_step}: loss {losses[0]:.3f} -> {losses[-1]:.3f} (mean of the last "
+              f"{len(tail)} steps: {sum(tail) / len(tail):.3f})")
+    out = Path(args.output_dir)
+    print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
+          f"metrics: {out / 'metrics.jsonl'}")
+    print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)

@@ -1,0 +1,35 @@
+"""Greedy continuation of a prompt: enough to see what a freshly trained model learned.
+
+Works unchanged on a tensor-parallel model: every rank calls it with the same prompt, the model
+all-gathers the full logits when no labels are given, so every rank picks the same token. No KV
+cache: each new token recomputes the whole (short) context.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tptrain.training.data import Tokenizer
+
+
+@torch.no_grad()
+def greedy_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """The `max_new_tokens` most likely next tokens after `prompt`, decoded (prompt not included);
+    stops early at eos. Collective under TP: call it on every rank."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id]  # an empty prompt starts a new document
+    max_context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or len(ids) + max_new_tokens
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    new: list[int] = []
+    try:
+        for _ in range(max_new_tokens):
+            context = torch.tensor([(ids + new)[-max_context:]], device=device)  # (1, seq)
+            logits = model(context).logits[0, -1]  # (vocab,)
+            token = int(logits.float().argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(new)

@@ -1,0 +1,126 @@
+"""What the user sees while training: a rank-0 progress bar, a metrics JSONL, a loss-curve PNG.
+
+    reporter = Reporter("runs/x", total_steps=300, enabled=rank == 0)
+    reporter.log(step, {"loss": 3.2, "learning_rate": 1e-3, "num_tokens": 8192})
+    reporter.close()   # writes runs/x/loss.png
+
+Every other rank passes enabled=False and stays silent, so the console shows one bar, not one per rank.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Reporter:
+    """Progress bar + `metrics.jsonl` + `loss.png` in `output_dir`; a no-op when not `enabled`.
+
+    `log(step, metrics)` takes the step just finished (1-based) and its metrics: `loss` and
+    `learning_rate` are shown on the bar, `num_tokens` (tokens one step trains on, all ranks
+    together) gives tokens/s since the previous log; every key is written to the JSONL line as given.
+    """
+
+    def __init__(self, output_dir: str | Path, *, total_steps: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.plot_path = Path(output_dir) / "loss.png"
+        self.total_steps = total_steps
+        self._bar = None
+        self._last_time, self._last_step = 0.0, 0
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._bar is None:
+            self._start(step, now)
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        elapsed, steps = now - self._last_time, step - self._last_step  # several steps when logging_steps > 1
+        self._last_time, self._last_step = now, step
+        if "num_tokens" in metrics and elapsed > 0:
+            record["tokens_per_second"] = round(record["num_tokens"] * steps / elapsed, 1)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        shown = {"loss": record.get("loss"), "lr": record.get("learning_rate"),
+                 "tok/s": record.get("tokens_per_second")}
+        self._bar.set_postfix({k: _short(v) for k, v in shown.items() if v is not None}, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def message(self, text: str) -> None:
+        """A line above the bar (rank 0 only), e.g. "saved checkpoint-200"."""
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            tqdm.write(text)
+
+    def close(self) -> None:
+        """Finish the bar and plot every logged loss (earlier, resumed runs included) to loss.png."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        records = read_metrics(self.path)
+        if records:
+            plot_loss(records, self.plot_path)
+
+    def _start(self, step: int, now: float) -> None:
+        """First log of this run: drop lines of steps being redone (a resume), open the bar at `step - 1`."""
+        from tqdm.auto import tqdm
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(self.path) if r["step"] < step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        # Redrawn twice a second on a terminal; in a log file (no tty) one line every 30 s is plenty.
+        self._bar = tqdm(total=self.total_steps, initial=step - 1, desc="train", unit="step", dynamic_ncols=True,
+                         mininterval=0.5 if sys.stderr.isatty() else 30)
+        self._last_time = now  # the first step has no previous one to time against: no tokens/s for it
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_loss(records: list[dict[str, Any]], path: str | Path) -> None:
+    """Loss per step and its moving average; no pyplot, so no global backend is touched."""
+    from matplotlib.figure import Figure
+
+    points = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    if not points:
+        return
+    steps, losses = zip(*points)
+    window = max(1, len(losses) // 20)
+    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    ax.plot(steps, losses, alpha=0.35, label="loss")
+    ax.plot(steps, smooth, label=f"moving average ({window} steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"loss {losses[0]:.3f} -> {smooth[-1]:.3f} over {steps[-1]} steps")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _plain(value: Any) -> Any:
+    """Tensors and numpy scalars to plain Python numbers, so the line is JSON."""
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.4f}" if abs(value) >= 1e-2 else f"{value:.2e}"
+    return str(value)
