@@ -77,7 +77,9 @@ def all_gather(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | N
     out = t.new_empty((world * t.shape[0], *t.shape[1:]))
     _record("all_gather", t, phase or _phase())
     _all_gather_single(out, t, group=group)
-    return out.movedim(0, dim)
+    # Contiguous, so the consumers (q/k/v, gate/up) fold it into their matmuls without one copy
+    # each, and sequence_parallel.py can recognise the views autograd saves of it.
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None):

@@ -16,8 +16,8 @@ from torch import nn
 from tptrain.parallel import comm
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss
-from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.plan import KV_PROJECTIONS, kv_replicas, layout_specs, resolve_plan
+from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.styles import ShardSpec, TPContext, make_style
 
 

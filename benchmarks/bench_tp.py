@@ -1,0 +1,377 @@
+"""tptrain tensor parallelism against the peer (transformers' DistributedConfig TP) on CPU: one table.
+
+    .venv/bin/python benchmarks/bench_tp.py                                    # everything
+    .venv/bin/python benchmarks/bench_tp.py --workloads medium --steps 2 --warmup 1 --no-load   # quick look
+
+Every measurement runs in fresh processes: tp 1 as one process, tp 2 as two ranks launched with
+`python -m torch.distributed.run --standalone --nproc-per-node 2`; each rank uses ONE thread
+(OMP_NUM_THREADS=1 and torch.set_num_threads(1)), gloo, fp32, AdamW step included. Checkpoints are
+created once with transformers' Qwen3 random init (tptrain's when transformers is absent), saved as HF
+safetensors under --cache and reused; both implementations load the same files and train on the same
+batches. Runtime of the full run: about 7 minutes on an idle 2-core machine, up to twice that on a busy
+one; the first run also creates the checkpoints (~3.4 GB under --cache, about a minute).
+
+Memory is anonymous RSS (/proc/self/status RssAnon, sampled every 5 ms) minus the value right after
+the imports: safetensors pages mapped from the page cache are not counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+QWEN3 = dict(model_type="qwen3", num_attention_heads=16, num_key_value_heads=8, hidden_size=1024,
+             intermediate_size=3072, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+             hidden_act="silu", attention_bias=False, initializer_range=0.02)
+WORKLOADS = {  # name: (config, batch, seq)
+    "medium": (dict(QWEN3, num_hidden_layers=4, head_dim=64, vocab_size=8192, tie_word_embeddings=False), 4, 256),
+    "large-vocab": (dict(QWEN3, num_hidden_layers=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True), 2, 256),
+}
+LOAD_CONFIG = dict(QWEN3, num_hidden_layers=28, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # Qwen3-0.6B
+RUNS = [("tptrain", 1, False), ("peer", 1, False), ("tptrain", 2, False), ("tptrain", 2, True), ("peer", 2, False)]
+MB = 1e6
+
+
+# ----------------------------------------------------------------------------- inside one rank
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/self/status has no RssAnon: the memory columns need Linux")
+
+
+class PeakSampler:
+    """Highest anonymous RSS seen since the last reset, sampled by a daemon thread."""
+
+    def __init__(self) -> None:
+        self.peak = _rss_anon()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, _rss_anon())
+            time.sleep(0.005)
+
+    def reset(self) -> int:
+        peak, self.peak = max(self.peak, _rss_anon()), _rss_anon()
+        return peak
+
+
+class PeerCollectives:
+    """Counts the collectives the peer issues (DTensor's functional collectives and plain c10d calls)
+    by wrapping them for one step; tptrain's own go through comm.CommTracker instead."""
+
+    # (module, function, collective, index of the input tensor argument)
+    FUNCTIONS = [("funcol", n, "all_reduce", 0) for n in ("all_reduce",)] + \
+        [("funcol", n, "all_gather", 0) for n in ("all_gather_single", "all_gather_tensor",
+                                                  "all_gather_single_autograd", "all_gather_tensor_autograd")] + \
+        [("funcol", n, "reduce_scatter", 0) for n in ("reduce_scatter_single", "reduce_scatter_tensor",
+                                                      "reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd")] + \
+        [("funcol", "all_gather_inplace", "all_gather", 1), ("dist", "all_reduce", "all_reduce", 0),
+         ("dist", "all_gather", "all_gather", 1), ("dist", "all_gather_into_tensor", "all_gather", 1),
+         ("dist", "all_gather_single", "all_gather", 1), ("dist", "reduce_scatter_tensor", "reduce_scatter", 1),
+         ("dist", "reduce_scatter_single", "reduce_scatter", 1)]
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+        modules = {"funcol": funcol, "dist": dist}
+        self.records: list[tuple[str, str, int]] = []
+        self._depth = 0  # functional collectives call each other: count the outermost call only
+        self._patched = [(modules[m], name, getattr(modules[m], name)) for m, name, _, _ in self.FUNCTIONS
+                         if hasattr(modules[m], name)]
+        ops = {(modules[m], name): (op, i) for m, name, op, i in self.FUNCTIONS}
+        for module, name, fn in self._patched:
+            setattr(module, name, self._wrap(fn, *ops[(module, name)]))
+
+    def _wrap(self, fn, op: str, index: int):
+        import torch
+
+        def wrapped(*args, **kwargs):
+            if self._depth == 0:
+                t = args[index]
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+                self.records.append((phase, op, t.numel() * t.element_size()))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return wrapped
+
+    def close(self) -> None:
+        for module, name, fn in self._patched:
+            setattr(module, name, fn)
+
+
+def _batches(vocab: int, b: int, s: int, n: int):
+    import torch
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(1000 + i))
+        out.append((ids, ids.clone()))
+    return out
+
+
+def _load(impl: str, ckpt: str, tp: int, sp: bool):
+    import torch
+    if impl == "tptrain":
+        from tptrain import DistributedConfig
+        from tptrain.models import AutoModelForCausalLM
+        dc = DistributedConfig(tp_size=tp, enable_sequence_parallel=sp) if tp > 1 else None
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
+    import transformers
+    dc = transformers.DistributedConfig(tp_size=tp) if tp > 1 else None
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
+
+
+def _measure_step(impl: str, model, ids, labels) -> dict:
+    """One extra forward + backward: collectives and saved-activation bytes (not timed)."""
+    import torch
+    from tptrain.parallel.accounting import SavedTensorMeter, comm_report
+    if impl == "tptrain":
+        report = comm_report(model, ids, labels)
+        out = {"saved": report.saved_activation_bytes, "full_logit": report.full_logit_collectives,
+               "coll": [sum(r.count for r in report.rows), sum(r.bytes for r in report.rows)],
+               "min": [sum(r.min_count for r in report.rows), sum(r.min_bytes for r in report.rows)]}
+    else:
+        class DTensorMeter(SavedTensorMeter):  # the peer saves DTensors: count their local shards
+            def add(self, t):
+                super().add(getattr(t, "_local_tensor", t))
+
+        params = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+        counter = PeerCollectives()
+        try:
+            with DTensorMeter(params) as meter:
+                loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        finally:
+            counter.close()
+        out = {"saved": meter.bytes, "coll": [len(counter.records), sum(r[2] for r in counter.records)]}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import tptrain  # noqa: F401 - imports count in the baseline for both implementations
+    if spec["impl"] == "peer":
+        import transformers  # noqa: F401
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    sampler = PeakSampler()
+    baseline = sampler.reset()
+    start = time.perf_counter()
+    model = _load(spec["impl"], spec["ckpt"], spec["tp"], spec["sp"])
+    result = {"load_s": time.perf_counter() - start, "load_peak": sampler.peak - baseline}
+    if spec["mode"] == "train":
+        model.train()
+        config, b, s = WORKLOADS[spec["workload"]]
+        batches = _batches(config["vocab_size"], b, s, spec["warmup"] + spec["steps"])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        times, cpu, losses = [], [], []
+        for ids, labels in batches:
+            if dist.is_initialized():
+                dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            losses.append(loss.item())
+        result.update(times=times[spec["warmup"]:], cpu=cpu[spec["warmup"]:], loss0=losses[0], peak=sampler.peak - baseline)
+        result.update(_measure_step(spec["impl"], model, *batches[0]))
+    Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+def _qwen3_checkpoint(cache: Path, name: str, config: dict) -> Path:
+    path = cache / name
+    if (path / "config.json").exists():
+        return path
+    import torch
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{name}-"))
+    torch.manual_seed(0)
+    try:
+        import transformers
+        kw = {k: v for k, v in config.items() if k != "model_type"}
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
+        model.save_pretrained(tmp)
+    except ImportError:  # no peer installed: tptrain's identical random init
+        from tptrain.models import AutoConfig, AutoModelForCausalLM
+        kw = dict(config)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw), dtype=torch.float32)
+        model.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _launch(spec: dict, tp: int, timeout: float) -> list[dict] | str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory() as out:
+        spec = dict(spec, out=out)
+        cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+        if tp > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *cmd[1:]]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f}s"
+        if proc.returncode != 0:
+            return "failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(tp)]
+
+
+def _checkpoint_bytes(path: Path) -> tuple[int, int]:
+    """(total bytes of every tensor, bytes of the largest one) from the safetensors headers."""
+    total = largest = 0
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for k, v in header.items():
+            if k != "__metadata__":
+                n = v["data_offsets"][1] - v["data_offsets"][0]
+                total, largest = total + n, max(largest, n)
+    return total, largest
+
+
+def _fmt_coll(c) -> str:
+    return f"{c[0]} / {c[1] / MB:.1f} MB" if c else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: medium,large-vocab")
+    parser.add_argument("--impls", default="tptrain,peer", help="comma-separated: tptrain,peer")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--no-load", action="store_true", help="skip the ~2.4 GB checkpoint load measurement")
+    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(json.loads(args.worker))
+    try:
+        import transformers  # noqa: F401
+        impls = args.impls.split(",")
+    except ImportError:
+        impls = [i for i in args.impls.split(",") if i != "peer"]
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    results: dict[tuple, dict | str] = {}
+    for name in filter(None, args.workloads.split(",")):
+        if name not in WORKLOADS:
+            parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        config, b, s = WORKLOADS[name]
+        ckpt = _qwen3_checkpoint(cache, f"qwen3-{name}", config)
+        for impl, tp, sp in RUNS:
+            if impl in impls:
+                spec = dict(mode="train", impl=impl, workload=name, tp=tp, sp=sp, ckpt=str(ckpt),
+                            steps=args.steps, warmup=args.warmup)
+                ranks = _launch(spec, tp, args.timeout)
+                results[(name, impl, tp, sp)] = ranks if isinstance(ranks, str) else _summarise(ranks, b * s)
+                print(f"# {name} {impl} tp={tp} sp={sp}: {results[(name, impl, tp, sp)]}", file=sys.stderr, flush=True)
+    loads = {}
+    if not args.no_load:
+        ckpt = _qwen3_checkpoint(cache, "qwen3-0.6b-shape", LOAD_CONFIG)
+        for impl in impls:
+            ranks = _launch(dict(mode="load", impl=impl, tp=2, sp=False, ckpt=str(ckpt)), 2, args.timeout)
+            loads[impl] = ranks if isinstance(ranks, str) else {
+                "load_s": max(r["load_s"] for r in ranks), "load_peak": max(r["load_peak"] for r in ranks)}
+        loads["bytes"] = _checkpoint_bytes(ckpt)
+    print(_table(results, loads, args))
+
+
+def _summarise(ranks: list[dict], tokens: int) -> dict:
+    step = statistics.median(max(t) for t in zip(*(r["times"] for r in ranks)))
+    cpu = statistics.median(max(t) for t in zip(*(r["cpu"] for r in ranks)))
+    out = {"step": step, "cpu": cpu, "tok_s": tokens / step, "peak": max(r["peak"] for r in ranks),
+           "saved": max(r["saved"] for r in ranks), "loss0": ranks[0]["loss0"], "coll": ranks[0]["coll"]}
+    out.update({k: ranks[0][k] for k in ("min", "full_logit") if k in ranks[0]})
+    return out
+
+
+def _table(results: dict, loads: dict, args) -> str:
+    rows = [f"bench_tp.py --workloads {args.workloads} --steps {args.steps} --warmup {args.warmup}: fp32, gloo, "
+            f"1 thread per rank; CPU s/step = process CPU time (max over ranks), robust when the machine is "
+            f"shared; collectives per step on one rank (count / payload) vs the Megatron minimum",
+            "", "| workload | impl | tp | SP | step s | CPU s/step | tokens/s | peak anon MB/rank | saved act MB/rank | "
+            "collectives/step | minimum | loss step 0 |", "|" + "---|" * 12]
+    for (name, impl, tp, sp), r in results.items():
+        if isinstance(r, str):
+            rows.append(f"| {name} | {impl} | {tp} | {'on' if sp else '-'} | {r} |" + " |" * 7)
+            continue
+        minimum = r.get("min") or (results.get((name, "tptrain", tp, False)) or {}).get("min") if tp > 1 else None
+        rows.append(f"| {name} | {impl} | {tp} | {'on' if sp else '-'} | {r['step']:.2f} | {r['cpu']:.2f} | {r['tok_s']:.0f} | "
+                    f"{r['peak'] / MB:.0f} | {r['saved'] / MB:.0f} | {_fmt_coll(r['coll'] if tp > 1 else None)} | "
+                    f"{_fmt_coll(minimum)} | {r['loss0']:.4f} |")
+
+    def get(name, impl, tp, sp=False):
+        r = results.get((name, impl, tp, sp))
+        return r if isinstance(r, dict) else None
+
+    rows += ["", "| headline | medium | large-vocab | target |", "|---|---|---|---|"]
+
+    def line(label, fn, target):
+        cells = []
+        for name in WORKLOADS:
+            try:
+                cells.append(fn(name))
+            except (TypeError, KeyError, ZeroDivisionError):
+                cells.append("-")
+        rows.append(f"| {label} | {' | '.join(cells)} | {target} |")
+
+    line("tp-2 step time, tptrain / peer", lambda n: f"{get(n, 'tptrain', 2)['step'] / get(n, 'peer', 2)['step']:.2f}x "
+         f"(speed-up {get(n, 'peer', 2)['step'] / get(n, 'tptrain', 2)['step']:.2f}x)", "<= 0.85 (medium), 0.80 (large-vocab)")
+    line("tp-2 step time with SP, tptrain / peer",
+         lambda n: f"{get(n, 'tptrain', 2, True)['step'] / get(n, 'peer', 2)['step']:.2f}x", "-")
+    for impl in ("tptrain", "peer"):
+        line(f"TP overhead factor {impl} (2 x t2 / t1)",
+             lambda n, i=impl: f"{2 * get(n, i, 2)['step'] / get(n, i, 1)['step']:.2f}", "<= 1.15" if impl == "tptrain" else "-")
+    line("same on CPU time/step (robust on a shared machine)",
+         lambda n: f"{get(n, 'tptrain', 2)['cpu'] / get(n, 'peer', 2)['cpu']:.2f}x; overhead tptrain "
+         f"{2 * get(n, 'tptrain', 2)['cpu'] / get(n, 'tptrain', 1)['cpu']:.2f}, peer "
+         f"{2 * get(n, 'peer', 2)['cpu'] / get(n, 'peer', 1)['cpu']:.2f}", "-")
+    line("peak anon memory/rank at tp 2, tptrain / peer",
+         lambda n: f"{get(n, 'tptrain', 2)['peak'] / get(n, 'peer', 2)['peak']:.2f}x", "<= 0.85 (large-vocab)")
+    line("tptrain collectives == minimum, full-logit collectives",
+         lambda n: f"{get(n, 'tptrain', 2)['coll'] == get(n, 'tptrain', 2)['min'] and get(n, 'tptrain', 2, True)['coll'] == get(n, 'tptrain', 2, True)['min']}, "
+         f"{get(n, 'tptrain', 2)['full_logit'] + get(n, 'tptrain', 2, True)['full_logit']}", "True, 0")
+    line("saved activations/rank SP / plain TP (tptrain)",
+         lambda n: f"{get(n, 'tptrain', 2, True)['saved'] / get(n, 'tptrain', 2)['saved']:.2f}", "<= 0.6")
+    line("saved activations/rank tp 2 SP / (tp 1 / 2) (tptrain)",
+         lambda n: f"{get(n, 'tptrain', 2, True)['saved'] / (get(n, 'tptrain', 1)['saved'] / 2):.2f}", "<= 1.1")
+    if loads:
+        total, largest = loads["bytes"]
+        bound = 1.1 * (total / 2 + largest)
+        rows += ["", f"| load of a {total / 1e9:.2f} GB checkpoint (Qwen3-0.6B shape, fp32) at tp 2 | load s | "
+                     f"peak anon MB/rank | bound: ckpt/tp + largest tensor + 10% |", "|---|---|---|---|"]
+        for impl in ("tptrain", "peer"):
+            r = loads.get(impl)
+            if isinstance(r, dict):
+                ok = "ok" if r["load_peak"] <= bound else "ABOVE"
+                rows.append(f"| {impl} | {r['load_s']:.1f} | {r['load_peak'] / MB:.0f} | {bound / MB:.0f} ({ok}) |")
+            elif r:
+                rows.append(f"| {impl} | {r} | | |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""What one training step costs in communication and saved activations, next to the Megatron minimum.
+
+    report = comm_report(model, input_ids, labels)   # one forward + backward, collective on the TP group
+    if rank == 0:
+        print(report.table())
+
+The minimum counts the TP boundaries of the model's plan: every row-parallel module (o_proj,
+down_proj, the vocab-parallel embedding) ends in one sum, and every group of column-parallel siblings
+(q/k/v, gate/up, lm_head) begins with one boundary. Plain TP: one all-reduce of (batch, seq, hidden)
+at each, in forward (the sums) and backward (the boundaries). TP+SP: the same bytes as a
+reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
+saving it. The vocab-parallel loss adds 3 all-reduces of (tokens,) scalars; partial parameter
+gradients (norms, q/k norms) travel in one bucketed all-reduce. Bytes are each rank's input payload.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tptrain.parallel.comm import CommTracker
+
+_PHASES = ("forward", "backward", "grad_sync")
+
+
+class SavedTensorMeter:
+    """Counts the bytes autograd keeps for backward while active: each storage once, parameters not.
+
+        with SavedTensorMeter(model.parameters()) as meter:
+            loss = model(ids, labels=labels).loss
+        meter.bytes
+
+    Only the innermost saved-tensor hooks run, so hooks that replace what is saved (sequence
+    parallelism keeps a shard instead of the gathered tensor) report what they keep via
+    `record_saved`; this meter's own hooks see everything else.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def add(self, t: torch.Tensor) -> None:
+        if t.layout != torch.strided or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._exclude:
+            self._seen[storage.data_ptr()] = storage.nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t
+
+    def __enter__(self) -> "SavedTensorMeter":
+        _METERS.append(self)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        _METERS.remove(self)
+
+
+# Meters are a measuring aid, like comm.CommTracker: they hold no training state.
+_METERS: list[SavedTensorMeter] = []
+
+
+def record_saved(t: torch.Tensor) -> None:
+    """Report a tensor kept for backward by saved-tensor hooks other than a meter's own."""
+    for meter in _METERS:
+        meter.add(t)
+
+
+@dataclass
+class CommRow:
+    phase: str
+    op: str
+    count: int
+    bytes: int
+    min_count: int
+    min_bytes: int
+
+
+@dataclass
+class CommReport:
+    tp_size: int
+    sequence_parallel: bool
+    rows: list[CommRow]
+    saved_activation_bytes: int
+    full_logit_collectives: int  # collectives of (.., vocab) or (.., vocab / tp) logits: should be 0
+
+    @property
+    def matches_minimum(self) -> bool:
+        return all(r.count == r.min_count and r.bytes == r.min_bytes for r in self.rows)
+
+    def table(self) -> str:
+        lines = [f"collectives per training step on one rank (tp={self.tp_size}, "
+                 f"sequence_parallel={self.sequence_parallel})",
+                 f"{'phase':<10} {'collective':<15} {'count':>6} {'minimum':>8} {'MiB':>10} {'min MiB':>10}"]
+        for r in self.rows:
+            flag = "" if (r.count, r.bytes) == (r.min_count, r.min_bytes) else "  <- above minimum"
+            lines.append(f"{r.phase:<10} {r.op:<15} {r.count:>6} {r.min_count:>8} {r.bytes / 2**20:>10.3f} "
+                         f"{r.min_bytes / 2**20:>10.3f}{flag}")
+        lines.append(f"full-logit collectives: {self.full_logit_collectives}; saved activations: "
+                     f"{self.saved_activation_bytes / 2**20:.2f} MiB")
+        return "\n".join(lines)
+
+
+def _boundaries(plan: dict[str, str]) -> tuple[int, int]:
+    """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary."""
+    enters = {name.rpartition(".")[0] for name, style in plan.items() if style.startswith("colwise")}
+    exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values())
+    return len(enters), exits
+
+
+def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels."""
+    layout = model.tp_layout
+    if layout is None or layout.ctx.size == 1:
+        return {}
+    tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
+    dtype = next(model.parameters()).dtype
+    act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
+    loss_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize
+    enters, exits = _boundaries(layout.plan)
+    out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
+
+    def add(key, count, nbytes):
+        c, b = out[key]
+        out[key] = (c + count, b + nbytes)
+
+    if sp:
+        add(("forward", "reduce_scatter"), exits, exits * act)
+        add(("forward", "all_gather"), enters, enters * act // tp)
+        add(("backward", "all_gather"), exits + enters, (exits + enters) * act // tp)  # incl. the re-gathers
+        add(("backward", "reduce_scatter"), enters, enters * act)
+    else:
+        add(("forward", "all_reduce"), exits, exits * act)
+        add(("backward", "all_reduce"), enters, enters * act)
+    if layout.plan.get("lm_head") == "colwise_gather_output":
+        add(("forward", "all_reduce"), 3, 3 * loss_bytes)  # vocab-parallel loss: max, target, sum-exp
+    params = dict(model.named_parameters())
+    sync = [(params[n], s) for n, s in layout.grad_sync.specs.items() if n in params and params[n].requires_grad]
+    if sync:
+        grad_dtype = torch.promote_types(dtype, torch.float32)
+        add(("grad_sync", "all_reduce"), 1,
+            sum(p.numel() * s.num_chunks(tp) for p, s in sync) * grad_dtype.itemsize)
+    return dict(out)
+
+
+def comm_report(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, **forward_kwargs) -> CommReport:
+    """Run one training forward + backward of `model` (every TP rank must call it with the same
+    shapes), recording each collective and the saved-activation bytes. Gradients are accumulated into
+    `.grad` as by any backward: call it between optimizer steps and zero the gradients afterwards."""
+    with CommTracker() as tracker:
+        with SavedTensorMeter(model.parameters()) as meter:
+            loss = model(input_ids, labels=labels, **forward_kwargs).loss
+        saved = meter.bytes
+        loss.backward()
+    counted: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for r in tracker.records:
+        counted[(r.phase, r.op)][0] += 1
+        counted[(r.phase, r.op)][1] += r.bytes
+    minimum = megatron_minimum(model, *input_ids.shape[:2])
+    keys = sorted(set(counted) | set(minimum), key=lambda k: (_PHASES.index(k[0]) if k[0] in _PHASES else 9, k[1]))
+    rows = [CommRow(p, op, *counted.get((p, op), (0, 0)), *minimum.get((p, op), (0, 0))) for p, op in keys]
+    tp = getattr(model, "tp_size", 1)
+    vocab = getattr(model.config, "vocab_size", None)
+    # Activations end in hidden_size; a last dim of vocab (or this rank's vocab shard) is logits.
+    logit_dims = ({vocab, vocab // tp} if vocab else set()) - {model.config.hidden_size}
+    full_logits = sum(len(r.shape) > 1 and r.shape[-1] in logit_dims for r in tracker.records)
+    return CommReport(tp, bool(model.tp_layout and model.tp_layout.ctx.sequence_parallel), rows, saved, full_logits)

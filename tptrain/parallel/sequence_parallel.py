@@ -1,0 +1,122 @@
+"""Megatron-style sequence parallelism: backward re-gathers the sequence instead of saving it.
+
+Under SP the residual stream and the norms hold a sequence shard (batch, seq/tp, hidden); the TP
+boundary all-gathers it before q/k/v (gate/up, lm_head) and reduce-scatters after o_proj (down_proj).
+Left alone, autograd would make every column-parallel `nn.Linear` save the GATHERED (batch, seq,
+hidden) input for its weight gradient: tp times the bytes of the shard. While the model runs forward,
+a `saved_tensors_hooks` pair keeps only the local shard of any tensor the SP all-gather produced, and
+the backward gathers it again when first needed. q/k/v (gate/up) save views of the same gathered
+tensor, so they share ONE re-gather, cached until the last of them has run its backward.
+
+    model.parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
+    model(input_ids, labels=labels).loss.backward()   # seq len must be a multiple of tp_size
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tptrain.parallel import comm
+from tptrain.parallel.accounting import record_saved
+from tptrain.parallel.styles import TPContext
+
+
+@dataclass
+class _Gathered:
+    """One SP all-gather: its local input (kept for backward) and the re-gathered tensor, cached
+    while some saved view of it still waits for its backward."""
+
+    local: torch.Tensor
+    full: weakref.ref  # the forward's gathered tensor: only to tell it apart from a reused address
+    nbytes: int
+    ctx: TPContext
+    dim: int
+    version: int  # autograd's check, kept: the shard must not change in place before backward
+    _regathered: torch.Tensor | None = field(default=None, repr=False)
+
+    def regather(self) -> torch.Tensor:
+        if self._regathered is None:
+            if self.local._version != self.version:
+                raise RuntimeError("a sequence-parallel shard saved for backward was modified in place after the "
+                                   "forward (its all-gather input); clone it before modifying it")
+            self._regathered = comm.all_gather(self.local, self.ctx.group, dim=self.dim)
+        return self._regathered
+
+
+@dataclass
+class _Packed:
+    """What autograd stores instead of a view of a gathered tensor."""
+
+    source: _Gathered
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class SequenceParallelSaver:
+    """The saved-tensor hooks of one SP model, active only while that model runs forward."""
+
+    def __init__(self, ctx: TPContext) -> None:
+        self.ctx = ctx
+        self._gathered: dict[int, _Gathered] = {}  # storage address -> gather, for this forward only
+        self._hooks: list = []
+
+    def on_gather(self, local: torch.Tensor, full: torch.Tensor, dim: int) -> None:
+        storage = full.untyped_storage()
+        # Detached: the shard's storage is kept, not the autograd graph that produced it.
+        self._gathered[storage.data_ptr()] = _Gathered(local.detach(), weakref.ref(full), storage.nbytes(),
+                                                       self.ctx, dim, local._version)
+
+    def _pack(self, t: torch.Tensor):
+        source = self._gathered.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        if source is None or source.full() is None or source.nbytes != t.untyped_storage().nbytes():
+            record_saved(t)
+            return t
+        record_saved(source.local)
+        return _Packed(source, tuple(t.shape), t.stride(), t.storage_offset())
+
+    @staticmethod
+    def _unpack(packed):
+        if not isinstance(packed, _Packed):
+            return packed
+        # The re-gathered tensor has the forward's contiguous layout, so the saved view maps onto it.
+        return packed.source.regather().as_strided(packed.shape, packed.stride, packed.offset)
+
+    def begin(self) -> None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+
+    def end(self) -> None:
+        self._gathered.clear()  # packed views keep what they need; the rest may be freed
+        if self._hooks:
+            self._hooks.pop().__exit__(None, None, None)
+
+
+def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int) -> None:
+    if seq_len % tp_size:
+        raise ValueError(f"{type(model).__name__}: sequence parallelism splits the sequence over tp_size={tp_size} "
+                         f"ranks, but the input has sequence length {seq_len}, which is not a multiple of "
+                         f"{tp_size}; pad the batch to a multiple of {tp_size} (e.g. labels=-100, attention_mask=0 "
+                         f"on the padding) or disable enable_sequence_parallel")
+
+
+def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:
+    """Check the sequence length before any collective and keep only shards for backward."""
+    saver = SequenceParallelSaver(ctx)
+    ctx.on_gather = saver.on_gather
+    sig = inspect.signature(model.forward)
+
+    def before(module, args, kwargs):
+        ids = sig.bind_partial(*args, **kwargs).arguments.get("input_ids")
+        if ids is not None:  # identical on every rank: all raise, none is left in a collective
+            check_sequence_length(module, ids.shape[1], ctx.size)
+        saver.begin()
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: saver.end(), always_call=True)
+    return saver
