@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, batch, full_grads, full_params, make_config
+from tests.test_tensor_parallel import TOL, assert_grads_match, assert_params_match, batch, make_config
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.accounting import SavedTensorMeter
@@ -37,13 +37,9 @@ def _check_equivalence(ref, model, ids, labels, tp: int) -> None:
         if step == 0:
             # Megatron-style SP: no rank keeps a gathered (batch, seq, hidden) input for backward.
             assert meter.bytes <= 1.1 * ref_meter.bytes / tp, (meter.bytes, ref_meter.bytes, tp)
-            grads = full_grads(model)
-            for n, p in ref.named_parameters():
-                torch.testing.assert_close(grads[n], p.grad, **TOL, msg=lambda m: f"grad of {n}: {m}")
+            assert_grads_match(model, ref)
         ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    params = full_params(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(params[n], p.detach(), **TOL, msg=lambda m: f"{n} after 3 AdamW steps: {m}")
+    assert_params_match(model, ref, "3 AdamW steps")
 
 
 def _check_collectives(config, model, tp: int) -> None:
@@ -78,9 +74,7 @@ def _check_accumulation(config, ref, model) -> None:
         assert t.counts("grad_sync") == {}
         model.tp_layout.grad_sync.sync()
     assert t.counts("grad_sync") == {"all_reduce": 1}
-    grads = full_grads(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, **TOL, msg=lambda m: f"accumulated grad of {n}: {m}")
+    assert_grads_match(model, ref, what="accumulated grad")
     model.tp_layout.grad_sync.auto = True
 
 
@@ -109,9 +103,7 @@ def _check_fp32(config, tp: int) -> None:
     loss, ref_loss = model(ids, labels=labels).loss, ref(ids, labels=labels).loss
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     loss.backward(), ref_loss.backward()
-    grads = full_grads(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"fp32 grad of {n}: {m}")
+    assert_grads_match(model, ref, tol=dict(rtol=1e-4, atol=1e-6), what="fp32 grad")
 
 
 @pytest.mark.parametrize("tp", [2, 4])

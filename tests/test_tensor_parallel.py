@@ -49,6 +49,19 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {n: gather_full(p.detach(), layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
 
 
+def assert_grads_match(model, ref, *, tol: dict = TOL, what: str = "grad") -> None:
+    """Every gathered TP gradient equals the single-device one."""
+    grads = full_grads(model)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, **tol, msg=lambda m: f"{what} of {n}: {m}")
+
+
+def assert_params_match(model, ref, after: str) -> None:
+    params = full_params(model)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(params[n], p.detach(), **TOL, msg=lambda m: f"{n} after {after}: {m}")
+
+
 def _equivalence_worker(name: str, tp: int) -> None:
     torch.manual_seed(0)
     config = make_config(name)
@@ -66,13 +79,9 @@ def _equivalence_worker(name: str, tp: int) -> None:
         ref_loss.backward()
         loss.backward()
         if step == 0:
-            grads = full_grads(model)
-            for n, p in ref.named_parameters():
-                torch.testing.assert_close(grads[n], p.grad, **TOL, msg=lambda m: f"grad of {n}: {m}")
+            assert_grads_match(model, ref)
         ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    params = full_params(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(params[n], p.detach(), **TOL, msg=lambda m: f"{n} after 3 AdamW steps: {m}")
+    assert_params_match(model, ref, "3 AdamW steps")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
