@@ -46,6 +46,17 @@ def init_distributed() -> torch.device:
     return device
 
 
+def raise_on_any_rank(error: str | None, *, exc_type: type[Exception] = OSError, collective: bool = True) -> None:
+    """If any rank has an error message, raise the first one on every rank, so no rank is left waiting in a
+    later collective. Collective (all ranks must call it) when `collective` and a multi-rank group is up."""
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise exc_type(error)
+
+
 @dataclass
 class DistributedConfig:
     """How a model is spread over the processes of the job.

@@ -11,14 +11,14 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tptrain.distributed import DistributedConfig
+from tptrain.distributed import DistributedConfig, raise_on_any_rank
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -187,47 +187,39 @@ class PreTrainedModel(nn.Module):
         Collective: every rank must call it. Global rank 0 writes, atomically; a failure on the
         writer is raised on every rank.
         """
-        from torch.distributed.tensor import DTensor
-
         from tptrain.checkpoint import save_checkpoint
 
-        # Sharded over TP, or over data parallelism by FSDP2 (DTensor parameters): a collective save.
-        distributed = dist.is_initialized() and (
-            self.tp_layout is not None or any(isinstance(p, DTensor) for p in self.parameters()))
-        writer = not distributed or dist.get_rank() == 0
-        target = Path(save_directory)
-        error = _writable_error(target) if writer else None
-        _raise_everywhere(error, distributed)
-        state = self.full_state_dict()
-        if writer:
-            try:
-                config = self.config.to_dict()
-                config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
-                save_checkpoint(state, target, max_shard_size=max_shard_size,
-                                extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
-            except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-                error = f"saving to {target} failed: {type(exc).__name__}: {exc}"
-        _raise_everywhere(error, distributed)
+        def write(state: dict[str, torch.Tensor]) -> None:
+            config = self.config.to_dict()
+            config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+            config["architectures"] = config.get("architectures") or [type(self).__name__]
+            save_checkpoint(state, save_directory, max_shard_size=max_shard_size,
+                            extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
+
+        save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
 
 
-def _writable_error(target: Path) -> str | None:
-    parent = target.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create {parent}: {exc}"
-    if not os.access(parent, os.W_OK):
-        return f"output directory {parent} is not writable; choose another save_directory"
-    if target.exists() and not target.is_dir():
-        return f"{target} exists and is not a directory"
-    return None
+def is_sharded(model: nn.Module) -> bool:
+    """Sharded over TP, or over data parallelism by FSDP2 (DTensor parameters): saving is then collective."""
+    from torch.distributed.tensor import DTensor
+
+    return dist.is_initialized() and (getattr(model, "tp_layout", None) is not None
+                                      or any(isinstance(p, DTensor) for p in model.parameters()))
 
 
-def _raise_everywhere(error: str | None, distributed: bool) -> None:
-    """Share the writer's error with every rank, so none is left waiting in a later collective."""
-    if distributed:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise OSError(error)
+def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[], Any],
+              write: Callable[[Any], None]) -> None:
+    """The save protocol: global rank 0 checks `target`, every rank takes part in `gather()`, rank 0
+    calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective."""
+    from tptrain.checkpoint import writable_error
+
+    writer = not collective or dist.get_rank() == 0
+    raise_on_any_rank(writable_error(Path(target)) if writer else None, collective=collective)
+    gathered = gather()
+    error = None
+    if writer:
+        try:
+            write(gathered)
+        except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+            error = f"saving to {target} failed: {type(exc).__name__}: {exc}"
+    raise_on_any_rank(error, collective=collective)

@@ -2,9 +2,12 @@
 from tptrain.checkpoint.hub import resolve_checkpoint
 from tptrain.checkpoint.safetensors_io import (
     CheckpointReader,
+    atomic_directory,
     check_tensor_shape,
     parse_size,
     save_checkpoint,
+    writable_error,
 )
 
-__all__ = ["CheckpointReader", "check_tensor_shape", "parse_size", "resolve_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointReader", "atomic_directory", "check_tensor_shape", "parse_size", "resolve_checkpoint",
+           "save_checkpoint", "writable_error"]

@@ -7,13 +7,15 @@ Layout (what transformers' save_pretrained writes and from_pretrained reads):
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -226,25 +228,50 @@ def save_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | os.Pat
     or the new checkpoint at `directory`, or, between the two renames of the swap, neither there but the
     old one intact at `.{name}.bak-<pid>` and the new one complete at `.{name}.tmp-<pid>`.
     """
-    target = Path(os.path.abspath(directory))
-    _check_replaceable(target)
     header_meta = _header_metadata(metadata)
     shards = _plan_shards(state_dict, parse_size(max_shard_size))
     files = _shard_file_names(len(shards))
     extra = extra_files or {}
     _check_extra_files(extra, files)
+    with atomic_directory(directory) as tmp:
+        _write_shards(tmp, state_dict, dict(zip(files, shards)), header_meta)
+        for name, content in extra.items():
+            _write_file(tmp / name, content.encode() if isinstance(content, str) else content)
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary sibling of `directory` to fill. On success every file in it is
+    fsynced and it is swapped into place (an existing `directory` is replaced whole); on any error,
+    KeyboardInterrupt too, it is removed and `directory` is left untouched."""
+    target = Path(os.path.abspath(directory))
+    _check_replaceable(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier process that had our pid
     try:
         tmp.mkdir()
-        _write_shards(tmp, state_dict, dict(zip(files, shards)), header_meta)
-        for name, content in extra.items():
-            _write_file(tmp / name, content.encode() if isinstance(content, str) else content)
+        yield tmp
+        for path in tmp.iterdir():
+            _fsync(path)
         _swap_into_place(tmp, target)
-    except BaseException:  # KeyboardInterrupt too: never leave a temp dir behind
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def writable_error(target: Path) -> str | None:
+    """Why `target` cannot be written as a checkpoint directory, or None (its parent is created)."""
+    parent = target.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {parent}: {exc}"
+    if not os.access(parent, os.W_OK):
+        return f"output directory {parent} is not writable; choose another save_directory"
+    if target.exists() and not target.is_dir():
+        return f"{target} exists and is not a directory"
+    return None
 
 
 def _check_replaceable(target: Path) -> None:
@@ -304,7 +331,6 @@ def _write_shards(tmp: Path, state_dict: dict[str, torch.Tensor], shards: dict[s
         tensors = _shard_tensors(state_dict, names)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         save_file(tensors, os.fspath(tmp / file_name), metadata=header_meta)
-        _fsync(tmp / file_name)
     if len(shards) > 1:
         weight_map = {name: file_name for file_name, names in shards.items() for name in names}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

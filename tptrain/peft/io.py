@@ -8,14 +8,13 @@ any byte is loaded, then reads only this rank's slice.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tptrain.checkpoint.safetensors_io import _check_replaceable, _fsync, _swap_into_place
+from tptrain.checkpoint.safetensors_io import atomic_directory
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from tptrain.peft.lora import ADAPTER
@@ -34,21 +33,10 @@ def disk_key(name: str) -> str:
 
 
 def write_adapter(directory: str | os.PathLike, state: dict[str, torch.Tensor], config: LoraConfig) -> None:
-    target = Path(os.path.abspath(directory))
-    _check_replaceable(target)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        tensors = {k: v.contiguous() for k, v in state.items()}
-        save_file(tensors, os.fspath(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    with atomic_directory(directory) as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, os.fspath(tmp / WEIGHTS_NAME),
+                  metadata={"format": "pt"})
         config.save(tmp)
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
-            _fsync(tmp / name)
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def check_adapter_file(directory: str | os.PathLike, expected: dict[str, str], extra: dict[str, str],

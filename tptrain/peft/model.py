@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -130,21 +129,11 @@ class PeftModel(nn.Module):
     def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
         """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
         Collective: every rank calls it; global rank 0 writes atomically; a failure is raised on every rank."""
-        from tptrain.modeling import _raise_everywhere, _writable_error
+        from tptrain.modeling import is_sharded, save_once
 
         model = self.get_base_model()
-        distributed = dist.is_initialized() and (getattr(model, "tp_layout", None) is not None
-                                                 or any(isinstance(p, DTensor) for p in model.parameters()))
-        writer = not distributed or dist.get_rank() == 0
-        error = _writable_error(Path(save_directory)) if writer else None
-        _raise_everywhere(error, distributed)
-        state = self.adapter_state_dict()
-        if writer:
-            try:
-                io.write_adapter(save_directory, state, self.peft_config["default"])
-            except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-                error = f"saving the adapter to {save_directory} failed: {type(exc).__name__}: {exc}"
-        _raise_everywhere(error, distributed)
+        save_once(save_directory, collective=is_sharded(model), gather=self.adapter_state_dict,
+                  write=lambda state: io.write_adapter(save_directory, state, self.peft_config["default"]))
 
     @classmethod
     def from_pretrained(cls, model: nn.Module, model_id: str | os.PathLike, *,

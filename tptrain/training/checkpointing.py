@@ -27,22 +27,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tptrain.distributed import raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.tensor_parallel import gather_full
 
 PREFIX = "checkpoint-"
 MARKER = "complete"
 STATE_FILE = "trainer_state.json"
-
-
-def raise_on_any_rank(error: str | None, exc_type: type[Exception] = OSError) -> None:
-    """Collective: if any rank has an error message, raise the first one on every rank."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise exc_type(error)
 
 
 def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.modeling import _writable_error
+from tptrain.checkpoint import writable_error
+from tptrain.distributed import raise_on_any_rank
 from tptrain.parallel import comm
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments
@@ -74,7 +75,7 @@ class Trainer:
         dp_rank = coords["dp_replicate"] * self.sizes["dp_shard"] + coords["dp_shard"]
         self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_rank, dp_size=self.dp_size,
                                     global_batch=self.global_batch)
-        ckpt.raise_on_any_rank(_writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
+        raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
         if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
             model.to(self.device)
         torch.manual_seed(args.seed)
