@@ -46,6 +46,11 @@ def init_distributed() -> torch.device:
     return device
 
 
+def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
+    """{axis name: size} of a named mesh, comparable with `DistributedConfig.sizes()`."""
+    return dict(zip(mesh.mesh_dim_names, mesh.shape))
+
+
 def raise_on_any_rank(error: str | None, *, exc_type: type[Exception] = OSError, collective: bool = True) -> None:
     """If any rank has an error message, raise the first one on every rank, so no rank is left waiting in a
     later collective. Collective (all ranks must call it) when `collective` and a multi-rank group is up."""
@@ -97,9 +102,10 @@ class DistributedConfig:
         return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
 
     def device_mesh(self) -> tuple[DeviceMesh, torch.device]:
-        """Start the process group (if needed) and build the named mesh; cached on this config."""
+        """Start the process group (if needed) and build the named mesh; cached on this config while its
+        sizes stay the same (a new mesh creates new process groups, a collective)."""
         sizes = self.sizes()  # validate before the rendezvous, so a bad layout fails fast everywhere
         device = init_distributed()
-        if self._mesh is None:
+        if self._mesh is None or mesh_sizes(self._mesh) != sizes:
             self._mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
         return self._mesh, device

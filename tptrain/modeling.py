@@ -119,13 +119,12 @@ class PreTrainedModel(nn.Module):
         On a meta model, `reader` fills each rank's slice from the checkpoint; a materialised model is
         sliced in memory (how tests compare against the same model on one device).
         """
-        from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan
+        from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, raise_plan_problems
 
         tp = distributed_config.sizes()["tp"]
         _, _, problems = check_plan(self, distributed_config.tp_plan, tp,
                                     sequence_parallel=distributed_config.enable_sequence_parallel)
-        if problems:  # identical on every rank, raised before any collective
-            raise ValueError(f"cannot shard {type(self).__name__} over tp_size={tp}:\n  - " + "\n  - ".join(problems))
+        raise_plan_problems(self, tp, problems)  # before the mesh's collectives, identically on every rank
         mesh, device = distributed_config.device_mesh()
         layout = apply_tensor_parallel(self, distributed_config.tp_plan, tp_group=mesh["tp"].get_group(),
                                        sequence_parallel=distributed_config.enable_sequence_parallel)
@@ -167,19 +166,7 @@ class PreTrainedModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every parameter gathered to its full shape, on CPU; tied aliases dropped (HF convention).
         Collective over the TP group; returns the dict on TP rank 0 and None elsewhere."""
-        from tptrain.parallel.tensor_parallel import gather_full
-
-        from torch.distributed.tensor import DTensor
-
-        layout = self.tp_layout
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.named_parameters():
-            t = p.detach()
-            if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: gather this rank's TP shard
-                t = t.full_tensor()
-            t = t if layout is None else gather_full(t, layout.specs[name], layout.ctx)
-            out[name] = t.cpu()
-        return out if layout is None or layout.ctx.rank == 0 else None
+        return gather_parameters(self, [name for name, _ in self.named_parameters()])
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
         """Write one consolidated HF checkpoint (config.json + safetensors), whatever tp_size was.
@@ -199,6 +186,24 @@ class PreTrainedModel(nn.Module):
         save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
 
 
+def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """The parameters `names` of `model` at full shape, on the CPU: FSDP2 shards gathered first, then TP shards.
+    Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
+    from torch.distributed.tensor import DTensor
+
+    from tptrain.parallel.tensor_parallel import gather_full
+
+    layout = getattr(model, "tp_layout", None)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        t = params[name].detach()
+        if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: gather this rank's TP shard
+            t = t.full_tensor()
+        out[name] = (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
+    return out if layout is None or layout.ctx.rank == 0 else None
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Sharded over TP, or over data parallelism by FSDP2 (DTensor parameters): saving is then collective."""
     from torch.distributed.tensor import DTensor
@@ -213,7 +218,8 @@ def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[
     calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective."""
     from tptrain.checkpoint import writable_error
 
-    writer = not collective or dist.get_rank() == 0
+    # Global rank 0 writes even for an unsharded model that every rank saves: one writer per directory.
+    writer = not dist.is_initialized() or dist.get_rank() == 0
     raise_on_any_rank(writable_error(Path(target)) if writer else None, collective=collective)
     gathered = gather()
     error = None

@@ -12,20 +12,19 @@ from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-# Only what building and training a model needs: never *.bin / *.pt / original/ duplicates, which can
-# double the download of a large repository.
-HUB_ALLOW_PATTERNS = [
-    "config.json",
+# Tokenizer (and generation) files: downloaded with the weights, copied next to a trained model.
+TOKENIZER_PATTERNS = (
     "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
     "tokenizer*",  # tokenizer.json, tokenizer_config.json, tokenizer.model
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.*",
     "merges.txt",
     "chat_template.jinja",
-]
+)
+# Only what building and training a model needs: never *.bin / *.pt / original/ duplicates, which can
+# double the download of a large repository.
+HUB_ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_PATTERNS]
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None,

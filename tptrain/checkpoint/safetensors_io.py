@@ -53,9 +53,10 @@ class CheckpointReader:
             w = ckpt.read("model.layers.0.mlp.up_proj.weight", dim=0, index=rank, count=tp_size)
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, *, single_file: str = SINGLE_FILE) -> None:
+        # single_file: the one-file name to look for (a PEFT adapter's is adapter_model.safetensors).
         self.directory = Path(directory)
-        self.files, self._tensors = _load_tensor_table(self.directory)
+        self.files, self._tensors = _load_tensor_table(self.directory, single_file)
         self._handles: dict[Path, Any] = {}
 
     def keys(self) -> list[str]:
@@ -134,15 +135,15 @@ def _check_chunk(name: str, shape: tuple[int, ...], dim: int, index: int, count:
     return dim
 
 
-def _load_tensor_table(directory: Path) -> tuple[list[Path], dict[str, _TensorInfo]]:
+def _load_tensor_table(directory: Path, single_file: str) -> tuple[list[Path], dict[str, _TensorInfo]]:
     """The checkpoint's files and, for every tensor, where it lives, its dtype and shape."""
-    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
+    single, index = directory / single_file, directory / INDEX_FILE
     if single.is_file():  # transformers prefers the single file too
         return [single], {name: _tensor_info(name, entry, single)
                           for name, entry in _read_header(single).items()}
     if not index.is_file():
         raise FileNotFoundError(
-            f"checkpoint directory {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+            f"checkpoint directory {directory} has neither {single_file} nor {INDEX_FILE}")
     weight_map = _read_weight_map(index)
     files = [directory / f for f in dict.fromkeys(weight_map.values())]
     missing = [f.name for f in files if not f.is_file()]

@@ -131,10 +131,6 @@ class PretrainedConfig:
         return dict(sorted(out.items()))
 
     @classmethod
-    def from_json_file(cls, json_file: str | os.PathLike) -> "PretrainedConfig":
-        return cls.from_dict(json.loads(pathlib.Path(json_file).read_text()))
-
-    @classmethod
     def from_pretrained(cls, path_or_id: str | os.PathLike) -> "PretrainedConfig":
         """Read `config.json` from a checkpoint directory or hub id."""
         return cls.from_dict(load_config_dict(path_or_id))

@@ -1,7 +1,8 @@
 """Every collective tptrain issues, and the only file that talks to c10d.
 
-The activation collectives are the Megatron "conjugate" pairs, each a tiny autograd function whose
-docstring says its forward / backward in one line. They take the process group as an argument.
+The activation collectives are the Megatron "conjugate" pairs, tiny autograd functions (one shared
+by the pairs along a tensor dim); each entry point's docstring says its forward / backward in one line.
+They take the process group as an argument.
 `CommTracker` records what passes through here (op, shape, bytes) for the communication report and
 for the tests that assert the Megatron minimum.
 """
@@ -125,43 +126,17 @@ class _ReduceFromTP(Function):
         return grad, None
 
 
-class _GatherFromTP(Function):
-    """all-gather fwd / split bwd (un-shard an output, e.g. logits along the vocabulary)."""
+class _AlongDim(Function):
+    """A collective along tensor dim `dim` in forward and its conjugate in backward (the functions below)."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.group, dim=ctx.dim), None, None
-
-
-class _GatherToSP(Function):
-    """all-gather fwd / reduce-scatter bwd (sequence-parallel -> tensor-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather(x, group, dim=dim)
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, dim=ctx.dim), None, None
-
-
-class _ReduceScatterToSP(Function):
-    """reduce-scatter fwd / all-gather bwd (tensor-parallel -> sequence-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter(x, group, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.group, dim=ctx.dim), None, None
+        return ctx.bwd(grad, ctx.group, dim=ctx.dim), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -173,12 +148,15 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
-    return _GatherFromTP.apply(x, group, dim % x.dim())
+    """all-gather fwd / split bwd (un-shard an output, e.g. logits along the vocabulary)."""
+    return _AlongDim.apply(x, group, dim % x.dim(), all_gather, split)
 
 
 def gather_to_sp(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
-    return _GatherToSP.apply(x, group, dim % x.dim())
+    """all-gather fwd / reduce-scatter bwd (sequence-parallel -> tensor-parallel region)."""
+    return _AlongDim.apply(x, group, dim % x.dim(), all_gather, reduce_scatter)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
-    return _ReduceScatterToSP.apply(x, group, dim % x.dim())
+    """reduce-scatter fwd / all-gather bwd (tensor-parallel -> sequence-parallel region)."""
+    return _AlongDim.apply(x, group, dim % x.dim(), reduce_scatter, all_gather)

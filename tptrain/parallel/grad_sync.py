@@ -27,7 +27,7 @@ class PartialGradSync:
     step instead: the hooks keep accumulating local shares until then.
     """
 
-    def __init__(self, model: nn.Module, specs: dict[str, ShardSpec], ctx: TPContext) -> None:
+    def __init__(self, specs: dict[str, ShardSpec], ctx: TPContext) -> None:
         self.specs = {name: spec for name, spec in specs.items() if spec.partial_grad}
         self.ctx = ctx
         self.auto = True

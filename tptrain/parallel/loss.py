@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd import Function
 
+from tptrain.models.decoder import IGNORE_INDEX, shift_labels
 from tptrain.parallel import comm
-
-IGNORE_INDEX = -100
+from tptrain.parallel.styles import vocab_shard_ids
 
 
 class _VocabParallelCrossEntropy(Function):
@@ -20,13 +19,10 @@ class _VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def forward(ctx, logits, target, group):
-        rank, local_vocab = dist.get_rank(group), logits.shape[-1]
-        start = rank * local_vocab
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half -> fp32, as single-device
         max_logit = comm.all_reduce(logits.max(dim=-1).values, group, op=dist.ReduceOp.MAX)
         shifted = logits - max_logit.unsqueeze(-1)
-        outside = (target < start) | (target >= start + local_vocab)
-        local_target = (target - start).masked_fill(outside, 0)
+        local_target, outside = vocab_shard_ids(target, rank=dist.get_rank(group), local_vocab=logits.shape[-1])
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         comm.all_reduce(target_logit, group)
         exp = shifted.exp_()  # reuse the buffer: saved below as the softmax numerator
@@ -58,8 +54,7 @@ def make_vocab_parallel_causal_lm_loss(group):
     same shift, ignore index and normalisation as the single-device loss."""
 
     def loss_function(logits, labels, num_items_in_batch=None):
-        # Shift by padding the labels (not slicing the logits, which would copy them).
-        target = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(logits.device)
+        target = shift_labels(labels).reshape(-1).to(logits.device)
         per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, group)
         denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
         return per_token.sum() / denom

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from tptrain.parallel.styles import STYLES, ShardSpec, make_style
+from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, make_style
 
 # Projections whose output rows are KV heads: when tp_size > num_key_value_heads they are replicated.
 KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -119,18 +119,23 @@ def _fix_hint(name: str, config: Any, chunks: int) -> str:
     return "choose a tp_size that divides it"
 
 
+def make_styles(model: nn.Module, resolved: Mapping[str, str], tp_size: int) -> dict[str, ParallelStyle]:
+    """{module name: style object} of a resolved plan; KV projections get their replica count."""
+    replicas = kv_replicas(model.config, tp_size)
+    is_kv = {name: name.rsplit(".", 1)[-1] in KV_PROJECTIONS for name in resolved}
+    return {name: make_style(style, where=name, kv_replicas=replicas if is_kv[name] else 1)
+            for name, style in resolved.items()}
+
+
 def layout_specs(model: nn.Module, resolved: Mapping[str, str], tp_size: int
                  ) -> tuple[dict[str, ShardSpec], list[str]]:
     """ShardSpec for every parameter the plan touches (full names), and every divisibility problem."""
     specs: dict[str, ShardSpec] = {}
     problems: list[str] = []
-    replicas = kv_replicas(model.config, tp_size)
     if any(".self_attn." in name and style != "replicated_with_grad_allreduce" for name, style in resolved.items()):
         problems += head_problems(model.config, tp_size)
-    for name, style_name in resolved.items():
-        module = model.get_submodule(name)
-        kv = replicas if name.rsplit(".", 1)[-1] in KV_PROJECTIONS else 1
-        style = make_style(style_name, where=name, kv_replicas=kv)
+    for name, style in make_styles(model, resolved, tp_size).items():
+        module, style_name = model.get_submodule(name), style.name
         if not isinstance(module, style.module_types):
             problems.append(f"module {name!r} is a {type(module).__name__}, but style {style_name!r} supports "
                             f"only {', '.join(t.__name__ for t in style.module_types)}")

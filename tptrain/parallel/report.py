@@ -8,6 +8,7 @@ A dry run: the model is built on the meta device from its config and the plan re
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -84,7 +85,7 @@ def _rows(model: torch.nn.Module, resolved: Mapping[str, str], specs: Mapping[st
         else:
             seen[id(p)] = full
             total += p.numel() * itemsize
-            per_rank += _numel(local) * itemsize
+            per_rank += math.prod(local) * itemsize
             note = _split_note(spec, shape, tp_size)
         style = resolved.get(module, "replicated")  # no rule: the whole tensor on every rank
         match = _LAYER_INDEX.search(module)
@@ -123,13 +124,6 @@ def _ranges(indices: list[int]) -> str:
             out.append(str(start) if start == prev else f"{start}-{prev}")
             start = cur
     return ",".join(out)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _size(nbytes: int) -> str:

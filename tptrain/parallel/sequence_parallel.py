@@ -66,6 +66,8 @@ class SequenceParallelSaver:
         self._hooks: list = []
 
     def on_gather(self, local: torch.Tensor, full: torch.Tensor, dim: int) -> None:
+        if not self._hooks:  # activation checkpointing's recompute in backward: nothing will be packed, and
+            return           # an entry would keep its shard alive until the next forward ends
         storage = full.untyped_storage()
         # Detached: the shard's storage is kept, not the autograd graph that produced it.
         self._gathered[storage.data_ptr()] = _Gathered(local.detach(), weakref.ref(full), storage.nbytes(),
@@ -97,12 +99,14 @@ class SequenceParallelSaver:
             self._hooks.pop().__exit__(None, None, None)
 
 
-def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int) -> None:
+def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what: str | None = None) -> None:
+    """ValueError unless `seq_len` splits over the TP ranks; `what` names where the length comes from."""
     if seq_len % tp_size:
+        what = what or f"the input's sequence length {seq_len}"
         raise ValueError(f"{type(model).__name__}: sequence parallelism splits the sequence over tp_size={tp_size} "
-                         f"ranks, but the input has sequence length {seq_len}, which is not a multiple of "
-                         f"{tp_size}; pad the batch to a multiple of {tp_size} (e.g. labels=-100, attention_mask=0 "
-                         f"on the padding) or disable enable_sequence_parallel")
+                         f"ranks, but {what} is not a multiple of {tp_size}; choose a sequence length divisible by "
+                         f"{tp_size} (pad a batch with labels=-100, attention_mask=0 on the padding) or disable "
+                         f"enable_sequence_parallel")
 
 
 def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:

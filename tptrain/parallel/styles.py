@@ -47,6 +47,12 @@ class ShardSpec:
         out[self.dim] //= self.num_chunks(tp_size)
         return tuple(out)
 
+    def local_chunk(self, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+        """Rank `tp_rank`'s piece of the unsharded tensor `full` (a view; `full` itself when replicated)."""
+        if self.dim is None:
+            return full
+        return full.chunk(self.num_chunks(tp_size), dim=self.dim)[self.chunk_index(tp_rank)]
+
 
 @dataclass
 class TPContext:
@@ -152,16 +158,24 @@ def _local_output(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torc
     return out
 
 
+def vocab_shard_ids(ids: torch.Tensor, *, rank: int, local_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`ids` as indices into rank `rank`'s contiguous vocabulary slice, 0 where another rank owns the id;
+    the mask of those ids owned elsewhere)."""
+    start = rank * local_vocab
+    outside = (ids < start) | (ids >= start + local_vocab)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
 def vocab_shard_embedding(ids: torch.Tensor, weight: torch.Tensor, *, rank: int,
                           padding_idx: int | None = None) -> torch.Tensor:
     """F.embedding on rank `rank`'s contiguous vocabulary slice `weight` (local_vocab, dim); ids owned by another
     rank give zero rows, which the sum over ranks fills in."""
     local_vocab = weight.shape[0]
     start = rank * local_vocab
-    outside = (ids < start) | (ids >= start + local_vocab)
+    local_ids, outside = vocab_shard_ids(ids, rank=rank, local_vocab=local_vocab)
     # The pad row gets no gradient, as in nn.Embedding; only the rank owning it has it.
     local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + local_vocab else None
-    local = F.embedding((ids - start).masked_fill(outside, 0), weight, padding_idx=local_pad)
+    local = F.embedding(local_ids, weight, padding_idx=local_pad)
     return local.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

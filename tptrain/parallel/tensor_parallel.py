@@ -16,9 +16,9 @@ from torch import nn
 from tptrain.parallel import comm
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss
-from tptrain.parallel.plan import KV_PROJECTIONS, kv_replicas, layout_specs, resolve_plan
+from tptrain.parallel.plan import layout_specs, make_styles, resolve_plan
 from tptrain.parallel.sequence_parallel import install_sequence_parallel
-from tptrain.parallel.styles import ShardSpec, TPContext, make_style
+from tptrain.parallel.styles import ShardSpec, TPContext
 
 
 @dataclass
@@ -49,14 +49,11 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     return resolved, specs, problems + layout_problems
 
 
-def _shard(t: torch.Tensor, spec: ShardSpec, ctx: TPContext) -> torch.Tensor:
-    if spec.dim is None:
-        return t
-    shape = spec.local_shape(tuple(t.shape), ctx.size)
-    if t.is_meta:
-        return torch.empty(shape, dtype=t.dtype, device="meta")
-    chunks = t.chunk(spec.num_chunks(ctx.size), dim=spec.dim)
-    return chunks[spec.chunk_index(ctx.rank)].clone()
+def raise_plan_problems(model: nn.Module, tp_size: int, problems: list[str]) -> None:
+    """One ValueError listing every problem `check_plan` found (identical on every rank)."""
+    if problems:
+        raise ValueError(f"cannot shard {type(model).__name__} over tp_size={tp_size}:\n  - "
+                         + "\n  - ".join(problems))
 
 
 def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPContext) -> dict[str, ShardSpec]:
@@ -76,7 +73,9 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
                                  f"({spec} vs {specs[alias]}); give both modules the same split")
             out[alias] = spec
         if id(p) not in new:
-            new[id(p)] = nn.Parameter(_shard(p.data, spec, ctx), requires_grad=p.requires_grad)
+            # A copy, so the full tensor can be freed (on meta it is a shape only).
+            local = p.data if spec.dim is None else spec.local_chunk(p.data, ctx.size, ctx.rank).clone()
+            new[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
     for name, p in old.items():
         if id(p) in new:
             mod_name, _, pname = name.rpartition(".")
@@ -108,15 +107,12 @@ def apply_tensor_parallel(model: nn.Module, tp_plan: str | Mapping[str, Any] | N
     """Shard `model` in place over `tp_group` following `tp_plan` ("auto" or overrides)."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     plan, specs, problems = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
-    if problems:
-        raise ValueError("cannot apply the tensor-parallel plan:\n  - " + "\n  - ".join(problems))
+    raise_plan_problems(model, tp_size, problems)
     global_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
     ctx = TPContext(tp_group, tp_size, tp_rank, sequence_parallel=sequence_parallel)
     all_specs = _shard_parameters(model, specs, ctx)
-    replicas = kv_replicas(model.config, tp_size)
-    for name, style_name in plan.items():
-        kv = replicas if name.rsplit(".", 1)[-1] in KV_PROJECTIONS else 1
-        make_style(style_name, where=name, kv_replicas=kv).install(model.get_submodule(name), ctx)
+    for name, style in make_styles(model, plan, tp_size).items():
+        style.install(model.get_submodule(name), ctx)
 
     if plan.get("lm_head") == "colwise_gather_output":
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
@@ -133,5 +129,5 @@ def apply_tensor_parallel(model: nn.Module, tp_plan: str | Mapping[str, Any] | N
     model.register_forward_hook(lambda module, args, out: ctx.reset())
     if sequence_parallel:
         install_sequence_parallel(model, ctx)
-    grad_sync = PartialGradSync(model, all_specs, ctx)
+    grad_sync = PartialGradSync(all_specs, ctx)
     return TPLayout(plan, all_specs, global_shapes, ctx, grad_sync)

@@ -11,10 +11,9 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tptrain.checkpoint.safetensors_io import atomic_directory
+from tptrain.checkpoint.safetensors_io import CheckpointReader, atomic_directory
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from tptrain.peft.lora import ADAPTER
@@ -39,17 +38,21 @@ def write_adapter(directory: str | os.PathLike, state: dict[str, torch.Tensor], 
         config.save(tmp)
 
 
-def check_adapter_file(directory: str | os.PathLike, expected: dict[str, str], extra: dict[str, str],
+def open_adapter(directory: str | os.PathLike) -> CheckpointReader:
+    """The adapter's tensors (headers checked, nothing read yet)."""
+    if not (Path(directory) / WEIGHTS_NAME).is_file():
+        raise FileNotFoundError(f"adapter directory {directory} has {CONFIG_NAME} but no {WEIGHTS_NAME}; "
+                                "re-save the adapter (tptrain and peft write safetensors)")
+    return CheckpointReader(directory, single_file=WEIGHTS_NAME)
+
+
+def check_adapter_file(reader: CheckpointReader, expected: dict[str, str], extra: dict[str, str],
                        shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
     """Match the file's keys to model parameters: `expected` {disk key: name} must all be present, `extra`
     {disk key: name} may be (base tensors peft saves too, e.g. a targeted embedding's base weight).
     Raises on a missing, unknown or wrongly shaped tensor. Returns {disk key: parameter name} to load."""
-    path = Path(directory) / WEIGHTS_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"adapter directory {directory} has {CONFIG_NAME} but no {WEIGHTS_NAME}; "
-                                "re-save the adapter (tptrain and peft write safetensors)")
-    with safe_open(os.fspath(path), framework="pt") as f:
-        file_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    path = reader.files[0]
+    file_shapes = {k: reader.shape(k) for k in reader.keys()}
     missing = [k for k in expected if k not in file_shapes]
     if missing:
         raise ValueError(f"{path} lacks {len(missing)} tensor(s) the adapter config implies, e.g. {missing[:3]}; "
@@ -67,17 +70,11 @@ def check_adapter_file(directory: str | os.PathLike, expected: dict[str, str], e
     return {k: known[k] for k in file_shapes}
 
 
-def read_slices(directory: str | os.PathLike, keys: dict[str, str], params: dict[str, torch.nn.Parameter],
+def read_slices(reader: CheckpointReader, keys: dict[str, str], params: dict[str, torch.nn.Parameter],
                 specs: dict[str, ShardSpec], tp_size: int, tp_rank: int) -> None:
     """Copy this rank's slice of every file tensor `keys` {disk key: name} into `params[name]`."""
-    with safe_open(os.fspath(Path(directory) / WEIGHTS_NAME), framework="pt") as f, torch.no_grad():
+    with torch.no_grad():
         for key, name in keys.items():
             spec, p = specs.get(name, ShardSpec()), params[name]
-            sl = f.get_slice(key)
-            if spec.dim is None:
-                t = sl[:]
-            else:
-                size = sl.get_shape()[spec.dim] // spec.num_chunks(tp_size)
-                start = spec.chunk_index(tp_rank) * size
-                t = sl[(slice(None),) * spec.dim + (slice(start, start + size),)]
-            p.copy_(t.to(p.dtype))
+            p.copy_(reader.read(key, dim=spec.dim, index=spec.chunk_index(tp_rank), count=spec.num_chunks(tp_size),
+                                dtype=p.dtype))

@@ -94,7 +94,7 @@ class LoraLayer(nn.Module):
     def _chunk(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
         if spec.dim is None or self.ctx is None:
             return full
-        return full.chunk(spec.num_chunks(self.ctx.size), dim=spec.dim)[spec.chunk_index(self.ctx.rank)].clone()
+        return spec.local_chunk(full, self.ctx.size, self.ctx.rank).clone()
 
     def _init_generator(self) -> torch.Generator:
         # On the CPU: the same init whatever the device.

@@ -21,7 +21,6 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tptrain.parallel import comm
 from tptrain.parallel.styles import ShardSpec
@@ -113,18 +112,10 @@ class PeftModel(nn.Module):
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group;
         the dict on TP rank 0, None elsewhere."""
-        from tptrain.parallel.tensor_parallel import gather_full
+        from tptrain.modeling import gather_parameters
 
-        model = self.get_base_model()
-        layout = getattr(model, "tp_layout", None)
-        params = dict(model.named_parameters(remove_duplicate=False))
-        out = {}
-        for name in self._saved:
-            t = params[name].detach()
-            if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: first this rank's TP shard
-                t = t.full_tensor()
-            out[io.disk_key(name)] = (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
-        return out if layout is None or layout.ctx.rank == 0 else None
+        state = gather_parameters(self.get_base_model(), self._saved)
+        return None if state is None else {io.disk_key(name): t for name, t in state.items()}
 
     def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
         """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
@@ -164,9 +155,10 @@ class PeftModel(nn.Module):
         shapes = layout.global_shapes if layout else {n: tuple(p.shape) for n, p in params.items()}
         expected = {io.disk_key(n): n for n in self._saved if _is_lora(n)}
         extra = {io.PREFIX + n: n for n in params if not _is_lora(n)}
-        keys = io.check_adapter_file(directory, expected, extra, shapes)
-        io.read_slices(directory, keys, params, layout.specs if layout else {},
-                       layout.ctx.size if layout else 1, layout.ctx.rank if layout else 0)
+        with io.open_adapter(directory) as reader:
+            keys = io.check_adapter_file(reader, expected, extra, shapes)
+            io.read_slices(reader, keys, params, layout.specs if layout else {},
+                           layout.ctx.size if layout else 1, layout.ctx.rank if layout else 0)
 
     # ---------------------------------------------------------------- merging
 

@@ -108,7 +108,7 @@ class StateConverter:
         spec = self._spec(name)
         local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
         if spec.dim is not None and spec.replicas > 1 and self.ctx is not None:
-            local = local.chunk(spec.num_chunks(self.ctx.size), dim=spec.dim)[spec.chunk_index(self.ctx.rank)]
+            local = spec.local_chunk(local, self.ctx.size, self.ctx.rank)
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()
             dest = dest.to_local()

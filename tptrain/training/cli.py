@@ -108,8 +108,7 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
     for logger in ("torch.distributed.elastic", "torch.multiprocessing"):  # failures are reported below, once
         logging.getLogger(logger).setLevel(logging.CRITICAL)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tptrain-{uuid.uuid4().hex[:8]}",
@@ -215,9 +214,13 @@ def _set_threads(torch) -> None:
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"])
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = _cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, threads))
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _summary(args: argparse.Namespace, result, seconds: float, text: str) -> None:

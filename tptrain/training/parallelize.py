@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from tptrain.distributed import MESH_AXES, env_world_size, init_distributed
+from tptrain.distributed import DistributedConfig, init_distributed, mesh_sizes
 from tptrain.training.args import ParallelismConfig
 
 
@@ -42,15 +42,11 @@ def build_mesh(model: nn.Module, sizes: dict[str, int]) -> tuple[DeviceMesh, tor
 
     TP is the innermost axis in both, so a TP group is the same block of consecutive ranks and the
     model's TP process group stays valid under a new mesh."""
-    device = init_distributed()
     mesh = getattr(model, "device_mesh", None)
-    if mesh is not None and dict(zip(mesh.mesh_dim_names, mesh.shape)) == sizes:
-        return mesh, device
-    from torch.distributed.device_mesh import init_device_mesh
-
-    assert env_world_size() == sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"]
-    mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
-    return mesh, device
+    if mesh is not None and mesh_sizes(mesh) == sizes:
+        return mesh, init_distributed()
+    return DistributedConfig(tp_size=sizes["tp"], dp_shard_size=sizes["dp_shard"],
+                             dp_replicate_size=sizes["dp_replicate"]).device_mesh()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

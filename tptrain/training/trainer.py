@@ -25,17 +25,16 @@ import torch.distributed as dist
 from torch import nn
 
 from tptrain.checkpoint import writable_error
+from tptrain.checkpoint.hub import TOKENIZER_PATTERNS
 from tptrain.distributed import raise_on_any_rank
+from tptrain.models.decoder import IGNORE_INDEX, shift_labels
 from tptrain.parallel import comm
+from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_, local_tensor
 from tptrain.training.parallelize import build_mesh, parallelize_for_training, resolve_parallelism
-
-IGNORE_INDEX = -100
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
 @dataclass
@@ -92,17 +91,13 @@ class Trainer:
     # ------------------------------------------------------------------ set-up checks (no collectives)
 
     def _dataset(self, source: Any) -> PackedDataset:
-        if isinstance(source, PackedDataset):
-            if source.seq_len != self.args.seq_len:
-                raise ValueError(f"train_dataset has blocks of {source.seq_len} tokens but "
-                                 f"TrainingArguments.seq_len={self.args.seq_len}; make them equal")
-            return source
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self._model_dir())
-        vocab = self.inner.config.vocab_size
-        if self.tokenizer.vocab_size > vocab:
-            raise ValueError(f"the tokenizer produces ids up to {self.tokenizer.vocab_size - 1} but the model's "
-                             f"vocab_size is {vocab}; pass the model's own tokenizer")
+        if not isinstance(source, PackedDataset):  # a PackedDataset is already tokenized: only its seq_len is checked
+            if self.tokenizer is None:
+                self.tokenizer = load_tokenizer(self._model_dir())
+            vocab = self.inner.config.vocab_size
+            if self.tokenizer.vocab_size > vocab:
+                raise ValueError(f"the tokenizer produces ids up to {self.tokenizer.vocab_size - 1} but the model's "
+                                 f"vocab_size is {vocab}; pass the model's own tokenizer")
         return build_dataset(source, self.tokenizer, self.args.seq_len)
 
     def _model_dir(self) -> Path | None:
@@ -115,11 +110,9 @@ class Trainer:
 
     def _check_sequence_split(self) -> None:
         layout = getattr(self.inner, "tp_layout", None)
-        tp = self.sizes["tp"]
-        if layout is not None and layout.ctx.sequence_parallel and self.args.seq_len % tp:
-            raise ValueError(f"sequence parallelism splits each sequence over tp_size={tp} ranks, but "
-                             f"seq_len={self.args.seq_len} is not a multiple of {tp}; choose a seq_len divisible "
-                             f"by {tp}")
+        if layout is not None and layout.ctx.sequence_parallel:
+            check_sequence_length(self.inner, self.args.seq_len, self.sizes["tp"],
+                                  what=f"TrainingArguments.seq_len={self.args.seq_len}")
 
     # ------------------------------------------------------------------ training
 
@@ -179,7 +172,7 @@ class Trainer:
 
     def _global_token_count(self, micro: list[torch.Tensor]) -> int:
         """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
-        local = sum(int((ids[:, 1:] != IGNORE_INDEX).sum()) for ids in micro)
+        local = sum(int((shift_labels(ids) != IGNORE_INDEX).sum()) for ids in micro)
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
         comm.all_reduce(count, dist.group.WORLD, phase="grad_sync")
         return int(count.item()) // self.sizes["tp"]  # each TP group's ranks counted the same tokens
@@ -221,9 +214,10 @@ class Trainer:
         self.model.save_pretrained(target)
         if self.is_rank0:
             source = self._tokenizer_dir()
-            for name in TOKENIZER_FILES if source is not None else ():
-                if (source / name).is_file():
-                    shutil.copy2(source / name, target / name)
+            for pattern in TOKENIZER_PATTERNS if source is not None else ():
+                for path in source.glob(pattern):
+                    if path.is_file():
+                        shutil.copy2(path, target / path.name)
         if dist.is_initialized():
             dist.barrier()
         return target
