@@ -137,7 +137,7 @@ def _load(impl: str, ckpt: str, tp: int, sp: bool):
 
 def _measure_step(impl: str, model, ids, labels) -> dict:
     """One extra forward + backward: collectives and saved-activation bytes (not timed)."""
-    from tptrain.parallel.accounting import SavedTensorMeter, comm_report
+    from tptrain.diagnostics.accounting import SavedTensorMeter, comm_report
     if impl == "tptrain":
         report = comm_report(model, ids, labels)
         out = {"saved": report.saved_activation_bytes, "full_logit": report.full_logit_collectives,

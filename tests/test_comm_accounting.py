@@ -9,7 +9,7 @@ from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel import batch, make_config
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
-from tptrain.parallel.accounting import CommReport, CommRow, SavedTensorMeter, comm_report, megatron_minimum
+from tptrain.diagnostics.accounting import CommReport, CommRow, SavedTensorMeter, comm_report, megatron_minimum
 
 
 def test_meter_counts_each_saved_storage_once_and_skips_parameters():

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
-from tptrain.parallel.comm import CommTracker, all_gather
+from tptrain.distributed.comm import CommTracker, all_gather
 from tptrain.parallel.tensor_parallel import gather_full
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model
 

@@ -14,7 +14,7 @@ from tests.test_tensor_parallel import TOL, batch, full_grads, make_config
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.models import AutoModelForCausalLM
-from tptrain.parallel.comm import CommTracker
+from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.loss import vocab_parallel_cross_entropy
 
 

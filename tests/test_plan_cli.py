@@ -12,7 +12,7 @@ import torch
 
 from tptrain.cli import main
 from tptrain.models import AutoConfig
-from tptrain.parallel.report import plan_report
+from tptrain.diagnostics.plan_report import plan_report
 
 ROOT = Path(__file__).resolve().parent.parent
 V, H, I, L, HEADS, KV, D = 128, 64, 96, 2, 4, 2, 16  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim

@@ -14,8 +14,8 @@ from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel import TOL, assert_grads_match, assert_params_match, batch, make_config
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
-from tptrain.parallel.accounting import SavedTensorMeter
-from tptrain.parallel.comm import CommTracker
+from tptrain.diagnostics.accounting import SavedTensorMeter
+from tptrain.distributed.comm import CommTracker
 
 TP = 2
 

@@ -9,7 +9,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
-from tptrain.parallel.comm import CommTracker
+from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.tensor_parallel import gather_full
 
 TOL = dict(rtol=1e-10, atol=1e-10)

@@ -67,7 +67,7 @@ def _json_object(text: str) -> dict:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.models import AutoConfig
-    from tptrain.parallel.report import plan_report
+    from tptrain.diagnostics.plan_report import plan_report
 
     try:
         config = AutoConfig.from_pretrained(args.model)

@@ -16,9 +16,14 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint, save_checkpoint,
+                                writable_error)
 from tptrain.distributed import DistributedConfig, raise_on_any_rank
+from tptrain.parallel.styles import ShardSpec
+from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, raise_plan_problems
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -86,8 +91,6 @@ class PreTrainedModel(nn.Module):
 
         With `distributed_config`, every rank reads only its own slice of each sharded tensor.
         """
-        from tptrain.checkpoint import CheckpointReader, resolve_checkpoint
-
         if device_map is not None and distributed_config is not None:
             raise ValueError("device_map cannot be combined with distributed_config: under tensor parallelism "
                              "each rank's device comes from LOCAL_RANK and every rank holds a slice of every "
@@ -119,8 +122,6 @@ class PreTrainedModel(nn.Module):
         On a meta model, `reader` fills each rank's slice from the checkpoint; a materialised model is
         sliced in memory (how tests compare against the same model on one device).
         """
-        from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, raise_plan_problems
-
         tp = distributed_config.sizes()["tp"]
         _, _, problems = check_plan(self, distributed_config.tp_plan, tp,
                                     sequence_parallel=distributed_config.enable_sequence_parallel)
@@ -138,9 +139,6 @@ class PreTrainedModel(nn.Module):
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
         """Fill every (meta) parameter with this rank's slice of the checkpoint tensor."""
-        from tptrain.checkpoint import check_tensor_shape
-        from tptrain.parallel.styles import ShardSpec
-
         layout = self.tp_layout
         size = self.tp_size
         params = dict(self.named_parameters())  # tied aliases dedup'd: lm_head reads embed_tokens
@@ -174,8 +172,6 @@ class PreTrainedModel(nn.Module):
         Collective: every rank must call it. Global rank 0 writes, atomically; a failure on the
         writer is raised on every rank.
         """
-        from tptrain.checkpoint import save_checkpoint
-
         def write(state: dict[str, torch.Tensor]) -> None:
             config = self.config.to_dict()
             config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
@@ -189,10 +185,6 @@ class PreTrainedModel(nn.Module):
 def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
     """The parameters `names` of `model` at full shape, on the CPU: FSDP2 shards gathered first, then TP shards.
     Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
-    from torch.distributed.tensor import DTensor
-
-    from tptrain.parallel.tensor_parallel import gather_full
-
     layout = getattr(model, "tp_layout", None)
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, torch.Tensor] = {}
@@ -206,8 +198,6 @@ def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Ten
 
 def is_sharded(model: nn.Module) -> bool:
     """Sharded over TP, or over data parallelism by FSDP2 (DTensor parameters): saving is then collective."""
-    from torch.distributed.tensor import DTensor
-
     return dist.is_initialized() and (getattr(model, "tp_layout", None) is not None
                                       or any(isinstance(p, DTensor) for p in model.parameters()))
 
@@ -216,8 +206,6 @@ def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[
               write: Callable[[Any], None]) -> None:
     """The save protocol: global rank 0 checks `target`, every rank takes part in `gather()`, rank 0
     calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective."""
-    from tptrain.checkpoint import writable_error
-
     # Global rank 0 writes even for an unsharded model that every rank saves: one writer per directory.
     writer = not dist.is_initialized() or dist.get_rank() == 0
     raise_on_any_rank(writable_error(Path(target)) if writer else None, collective=collective)

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import nn
 
-from tptrain.parallel import comm
+from tptrain.distributed import comm
 from tptrain.parallel.styles import ShardSpec, TPContext
 
 

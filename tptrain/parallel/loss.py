@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from tptrain.models.decoder import IGNORE_INDEX, shift_labels
-from tptrain.parallel import comm
+from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.distributed import comm
 from tptrain.parallel.styles import vocab_shard_ids
 
 

@@ -20,9 +20,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tptrain.parallel import comm
-from tptrain.parallel.accounting import record_saved
+from tptrain.distributed import comm
 from tptrain.parallel.styles import TPContext
+
+
+# Observers of what SP keeps for backward (diagnostics.accounting.SavedTensorMeter subscribes while it
+# measures): SP's own saved-tensor hooks replace the meter's, so it reports here what it keeps instead.
+# A measuring aid, like comm.CommTracker: it holds no training state.
+SAVED_TENSOR_OBSERVERS: list = []
+
+
+def record_saved(t: torch.Tensor) -> None:
+    for observe in SAVED_TENSOR_OBSERVERS:
+        observe(t)
 
 
 @dataclass

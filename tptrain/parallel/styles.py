@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tptrain.parallel import comm
+from tptrain.distributed import comm
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.parallel import comm
+from tptrain.distributed import comm
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss
 from tptrain.parallel.plan import layout_specs, make_styles, resolve_plan

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.parallel import comm
+from tptrain.distributed import comm
+from tptrain.modeling import gather_parameters, is_sharded, save_once
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft import io
 from tptrain.peft.config import ALL_LINEAR, LoraConfig, modules_to_save, resolve_targets
@@ -112,16 +113,12 @@ class PeftModel(nn.Module):
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group;
         the dict on TP rank 0, None elsewhere."""
-        from tptrain.modeling import gather_parameters
-
         state = gather_parameters(self.get_base_model(), self._saved)
         return None if state is None else {io.disk_key(name): t for name, t in state.items()}
 
     def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
         """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
         Collective: every rank calls it; global rank 0 writes atomically; a failure is raised on every rank."""
-        from tptrain.modeling import is_sharded, save_once
-
         model = self.get_base_model()
         save_once(save_directory, collective=is_sharded(model), gather=self.adapter_state_dict,
                   write=lambda state: io.write_adapter(save_directory, state, self.peft_config["default"]))

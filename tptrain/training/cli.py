@@ -164,10 +164,9 @@ def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
 def _train(args: argparse.Namespace) -> None:
     import torch
 
-    from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.checkpoint import resolve_checkpoint
-    from tptrain.distributed import init_distributed
-    from tptrain.models import AutoConfig
+    from tptrain.distributed import DistributedConfig, init_distributed
+    from tptrain.models import AutoConfig, AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
     from tptrain.training.args import TrainingArguments
     from tptrain.training.data import build_dataset, load_tokenizer

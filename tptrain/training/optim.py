@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tptrain.parallel import comm
+from tptrain.distributed import comm
 from tptrain.parallel.styles import ShardSpec
 from tptrain.training.args import TrainingArguments
 

@@ -27,8 +27,8 @@ from torch import nn
 from tptrain.checkpoint import writable_error
 from tptrain.checkpoint.hub import TOKENIZER_PATTERNS
 from tptrain.distributed import raise_on_any_rank
-from tptrain.models.decoder import IGNORE_INDEX, shift_labels
-from tptrain.parallel import comm
+from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.distributed import comm
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments

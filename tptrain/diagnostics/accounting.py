@@ -21,7 +21,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tptrain.parallel.comm import CommTracker
+from tptrain.distributed.comm import CommTracker
+from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
 
 _PHASES = ("forward", "backward", "grad_sync")
 
@@ -34,8 +35,8 @@ class SavedTensorMeter:
         meter.bytes
 
     Only the innermost saved-tensor hooks run, so hooks that replace what is saved (sequence
-    parallelism keeps a shard instead of the gathered tensor) report what they keep via
-    `record_saved`; this meter's own hooks see everything else.
+    parallelism keeps a shard instead of the gathered tensor) report what they keep to
+    `sequence_parallel.SAVED_TENSOR_OBSERVERS`; this meter's own hooks see everything else.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
@@ -59,23 +60,13 @@ class SavedTensorMeter:
         return t
 
     def __enter__(self) -> "SavedTensorMeter":
-        _METERS.append(self)
+        SAVED_TENSOR_OBSERVERS.append(self.add)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        _METERS.remove(self)
-
-
-# Meters are a measuring aid, like comm.CommTracker: they hold no training state.
-_METERS: list[SavedTensorMeter] = []
-
-
-def record_saved(t: torch.Tensor) -> None:
-    """Report a tensor kept for backward by saved-tensor hooks other than a meter's own."""
-    for meter in _METERS:
-        meter.add(t)
+        SAVED_TENSOR_OBSERVERS.remove(self.add)
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""The import graph of tptrain is one-way: each layer imports only itself and the layers below it,
+and no module is part of an import cycle, counting imports inside functions too (a function-level
+import is how a cycle hides)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
+
+# Lowest first. The package root (`tptrain/__init__.py`: the public API) and the CLI sit on top.
+LAYERS = [
+    ("tptrain.losses", "tptrain.distributed"),
+    ("tptrain.checkpoint",),
+    ("tptrain.parallel",),
+    ("tptrain.modeling",),
+    ("tptrain.models",),
+    ("tptrain.diagnostics",),
+    ("tptrain.training", "tptrain.peft"),
+    ("tptrain.cli", "tptrain.__main__", "tptrain"),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """tptrain modules imported anywhere in `path` (module level and inside functions)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from tptrain.distributed import comm` imports the module tptrain.distributed.comm
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n.split(".")[0] == "tptrain")
+    return out
+
+
+def _layer(module: str) -> int:
+    best = max(((len(prefix), i) for i, layer in enumerate(LAYERS) for prefix in layer
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return best[1]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def test_every_import_points_down_the_layers():
+    upward = [f"{mod} (layer {_layer(mod)}) imports {dep} (layer {_layer(dep)})"
+              for mod, deps in sorted(_graph().items()) for dep in sorted(deps) if _layer(dep) > _layer(mod)]
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for dep in sorted(graph.get(mod, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]) if dep in path else f"{mod} -> {dep}")
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checker_sees_function_level_imports(tmp_path):
+    # The test itself must be able to fail: a function-level upward import is found.
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from tptrain.training import trainer\n")
+    assert "tptrain.training.trainer" in _imports(probe, _modules())

@@ -1,0 +1,1 @@
+"""Diagnostics above the models: the `tptrain plan` dry run, communication and saved-activation accounting."""
