@@ -92,6 +92,13 @@ CASES = [
     ("rule_matches_nothing", lambda p: _load(p["good"], tp_plan={"layers.*.mlp.upproj": "colwise"}), ValueError,
      ["'model.layers.*.mlp.upproj' matches no module", "closest module name: 'model.layers.*.mlp.up_proj'",
       "fix or remove the rule"]),
+    ("colwise_into_replicated", lambda p: _load(p["good"], tp_plan={"layers.*.mlp.down_proj": None}), ValueError,
+     ["model.layers.*.mlp.gate_proj ('colwise'), model.layers.*.mlp.up_proj ('colwise') split their output",
+      "model.layers.*.mlp.down_proj (no rule (replicated)) reads the whole width",
+      "make model.layers.*.mlp.down_proj 'rowwise'"]),
+    ("replicated_into_rowwise", lambda p: _load(p["good"], tp_plan={"layers.*.self_attn.v_proj": None}),
+     ValueError, ["model.layers.*.self_attn.o_proj ('rowwise') expects its input split over the tp ranks",
+                  "make model.layers.*.self_attn.v_proj 'colwise'"]),
     ("no_rules_left", lambda p: _no_rules_left(p["good"]), ValueError,
      ["nothing to shard", "tp_size=2", "removed every rule"]),
     ("empty_base_plan", lambda p: _empty_base_plan(p["good"]), ValueError,
@@ -136,6 +143,6 @@ def test_kv_heads_neither_divisor_nor_multiple():
     """tp_size=4 with 3 KV heads: needs a world of 4, so checked on the (pure) validation every rank runs."""
     config = AutoConfig.for_model("qwen3", **{**TINY, "num_attention_heads": 12, "num_key_value_heads": 3})
     model = AutoModelForCausalLM.from_config(config, device="meta")
-    _, _, problems = check_plan(model, "auto", 4)
+    problems = check_plan(model, "auto", 4).problems
     assert problems == ["tp_size=4 exceeds num_key_value_heads=3 and is not a multiple of it, so KV heads cannot be "
                         "replicated evenly; use a tp_size that divides 3 or is a multiple of it"]

@@ -96,6 +96,12 @@ def test_overrides_and_bad_arguments(qwen3_dir, tmp_path, capsys):
     assert "'model.layers.*.mlp.upproj' matches no module" in out
     down = " ".join(_row(out, "model.layers.[0-1].mlp.down_proj")[1:])
     assert down == "replicated weight (64, 96) (64, 96) whole on every rank"  # its rule removed
+    # ... which leaves gate/up's split output feeding a replicated down_proj: impossible, with the fix
+    assert "model.layers.*.mlp.down_proj (no rule (replicated)) reads the whole width" in out
+    assert "make model.layers.*.mlp.down_proj 'rowwise'" in out and "layout OK" not in out
+    mlp = json.dumps({f"layers.*.mlp.{m}": None for m in ("gate_proj", "up_proj", "down_proj")})
+    assert main(["plan", str(qwen3_dir), "--tp-size", "2", "--tp-plan", mlp]) == 0  # all replicated: shapes meet
+    assert "layout OK" in capsys.readouterr().out
 
     with pytest.raises(SystemExit) as exit_info:  # argparse: usage error, exit 2
         main(["plan", str(qwen3_dir), "--tp-size", "2", "--tp-plan", "{not json"])

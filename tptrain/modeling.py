@@ -23,7 +23,7 @@ from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_ch
                                 writable_error)
 from tptrain.distributed import DistributedConfig, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
-from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, raise_plan_problems
+from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -123,18 +123,17 @@ class PreTrainedModel(nn.Module):
         sliced in memory (how tests compare against the same model on one device).
         """
         tp = distributed_config.sizes()["tp"]
-        _, _, problems = check_plan(self, distributed_config.tp_plan, tp,
-                                    sequence_parallel=distributed_config.enable_sequence_parallel)
-        raise_plan_problems(self, tp, problems)  # before the mesh's collectives, identically on every rank
+        resolved = check_plan(self, distributed_config.tp_plan, tp,
+                              sequence_parallel=distributed_config.enable_sequence_parallel)
+        resolved.raise_problems(self)  # before the mesh's collectives, identically on every rank
         mesh, device = distributed_config.device_mesh()
-        layout = apply_tensor_parallel(self, distributed_config.tp_plan, tp_group=mesh["tp"].get_group(),
-                                       sequence_parallel=distributed_config.enable_sequence_parallel)
+        layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group())
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = tp, layout.plan, mesh, layout
         if reader is not None:
             self._load(reader, device, dtype, rank=layout.ctx.rank)
         elif any(p.device != device for p in self.parameters()):
             self.to(device)
-        layout.grad_sync.bind(self)
+        layout.grad_sync.attach(self)
         return self
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
@@ -151,7 +150,7 @@ class PreTrainedModel(nn.Module):
             check_tensor_shape(name, global_shapes[name], tuple(reader.shape(name)), reader.file_of(name))
         loaded: dict[int, nn.Parameter] = {}
         for name, p in params.items():
-            spec = layout.specs[name] if layout else ShardSpec()
+            spec = layout.spec(name) if layout else ShardSpec()
             t = reader.read(name, dim=spec.dim, index=spec.chunk_index(rank), count=spec.num_chunks(size),
                             dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)

@@ -135,10 +135,10 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     else:
         add(("forward", "all_reduce"), exits, exits * act)
         add(("backward", "all_reduce"), enters, enters * act)
-    if layout.plan.get("lm_head") == "colwise_gather_output":
+    if layout.vocab_parallel_loss:
         add(("forward", "all_reduce"), 3, 3 * loss_bytes)  # vocab-parallel loss: max, target, sum-exp
     params = dict(model.named_parameters())
-    sync = [(params[n], s) for n, s in layout.grad_sync.specs.items() if n in params and params[n].requires_grad]
+    sync = [(params[n], s) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad]
     if sync:
         grad_dtype = torch.promote_types(dtype, torch.float32)
         add(("grad_sync", "all_reduce"), 1,

@@ -19,7 +19,7 @@ from tptrain.modeling import resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.plan import kv_replicas
 from tptrain.parallel.styles import ShardSpec
-from tptrain.parallel.tensor_parallel import check_plan
+from tptrain.parallel.plan import check_plan
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -42,8 +42,9 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
-    resolved, specs, problems = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
-    rows, per_rank, total = _rows(model, resolved, specs, tp_size, dtype.itemsize)
+    resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
+    problems = resolved.problems
+    rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize)
     lines = [f"tptrain plan: {type(model).__name__} (model_type {config.model_type!r}), tp_size={tp_size}, "
              f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
              *_head_lines(config, tp_size), "", *_table(rows), "",

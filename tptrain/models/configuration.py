@@ -35,6 +35,13 @@ _DECODER_TP_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
+# Norms on the residual stream between TP regions: sharded along the sequence under sequence parallelism.
+_DECODER_SP_PLAN = {
+    "norm": "sequence_parallel",
+    "layers.*.input_layernorm": "sequence_parallel",
+    "layers.*.post_attention_layernorm": "sequence_parallel",
+}
+
 
 @dataclasses.dataclass(kw_only=True)
 class PretrainedConfig:
@@ -43,6 +50,8 @@ class PretrainedConfig:
     model_type: ClassVar[str] = ""
     # {module glob relative to the base model: partition style name}; see parallel/plan.py.
     base_model_tp_plan: ClassVar[dict[str, str]] = {}
+    # Rules added to it under sequence parallelism (DistributedConfig(enable_sequence_parallel=True)).
+    base_model_sp_plan: ClassVar[dict[str, str]] = {}
     # RMSNorm over head_dim on q and k before RoPE (Qwen3). Fixed per architecture, not in config.json.
     qk_norm: ClassVar[bool] = False
 
@@ -171,6 +180,7 @@ class LlamaConfig(PretrainedConfig):
 
     model_type: ClassVar[str] = "llama"
     base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -179,6 +189,7 @@ class Qwen2Config(PretrainedConfig):
 
     model_type: ClassVar[str] = "qwen2"
     base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
 
     vocab_size: int = 151936
     intermediate_size: int = 22016
@@ -202,6 +213,7 @@ class Qwen3Config(PretrainedConfig):
         "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     }
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
     qk_norm: ClassVar[bool] = True
 
     vocab_size: int = 151936

@@ -55,6 +55,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # What the tensor-parallel engine needs to know, as data: k/v rows are KV heads (replicated when
+    # tp_size > num_key_value_heads), and which projections feed which (a split output must meet a split input).
+    tp_kv_projections = ("k_proj", "v_proj")
+    tp_pairs = {"o_proj": ("q_proj", "k_proj", "v_proj"), "q_norm": ("q_proj",), "k_norm": ("k_proj",)}
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         hidden, head_dim = config.hidden_size, config.head_dim
@@ -90,6 +95,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    tp_pairs = {"down_proj": ("gate_proj", "up_proj")}  # see Attention
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
@@ -181,6 +188,9 @@ class DecoderForCausalLM(PreTrainedModel):
                 nn.init.zeros_(module.bias)
             if isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each decoder layer in backward (non-reentrant torch.utils.checkpoint)."""

@@ -13,56 +13,71 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tptrain.distributed import comm
 from tptrain.parallel.styles import ShardSpec, TPContext
 
 
 class PartialGradSync:
-    """Owns the partial-gradient parameters of one model.
+    """Sums the partial gradients of one model's layout; one mode, set by whoever owns the training loop.
 
-    With `auto=True` (the default) a tensor hook records each incoming local gradient and the sum is
-    done once at the end of every backward, so a plain `loss.backward()` leaves correct gradients.
-    A trainer with gradient accumulation sets `auto=False` and calls `sync()` once per optimizer
-    step instead: the hooks keep accumulating local shares until then.
+    mode "backward" (the default): a tensor hook records each incoming local share and the sum is done
+    once at the end of every backward, so a plain `loss.backward()` leaves correct gradients.
+    mode "step": no hooks; the owner (the Trainer, or a loop with gradient accumulation) calls
+    `sync_grads(model)` once per optimizer step, summing the accumulated `.grad` in one all-reduce.
+    Which parameters need the sum is read from the layout each time, so adapters added later join.
     """
 
-    def __init__(self, specs: dict[str, ShardSpec], ctx: TPContext) -> None:
-        self.specs = {name: spec for name, spec in specs.items() if spec.partial_grad}
-        self.ctx = ctx
-        self.auto = True
+    MODES = ("backward", "step")
+
+    def __init__(self, layout) -> None:
+        self.layout = layout  # a TPLayout: its table says which gradients are partial
+        self.mode = "backward"
         self._pending: dict[str, torch.Tensor] = {}
         self._queued = False
         self._params: dict[str, nn.Parameter] = {}
         self._handles: list = []
 
-    def bind(self, model: nn.Module) -> None:
-        """(Re)attach the hooks to the model's current parameter objects: after loading replaced
-        them, or after a wrapper such as FSDP did."""
-        for handle in self._handles:
-            handle.remove()
+    @property
+    def ctx(self) -> TPContext:
+        return self.layout.ctx
+
+    def set_mode(self, mode: str, model: nn.Module | None = None) -> None:
+        """Switch to `mode`; in "backward" mode the hooks are (re)attached to `model`'s parameters."""
+        if mode not in self.MODES:
+            raise ValueError(f"gradient-sync mode must be one of {self.MODES}, got {mode!r}")
+        self.mode = mode
+        self._remove_hooks()
+        if mode == "backward" and model is not None:
+            self.attach(model)
+
+    def attach(self, model: nn.Module) -> None:
+        """Follow the model's current parameter objects (after loading, or after adapters changed which
+        parameters require grad). A no-op in "step" mode, where nothing is recorded."""
+        self._remove_hooks()
+        if self.mode != "backward":
+            return
         params = dict(model.named_parameters(remove_duplicate=False))
-        self._params = {name: params[name] for name in self.specs if name in params}
+        self._params = {name: params[name] for name in self.layout.partial_grad_specs() if name in params}
         self._handles = [p.register_hook(lambda g, name=name: self._record(name, g))
                          for name, p in self._params.items() if p.requires_grad]
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._params, self._pending, self._queued = [], {}, {}, False
 
     def _record(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         prev = self._pending.get(name)
         self._pending[name] = grad.detach().clone() if prev is None else prev + grad.detach()
-        if self.auto and not self._queued:
+        if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.sync)
+            torch.autograd.Variable._execution_engine.queue_callback(self._sync_pending)
         return grad
 
-    def unbind(self) -> None:
-        """Remove the hooks: the owner then sums the gradients itself with `reduce_grads` once per
-        optimizer step (a trainer under FSDP, whose sharded parameters never see these hooks)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._params, self._pending, self.auto = [], {}, {}, False
-
-    def sync(self) -> None:
-        """Replace every recorded local share in `.grad` by the sum over the ranks sharing it."""
+    def _sync_pending(self) -> None:
+        """End of a backward: replace every recorded local share in `.grad` by the sum over the ranks sharing it."""
         self._queued = False
         if not self._pending:
             return
@@ -76,19 +91,24 @@ class PartialGradSync:
                 p.grad.add_(summed.to(p.grad.dtype) - local[name].to(p.grad.dtype))
         self._pending.clear()
 
+    def sync_grads(self, model: nn.Module) -> None:
+        """"step" mode: sum the accumulated partial `.grad`s of `model` over TP (one all-reduce). Collective."""
+        self.reduce_grads({n: local_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+
     def reduce_grads(self, grads: dict[str, torch.Tensor]) -> None:
         """Sum each local share in `grads` ({param name: tensor}, updated in place) over the ranks
         holding the same chunk, all in one all-reduce. Names that need no sum are ignored."""
-        names = [n for n in self.specs if n in grads]  # fixed order: identical on every rank
+        specs = self.layout.partial_grad_specs()
+        names = [n for n in specs if n in grads]  # table order: identical on every rank
         if not names:
             return
         # At least fp32, so half-precision gradients are summed without loss; fp64 stays fp64.
         dtype = functools.reduce(torch.promote_types, (grads[n].dtype for n in names), torch.float32)
-        flat = torch.cat([self._slot_buffer(grads[n], self.specs[n], dtype).flatten() for n in names])
+        flat = torch.cat([self._slot_buffer(grads[n], specs[n], dtype).flatten() for n in names])
         comm.all_reduce(flat, self.ctx.group, phase="grad_sync")
         offset = 0
         for name in names:
-            local, spec = grads[name], self.specs[name]
+            local, spec = grads[name], specs[name]
             width = local.numel() * spec.num_chunks(self.ctx.size)
             region = flat[offset:offset + width].view(spec.num_chunks(self.ctx.size), -1)
             local.copy_(region[spec.chunk_index(self.ctx.rank)].view_as(local))
@@ -98,3 +118,8 @@ class PartialGradSync:
         buf = local.new_zeros((spec.num_chunks(self.ctx.size), local.numel()), dtype=dtype)
         buf[spec.chunk_index(self.ctx.rank)] = local.flatten()
         return buf
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a gradient: the local shard of an FSDP2 DTensor (a view: writes go through)."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -8,30 +8,21 @@ from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from torch import nn
 
 from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, make_style
 
-# Projections whose output rows are KV heads: when tp_size > num_key_value_heads they are replicated.
-KV_PROJECTIONS = ("k_proj", "v_proj")
-
-# Norms that sit on the residual stream between TP regions: sharded along the sequence under SP.
-SEQUENCE_PARALLEL_RULES = {
-    "norm": "sequence_parallel",
-    "layers.*.input_layernorm": "sequence_parallel",
-    "layers.*.post_attention_layernorm": "sequence_parallel",
-}
-
-
 def model_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str]:
-    """The model's own plan in full module names: the config's base plan under the base-model
-    prefix, plus the head's class-level `_tp_plan`."""
+    """The model's own plan in full module names: the config's base plan (plus its
+    `base_model_sp_plan` under sequence parallelism) under the base-model prefix, plus the head's
+    class-level `_tp_plan`."""
     prefix = getattr(model, "base_model_prefix", "model")
     base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
-    if sequence_parallel and base:
-        base.update(SEQUENCE_PARALLEL_RULES)
+    if sequence_parallel and base:  # the config's own SP rules (norms on the residual stream)
+        base.update(getattr(model.config, "base_model_sp_plan", None) or {})
     plan = {f"{prefix}.{glob}": style for glob, style in base.items()}
     plan.update(getattr(type(model), "_tp_plan", {}) or {})
     return plan
@@ -107,46 +98,139 @@ def head_problems(config: Any, tp_size: int) -> list[str]:
     return out
 
 
-def _fix_hint(name: str, config: Any, chunks: int) -> str:
-    """The config field behind a dim that does not split, and what to do about it."""
-    if "embed_tokens" in name or "lm_head" in name:
-        return (f"vocab_size={getattr(config, 'vocab_size', '?')} must be a multiple of {chunks}. tptrain does not "
-                f"pad the vocabulary for you: pad it (embed_tokens and lm_head rows, then vocab_size in "
-                f"config.json) to a multiple of {chunks}, or choose a tp_size that divides it")
-    if ".mlp." in name:
-        return (f"intermediate_size={getattr(config, 'intermediate_size', '?')} must be a multiple of {chunks}; "
-                f"choose a tp_size that divides it")
+def _generic(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", name)  # one line for all layers, not one per layer
+
+
+def _fix_hint(config: Any, size: int, chunks: int) -> str:
+    """The config field behind a dim of `size` that does not split, and what to do about it."""
+    fields = [k for k, v in vars(config).items() if v == size and isinstance(v, int) and not isinstance(v, bool)]
+    if "vocab_size" in fields:
+        return (f"vocab_size={size} must be a multiple of {chunks}. tptrain does not pad the vocabulary for you: "
+                f"pad it (the embedding and output-head rows, then vocab_size in config.json) to a multiple of "
+                f"{chunks}, or choose a tp_size that divides it")
+    if fields:
+        return f"{fields[0]}={size} must be a multiple of {chunks}; choose a tp_size that divides it"
     return "choose a tp_size that divides it"
 
 
-def make_styles(model: nn.Module, resolved: Mapping[str, str], tp_size: int) -> dict[str, ParallelStyle]:
-    """{module name: style object} of a resolved plan; KV projections get their replica count."""
+def _kv_parent(model: nn.Module, name: str) -> bool:
+    """Whether module `name` is one its parent declares as producing KV heads (`tp_kv_projections`)."""
+    parent, _, leaf = name.rpartition(".")
+    return leaf in getattr(model.get_submodule(parent), "tp_kv_projections", ())
+
+
+@dataclass
+class ResolvedPlan:
+    """A plan checked against one model at one tp_size: what `apply_tensor_parallel` applies as is.
+
+    styles: {module name: style name}; objects: the style object of each module (KV projections
+    carry their replica count); specs: the ShardSpec of every planned parameter (full names);
+    problems: every reason the layout is impossible (empty: fine); vocab_parallel_loss: the output
+    head's style keeps logits vocab-sharded for the vocab-parallel loss.
+    """
+
+    tp_size: int
+    sequence_parallel: bool
+    styles: dict[str, str]
+    objects: dict[str, ParallelStyle]
+    specs: dict[str, ShardSpec]
+    problems: list[str]
+    vocab_parallel_loss: bool
+
+    def raise_problems(self, model: nn.Module) -> None:
+        """One ValueError listing every problem (identical on every rank: nothing here communicates)."""
+        if self.problems:
+            raise ValueError(f"cannot shard {type(model).__name__} over tp_size={self.tp_size}:\n  - "
+                             + "\n  - ".join(self.problems))
+
+
+def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_size: int, *,
+               sequence_parallel: bool = False) -> ResolvedPlan:
+    """Resolve and validate `tp_plan` for `model` without touching the model or any process group."""
+    styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel)
+    user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
+    if tp_size > 1 and not problems and not getattr(model.config, "base_model_tp_plan", None) and not user_rules:
+        # The head's own plan alone would split only the output head: that is not tensor parallelism of the model.
+        problems.append(f"{type(model).__name__}'s config declares no base_model_tp_plan, so tptrain does not know "
+                        f"how to shard it at tp_size={tp_size}; pass DistributedConfig(tp_plan={{module-glob: style}}) "
+                        f"rules, or use tp_size=1")
+    elif tp_size > 1 and not problems and not styles:
+        problems.append(f"the tensor-parallel plan of {type(model).__name__} is empty (the tp_plan overrides removed "
+                        f"every rule), so tp_size={tp_size} has nothing to shard; keep some rules or use tp_size=1")
     replicas = kv_replicas(model.config, tp_size)
-    is_kv = {name: name.rsplit(".", 1)[-1] in KV_PROJECTIONS for name in resolved}
-    return {name: make_style(style, where=name, kv_replicas=replicas if is_kv[name] else 1)
-            for name, style in resolved.items()}
+    objects = {name: make_style(style, where=name, kv_replicas=replicas if _kv_parent(model, name) else 1)
+               for name, style in styles.items()}
+    specs, layout_problems = _layout_specs(model, objects, tp_size)
+    if tp_size > 1:
+        layout_problems += _pair_problems(model, objects, sequence_parallel)
+    head = _output_head(model)
+    return ResolvedPlan(tp_size, sequence_parallel, styles, objects, specs,
+                        list(dict.fromkeys(problems + layout_problems)),
+                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss)
 
 
-def layout_specs(model: nn.Module, resolved: Mapping[str, str], tp_size: int
-                 ) -> tuple[dict[str, ShardSpec], list[str]]:
+def _output_head(model: nn.Module) -> str | None:
+    """Module name of the model's output head (`get_output_embeddings()`, as in transformers)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _layout_specs(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_size: int
+                  ) -> tuple[dict[str, ShardSpec], list[str]]:
     """ShardSpec for every parameter the plan touches (full names), and every divisibility problem."""
     specs: dict[str, ShardSpec] = {}
     problems: list[str] = []
-    if any(".self_attn." in name and style != "replicated_with_grad_allreduce" for name, style in resolved.items()):
-        problems += head_problems(model.config, tp_size)
-    for name, style in make_styles(model, resolved, tp_size).items():
-        module, style_name = model.get_submodule(name), style.name
+    for name, style in objects.items():
+        module = model.get_submodule(name)
         if not isinstance(module, style.module_types):
-            problems.append(f"module {name!r} is a {type(module).__name__}, but style {style_name!r} supports "
+            problems.append(f"module {name!r} is a {type(module).__name__}, but style {style.name!r} supports "
                             f"only {', '.join(t.__name__ for t in style.module_types)}")
             continue
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if hasattr(parent, "tp_kv_projections") and style.splits_output | style.needs_split_input:
+            problems += head_problems(model.config, tp_size)  # an attention module split by heads
         for pname, spec in style.param_specs(module).items():
             shape = tuple(getattr(module, pname).shape)
             chunks = spec.num_chunks(tp_size)
             if spec.dim is not None and shape[spec.dim] % chunks:
-                layers = re.sub(r"\.\d+\.", ".*.", name)  # one line for all layers, not one per layer
-                problems.append(f"{layers}.{pname} has shape {shape}: dim {spec.dim} (size {shape[spec.dim]}) "
-                                f"cannot be split into {chunks} equal shards for style {style_name!r} at "
-                                f"tp_size={tp_size}; {_fix_hint(name, model.config, chunks)}")
+                problems.append(f"{_generic(name)}.{pname} has shape {shape}: dim {spec.dim} (size {shape[spec.dim]}) "
+                                f"cannot be split into {chunks} equal shards for style {style.name!r} at "
+                                f"tp_size={tp_size}; {_fix_hint(model.config, shape[spec.dim], chunks)}")
             specs[f"{name}.{pname}"] = spec
-    return specs, list(dict.fromkeys(problems))
+    return specs, problems
+
+
+def _pair_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], sequence_parallel: bool) -> list[str]:
+    """Producer -> consumer pairs whose local shapes cannot meet. Each module declares its pairs as data,
+    `tp_pairs = {consumer: (producers...)}` (attention: q/k/v -> o_proj); a split output must feed a
+    module that wants a split input, and the other way round."""
+    problems = []
+    for owner, module in model.named_modules():
+        for consumer, producers in getattr(module, "tp_pairs", {}).items():
+            names = [f"{owner}.{p}" for p in producers if hasattr(module, p)]
+            if not hasattr(module, consumer) or not names:
+                continue
+            consumer = f"{owner}.{consumer}"
+
+            def style(n: str) -> str:
+                return repr(objects[n].name) if n in objects else "no rule (replicated)"
+
+            wants = objects[consumer].needs_split_input if consumer in objects else False
+            bad = [n for n in names if (objects[n].splits_output if n in objects else False) != wants]
+            inputs = ", ".join(f"{_generic(n)} ({style(n)})" for n in names)
+            if bad and wants:
+                problems.append(f"{_generic(consumer)} ({style(consumer)}) expects its input split over the tp ranks, "
+                                f"but it reads {inputs}, which produce the whole width; make "
+                                f"{', '.join(_generic(n) for n in bad)} 'colwise', or remove the rule of "
+                                f"{_generic(consumer)} too")
+            elif bad:
+                problems.append(f"{inputs} split their output over the tp ranks, but {_generic(consumer)} "
+                                f"({style(consumer)}) reads the whole width, so the local shapes cannot meet; make "
+                                f"{_generic(consumer)} 'rowwise', or remove the rules of "
+                                f"{', '.join(_generic(n) for n in bad)} too")
+            elif sequence_parallel and not wants:
+                problems.append(f"{inputs} and {_generic(consumer)} are replicated, but under sequence parallelism "
+                                f"their input is a sequence shard; give them their tensor-parallel rules "
+                                f"('colwise' ... 'rowwise') or disable sequence parallelism")
+    return problems

@@ -98,10 +98,20 @@ class TPContext:
 
 
 class ParallelStyle:
-    """Base class. `kv_replicas` > 1 only for colwise projections producing replicated KV heads."""
+    """Base class. `kv_replicas` > 1 only for colwise projections producing replicated KV heads.
+
+    Two facts per style let the plan check see layouts whose local shapes cannot meet (a split output
+    feeding a module that wants the whole width) without knowing any module: `splits_output` (this
+    rank's output holds only its share of the features) and `needs_split_input` (it must be fed such
+    a share). `vocab_parallel_loss`: on the model's output head, the logits stay vocab-sharded for
+    the vocab-parallel loss whenever labels are given.
+    """
 
     name: ClassVar[str]
     module_types: ClassVar[tuple[type, ...]] = (nn.Module,)
+    splits_output: ClassVar[bool] = False
+    needs_split_input: ClassVar[bool] = False
+    vocab_parallel_loss: ClassVar[bool] = False
 
     def __init__(self, *, kv_replicas: int = 1) -> None:
         self.kv_replicas = kv_replicas
@@ -185,6 +195,7 @@ class ColwiseParallel(ParallelStyle):
 
     name = "colwise"
     module_types = (nn.Linear,)
+    splits_output = True
 
     def param_specs(self, module):
         spec = ShardSpec(0, self.kv_replicas, partial_grad=self.kv_replicas > 1)
@@ -200,6 +211,7 @@ class RowwiseParallel(ParallelStyle):
 
     name = "rowwise"
     module_types = (nn.Linear,)
+    needs_split_input = True
 
     def param_specs(self, module):
         specs = {"weight": ShardSpec(1)}
@@ -221,6 +233,8 @@ class ColwiseGatherOutput(ColwiseParallel):
     """LM head: colwise, then all-gather the vocabulary unless the vocab-parallel loss consumes it."""
 
     name = "colwise_gather_output"
+    splits_output = False  # gathered (or consumed sharded by the loss only)
+    vocab_parallel_loss = True
 
     def install(self, module, ctx):
         super().install(module, ctx)
@@ -256,6 +270,7 @@ class ReplicatedWithGradAllreduce(ParallelStyle):
     forward needs no communication, the gradient is a partial sum over the TP group."""
 
     name = "replicated_with_grad_allreduce"
+    needs_split_input = True
 
     def param_specs(self, module):
         return {n: ShardSpec(None, partial_grad=True) for n in _own_params(module)}
@@ -267,3 +282,4 @@ class SequenceParallel(ReplicatedWithGradAllreduce):
     shard, so the weight gradient is a partial sum over the TP group."""
 
     name = "sequence_parallel"
+    needs_split_input = False  # split along the sequence, not the features

@@ -2,12 +2,16 @@
 
 Works on a model built on the meta device (from_pretrained then fills each local shard from the
 checkpoint) and on a materialised model (each full parameter is sliced in memory).
+
+    resolved = check_plan(model, "auto", tp_size)      # pure: no process group
+    resolved.raise_problems(model)                     # identical on every rank
+    layout = apply_tensor_parallel(model, resolved, tp_group=mesh["tp"].get_group())
 """
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -16,54 +20,82 @@ from torch import nn
 from tptrain.distributed import comm
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss
-from tptrain.parallel.plan import layout_specs, make_styles, resolve_plan
+from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.styles import ShardSpec, TPContext
 
+__all__ = ["ParamLayout", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full"]
 
-@dataclass
+
+@dataclass(frozen=True)
+class ParamLayout:
+    spec: ShardSpec  # how the parameter is split over the TP axis
+    global_shape: tuple[int, ...]  # its unsharded shape
+
+
+class _Column(Mapping):
+    """A read-only, live view of one field of the layout table ({name: spec} or {name: global shape})."""
+
+    def __init__(self, table: dict[str, ParamLayout], field: str) -> None:
+        self._table, self._field = table, field
+
+    def __getitem__(self, name: str):
+        return getattr(self._table[name], self._field)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
 class TPLayout:
-    """What the engine did to one model: enough to load, gather, save or reshard it."""
+    """What the engine did to one model: enough to load, gather, save or reshard it.
 
-    plan: dict[str, str]  # module name -> style name
-    specs: dict[str, ShardSpec]  # parameter name (every alias of a tied weight) -> spec
-    global_shapes: dict[str, tuple[int, ...]]  # parameter name -> unsharded shape
-    ctx: TPContext
-    grad_sync: PartialGradSync
+    One table, parameter name (every alias of a tied weight) -> ParamLayout, changed only through
+    `add`, `rename` and `drop` (adapters add their factors and move the base weights under
+    `base_layer`). `specs` and `global_shapes` are read-only views of it; the parameters whose
+    gradients are per-rank shares, and so the gradient sync, are derived from it.
+    """
+
+    def __init__(self, plan: dict[str, str], params: dict[str, ParamLayout], ctx: TPContext, *,
+                 vocab_parallel_loss: bool) -> None:
+        self.plan = plan  # module name -> style name
+        self.ctx = ctx
+        self.vocab_parallel_loss = vocab_parallel_loss
+        self._params = dict(params)
+        self.specs: Mapping[str, ShardSpec] = _Column(self._params, "spec")
+        self.global_shapes: Mapping[str, tuple[int, ...]] = _Column(self._params, "global_shape")
+        self.grad_sync = PartialGradSync(self)
+
+    def spec(self, name: str) -> ShardSpec:
+        return self._params[name].spec if name in self._params else ShardSpec()
+
+    def partial_grad_specs(self) -> dict[str, ShardSpec]:
+        """{name: spec} of the parameters whose gradient is a per-rank share, in table order."""
+        return {name: p.spec for name, p in self._params.items() if p.spec.partial_grad}
+
+    def add(self, name: str, spec: ShardSpec, global_shape: tuple[int, ...]) -> None:
+        self._params[name] = ParamLayout(spec, tuple(global_shape))
+
+    def rename(self, old_prefix: str, new_prefix: str) -> None:
+        """Move every entry under name prefix `old_prefix` to `new_prefix`."""
+        for key in [k for k in self._params if k.startswith(old_prefix)]:
+            self._params[new_prefix + key[len(old_prefix):]] = self._params.pop(key)
+
+    def drop(self, prefix: str) -> None:
+        for key in [k for k in self._params if k.startswith(prefix)]:
+            del self._params[key]
 
 
-def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_size: int, *,
-               sequence_parallel: bool = False) -> tuple[dict[str, str], dict[str, ShardSpec], list[str]]:
-    """Resolve and validate without touching the model or any process group."""
-    resolved, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel)
-    user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
-    if tp_size > 1 and not problems and not getattr(model.config, "base_model_tp_plan", None) and not user_rules:
-        # The head's own plan alone would split only lm_head: that is not tensor parallelism of the model.
-        problems.append(f"{type(model).__name__}'s config declares no base_model_tp_plan, so tptrain does not know "
-                        f"how to shard it at tp_size={tp_size}; pass DistributedConfig(tp_plan={{module-glob: style}}) "
-                        f"rules, or use tp_size=1")
-    elif tp_size > 1 and not problems and not resolved:
-        problems.append(f"the tensor-parallel plan of {type(model).__name__} is empty (the tp_plan overrides removed "
-                        f"every rule), so tp_size={tp_size} has nothing to shard; keep some rules or use tp_size=1")
-    specs, layout_problems = layout_specs(model, resolved, tp_size)
-    return resolved, specs, problems + layout_problems
-
-
-def raise_plan_problems(model: nn.Module, tp_size: int, problems: list[str]) -> None:
-    """One ValueError listing every problem `check_plan` found (identical on every rank)."""
-    if problems:
-        raise ValueError(f"cannot shard {type(model).__name__} over tp_size={tp_size}:\n  - "
-                         + "\n  - ".join(problems))
-
-
-def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPContext) -> dict[str, ShardSpec]:
+def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPContext) -> dict[str, ParamLayout]:
     """Replace every planned parameter by its local shard; tied parameters stay one object.
-    Returns the spec of every parameter name (aliases of tied weights included)."""
+    Returns the layout of every parameter name (aliases of tied weights included)."""
     old = dict(model.named_parameters(remove_duplicate=False))  # keeps old objects alive: ids stay unique
     aliases: dict[int, list[str]] = {}
     for name, p in old.items():
         aliases.setdefault(id(p), []).append(name)
-    out = {name: ShardSpec() for name in old}
+    out = {name: ParamLayout(ShardSpec(), tuple(p.shape)) for name, p in old.items()}
     new: dict[int, nn.Parameter] = {}
     for full, spec in specs.items():
         p = old[full]
@@ -71,7 +103,7 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
             if alias in specs and specs[alias] != spec:
                 raise ValueError(f"tied parameters {full!r} and {alias!r} are given different layouts "
                                  f"({spec} vs {specs[alias]}); give both modules the same split")
-            out[alias] = spec
+            out[alias] = ParamLayout(spec, tuple(p.shape))
         if id(p) not in new:
             # A copy, so the full tensor can be freed (on meta it is a shape only).
             local = p.data if spec.dim is None else spec.local_chunk(p.data, ctx.size, ctx.rank).clone()
@@ -102,19 +134,16 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
     return given
 
 
-def apply_tensor_parallel(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, *, tp_group,
-                          sequence_parallel: bool = False) -> TPLayout:
-    """Shard `model` in place over `tp_group` following `tp_plan` ("auto" or overrides)."""
+def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group) -> TPLayout:
+    """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    plan, specs, problems = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
-    raise_plan_problems(model, tp_size, problems)
-    global_shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    ctx = TPContext(tp_group, tp_size, tp_rank, sequence_parallel=sequence_parallel)
-    all_specs = _shard_parameters(model, specs, ctx)
-    for name, style in make_styles(model, plan, tp_size).items():
+    assert not resolved.problems and resolved.tp_size == tp_size, (resolved.problems, resolved.tp_size, tp_size)
+    ctx = TPContext(tp_group, tp_size, tp_rank, sequence_parallel=resolved.sequence_parallel)
+    params = _shard_parameters(model, resolved.specs, ctx)
+    for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)
 
-    if plan.get("lm_head") == "colwise_gather_output":
+    if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
         model.loss_function = make_vocab_parallel_causal_lm_loss(tp_group)
         labels_given = _labels_given(model.forward)
@@ -127,7 +156,6 @@ def apply_tensor_parallel(model: nn.Module, tp_plan: str | Mapping[str, Any] | N
     else:
         model.register_forward_pre_hook(lambda module, args: ctx.reset())
     model.register_forward_hook(lambda module, args, out: ctx.reset())
-    if sequence_parallel:
+    if resolved.sequence_parallel:
         install_sequence_parallel(model, ctx)
-    grad_sync = PartialGradSync(all_specs, ctx)
-    return TPLayout(plan, all_specs, global_shapes, ctx, grad_sync)
+    return TPLayout(dict(resolved.styles), params, ctx, vocab_parallel_loss=resolved.vocab_parallel_loss)

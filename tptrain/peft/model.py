@@ -98,7 +98,7 @@ class PeftModel(nn.Module):
             params[name].requires_grad_(trainable)
         layout = getattr(self.get_base_model(), "tp_layout", None)
         if layout is not None:
-            layout.grad_sync.bind(self.get_base_model())
+            layout.grad_sync.attach(self.get_base_model())
 
     def print_trainable_parameters(self) -> None:
         model = self.get_base_model()
@@ -177,14 +177,14 @@ class PeftModel(nn.Module):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, base)
             if layout is not None:
-                _rename_layout(layout, f"{name}.lora_", "", drop=True)
-                _rename_layout(layout, f"{name}.base_layer.", f"{name}.")
+                layout.drop(f"{name}.lora_")
+                layout.rename(f"{name}.base_layer.", f"{name}.")
         self.lora_layers = {}
         self._step_hook.remove()
         for p, flag in self._requires_grad:
             p.requires_grad_(flag)
         if layout is not None:
-            layout.grad_sync.bind(model)
+            layout.grad_sync.attach(model)
         return model
 
 
@@ -202,7 +202,7 @@ def _is_lora(name: str) -> bool:
 
 
 def _spec(layout, name: str) -> ShardSpec:
-    return layout.specs.get(name, ShardSpec()) if layout is not None else ShardSpec()
+    return layout.spec(name) if layout is not None else ShardSpec()
 
 
 def _agree_seed(model: nn.Module, layout) -> int:
@@ -229,22 +229,10 @@ def _wrap(model: nn.Module, name: str, module: nn.Module, config: LoraConfig, sp
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
     if layout is not None:
-        _rename_layout(layout, f"{name}.", f"{name}.base_layer.")
+        layout.rename(f"{name}.", f"{name}.base_layer.")
         for local, (spec, global_shape) in layer.layout().items():
-            full = f"{name}.{local}"
-            layout.specs[full], layout.global_shapes[full] = spec, global_shape
-            if spec.partial_grad:
-                layout.grad_sync.specs[full] = spec
+            layout.add(f"{name}.{local}", spec, global_shape)
     return layer
-
-
-def _rename_layout(layout, old: str, new: str, *, drop: bool = False) -> None:
-    """Move the layout entries under name prefix `old` to prefix `new` (or drop them)."""
-    for table in (layout.specs, layout.global_shapes, layout.grad_sync.specs):
-        for key in [k for k in table if k.startswith(old)]:
-            value = table.pop(key)
-            if not drop:
-                table[new + key[len(old):]] = value
 
 
 def _trainable_extras(model: nn.Module, config: LoraConfig, targets, full_modules: list[str]) -> list[str]:

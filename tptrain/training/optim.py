@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tptrain.distributed import comm
+from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.styles import ShardSpec
 from tptrain.training.args import TrainingArguments
 
@@ -56,11 +56,6 @@ def lr_multiplier(kind: str, *, warmup_steps: int, total_steps: int) -> Callable
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
         args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece: the local shard of an FSDP2 DTensor (a view: writes go through), else `t`."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()

@@ -83,12 +83,12 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_che
                              bf16: bool) -> bool:
     """TP (already applied) -> activation checkpointing -> FSDP2/HSDP/DDP. Returns whether FSDP wraps it.
 
-    The TP engine's PartialGradSync hooks sit on the parameter objects FSDP replaces, so they are
-    removed here; the Trainer sums those partial gradients over TP once per optimizer step."""
+    The TP engine's partial-gradient sum switches to once per optimizer step (its hooks would sit on
+    the parameter objects FSDP replaces): the Trainer calls it after the last micro-batch."""
     model_tp = getattr(model, "tp_size", 1)
     assert model_tp == mesh["tp"].size(), (model_tp, mesh)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if getattr(model, "tp_layout", None) is not None:
-        model.tp_layout.grad_sync.unbind()
+        model.tp_layout.grad_sync.set_mode("step")
     return apply_data_parallel(model, mesh, bf16=bf16)

@@ -33,7 +33,7 @@ from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
-from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_, local_tensor
+from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from tptrain.training.parallelize import build_mesh, parallelize_for_training, resolve_parallelism
 
 
@@ -158,8 +158,7 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
         if self.grad_sync is not None:  # partial gradients (q/k norms, shared KV chunks) summed over TP
-            self.grad_sync.reduce_grads({n: local_tensor(p.grad) for n, p in self.inner.named_parameters()
-                                         if p.grad is not None})
+            self.grad_sync.sync_grads(self.inner)
         grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, tp_rank=self.tp_rank,
                                     replicate_rank=self.replicate_rank)
         self.optimizer.step()
