@@ -13,6 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from tptrain.distributed import comm
+from tptrain.distributed.comm import raise_on_any_rank
+
+__all__ = ["DistributedConfig", "comm", "init_distributed", "local_device", "raise_on_any_rank"]
+
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
 
 
@@ -40,26 +45,15 @@ def init_distributed() -> torch.device:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, **kwargs)
+        comm.init_process_group(backend, **kwargs)
     else:  # a plain `python script.py`: a one-process world, no rendezvous needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        comm.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
     """{axis name: size} of a named mesh, comparable with `DistributedConfig.sizes()`."""
     return dict(zip(mesh.mesh_dim_names, mesh.shape))
-
-
-def raise_on_any_rank(error: str | None, *, exc_type: type[Exception] = OSError, collective: bool = True) -> None:
-    """If any rank has an error message, raise the first one on every rank, so no rank is left waiting in a
-    later collective. Collective (all ranks must call it) when `collective` and a multi-rank group is up."""
-    if collective and dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise exc_type(error)
 
 
 @dataclass
@@ -107,5 +101,6 @@ class DistributedConfig:
         sizes = self.sizes()  # validate before the rendezvous, so a bad layout fails fast everywhere
         device = init_distributed()
         if self._mesh is None or mesh_sizes(self._mesh) != sizes:
-            self._mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
+            self._mesh = comm.track_mesh(init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES),
+                                                          mesh_dim_names=MESH_AXES))
         return self._mesh, device

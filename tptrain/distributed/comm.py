@@ -1,4 +1,5 @@
-"""Every collective tptrain issues, and the only file that talks to c10d.
+"""Every collective tptrain issues, and the only file that talks to c10d: the process group's start and
+end, the activation collectives, and the object gathers and barriers that keep the ranks in step.
 
 The activation collectives are the Megatron "conjugate" pairs, tiny autograd functions (one shared
 by the pairs along a tensor dim); each entry point's docstring says its forward / backward in one line.
@@ -8,12 +9,18 @@ for the tests that assert the Megatron minimum.
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import pickle
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 ProcessGroup = dist.ProcessGroup
 
@@ -27,7 +34,9 @@ class CommRecord:
     op: str  # "all_reduce", "all_gather", "reduce_scatter"
     shape: tuple[int, ...]
     bytes: int  # payload of this rank's input tensor
-    phase: str  # "forward" or "backward" (autograd) / "grad_sync" (parameter gradients)
+    # "forward" / "backward" (autograd), "grad_sync" (partial parameter gradients), "gather" (saving), or what a
+    # training-step reduction is: "token_count", "loss", "grad_norm"; "setup" for errors, seeds, barriers.
+    phase: str
 
 
 @dataclass
@@ -57,6 +66,11 @@ _TRACKERS: list[CommTracker] = []
 def _record(op: str, t: torch.Tensor, phase: str) -> None:
     for tracker in _TRACKERS:
         tracker.records.append(CommRecord(op, tuple(t.shape), t.numel() * t.element_size(), phase))
+
+
+def _record_object(op: str, obj: object) -> None:
+    for tracker in _TRACKERS:
+        tracker.records.append(CommRecord(op, (), len(pickle.dumps(obj)), "setup"))
 
 
 def _phase() -> str:
@@ -101,17 +115,29 @@ def split(t: torch.Tensor, group: ProcessGroup, *, dim: int) -> torch.Tensor:
     return t.chunk(world, dim=dim)[rank].contiguous()
 
 
+def group_name(group: ProcessGroup) -> str:
+    """What to keep of a process group: its name. Objects that outlive the group (a model, an autograd graph the
+    user still holds) must not keep the group itself alive: it would then be destroyed only during interpreter
+    finalisation, where gloo aborts the process."""
+    return group.group_name
+
+
+def resolve_group(name: str) -> ProcessGroup:
+    """The live process group called `name` (see `group_name`)."""
+    return _resolve_process_group(name)
+
+
 class _CopyToTP(Function):
     """identity fwd / all-reduce bwd (Megatron's f: entering a column-parallel region)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group_name = group_name(group)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group), None
+        return all_reduce(grad.clone(), resolve_group(ctx.group_name)), None
 
 
 class _ReduceFromTP(Function):
@@ -131,12 +157,12 @@ class _AlongDim(Function):
 
     @staticmethod
     def forward(ctx, x, group, dim, fwd, bwd):
-        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        ctx.group_name, ctx.dim, ctx.bwd = group_name(group), dim, bwd
         return fwd(x, group, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.bwd(grad, ctx.group, dim=ctx.dim), None, None, None, None
+        return ctx.bwd(grad, resolve_group(ctx.group_name), dim=ctx.dim), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -160,3 +186,62 @@ def gather_to_sp(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Te
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:
     """reduce-scatter fwd / all-gather bwd (tensor-parallel -> sequence-parallel region)."""
     return _AlongDim.apply(x, group, dim % x.dim(), reduce_scatter, all_gather)
+
+
+# -------------------------------------------------------------------- the process group's life, and keeping in step
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """Start the default process group (`dist.init_process_group(backend, **kwargs)`) and close it at interpreter
+    exit, so a script can simply end. Without that, gloo aborted about 1 run in 6 (SIGABRT, "terminate called
+    without an active exception"): a group still referenced when the interpreter shuts down is destroyed during
+    finalisation, too late. tptrain's own objects keep group names (`group_name`), and the meshes it builds are
+    emptied of their groups at exit (`track_mesh`), so closing frees every group while Python still runs."""
+    dist.init_process_group(backend, **kwargs)
+    atexit.register(destroy_process_group)
+
+
+def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Remember `mesh` (weakly) so that `destroy_process_group` can drop the groups it holds."""
+    _MESHES.add(mesh)
+    return mesh
+
+
+# Meshes to release at exit: weak references only, the owner (a model, the Trainer) keeps each mesh alive.
+_MESHES: weakref.WeakSet = weakref.WeakSet()
+
+
+def destroy_process_group() -> None:
+    """Close the default process group and every group made from it, if one is up (idempotent), and drop the
+    references the meshes tptrain built hold to them, so the groups are freed now."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for mesh in list(_MESHES):
+        # DeviceMesh keeps its groups in a private registry (torch 2.13); without it, it re-resolves them by
+        # name, which fails once they are destroyed, as any use after destruction must.
+        getattr(mesh._get_root_mesh(), "_pg_registry", {}).clear()
+    _MESHES.clear()
+    gc.collect()  # groups held only by reference cycles (autograd graphs) go now, not during finalisation
+
+
+def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
+    """Every rank's picklable `obj`, in rank order."""
+    out: list = [None] * dist.get_world_size(group)
+    _record_object("all_gather_object", obj)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Wait until every rank of `group` is here."""
+    _record_object("barrier", None)
+    dist.barrier(group=group)
+
+
+def raise_on_any_rank(error: str | None, *, exc_type: type[Exception] = OSError, collective: bool = True) -> None:
+    """If any rank has an error message, raise the first one on every rank, so no rank is left waiting in a
+    later collective. Collective (all ranks must call it) when `collective` and a multi-rank group is up."""
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
+        error = next((e for e in all_gather_object(error) if e), None)
+    if error:
+        raise exc_type(error)

@@ -11,7 +11,7 @@ from torch.autograd import Function
 
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.distributed import comm
-from tptrain.parallel.styles import vocab_shard_ids
+from tptrain.parallel.styles import TPContext, vocab_shard_ids
 
 
 class _VocabParallelCrossEntropy(Function):
@@ -49,13 +49,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return loss.masked_fill(ignored, 0.0)
 
 
-def make_vocab_parallel_causal_lm_loss(group):
-    """The TP replacement for a model's `loss_function(logits, labels, num_items_in_batch)`:
+def make_vocab_parallel_causal_lm_loss(ctx: TPContext):
+    """The TP replacement for a model's `loss_function(logits, labels, num_items_in_batch)` over `ctx`'s group:
     same shift, ignore index and normalisation as the single-device loss."""
 
     def loss_function(logits, labels, num_items_in_batch=None):
         target = shift_labels(labels).reshape(-1).to(logits.device)
-        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, group)
+        per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ctx.group)
         denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
         return per_token.sum() / denom
 

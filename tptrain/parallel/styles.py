@@ -56,9 +56,10 @@ class ShardSpec:
 
 @dataclass
 class TPContext:
-    """Run-time state shared by every style of one model: the TP group and per-forward flags."""
+    """Run-time state shared by every style of one model: the TP group (by name, see `comm.group_name`) and
+    per-forward flags."""
 
-    group: comm.ProcessGroup
+    group_name: str
     size: int
     rank: int
     sequence_parallel: bool = False
@@ -69,6 +70,10 @@ class TPContext:
     # only `local` for backward wherever autograd would save `gathered`.
     on_gather: Callable[[torch.Tensor, torch.Tensor, int], None] | None = field(default=None, repr=False)
     _boundary: tuple | None = field(default=None, repr=False)
+
+    @property
+    def group(self) -> comm.ProcessGroup:
+        return comm.resolve_group(self.group_name)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Input boundary of a column-parallel block.

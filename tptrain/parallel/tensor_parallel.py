@@ -138,14 +138,14 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group)
     """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     assert not resolved.problems and resolved.tp_size == tp_size, (resolved.problems, resolved.tp_size, tp_size)
-    ctx = TPContext(tp_group, tp_size, tp_rank, sequence_parallel=resolved.sequence_parallel)
+    ctx = TPContext(comm.group_name(tp_group), tp_size, tp_rank, sequence_parallel=resolved.sequence_parallel)
     params = _shard_parameters(model, resolved.specs, ctx)
     for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)
 
     if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
-        model.loss_function = make_vocab_parallel_causal_lm_loss(tp_group)
+        model.loss_function = make_vocab_parallel_causal_lm_loss(ctx)
         labels_given = _labels_given(model.forward)
 
         def before(module, args, kwargs):

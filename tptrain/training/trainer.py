@@ -218,7 +218,7 @@ class Trainer:
                     if path.is_file():
                         shutil.copy2(path, target / path.name)
         if dist.is_initialized():
-            dist.barrier()
+            comm.barrier()
         return target
 
     def _tokenizer_dir(self) -> Path | None:
