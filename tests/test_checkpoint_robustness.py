@@ -78,8 +78,9 @@ def test_cli_messages(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
     assert main(["train", "--output-dir", str(tmp_path)]) == 2
     assert "holds an earlier run (metrics.jsonl)" in capsys.readouterr().err
-    assert main(["train", "--output-dir", str(tmp_path), "--resume", "--overwrite-output-dir"]) == 2
-    assert "pass only one of them" in capsys.readouterr().err
+    for resume in ("--resume", f"--resume={tmp_path / 'checkpoint-3'}"):
+        assert main(["train", "--output-dir", str(tmp_path), resume, "--overwrite-output-dir"]) == 2
+        assert "would delete: pass only one of them" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ 2, 3: a kill at any instant

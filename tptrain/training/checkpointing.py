@@ -75,8 +75,9 @@ def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 def earlier_run_error(output_dir: str | os.PathLike, *, resume: Any, overwrite: bool) -> str | None:
     """Why a run may not start in `output_dir` as told, or None. Reads the filesystem only."""
-    if resume is True and overwrite:
-        return ("resume_from_checkpoint=True (--resume) continues from the latest checkpoint in output_dir, which "
+    if overwrite and (resume is True or resume not in (None, False)
+                      and Path(resume).resolve().parent == Path(output_dir).resolve()):
+        return (f"resume_from_checkpoint={resume!r} (--resume) continues from a checkpoint in {output_dir}, which "
                 "overwrite_output_dir=True (--overwrite-output-dir) would delete: pass only one of them")
     found = _earlier_run_entries(Path(output_dir))
     if not found or overwrite or resume not in (None, False):
@@ -124,7 +125,8 @@ def finish_interrupted_saves(output_dir: str | os.PathLike) -> None:
     complete: the marker is written last), any other `.tmp` or `.deleting` is removed. Rank 0 only."""
     root = Path(output_dir)
     hidden = [p for p in root.iterdir() if _HIDDEN.fullmatch(p.name)] if root.is_dir() else []
-    for path in sorted(hidden, key=lambda p: not p.name.endswith(".tmp")):  # .tmp first: a .deleting may be its old copy
+    # Each .tmp first: a .deleting may be the old copy it replaces.
+    for path in sorted(hidden, key=lambda p: not p.name.endswith(".tmp")):
         if path.name.endswith(".tmp") and (path / MARKER).is_file():
             _publish(path, root / path.name[1:-len(".tmp")])
         elif path.exists():
