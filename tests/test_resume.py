@@ -39,8 +39,12 @@ def _resume_worker(tmp: str) -> None:
                  resume_from_checkpoint=f"{tmp}/a/checkpoint-4")
     torch.testing.assert_close(torch.tensor(other.losses), torch.tensor(full.losses[4:]), rtol=1e-6, atol=1e-6)
 
-    latest = _run(f"{tmp}/a", 2, resume_from_checkpoint=True)  # picks checkpoint-6: nothing left to train
-    assert latest.global_step == 6 and latest.losses == []
+    final = Path(f"{tmp}/a/final/model.safetensors")
+    before = final.stat().st_mtime_ns
+    with pytest.raises(ValueError, match=r"checkpoint-6 is at step 6 and max_steps=6: nothing is left to train; "
+                                         r"raise max_steps \(--max-steps\) above 6"):
+        _run(f"{tmp}/a", 2, resume_from_checkpoint=True)  # picks checkpoint-6: refused, final/ untouched
+    assert final.stat().st_mtime_ns == before
 
 
 def test_resume_same_and_other_layout(tmp_path):
@@ -80,12 +84,12 @@ def test_bad_input_errors_on_every_rank(tmp_path):
 
 
 def test_latest_complete_checkpoint(tmp_path):
-    from tptrain.training.checkpointing import resolve_resume
+    from tptrain.training.checkpointing import resolve_resume, write_manifest
 
     for step, complete in ((9, True), (10, True), (12, False)):  # 12: interrupted while being written
         (tmp_path / f"checkpoint-{step}").mkdir()
         if complete:
-            (tmp_path / f"checkpoint-{step}" / "complete").write_text("")
+            write_manifest(tmp_path / f"checkpoint-{step}", world_size=1)
     assert resolve_resume(True, tmp_path) == tmp_path / "checkpoint-10"  # numeric order, incomplete skipped
     assert resolve_resume(None, tmp_path) is None
     with pytest.raises(ValueError, match="checkpoint-12 is not a complete training checkpoint"):

@@ -65,6 +65,9 @@ class TrainingArguments:
     save_steps: write a resumable checkpoint every this many steps; 0 disables.
     save_total_limit: keep at most this many checkpoints (oldest pruned after a new one is complete);
         None keeps all.
+    overwrite_output_dir: start fresh in an output_dir that holds an earlier run, deleting its checkpoints
+        and metrics (its final/ is replaced when this run ends). Without it (or resume_from_checkpoint)
+        such an output_dir is refused.
     resume_from_checkpoint: True resumes from the latest complete checkpoint in output_dir, a path
         from that checkpoint; None/False starts fresh.
     parallelism_config: the rank layout; None: the model's tp_size, remaining ranks FSDP2 dp_shard.
@@ -89,6 +92,7 @@ class TrainingArguments:
     logging_steps: int = 1
     save_steps: int = 0
     save_total_limit: int | None = None
+    overwrite_output_dir: bool = False
     resume_from_checkpoint: bool | str | os.PathLike | None = None
     parallelism_config: ParallelismConfig | None = None
 

@@ -72,7 +72,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="parameter dtype (default: float32)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                   help="resume from the latest checkpoint in --output-dir, or from CHECKPOINT")
+                   help="resume from the latest valid checkpoint in --output-dir, or from CHECKPOINT")
+    p.add_argument("--overwrite-output-dir", action="store_true",
+                   help="start fresh in an --output-dir that holds an earlier run, deleting its checkpoints and "
+                        "metrics (without this or --resume such a directory is refused)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="greedy continuation printed after training")
     p.add_argument("--max-new-tokens", type=int, help=f"length of that continuation (default: {FULL.max_new_tokens})")
     p.add_argument("--smoke-test", action="store_true",
@@ -92,6 +95,12 @@ def run_train(args: argparse.Namespace) -> int:
     if args.tp_size < 1 or nproc % args.tp_size:
         print(f"tptrain train: error: --nproc-per-node {nproc} is not a multiple of --tp-size {args.tp_size}; "
               "each tensor-parallel group needs tp-size processes", file=sys.stderr)
+        return 2
+    from tptrain.training.checkpointing import earlier_run_error
+
+    error = earlier_run_error(args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir)
+    if error:  # before any worker starts
+        print(f"tptrain train: error: {error}", file=sys.stderr)
         return 2
     if "RANK" in os.environ or nproc == 1:
         return _worker(args, error_dir=None)
@@ -182,7 +191,8 @@ def _train(args: argparse.Namespace) -> None:
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume)
+        seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
+        overwrite_output_dir=args.overwrite_output_dir)
     tokenizer = load_tokenizer(model_dir)
     dataset = build_dataset(args.data, tokenizer, args.seq_len)  # before any collective: errors on every rank
     config = AutoConfig.from_pretrained(model_dir)

@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ class Trainer:
         self.specs = layout.specs if layout else {}
         self.grad_sync = layout.grad_sync if layout else None
         self.global_step = 0
+        self.run_id = uuid.uuid4().hex  # marks this run's checkpoints (rank 0's is the one written); kept on resume
 
     # ------------------------------------------------------------------ set-up checks (no collectives)
 
@@ -120,6 +122,7 @@ class Trainer:
         """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model."""
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
+        self._claim_output_dir(resume)
         path = ckpt.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
@@ -190,21 +193,41 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _claim_output_dir(self, resume: bool | str | os.PathLike | None) -> None:
+        """Refuse an output_dir holding an earlier run unless told to resume it or overwrite it (then its
+        checkpoints and metrics are deleted). Checked on rank 0, raised on every rank."""
+        output_dir, overwrite = self.args.output_dir, self.args.overwrite_output_dir
+        raise_on_any_rank(ckpt.earlier_run_error(output_dir, resume=resume, overwrite=overwrite)
+                          if self.is_rank0 else None, exc_type=ValueError)
+        if overwrite:
+            error = None
+            if self.is_rank0:
+                try:
+                    ckpt.clear_earlier_run(output_dir)
+                except OSError as exc:
+                    error = f"overwrite_output_dir=True: cannot delete the earlier run in {output_dir}: {exc}"
+            raise_on_any_rank(error)
+
     def save_checkpoint(self) -> Path:
         """Write output_dir/checkpoint-<step> (collective); returns its path."""
-        state = {"global_step": self.global_step, "data_order": self.data_order.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "layout": self.sizes}
+        state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
+                 "layout": self.sizes}
         return ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
                                     optimizer=self.optimizer, conv=self.converter, trainer_state=state,
                                     save_total_limit=self.args.save_total_limit)
 
     def _load(self, path: Path) -> None:
+        step = ckpt.read_trainer_state(path)["global_step"]  # the same file on every rank: raised on all
+        if step >= self.args.max_steps:
+            raise ValueError(f"{path} is at step {step} and max_steps={self.args.max_steps}: nothing is left to "
+                             f"train; raise max_steps (--max-steps) above {step} to continue this run")
         state = ckpt.load_checkpoint(path, model=self.inner, optimizer=self.optimizer, conv=self.converter)
-        self.global_step = state["global_step"]
+        self.global_step, self.run_id = state["global_step"], state["run_id"]
         self.data_order.load_state_dict(state["data_order"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
+        # The schedule of THIS run's arguments at the saved step (a resume may raise max_steps), as if the
+        # run had started with them: rebuilt from the step, not restored (the saved last lr may be 0).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
+                                                           last_epoch=self.global_step - 1)
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
         """The consolidated HF checkpoint (default output_dir/final), loadable by transformers, plus the
