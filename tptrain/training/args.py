@@ -35,9 +35,12 @@ class ParallelismConfig:
         return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
                                  dp_replicate_size=self.dp_replicate_size)
 
-    def sizes(self, world_size: int | None = None) -> dict[str, int]:
-        """{"dp_replicate", "dp_shard", "tp"} resolved against the world size; ValueError if impossible."""
-        return self.distributed_config().sizes(world_size)
+    def sizes(self, world_size: int | None = None, *, tp_note: str = "") -> dict[str, int]:
+        """{"dp_replicate", "dp_shard", "tp"} resolved against the world size; ValueError if impossible.
+        `tp_note` follows tp_size in that error, e.g. " (the model's)"."""
+        described = (f"ParallelismConfig(tp_size={self.tp_size or 'auto'}{tp_note}, dp_shard_size="
+                     f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size})")
+        return self.distributed_config().sizes(world_size, described=described)
 
 
 @dataclass
