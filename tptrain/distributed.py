@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
@@ -71,16 +70,15 @@ def _rendezvous() -> tuple[dist.Store, int, int]:
     before joining) makes the others fail with a TimeoutError naming the world, instead of a 30-minute wait.
     The bound also covers the process group's own connection set-up; collectives keep torch's default timeout."""
     rank, world, seconds = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1")), rendezvous_timeout()
-    start = time.monotonic()
     try:
         return next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
     except (dist.DistStoreError, dist.DistNetworkError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise TimeoutError(
-            f"rank {rank} waited {time.monotonic() - start:.0f} s for WORLD_SIZE={world} processes at {where}; are "
-            f"all ranks started (and did none fail before joining)? Start every rank with the same MASTER_ADDR/"
-            f"MASTER_PORT, or raise {RENDEZVOUS_TIMEOUT_ENV} (now {seconds:g} s). ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0]})") from None
+            f"rank {rank} waited {seconds:g} s for WORLD_SIZE={world} processes at {where}; are all ranks started "
+            f"(and did none fail before joining)? Start every rank with the same MASTER_ADDR/MASTER_PORT, or "
+            f"raise {RENDEZVOUS_TIMEOUT_ENV}={seconds:g}. ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
 
 
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
