@@ -23,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 BUNDLED_MODEL = str(files("tptrain") / "data" / "tiny-qwen3")
 BUNDLED_DATA = str(files("tptrain") / "data" / "corpus.txt")
@@ -50,7 +51,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--model", default=BUNDLED_MODEL,
                    help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
-                        "tiny Qwen3 config) is randomly initialised")
+                        "tiny Qwen3 config) is initialised at random (--seed)")
     p.add_argument("--data", default=BUNDLED_DATA,
                    help=".txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per line) file "
                         "(default: the bundled Shakespeare corpus)")
@@ -242,48 +243,75 @@ def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
         sys.exit(1)  # quietly: the launcher prints it
 
 
+@dataclass
+class _Inputs:
+    """What one rank reads before the process group starts."""
+
+    model_dir: Path
+    from_scratch: bool
+    config: Any
+    tokenizer: Any
+    dataset: Any
+    training_args: Any
+
+
 def _train(args: argparse.Namespace) -> None:
     import torch
 
     from tptrain import AutoModelForCausalLM, DistributedConfig
-    from tptrain.checkpoint import resolve_checkpoint
-    from tptrain.distributed import init_distributed
-    from tptrain.models import AutoConfig
+    from tptrain.distributed import init_distributed, raise_on_any_rank
     from tptrain.modeling import resolve_dtype
-    from tptrain.training.data import build_dataset, load_tokenizer
     from tptrain.training.generate import greedy_generate
     from tptrain.training.trainer import Trainer
 
     threads = _set_threads(torch)
     start = time.perf_counter()
-    model_dir = resolve_checkpoint(args.model)
-    from_scratch = _config_only(model_dir)
-    training_args = _training_args(args, from_scratch=from_scratch)
-    tokenizer = load_tokenizer(model_dir)
-    dataset = build_dataset(args.data, tokenizer, args.seq_len)  # before any collective: errors on every rank
-    config = AutoConfig.from_pretrained(model_dir)
-    dtype = resolve_dtype(args.dtype, config)
-    distributed = DistributedConfig(tp_size=args.tp_size)
-    if from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
-        torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).parallelize(distributed)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=distributed)
+    inputs, error = None, None
+    try:  # one rank's files (e.g. another node's copy) can differ: the outcome is agreed right after the rendezvous
+        inputs = _read_inputs(args)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+        error = exc
     init_distributed()
+    raise_on_any_rank(error)
+    dtype = resolve_dtype(args.dtype, inputs.config)
+    distributed = DistributedConfig(tp_size=args.tp_size)
+    if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
     rank = torch.distributed.get_rank()
     if rank == 0:
-        params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
-        source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no "
-                  f"weights" if from_scratch else f"loaded from {args.model}")
-        print(f"tptrain train: {config.model_type} {source} ({params / 1e6:.1f}M parameters); {dataset.num_tokens:,} "
-              f"tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}; world size "
-              f"{torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread{'s' * (threads > 1)} per "
-              f"rank; lr {training_args.learning_rate:g}", flush=True)
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, tokenizer=tokenizer)
+        _announce(args, inputs, model, threads)
+    trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
     result = trainer.train()  # ends with the consolidated model + tokenizer files in output_dir/final
-    text = greedy_generate(trainer.model, tokenizer, args.prompt, args.max_new_tokens)
+    text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
         _summary(args, result, time.perf_counter() - start, text)
+
+
+def _read_inputs(args: argparse.Namespace) -> _Inputs:
+    from tptrain.checkpoint import resolve_checkpoint
+    from tptrain.models import AutoConfig
+    from tptrain.training.data import build_dataset, load_tokenizer
+
+    model_dir = resolve_checkpoint(args.model)
+    from_scratch = _config_only(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer,
+                   build_dataset(args.data, tokenizer, args.seq_len), _training_args(args, from_scratch=from_scratch))
+
+
+def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) -> None:
+    import torch
+
+    params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
+    source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
+              if inputs.from_scratch else f"loaded from {args.model}")
+    print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
+          f"{inputs.dataset.num_tokens:,} tokens from {args.data} in {len(inputs.dataset):,} blocks of {args.seq_len}; "
+          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread"
+          f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
 
 
 def _set_threads(torch) -> int:
