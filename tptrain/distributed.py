@@ -159,9 +159,10 @@ class DistributedConfig:
         given = {k: v for k, v in sizes.items() if v is not None}
         product = math.prod(given.values())
         if len(given) == len(sizes):
-            return (f"{name} needs {' x '.join(map(str, given.values()))} = {product} processes (tp x dp_shard x "
-                    f"dp_replicate), but the world size is {world}; launch {product} processes (`torchrun "
-                    f"--nproc-per-node {product}`), or change the sizes so that their product is {world}")
+            return (f"{name} needs {' x '.join(map(str, given.values()))} = {product} process"
+                    f"{'es' * (product > 1)} (tp x dp_shard x dp_replicate), but the world size is {world}; launch "
+                    f"{product} (`torchrun --nproc-per-node {product}`), or change the sizes so that their product "
+                    f"is {world}")
         auto = [k for k in sizes if k not in given]
         terms = " x ".join(f"{k}={v}" for k, v in given.items()) + (f" = {product}" if len(given) > 1 else "")
         return (f"{name} needs a world size that is a multiple of {terms} ({' and '.join(auto)} "
