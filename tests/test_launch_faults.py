@@ -21,7 +21,6 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.dist_utils import free_port
 from tests.test_train_cli import ROOT, tptrain_train
