@@ -8,6 +8,7 @@ run_distributed's deadline).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -61,6 +62,10 @@ def _load(path, tp_size=2, **kwargs):
                                                 distributed_config=DistributedConfig(tp_size=tp_size, **kwargs))
 
 
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
 def _no_rules_left(path):
     """A plan override removing every rule: nothing left to shard."""
     config = AutoConfig.from_pretrained(path)
@@ -86,7 +91,8 @@ CASES = [
     ("vocab", lambda p: _load(p["vocab"]), ValueError,
      ["vocab_size=127", "model.embed_tokens.weight", "lm_head.weight", "pad the vocabulary"]),
     ("world_size", lambda p: _load(p["good"], tp_size=4), ValueError,
-     ["world size 2", "dp_shard=auto x tp=4", "multiple of tp_size"]),
+     ["DistributedConfig(tp_size=4, dp_shard_size=auto, dp_replicate_size=1)", "multiple of tp_size=4",
+      "the world size is 2"]),
     ("unknown_style", lambda p: _load(p["good"], tp_plan={"layers.*.mlp.up_proj": "colwize"}), ValueError,
      ["'model.layers.*.mlp.up_proj'", "unknown style 'colwize'", "known styles: colwise"]),
     ("rule_matches_nothing", lambda p: _load(p["good"], tp_plan={"layers.*.mlp.upproj": "colwise"}), ValueError,
@@ -111,6 +117,13 @@ CASES = [
      ["model-00003-of-", ".safetensors is truncated"]),
     ("shape", lambda p: _load(p["shape"]), ValueError,
      ["'model.layers.1.mlp.down_proj.weight'", "shape (96, 64)", "implies (64, 96)"]),
+    # Broken on one rank only (one node's copy): that rank's error is raised on every rank, naming it.
+    ("one_rank_missing_shard", lambda p: _load(p["missing_shard" if _rank() == 1 else "good"]), FileNotFoundError,
+     ["model-00002-of-", "missing", "(on rank 1 of 2)"]),
+    ("one_rank_truncated", lambda p: _load(p["truncated" if _rank() == 0 else "good"]), ValueError,
+     ["model-00003-of-", "is truncated", "(on rank 0 of 2)"]),
+    ("one_rank_shape", lambda p: _load(p["shape" if _rank() == 1 else "good"]), ValueError,
+     ["'model.layers.1.mlp.down_proj.weight'", "(on rank 1 of 2)"]),
     ("device_map", lambda p: AutoModelForCausalLM.from_pretrained(
         p["good"], device_map="cpu", distributed_config=DistributedConfig(tp_size=2)), ValueError,
      ["device_map cannot be combined with distributed_config"]),

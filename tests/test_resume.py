@@ -55,7 +55,8 @@ def _errors_worker(tmp: str) -> None:
     def trainer(model, **kw):
         return Trainer(model=model, args=training_args(f"{tmp}/err", **kw), train_dataset=tiny_dataset())
 
-    with pytest.raises(ValueError, match="product must equal the number of processes"):
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=1, dp_shard_size=1, dp_replicate_size=1\) "
+                                         r"needs 1 x 1 x 1 = 1 process .* but the world size is 2"):
         trainer(tiny_model(), parallelism_config=ParallelismConfig(1, dp_shard_size=1, dp_replicate_size=1))
     tp2 = tiny_model().parallelize(DistributedConfig(tp_size=2))
     with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=1\) disagrees with the model.*tp_size=2"):

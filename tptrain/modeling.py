@@ -21,8 +21,10 @@ from torch.overrides import TorchFunctionMode
 
 from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint, save_checkpoint,
                                 writable_error)
-from tptrain.distributed import DistributedConfig, raise_on_any_rank
+from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
+from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
+from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
@@ -89,7 +91,11 @@ class PreTrainedModel(nn.Module):
                         device: torch.device | str | None = None, revision: str | None = None) -> "PreTrainedModel":
         """Load an HF checkpoint (local directory or hub id), optionally tensor-parallel.
 
-        With `distributed_config`, every rank reads only its own slice of each sharded tensor.
+        With `distributed_config`, every rank reads only its own slice of each sharded tensor. Whatever can
+        fail on one rank alone (resolving the checkpoint, config.json, the safetensors headers, tensor names
+        and shapes, the plan) is checked before the process group starts, and the outcome is shared right
+        after the rendezvous, before any other collective: every rank raises the error, naming the rank(s)
+        it happened on. A directory with only config.json is refused: use `from_config` for random weights.
         """
         if device_map is not None and distributed_config is not None:
             raise ValueError("device_map cannot be combined with distributed_config: under tensor parallelism "
@@ -102,33 +108,51 @@ class PreTrainedModel(nn.Module):
                           "distributed_config=DistributedConfig(tp_size=..., tp_plan=...) instead",
                           FutureWarning, stacklevel=2)
             distributed_config = DistributedConfig(tp_size=tp_size, tp_plan=tp_plan or "auto")
-        directory = resolve_checkpoint(pretrained, revision=revision)
-        config = cls.config_class.from_pretrained(directory)
-        dtype = resolve_dtype(dtype, config)
-        reader = CheckpointReader(directory)
-        model = cls.from_config(config, dtype=dtype, device="meta")
-        model.name_or_path = str(pretrained)
         if distributed_config is None:
+            model, reader, dtype = cls._open_checkpoint(pretrained, revision, dtype)
             target = torch.device(device or (device_map if isinstance(device_map, (str, torch.device)) else "cpu"))
             model._load(reader, target, dtype, rank=0)
             return model
-        model.parallelize(distributed_config, reader=reader, dtype=dtype)
-        return model
+        distributed_config.sizes()  # a bad layout is the same error on every rank: raised before the rendezvous
+        error = None
+        try:
+            model, reader, dtype = cls._open_checkpoint(pretrained, revision, dtype)
+            resolved = model._check_plan(distributed_config)
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank, after the rendezvous
+            error = exc
+        init_distributed()
+        raise_on_any_rank(error)
+        return model._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
+
+    @classmethod
+    def _open_checkpoint(cls, pretrained: str | os.PathLike, revision: str | None, dtype: torch.dtype | str | None):
+        """(meta model, CheckpointReader, dtype), after every check of the files one rank can fail on its own."""
+        directory = resolve_checkpoint(pretrained, revision=revision)
+        config = cls.config_class.from_pretrained(directory)
+        dtype = resolve_dtype(dtype, config)
+        _check_has_weights(directory)
+        reader = CheckpointReader(directory)
+        model = cls.from_config(config, dtype=dtype, device="meta")
+        model.name_or_path = str(pretrained)
+        model._check_checkpoint(reader)
+        return model, reader, dtype
 
     def parallelize(self, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         """Shard this model over the TP axis of `distributed_config`'s mesh.
 
-        On a meta model, `reader` fills each rank's slice from the checkpoint; a materialised model is
-        sliced in memory (how tests compare against the same model on one device).
+        On a meta model, `reader` (a CheckpointReader that `from_pretrained` checked against this model)
+        fills each rank's slice; a materialised model is sliced in memory (how tests compare against the
+        same model on one device).
         """
-        tp = distributed_config.sizes()["tp"]
-        resolved = check_plan(self, distributed_config.tp_plan, tp,
-                              sequence_parallel=distributed_config.enable_sequence_parallel)
-        resolved.raise_problems(self)  # before the mesh's collectives, identically on every rank
+        resolved = self._check_plan(distributed_config)  # before the mesh's collectives, identically on every rank
+        return self._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
+
+    def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
+                    dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group())
-        self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = tp, layout.plan, mesh, layout
+        self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
         if reader is not None:
             self._load(reader, device, dtype, rank=layout.ctx.rank)
         elif any(p.device != device for p in self.parameters()):
@@ -136,22 +160,30 @@ class PreTrainedModel(nn.Module):
         layout.grad_sync.attach(self)
         return self
 
-    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
-        """Fill every (meta) parameter with this rank's slice of the checkpoint tensor."""
-        layout = self.tp_layout
-        size = self.tp_size
+    def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
+        """The plan resolved at this TP degree; every problem raised (no process group needed)."""
+        resolved = check_plan(self, distributed_config.tp_plan, distributed_config.sizes()["tp"],
+                              sequence_parallel=distributed_config.enable_sequence_parallel)
+        resolved.raise_problems(self)
+        return resolved
+
+    def _check_checkpoint(self, reader) -> None:
+        """Every tensor this (unsharded, meta) model needs is in the checkpoint, at its global shape."""
         params = dict(self.named_parameters())  # tied aliases dedup'd: lm_head reads embed_tokens
-        global_shapes = layout.global_shapes if layout else {n: tuple(p.shape) for n, p in params.items()}
         missing = [n for n in params if n not in reader]
         if missing:
             raise ValueError(f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) the model needs, "
                              f"e.g. {missing[:3]}; it was not saved for this architecture/config")
-        for name in params:  # every shape checked before any byte is read
-            check_tensor_shape(name, global_shapes[name], tuple(reader.shape(name)), reader.file_of(name))
+        for name, p in params.items():  # every shape checked before any byte is read
+            check_tensor_shape(name, tuple(p.shape), tuple(reader.shape(name)), reader.file_of(name))
+
+    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
+        """Fill every (meta) parameter with this rank's slice of the (checked) checkpoint tensor."""
+        layout = self.tp_layout
         loaded: dict[int, nn.Parameter] = {}
-        for name, p in params.items():
+        for name, p in self.named_parameters():  # tied aliases dedup'd: lm_head reads embed_tokens
             spec = layout.spec(name) if layout else ShardSpec()
-            t = reader.read(name, dim=spec.dim, index=spec.chunk_index(rank), count=spec.num_chunks(size),
+            t = reader.read(name, dim=spec.dim, index=spec.chunk_index(rank), count=spec.num_chunks(self.tp_size),
                             dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, p in list(self.named_parameters(remove_duplicate=False)):
@@ -179,6 +211,15 @@ class PreTrainedModel(nn.Module):
                             extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
 
         save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
+
+
+def _check_has_weights(directory: Path) -> None:
+    """A directory with config.json but no safetensors is a model to initialise, not to load."""
+    if not (directory / SINGLE_FILE).is_file() and not (directory / INDEX_FILE).is_file():
+        raise FileNotFoundError(
+            f"checkpoint directory {directory} holds config.json but no weights (no {SINGLE_FILE} or "
+            f"{INDEX_FILE}); to start from random weights use AutoModelForCausalLM.from_config("
+            f"AutoConfig.from_pretrained({str(directory)!r})) (what `tptrain train --model {directory}` does)")
 
 
 def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:

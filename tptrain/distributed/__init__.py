@@ -5,6 +5,7 @@ of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -42,12 +43,10 @@ def init_distributed() -> torch.device:
         torch.cuda.set_device(device)
     if dist.is_initialized():
         return device
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        comm.init_process_group(backend, **kwargs)
-    else:  # a plain `python script.py`: a one-process world, no rendezvous needed
-        comm.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if device.type == "cuda":
+        comm.init_process_group("nccl", device_id=device)
+    else:
+        comm.init_process_group("gloo")
     return device
 
 
@@ -75,25 +74,40 @@ class DistributedConfig:
     dp_shard_size: int | None = None
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
-    def sizes(self, world_size: int | None = None) -> dict[str, int]:
-        """Resolve every mesh axis against the world size; ValueError (same on every rank) if impossible."""
+    def sizes(self, world_size: int | None = None, *, described: str | None = None) -> dict[str, int]:
+        """Resolve every mesh axis against the world size; ValueError (same on every rank) if impossible.
+        `described`: how the error names these sizes (default: this DistributedConfig)."""
         world = env_world_size() if world_size is None else world_size
         for name in ("tp_size", "dp_replicate_size", "dp_shard_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"DistributedConfig.{name} must be a positive int, got {value!r}")
         rep, shard, tp = self.dp_replicate_size, self.dp_shard_size, self.tp_size
         if tp is None:
             tp = world // (rep * (shard or 1))
         if shard is None:
-            shard = world // (rep * tp) if world % (rep * tp) == 0 else 0
+            shard = world // (rep * tp) if tp and world % (rep * tp) == 0 else 0
         if tp < 1 or shard < 1 or rep * shard * tp != world:
-            raise ValueError(
-                f"world size {world} cannot be laid out as dp_replicate={rep} x "
-                f"dp_shard={self.dp_shard_size or 'auto'} x tp={self.tp_size or 'auto'}: the product must equal the "
-                f"number of processes. Launch with `torchrun --nproc-per-node N` where N is a multiple of tp_size, "
-                f"or change the sizes.")
+            raise ValueError(self._layout_error(world, described))
         return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
+
+    def _layout_error(self, world: int, described: str | None) -> str:
+        """What the sizes need and what the world size is, e.g. "... needs 2 x 2 x 1 = 4 processes"."""
+        sizes = {"tp_size": self.tp_size, "dp_shard_size": self.dp_shard_size,
+                 "dp_replicate_size": self.dp_replicate_size}
+        name = described or "DistributedConfig(" + ", ".join(f"{k}={v or 'auto'}" for k, v in sizes.items()) + ")"
+        given = {k: v for k, v in sizes.items() if v is not None}
+        product = math.prod(given.values())
+        if len(given) == len(sizes):
+            return (f"{name} needs {' x '.join(map(str, given.values()))} = {product} process"
+                    f"{'es' * (product > 1)} (tp x dp_shard x dp_replicate), but the world size is {world}; launch "
+                    f"{product} (`torchrun --nproc-per-node {product}`), or change the sizes so that their product "
+                    f"is {world}")
+        auto = [k for k in sizes if k not in given]
+        terms = " x ".join(f"{k}={v}" for k, v in given.items()) + (f" = {product}" if len(given) > 1 else "")
+        return (f"{name} needs a world size that is a multiple of {terms} ({' and '.join(auto)} "
+                f"take{'s' * (len(auto) == 1)} the rest), but the world size is {world}; launch a multiple of "
+                f"{product} processes, or change the sizes")
 
     def device_mesh(self) -> tuple[DeviceMesh, torch.device]:
         """Start the process group (if needed) and build the named mesh; cached on this config while its

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import pickle
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 ProcessGroup = dist.ProcessGroup
+RENDEZVOUS_TIMEOUT_ENV = "TPTRAIN_RENDEZVOUS_TIMEOUT"
+DEFAULT_RENDEZVOUS_TIMEOUT = 300.0  # seconds every rank waits for the others to join
 
 # torch >= 2.13 renamed the single-tensor collectives; older releases still have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -192,13 +197,47 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> 
 
 
 def init_process_group(backend: str, **kwargs) -> None:
-    """Start the default process group (`dist.init_process_group(backend, **kwargs)`) and close it at interpreter
-    exit, so a script can simply end. Without that, gloo aborted about 1 run in 6 (SIGABRT, "terminate called
-    without an active exception"): a group still referenced when the interpreter shuts down is destroyed during
+    """Start the default process group: under a launcher (RANK set) through torchrun's env:// rendezvous,
+    bounded by `rendezvous_timeout()`, else as a one-process world. It is closed at interpreter exit, so a
+    script can simply end. Without that, gloo aborted about 1 run in 6 (SIGABRT, "terminate called without an
+    active exception"): a group still referenced when the interpreter shuts down is destroyed during
     finalisation, too late. tptrain's own objects keep group names (`group_name`), and the meshes it builds are
     emptied of their groups at exit (`track_mesh`), so closing frees every group while Python still runs."""
-    dist.init_process_group(backend, **kwargs)
+    if "RANK" in os.environ:
+        store, rank, world = _rendezvous()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+        store.set_timeout(default_pg_timeout)  # bounded only while joining: a later long save must not time out
+    else:  # a plain `python script.py`: no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     atexit.register(destroy_process_group)
+
+
+def rendezvous_timeout() -> float:
+    """Seconds a rank waits for all WORLD_SIZE ranks to join: $TPTRAIN_RENDEZVOUS_TIMEOUT, default 300."""
+    value = os.environ.get(RENDEZVOUS_TIMEOUT_ENV, str(DEFAULT_RENDEZVOUS_TIMEOUT))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def _rendezvous() -> tuple[dist.Store, int, int]:
+    """torchrun's env:// rendezvous, bounded by rendezvous_timeout(): a rank that is never started (or dies
+    before joining) makes the others fail with a TimeoutError naming the world, instead of a 30-minute wait.
+    The bound also covers the process group's own connection set-up; collectives keep torch's default timeout."""
+    rank, world, seconds = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1")), rendezvous_timeout()
+    try:
+        return next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise TimeoutError(
+            f"rank {rank} waited {seconds:g} s for WORLD_SIZE={world} processes at {where}; are all ranks started "
+            f"(and did none fail before joining)? Start every rank with the same MASTER_ADDR/MASTER_PORT, or "
+            f"raise {RENDEZVOUS_TIMEOUT_ENV}={seconds:g}. ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
 
 
 def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -238,10 +277,29 @@ def barrier(group: ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 
 
-def raise_on_any_rank(error: str | None, *, exc_type: type[Exception] = OSError, collective: bool = True) -> None:
-    """If any rank has an error message, raise the first one on every rank, so no rank is left waiting in a
-    later collective. Collective (all ranks must call it) when `collective` and a multi-rank group is up."""
+def raise_on_any_rank(error: str | Exception | None, *, exc_type: type[Exception] = OSError,
+                      collective: bool = True) -> None:
+    """If any rank has an error, raise the first one on every rank, so no rank is left waiting in a later
+    collective. `error` is a message (raised as `exc_type`) or an exception (raised again as its own type).
+    Where only some ranks failed, the message names them ("(on rank 1 of 2)"). Collective (all ranks must
+    call it) when `collective` and a multi-rank group is up."""
+    local = (type(error), str(error)) if isinstance(error, Exception) else (exc_type, error) if error else None
+    errors = [local]
     if collective and dist.is_initialized() and dist.get_world_size() > 1:
-        error = next((e for e in all_gather_object(error) if e), None)
-    if error:
-        raise exc_type(error)
+        errors = all_gather_object(local)
+    failed = [rank for rank, e in enumerate(errors) if e]
+    if not failed:
+        return
+    kind, message = errors[failed[0]]
+    same = [rank for rank in failed if errors[rank] == errors[failed[0]]]
+    if len(same) < len(errors):  # not every rank hit it: say where it happened
+        message += f" (on rank{'s' * (len(same) > 1)} {', '.join(map(str, same))} of {len(errors)})"
+    cause = error if isinstance(error, Exception) and local == errors[failed[0]] else None
+    raise _exception(kind, message, exc_type) from cause
+
+
+def _exception(kind: type[Exception], message: str, fallback: type[Exception]) -> Exception:
+    try:
+        return kind(message)
+    except Exception:  # noqa: BLE001 - a type whose constructor wants more than a message
+        return fallback(message)

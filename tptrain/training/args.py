@@ -8,8 +8,10 @@ process group exists.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from tptrain.distributed import DistributedConfig
 
@@ -35,9 +37,12 @@ class ParallelismConfig:
         return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
                                  dp_replicate_size=self.dp_replicate_size)
 
-    def sizes(self, world_size: int | None = None) -> dict[str, int]:
-        """{"dp_replicate", "dp_shard", "tp"} resolved against the world size; ValueError if impossible."""
-        return self.distributed_config().sizes(world_size)
+    def sizes(self, world_size: int | None = None, *, tp_note: str = "") -> dict[str, int]:
+        """{"dp_replicate", "dp_shard", "tp"} resolved against the world size; ValueError if impossible.
+        `tp_note` follows tp_size in that error, e.g. " (the model's)"."""
+        described = (f"ParallelismConfig(tp_size={self.tp_size or 'auto'}{tp_note}, dp_shard_size="
+                     f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size})")
+        return self.distributed_config().sizes(world_size, described=described)
 
 
 @dataclass
@@ -120,3 +125,20 @@ class TrainingArguments:
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")
+
+
+def check_seq_len(seq_len: int, config: Any, *, what: str) -> None:
+    """Refuse sequences longer than the model's `max_position_embeddings`: positions beyond it were never
+    trained (RoPE extrapolates badly), and an unbounded length only shows up as a run that never steps."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or seq_len <= limit:
+        return
+    if getattr(config, "rope_scaling", None):
+        longer = (f"its rope_scaling {config.rope_scaling} already gives that limit; raise the scaling factor and "
+                  f"max_position_embeddings in config.json together")
+    else:
+        longer = (f'to train longer sequences set rope_scaling in config.json, e.g. {{"rope_type": "llama3", '
+                  f'"factor": {math.ceil(seq_len / limit)}, "original_max_position_embeddings": {limit}, '
+                  f'"low_freq_factor": 1.0, "high_freq_factor": 4.0}}, and max_position_embeddings to {seq_len}')
+    raise ValueError(f"{what}={seq_len} exceeds the model's max_position_embeddings={limit} (config.json); "
+                     f"use at most {limit}, or {longer}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 BUNDLED_MODEL = str(files("tptrain") / "data" / "tiny-qwen3")
 BUNDLED_DATA = str(files("tptrain") / "data" / "corpus.txt")
@@ -49,7 +51,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument("--model", default=BUNDLED_MODEL,
                    help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
-                        "tiny Qwen3 config) is randomly initialised")
+                        "tiny Qwen3 config) is initialised at random (--seed)")
     p.add_argument("--data", default=BUNDLED_DATA,
                    help=".txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per line) file "
                         "(default: the bundled Shakespeare corpus)")
@@ -84,34 +86,92 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Entry point of `tptrain train`; returns the process exit code."""
+    """Entry point of `tptrain train`; returns the process exit code (2: refused before any worker started)."""
     defaults = SMOKE if args.smoke_test else FULL
     for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
     if args.warmup_steps is None:
         args.warmup_steps = args.max_steps // 10
-    nproc = args.nproc_per_node or args.tp_size
-    if args.tp_size < 1 or nproc % args.tp_size:
-        print(f"tptrain train: error: --nproc-per-node {nproc} is not a multiple of --tp-size {args.tp_size}; "
-              "each tensor-parallel group needs tp-size processes", file=sys.stderr)
-        return 2
-    from tptrain.training.checkpointing import earlier_run_error
-
-    error = earlier_run_error(args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir)
-    if error:  # before any worker starts
-        print(f"tptrain train: error: {error}", file=sys.stderr)
+    nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
+    try:
+        _preflight(args, nproc)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"tptrain train: error: {exc}", file=sys.stderr)
         return 2
     if "RANK" in os.environ or nproc == 1:
         return _worker(args, error_dir=None)
     return _launch(args, nproc)
 
 
+# ------------------------------------------------------------------ checks before any worker starts
+
+
+def _preflight(args: argparse.Namespace, nproc: int) -> None:
+    """Everything that needs no process group, in a second or two: sizes, the model's config and plan,
+    --seq-len, the flags, the data file, the output directory. Raises the first problem found."""
+    from tptrain.checkpoint import resolve_checkpoint, writable_error
+    from tptrain.models import AutoConfig
+    from tptrain.training.args import check_seq_len
+    from tptrain.training.checkpointing import earlier_run_error, resolve_resume
+    from tptrain.training.data import read_documents
+
+    for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc)):
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive integer, got {value}")
+    if nproc % args.tp_size:
+        raise ValueError(f"--nproc-per-node {nproc} is not a multiple of --tp-size {args.tp_size}; each "
+                         f"tensor-parallel group needs --tp-size processes (use {args.tp_size} or a multiple)")
+    model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
+    config = AutoConfig.from_pretrained(model_dir)
+    _check_tp_plan(config, args.tp_size, args.model)
+    check_seq_len(args.seq_len, config, what="--seq-len")
+    _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
+    read_documents(args.data)
+    error = writable_error(Path(args.output_dir) / "final")
+    if error:
+        raise OSError(f"--output-dir {args.output_dir}: {error}")
+    error = earlier_run_error(args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir)
+    if error:
+        raise ValueError(error)
+    resolve_resume(args.resume, args.output_dir)
+
+
+def _check_tp_plan(config, tp_size: int, model: str) -> None:
+    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem."""
+    from tptrain.models import AutoModelForCausalLM
+    from tptrain.parallel.plan import check_plan
+
+    meta = AutoModelForCausalLM.from_config(config, device="meta")
+    problems = check_plan(meta, "auto", tp_size).problems
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"--tp-size {tp_size} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
+                         f"`tptrain plan {model} --tp-size {tp_size}` shows the layout")
+
+
+def _config_only(model_dir: Path) -> bool:
+    """A directory without weights: the model is initialised at random (from_config), not loaded."""
+    return not any(model_dir.glob("*.safetensors"))
+
+
+def _training_args(args: argparse.Namespace, *, from_scratch: bool):
+    from tptrain.training.args import TrainingArguments
+
+    lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
+    return TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
+        seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
+        weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
+        seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
+        overwrite_output_dir=args.overwrite_output_dir)
+
+
 # ------------------------------------------------------------------ launcher
 
 
 def _launch(args: argparse.Namespace, nproc: int) -> int:
-    """Start `nproc` local workers; print each distinct worker error once."""
+    """Start `nproc` local workers; report a dead rank as the cause, and each distinct worker error once."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -126,8 +186,8 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     with tempfile.TemporaryDirectory(prefix="tptrain-errors-") as error_dir:
         try:
             elastic_launch(config, _worker)(args, error_dir)
-        except ChildFailedError:
-            _print_worker_errors(Path(error_dir))
+        except ChildFailedError as exc:
+            _print_worker_errors(Path(error_dir), {rank: f.exitcode for rank, f in exc.failures.items()})
             return 1
         except KeyboardInterrupt:
             return 130
@@ -140,16 +200,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _print_worker_errors(error_dir: Path) -> None:
-    """Ranks usually fail with the same message (inputs are validated on every rank): say it once."""
+def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int]) -> None:
+    """A rank that died without reporting an error (a signal, e.g. the OOM killer's SIGKILL) is the cause:
+    it is named first, and what the others then reported (usually gloo's "Connection closed by peer") is
+    only a note. Otherwise ranks usually fail with the same message (inputs are validated on every rank):
+    say it once, naming the ranks. `exitcodes`: {global rank: exit code} of the failed workers."""
+    reported = {int(p.stem[4:]): p.read_text() for p in error_dir.glob("rank*.txt")}
+    dead = sorted(rank for rank in exitcodes if rank not in reported)
+    for rank in dead:
+        print(f"tptrain train: error: rank {rank} {_exit_description(exitcodes[rank])}", file=sys.stderr)
     by_message: dict[str, list[str]] = {}
-    for path in sorted(error_dir.glob("rank*.txt"), key=lambda p: int(p.stem[4:])):
-        by_message.setdefault(path.read_text(), []).append(path.stem[4:])
-    if not by_message:
-        print("tptrain train: error: a worker died without reporting an error (killed, or out of memory?)",
-              file=sys.stderr)
+    for rank in sorted(reported):
+        by_message.setdefault(reported[rank], []).append(str(rank))
     for message, ranks in by_message.items():
-        print(f"tptrain train: error on rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {message}", file=sys.stderr)
+        which = f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
+        if dead:
+            print(f"tptrain train: note: {which} then failed too, most likely because of that: "
+                  f"{message.strip().splitlines()[-1]}", file=sys.stderr)
+        else:
+            print(f"tptrain train: error on {which}: {message}", file=sys.stderr)
+
+
+def _exit_description(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        why = " (killed: out of memory, or by a user or scheduler?)" if -exitcode == signal.SIGKILL else ""
+        return f"exited with signal {-exitcode} ({name}){why}"
+    return f"exited with code {exitcode} without reporting an error"
 
 
 # ------------------------------------------------------------------ worker
@@ -170,61 +250,86 @@ def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
         sys.exit(1)  # quietly: the launcher prints it
 
 
+@dataclass
+class _Inputs:
+    """What one rank reads before the process group starts."""
+
+    model_dir: Path
+    from_scratch: bool
+    config: Any
+    tokenizer: Any
+    dataset: Any
+    training_args: Any
+
+
 def _train(args: argparse.Namespace) -> None:
     import torch
 
-    from tptrain.checkpoint import resolve_checkpoint
-    from tptrain.distributed import DistributedConfig, init_distributed
-    from tptrain.models import AutoConfig, AutoModelForCausalLM
+    from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
+    from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
-    from tptrain.training.args import TrainingArguments
-    from tptrain.training.data import build_dataset, load_tokenizer
     from tptrain.training.generate import greedy_generate
     from tptrain.training.trainer import Trainer
 
-    _set_threads(torch)
+    threads = _set_threads(torch)
     start = time.perf_counter()
-    model_dir = resolve_checkpoint(args.model)
-    from_scratch = not any(model_dir.glob("*.safetensors"))
-    lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
-    training_args = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
-        seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
-        weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
-        overwrite_output_dir=args.overwrite_output_dir)
-    tokenizer = load_tokenizer(model_dir)
-    dataset = build_dataset(args.data, tokenizer, args.seq_len)  # before any collective: errors on every rank
-    config = AutoConfig.from_pretrained(model_dir)
-    dtype = resolve_dtype(args.dtype, config)
-    distributed = DistributedConfig(tp_size=args.tp_size)
-    if from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
-        torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).parallelize(distributed)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=distributed)
+    inputs, error = None, None
+    try:  # one rank's files (e.g. another node's copy) can differ: the outcome is agreed right after the rendezvous
+        inputs = _read_inputs(args)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+        error = exc
     init_distributed()
+    raise_on_any_rank(error)
+    dtype = resolve_dtype(args.dtype, inputs.config)
+    distributed = DistributedConfig(tp_size=args.tp_size)
+    if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
     rank = torch.distributed.get_rank()
     if rank == 0:
-        params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
-        print(f"tptrain train: {config.model_type} {'initialised from' if from_scratch else 'loaded from'} "
-              f"{args.model} ({params / 1e6:.1f}M parameters); {dataset.num_tokens:,} tokens from {args.data} in "
-              f"{len(dataset):,} blocks of {args.seq_len}; world size {torch.distributed.get_world_size()}, "
-              f"tp {args.tp_size}; lr {training_args.learning_rate:g}", flush=True)
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, tokenizer=tokenizer)
+        _announce(args, inputs, model, threads)
+    trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
     result = trainer.train()  # ends with the consolidated model + tokenizer files in output_dir/final
-    text = greedy_generate(trainer.model, tokenizer, args.prompt, args.max_new_tokens)
+    text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
         _summary(args, result, time.perf_counter() - start, text)
 
 
-def _set_threads(torch) -> None:
-    """cores // local processes, unless OMP_NUM_THREADS says otherwise: ranks must not oversubscribe."""
+def _read_inputs(args: argparse.Namespace) -> _Inputs:
+    from tptrain.checkpoint import resolve_checkpoint
+    from tptrain.models import AutoConfig
+    from tptrain.training.data import build_dataset, load_tokenizer
+
+    model_dir = resolve_checkpoint(args.model)
+    from_scratch = _config_only(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer,
+                   build_dataset(args.data, tokenizer, args.seq_len), _training_args(args, from_scratch=from_scratch))
+
+
+def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) -> None:
+    import torch
+
+    params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
+    source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
+              if inputs.from_scratch else f"loaded from {args.model}")
+    print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
+          f"{inputs.dataset.num_tokens:,} tokens from {args.data} in {len(inputs.dataset):,} blocks of {args.seq_len}; "
+          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread"
+          f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
+
+
+def _set_threads(torch) -> int:
+    """cores // local processes, unless OMP_NUM_THREADS says otherwise: ranks must not oversubscribe.
+    Returns the count: float results depend on it (it changes how matmuls split their sums)."""
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"])
     else:
         threads = _cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, threads))
+    return max(1, threads)
 
 
 def _cores() -> int:
@@ -233,12 +338,14 @@ def _cores() -> int:
 
 
 def _summary(args: argparse.Namespace, result, seconds: float, text: str) -> None:
-    losses = result.losses
-    if losses:
-        tail = losses[-10:]
-        print(f"trained to step {result.global_step}: loss {losses[0]:.3f} -> {losses[-1]:.3f} (mean of the last "
-              f"{len(tail)} steps: {sum(tail) / len(tail):.3f})")
+    """The run in three lines; the loss figures are those of metrics.jsonl (earlier, resumed steps included),
+    so the final figure is the one loss.png's title states."""
+    from tptrain.training.reporting import logged_losses, loss_headline, read_metrics
+
     out = Path(args.output_dir)
+    losses = [loss for _, loss in logged_losses(read_metrics(out / "metrics.jsonl"))]
+    if losses:
+        print(f"trained to step {result.global_step}: {loss_headline(losses)}; last step {losses[-1]:.3f}")
     print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
           f"metrics: {out / 'metrics.jsonl'}")
     print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)

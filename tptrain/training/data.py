@@ -161,14 +161,21 @@ def build_dataset(source: Any, tokenizer: Tokenizer, seq_len: int) -> PackedData
             raise ValueError(f"the PackedDataset given has blocks of {source.seq_len} tokens but seq_len={seq_len} "
                              "was asked for; build it with the same seq_len, or pass the raw text")
         return source
-    name, documents = _documents(source)
-    if not any(documents):
-        raise ValueError(f"dataset {name} is empty: it has no text to train on")
+    name, documents = read_documents(source)
     tokens = _pack(documents, tokenizer)
     if tokens.numel() < seq_len:
         raise ValueError(f"dataset {name} is too short: it has {tokens.numel()} tokens (eos separators included) "
                          f"but one block of seq_len={seq_len} needs {seq_len}. Add text or lower seq_len.")
     return PackedDataset(tokens, seq_len)
+
+
+def read_documents(source: Any) -> tuple[str, list[str]]:
+    """(name, documents) of a `build_dataset` source that is not a PackedDataset: read, decoded and parsed
+    (not tokenized), so a bad file fails in a fraction of a second, before any worker starts."""
+    name, documents = _documents(source)
+    if not any(documents):
+        raise ValueError(f"dataset {name} is empty: it has no text to train on")
+    return name, documents
 
 
 def _documents(source: Any) -> tuple[str, list[str]]:

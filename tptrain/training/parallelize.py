@@ -25,6 +25,7 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
     one, the model's tp_size with the remaining ranks as FSDP2 shards. Raises the same ValueError on
     every rank (no collective is involved)."""
     model_tp = getattr(model, "tp_size", 1)
+    tp_note = " (the model's)" if config is None or config.tp_size is None else ""
     if config is None:
         config = ParallelismConfig(tp_size=model_tp)
     elif config.tp_size is None:
@@ -33,8 +34,7 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
         raise ValueError(f"ParallelismConfig(tp_size={config.tp_size}) disagrees with the model, which is sharded "
                          f"over tp_size={model_tp}; load the model with DistributedConfig(tp_size={config.tp_size}) "
                          f"or set ParallelismConfig(tp_size={model_tp})")
-    sizes = config.sizes(world_size)
-    return config, sizes
+    return config, config.sizes(world_size, tp_note=tp_note)
 
 
 def build_mesh(model: nn.Module, sizes: dict[str, int]) -> tuple[DeviceMesh, torch.device]:

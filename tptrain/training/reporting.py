@@ -88,27 +88,43 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+FINAL_WINDOW = 10  # steps averaged into the one final-loss figure: console summary, loss.png title and curve
+
+
+def logged_losses(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, loss) of every metrics record that has a numeric loss."""
+    return [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+
+
+def loss_headline(losses: list[float]) -> str:
+    """"loss 8.383 -> 5.307 (mean of the last 10 steps)": what the console and loss.png's title both say."""
+    tail = losses[-FINAL_WINDOW:]
+    return f"loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (mean of the last {len(tail)} steps)"
+
+
 def plot_loss(records: list[dict[str, Any]], path: str | Path) -> None:
-    """Loss per step and its moving average; no pyplot, so no global backend is touched."""
+    """Loss per step and its moving average over FINAL_WINDOW steps, whose last point is the headline's
+    final figure; the title (also the PNG's Title text) is `loss_headline`. No pyplot: no global backend."""
     from matplotlib.figure import Figure
 
-    points = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    points = logged_losses(records)
     if not points:
         return
     steps, losses = zip(*points)
-    window = max(1, len(losses) // 20)
-    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
+    smooth = [sum(losses[max(0, i - FINAL_WINDOW + 1):i + 1]) / (i + 1 - max(0, i - FINAL_WINDOW + 1))
+              for i in range(len(losses))]
+    title = f"{loss_headline(list(losses))}, step {steps[-1]}"
     fig = Figure(figsize=(7, 4), dpi=100)
     ax = fig.add_subplot()
     ax.plot(steps, losses, alpha=0.35, label="loss")
-    ax.plot(steps, smooth, label=f"moving average ({window} steps)")
+    ax.plot(steps, smooth, label=f"mean of the last {FINAL_WINDOW} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"loss {losses[0]:.3f} -> {smooth[-1]:.3f} over {steps[-1]} steps")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Title": title})
 
 
 def _plain(value: Any) -> Any:

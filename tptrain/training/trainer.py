@@ -32,7 +32,7 @@ from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.distributed import comm
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training import checkpointing as ckpt
-from tptrain.training.args import TrainingArguments
+from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from tptrain.training.parallelize import build_mesh, parallelize_for_training, resolve_parallelism
@@ -63,7 +63,7 @@ class Trainer:
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
         self.parallelism, self.sizes = resolve_parallelism(model, args.parallelism_config)
-        self._check_sequence_split()
+        self._check_sequence_length()
         self.dataset = self._dataset(train_dataset)
         self.dp_size = self.sizes["dp_replicate"] * self.sizes["dp_shard"]
         self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dp_size
@@ -110,7 +110,8 @@ class Trainer:
 
         return resolve_checkpoint(name)
 
-    def _check_sequence_split(self) -> None:
+    def _check_sequence_length(self) -> None:
+        check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
         layout = getattr(self.inner, "tp_layout", None)
         if layout is not None and layout.ctx.sequence_parallel:
             check_sequence_length(self.inner, self.args.seq_len, self.sizes["tp"],
