@@ -181,15 +181,15 @@ def _layout_specs(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_siz
     """ShardSpec for every parameter the plan touches (full names), and every divisibility problem."""
     specs: dict[str, ShardSpec] = {}
     problems: list[str] = []
+    if any(hasattr(model.get_submodule(name.rpartition(".")[0]), "tp_kv_projections")
+           and (style.splits_output or style.needs_split_input) for name, style in objects.items()):
+        problems += head_problems(model.config, tp_size)  # an attention module is split by heads
     for name, style in objects.items():
         module = model.get_submodule(name)
         if not isinstance(module, style.module_types):
             problems.append(f"module {name!r} is a {type(module).__name__}, but style {style.name!r} supports "
                             f"only {', '.join(t.__name__ for t in style.module_types)}")
             continue
-        parent = model.get_submodule(name.rpartition(".")[0])
-        if hasattr(parent, "tp_kv_projections") and style.splits_output | style.needs_split_input:
-            problems += head_problems(model.config, tp_size)  # an attention module split by heads
         for pname, spec in style.param_specs(module).items():
             shape = tuple(getattr(module, pname).shape)
             chunks = spec.num_chunks(tp_size)
