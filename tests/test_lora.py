@@ -240,6 +240,23 @@ def _equivalence_worker(tp: int, base_dir, adapter_dir, out_dir) -> None:
     _train_and_compare(ref, model, steps=2)
     _replicated_factors_agree(model)
 
+    # 4. The per-optimizer-step sync mode (the Trainer's) holds when adapters change what requires grad:
+    #    nothing is recorded per backward (it would never be summed), and one sync sums the accumulation.
+    sync = model.get_base_model().tp_layout.grad_sync
+    sync.set_mode("step")
+    model.set_trainable(True)
+    ids, labels = batch()
+    with CommTracker() as t:
+        for _ in range(2):
+            model(ids, labels=labels).loss.backward()
+            ref(ids, labels=labels).loss.backward()
+        assert not sync._pending and t.counts("grad_sync") == {}
+        sync.sync_grads(model.get_base_model())
+    assert t.counts("grad_sync") == {"all_reduce": 1}
+    grads = _adapter_grads(model)
+    for n, g in _adapter_grads(ref).items():
+        torch.testing.assert_close(grads[n], g, **TOL, msg=lambda m: f"accumulated grad of {n}: {m}")
+
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_matches_single_device(tp, saved, tmp_path):

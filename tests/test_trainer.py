@@ -19,6 +19,7 @@ from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import DataOrder, PackedDataset
 from tptrain.training.optim import lr_multiplier, param_groups
 from tptrain.training.trainer import Trainer
+from tptrain.distributed.comm import CommTracker
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 BF16_TOL = dict(rtol=0, atol=0.05)  # bf16 compute against the fp64 curve: loss ~4.9, bf16 eps 2**-8
@@ -126,6 +127,31 @@ def test_tp4_and_tp2_with_fsdp_hsdp_ddp(tmp_path):
         dict(tp=1, shard=2, rep=2, global_batch=8, per_device_train_batch_size=2),  # HSDP, no TP
         dict(tp=2, shard=1, rep=2, global_batch=8, gradient_accumulation_steps=2, per_device_train_batch_size=2),
     ], timeout=400)
+
+
+def _topology_worker(tmp: str) -> None:
+    """One mesh, the model's; each step reduction over the sub-mesh it belongs to, labelled by what it is."""
+    model = tiny_model().parallelize(DistributedConfig(tp_size=2))  # dp_shard 2 left over
+    trainer = Trainer(model=model, args=training_args(f"{tmp}/a", parallelism_config=ParallelismConfig(2, 2)),
+                      train_dataset=tiny_dataset())
+    assert trainer.mesh is model.device_mesh
+    with CommTracker() as t:
+        trainer.training_step(trainer.data_order.next_batch())
+    steps = {(r.phase, r.op, r.ranks) for r in t.records if r.phase in ("token_count", "loss", "grad_norm")}
+    assert steps == {("token_count", "all_reduce", 2), ("loss", "all_reduce", 2), ("grad_norm", "all_reduce", 2)}
+    assert [r.phase for r in t.records].count("grad_norm") == 2  # over tp, then over dp_shard
+    assert not any(r.ranks == 4 for r in t.records if r.phase != "setup"), "nothing reduces over the whole world"
+
+    # Loaded with dp_shard 2 left over, trained as TP 2 x dp_replicate 2: the model moves onto the run's mesh.
+    model = tiny_model().parallelize(DistributedConfig(tp_size=2))
+    trainer = Trainer(model=model, args=training_args(f"{tmp}/b", parallelism_config=ParallelismConfig(
+        2, dp_shard_size=1, dp_replicate_size=2)), train_dataset=tiny_dataset())
+    assert trainer.mesh is model.device_mesh and trainer.mesh["dp_replicate"].size() == 2
+    assert model.tp_layout.ctx.group_name == trainer.mesh["tp"].get_group().group_name
+
+
+def test_one_mesh_and_reductions_over_sub_meshes(tmp_path):
+    run_distributed(_topology_worker, 4, str(tmp_path))
 
 
 def test_schedule_param_groups_and_argument_checks():

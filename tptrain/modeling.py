@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint, save_checkpoint,
                                 writable_error)
 from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
-from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
+from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full
@@ -159,6 +159,14 @@ class PreTrainedModel(nn.Module):
             self.to(device)
         layout.grad_sync.attach(self)
         return self
+
+    def adopt_mesh(self, mesh) -> None:
+        """Make `mesh` (same tp size, TP innermost) this model's mesh: its TP group holds the same ranks as the
+        one the model was sharded over, so only the mesh and the group's name change."""
+        old, new = self.device_mesh["tp"].get_group(), mesh["tp"].get_group()
+        assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
+        self.device_mesh = mesh
+        self.tp_layout.ctx.group_name = comm.group_name(new)
 
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
         """The plan resolved at this TP degree; every problem raised (no process group needed)."""

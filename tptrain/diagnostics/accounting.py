@@ -24,7 +24,7 @@ from torch import nn
 from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
 
-_PHASES = ("forward", "backward", "grad_sync")
+_PHASES = ("forward", "backward", "grad_sync", "token_count", "loss", "grad_norm")
 
 
 class SavedTensorMeter:

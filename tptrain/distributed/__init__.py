@@ -1,7 +1,7 @@
-"""DistributedConfig: process-group start-up and the named device mesh.
+"""DistributedConfig: how a model is spread over the job's processes, and this rank's device.
 
-The mesh is always 3-D, `("dp_replicate", "dp_shard", "tp")`, TP innermost so a TP group is a block
-of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
+The sizes resolve to one `ParallelDims` (topology.py: axes dp_replicate, dp_shard, tp, TP innermost)
+and its DeviceMesh; every c10d call, process-group start-up included, is in comm.py.
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from tptrain.distributed import comm
 from tptrain.distributed.comm import raise_on_any_rank
+from tptrain.distributed.topology import MESH_AXES, ParallelDims
 
-__all__ = ["DistributedConfig", "comm", "init_distributed", "local_device", "raise_on_any_rank"]
-
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+__all__ = ["MESH_AXES", "DistributedConfig", "ParallelDims", "comm", "init_distributed", "local_device",
+           "raise_on_any_rank"]
 
 
 def env_world_size() -> int:
@@ -50,11 +50,6 @@ def init_distributed() -> torch.device:
     return device
 
 
-def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
-    """{axis name: size} of a named mesh, comparable with `DistributedConfig.sizes()`."""
-    return dict(zip(mesh.mesh_dim_names, mesh.shape))
-
-
 @dataclass
 class DistributedConfig:
     """How a model is spread over the processes of the job.
@@ -75,6 +70,10 @@ class DistributedConfig:
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def sizes(self, world_size: int | None = None, *, described: str | None = None) -> dict[str, int]:
+        """{axis: size} of `parallel_dims()`."""
+        return self.parallel_dims(world_size, described=described).sizes()
+
+    def parallel_dims(self, world_size: int | None = None, *, described: str | None = None) -> ParallelDims:
         """Resolve every mesh axis against the world size; ValueError (same on every rank) if impossible.
         `described`: how the error names these sizes (default: this DistributedConfig)."""
         world = env_world_size() if world_size is None else world_size
@@ -89,7 +88,7 @@ class DistributedConfig:
             shard = world // (rep * tp) if tp and world % (rep * tp) == 0 else 0
         if tp < 1 or shard < 1 or rep * shard * tp != world:
             raise ValueError(self._layout_error(world, described))
-        return {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
+        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp)
 
     def _layout_error(self, world: int, described: str | None) -> str:
         """What the sizes need and what the world size is, e.g. "... needs 2 x 2 x 1 = 4 processes"."""
@@ -112,9 +111,8 @@ class DistributedConfig:
     def device_mesh(self) -> tuple[DeviceMesh, torch.device]:
         """Start the process group (if needed) and build the named mesh; cached on this config while its
         sizes stay the same (a new mesh creates new process groups, a collective)."""
-        sizes = self.sizes()  # validate before the rendezvous, so a bad layout fails fast everywhere
+        dims = self.parallel_dims()  # validate before the rendezvous, so a bad layout fails fast everywhere
         device = init_distributed()
-        if self._mesh is None or mesh_sizes(self._mesh) != sizes:
-            self._mesh = comm.track_mesh(init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES),
-                                                          mesh_dim_names=MESH_AXES))
+        if self._mesh is None or ParallelDims.of(self._mesh) != dims:
+            self._mesh = dims.build_mesh(device.type)
         return self._mesh, device

@@ -42,6 +42,7 @@ class CommRecord:
     # "forward" / "backward" (autograd), "grad_sync" (partial parameter gradients), "gather" (saving), or what a
     # training-step reduction is: "token_count", "loss", "grad_norm"; "setup" for errors, seeds, barriers.
     phase: str
+    ranks: int = 1  # size of the group it ran over (e.g. the dp ranks for "token_count", not the world)
 
 
 @dataclass
@@ -68,14 +69,15 @@ class CommTracker:
 _TRACKERS: list[CommTracker] = []
 
 
-def _record(op: str, t: torch.Tensor, phase: str) -> None:
+def _record(op: str, t: torch.Tensor, phase: str, group: ProcessGroup | None) -> None:
     for tracker in _TRACKERS:
-        tracker.records.append(CommRecord(op, tuple(t.shape), t.numel() * t.element_size(), phase))
+        tracker.records.append(CommRecord(op, tuple(t.shape), t.numel() * t.element_size(), phase,
+                                          dist.get_world_size(group)))
 
 
-def _record_object(op: str, obj: object) -> None:
+def _record_object(op: str, obj: object, group: ProcessGroup | None) -> None:
     for tracker in _TRACKERS:
-        tracker.records.append(CommRecord(op, (), len(pickle.dumps(obj)), "setup"))
+        tracker.records.append(CommRecord(op, (), len(pickle.dumps(obj)), "setup", dist.get_world_size(group)))
 
 
 def _phase() -> str:
@@ -85,7 +87,7 @@ def _phase() -> str:
 def all_reduce(t: torch.Tensor, group: ProcessGroup, *, op=dist.ReduceOp.SUM, phase: str | None = None):
     """In-place sum (or `op`) over `group`; returns `t`. Not differentiable: use the functions below."""
     t = t.contiguous()
-    _record("all_reduce", t, phase or _phase())
+    _record("all_reduce", t, phase or _phase(), group)
     dist.all_reduce(t, op=op, group=group)
     return t
 
@@ -95,7 +97,7 @@ def all_gather(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | N
     world = dist.get_world_size(group)
     t = t.movedim(dim, 0).contiguous()
     out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-    _record("all_gather", t, phase or _phase())
+    _record("all_gather", t, phase or _phase(), group)
     _all_gather_single(out, t, group=group)
     # Contiguous, so the consumers (q/k/v, gate/up) fold it into their matmuls without one copy
     # each, and sequence_parallel.py can recognise the views autograd saves of it.
@@ -109,7 +111,7 @@ def reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str
     if t.shape[0] % world:
         raise ValueError(f"reduce_scatter: size {t.shape[0]} of dim {dim} is not divisible by {world} ranks")
     out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
-    _record("reduce_scatter", t, phase or _phase())
+    _record("reduce_scatter", t, phase or _phase(), group)
     _reduce_scatter_single(out, t, group=group)
     return out.movedim(0, dim)
 
@@ -266,14 +268,14 @@ def destroy_process_group() -> None:
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
     """Every rank's picklable `obj`, in rank order."""
     out: list = [None] * dist.get_world_size(group)
-    _record_object("all_gather_object", obj)
+    _record_object("all_gather_object", obj, group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here."""
-    _record_object("barrier", None)
+    _record_object("barrier", None, group)
     dist.barrier(group=group)
 
 

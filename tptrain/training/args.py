@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tptrain.distributed import DistributedConfig
+from tptrain.distributed import DistributedConfig, ParallelDims
 
 SCHEDULERS = ("linear", "cosine", "constant")
 
@@ -37,12 +37,16 @@ class ParallelismConfig:
         return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
                                  dp_replicate_size=self.dp_replicate_size)
 
-    def sizes(self, world_size: int | None = None, *, tp_note: str = "") -> dict[str, int]:
-        """{"dp_replicate", "dp_shard", "tp"} resolved against the world size; ValueError if impossible.
+    def parallel_dims(self, world_size: int | None = None, *, tp_note: str = "") -> ParallelDims:
+        """The sizes resolved against the world size; ValueError if impossible.
         `tp_note` follows tp_size in that error, e.g. " (the model's)"."""
         described = (f"ParallelismConfig(tp_size={self.tp_size or 'auto'}{tp_note}, dp_shard_size="
                      f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size})")
-        return self.distributed_config().sizes(world_size, described=described)
+        return self.distributed_config().parallel_dims(world_size, described=described)
+
+    def sizes(self, world_size: int | None = None) -> dict[str, int]:
+        """{"dp_replicate", "dp_shard", "tp"} of `parallel_dims()`."""
+        return self.parallel_dims(world_size).sizes()
 
 
 @dataclass

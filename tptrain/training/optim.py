@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from tptrain.distributed import comm
 from tptrain.parallel.grad_sync import local_tensor
@@ -59,34 +59,41 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments) -
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: dict[str, ShardSpec], tp_rank: int,
-                    replicate_rank: int) -> torch.Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, ShardSpec],
+                    mesh: DeviceMesh | None) -> torch.Tensor:
     """Global L2 norm of all gradients (over TP, dp_shard and dp_replicate), then scale them so it is
     at most `max_norm` (0: measure only). Same formula as torch.nn.utils.clip_grad_norm_. Collective.
 
-    Each rank adds the squares of the pieces it "owns", and one all-reduce over the world sums them:
-    FSDP shards are disjoint (all count); a TP-sharded tensor counts on one rank per chunk (KV chunks
-    held by `replicas` ranks count on the first); a tensor replicated across TP counts on TP rank 0;
-    dp_replicate copies count on replica 0 only.
+    Each piece is counted once, over the axis it is split along: the squares of TP-sharded tensors are
+    summed over the TP group (a KV chunk held by `replicas` ranks counts on the first of them); tensors
+    whole on every TP rank count once; then everything is summed over dp_shard, where FSDP's shards are
+    disjoint. dp_replicate copies are identical and need no reduction.
     """
-    grads, owned = [], []
+    tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
+    grads, sharded, whole = [], [], []
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         g = local_tensor(p.grad)
         grads.append(g)
         spec = specs.get(name, ShardSpec())
-        owner = tp_rank % spec.replicas == 0 if spec.dim is not None else tp_rank == 0
-        if owner and replicate_rank == 0:
-            owned.append(g)
+        if spec.dim is None:
+            whole.append(g)
+        elif tp_rank % spec.replicas == 0:
+            sharded.append(g)
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), dtype=dtype, device=device)
-    for g in owned:
-        squares += g.to(dtype).pow(2).sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        comm.all_reduce(squares, dist.group.WORLD, phase="grad_sync")
-    norm = squares.sqrt()
+
+    def squares(gs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((g.to(dtype).pow(2).sum() for g in gs), torch.zeros((), dtype=dtype, device=device))
+
+    total = squares(sharded)
+    if mesh is not None and mesh["tp"].size() > 1:
+        comm.all_reduce(total, mesh["tp"].get_group(), phase="grad_norm")
+    total += squares(whole)
+    if mesh is not None and mesh["dp_shard"].size() > 1:
+        comm.all_reduce(total, mesh["dp_shard"].get_group(), phase="grad_norm")
+    norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:

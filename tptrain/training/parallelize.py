@@ -15,12 +15,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from tptrain.distributed import DistributedConfig, init_distributed, mesh_sizes
+from tptrain.distributed import ParallelDims, init_distributed
 from tptrain.training.args import ParallelismConfig
 
 
 def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
-                        world_size: int | None = None) -> tuple[ParallelismConfig, dict[str, int]]:
+                        world_size: int | None = None) -> ParallelDims:
     """The run's layout: `config` checked against the model's tp_size and the world size, or, without
     one, the model's tp_size with the remaining ranks as FSDP2 shards. Raises the same ValueError on
     every rank (no collective is involved)."""
@@ -34,19 +34,21 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
         raise ValueError(f"ParallelismConfig(tp_size={config.tp_size}) disagrees with the model, which is sharded "
                          f"over tp_size={model_tp}; load the model with DistributedConfig(tp_size={config.tp_size}) "
                          f"or set ParallelismConfig(tp_size={model_tp})")
-    return config, config.sizes(world_size, tp_note=tp_note)
+    return config.parallel_dims(world_size, tp_note=tp_note)
 
 
-def build_mesh(model: nn.Module, sizes: dict[str, int]) -> tuple[DeviceMesh, torch.device]:
-    """One ("dp_replicate", "dp_shard", "tp") mesh for the run: the model's own when the sizes agree.
-
-    TP is the innermost axis in both, so a TP group is the same block of consecutive ranks and the
-    model's TP process group stays valid under a new mesh."""
+def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, torch.device]:
+    """The run's one mesh: the model's own when its sizes are `dims`. Otherwise (a model loaded with other
+    data-parallel sizes, or not sharded at all) a mesh of `dims` is built and a TP model moves onto it, so
+    no second mesh lives beside the model's. TP is innermost in both, so its TP group holds the same ranks."""
     mesh = getattr(model, "device_mesh", None)
-    if mesh is not None and mesh_sizes(mesh) == sizes:
-        return mesh, init_distributed()
-    return DistributedConfig(tp_size=sizes["tp"], dp_shard_size=sizes["dp_shard"],
-                             dp_replicate_size=sizes["dp_replicate"]).device_mesh()
+    device = init_distributed()
+    if mesh is not None and ParallelDims.of(mesh) == dims:
+        return mesh, device
+    mesh = dims.build_mesh(device.type)
+    if getattr(model, "tp_layout", None) is not None:
+        model.adopt_mesh(mesh)
+    return mesh, device
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

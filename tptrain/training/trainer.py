@@ -35,7 +35,7 @@ from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from tptrain.training.parallelize import build_mesh, parallelize_for_training, resolve_parallelism
+from tptrain.training.parallelize import parallelize_for_training, resolve_parallelism, training_mesh
 
 
 @dataclass
@@ -62,19 +62,15 @@ class Trainer:
         # while forward and the final save (which then writes the adapter) go through the wrapper.
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
-        self.parallelism, self.sizes = resolve_parallelism(model, args.parallelism_config)
+        self.dims = resolve_parallelism(model, args.parallelism_config)
         self._check_sequence_length()
         self.dataset = self._dataset(train_dataset)
-        self.dp_size = self.sizes["dp_replicate"] * self.sizes["dp_shard"]
-        self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dp_size
-        self.mesh, self.device = build_mesh(model, self.sizes)
+        self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dims.dp
+        self.mesh, self.device = training_mesh(model, self.dims)  # the model's own, or the one it moves onto
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
-        coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
-        self.tp_rank, self.replicate_rank = coords["tp"], coords["dp_replicate"]
-        dp_rank = coords["dp_replicate"] * self.sizes["dp_shard"] + coords["dp_shard"]
-        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_rank, dp_size=self.dp_size,
-                                    global_batch=self.global_batch)
+        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=self.mesh["dp"].get_local_rank(),
+                                    dp_size=self.dims.dp, global_batch=self.global_batch)
         raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
         if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
             model.to(self.device)
@@ -114,7 +110,7 @@ class Trainer:
         check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
         layout = getattr(self.inner, "tp_layout", None)
         if layout is not None and layout.ctx.sequence_parallel:
-            check_sequence_length(self.inner, self.args.seq_len, self.sizes["tp"],
+            check_sequence_length(self.inner, self.args.seq_len, self.dims.tp,
                                   what=f"TrainingArguments.seq_len={self.args.seq_len}")
 
     # ------------------------------------------------------------------ training
@@ -163,22 +159,20 @@ class Trainer:
             loss_sum += loss.detach().to(torch.float64)
         if self.grad_sync is not None:  # partial gradients (q/k norms, shared KV chunks) summed over TP
             self.grad_sync.sync_grads(self.inner)
-        grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, tp_rank=self.tp_rank,
-                                    replicate_rank=self.replicate_rank)
+        grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # Every TP rank holds the same loss: count TP rank 0's share of each dp rank's tokens.
-        loss_sum *= float(self.tp_rank == 0)
-        comm.all_reduce(loss_sum, dist.group.WORLD, phase="grad_sync")
+        # Every TP rank of a dp rank holds the same loss: the global one is the sum over the dp ranks.
+        comm.all_reduce(loss_sum, self.mesh["dp"].get_group(), phase="loss")
         return loss_sum.item(), grad_norm.item()
 
     def _global_token_count(self, micro: list[torch.Tensor]) -> int:
         """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
         local = sum(int((shift_labels(ids) != IGNORE_INDEX).sum()) for ids in micro)
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
-        comm.all_reduce(count, dist.group.WORLD, phase="grad_sync")
-        return int(count.item()) // self.sizes["tp"]  # each TP group's ranks counted the same tokens
+        comm.all_reduce(count, self.mesh["dp"].get_group(), phase="token_count")  # TP ranks share their dp rank's
+        return int(count.item())
 
     def _autocast(self):
         if self.args.bf16 and not self.fsdp:  # under FSDP2 its MixedPrecisionPolicy casts instead
@@ -212,7 +206,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write output_dir/checkpoint-<step> (collective); returns its path."""
         state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
-                 "layout": self.sizes}
+                 "layout": self.dims.sizes()}
         return ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
                                     optimizer=self.optimizer, conv=self.converter, trainer_state=state,
                                     save_total_limit=self.args.save_total_limit)
