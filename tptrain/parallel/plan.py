@@ -67,7 +67,7 @@ def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "au
         rx = _glob_regex(glob)
         hits = [n for n in names if rx.match(n)]
         if not hits:
-            generic = dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in names)  # layers.0 -> layers.*
+            generic = dict.fromkeys(_generic(n) for n in names)  # layers.0 -> layers.*
             near = difflib.get_close_matches(glob, generic, n=1) or [names[min(3, len(names) - 1)]]
             problems.append(f"tp_plan rule {glob!r} matches no module of {type(model).__name__} "
                             f"(closest module name: {near[0]!r}); fix or remove the rule")
