@@ -144,7 +144,7 @@ def test_one_rank_load_error_reaches_every_rank_and_a_missing_rank_times_out(tmp
         assert code != 0 and "loaded OK" not in output, output
         assert "FileNotFoundError" in output and "model-00002-of-" in output and "(on rank 1 of 2)" in output, output
     code, output = results[2]
-    assert code != 0 and (f"TimeoutError: rank 0 waited 3 s for WORLD_SIZE=2 processes at 127.0.0.1:" in output
+    assert code != 0 and ("TimeoutError: rank 0 waited 3 s for WORLD_SIZE=2 processes at 127.0.0.1:" in output
                           and "are all ranks started" in output), output
     assert time.monotonic() - start < 60
 

@@ -254,7 +254,7 @@ def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
         tmp.mkdir()
         yield tmp
         for path in tmp.iterdir():
-            _fsync(path)
+            fsync_path(path)
         _swap_into_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -358,7 +358,7 @@ def _write_file(path: Path, content: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     # Directories too: a rename or a new file is durable only once its parent directory is synced.
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -368,10 +368,10 @@ def _fsync(path: Path) -> None:
 
 
 def _swap_into_place(tmp: Path, target: Path) -> None:
-    _fsync(tmp)
+    fsync_path(tmp)
     if not target.exists():
         os.rename(tmp, target)
-        _fsync(target.parent)
+        fsync_path(target.parent)
         return
     backup = target.parent / f".{target.name}.bak-{os.getpid()}"
     shutil.rmtree(backup, ignore_errors=True)
@@ -381,5 +381,5 @@ def _swap_into_place(tmp: Path, target: Path) -> None:
     except BaseException:
         os.rename(backup, target)  # put the good checkpoint back
         raise
-    _fsync(target.parent)
+    fsync_path(target.parent)
     shutil.rmtree(backup)

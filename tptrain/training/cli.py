@@ -113,7 +113,7 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     from tptrain.checkpoint import resolve_checkpoint, writable_error
     from tptrain.models import AutoConfig
     from tptrain.training.args import check_seq_len
-    from tptrain.training.checkpointing import earlier_run_error, resolve_resume
+    from tptrain.training.checkpoint_dirs import earlier_run_error, resolve_resume
     from tptrain.training.data import read_documents
 
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc)):

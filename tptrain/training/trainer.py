@@ -31,6 +31,7 @@ from tptrain.distributed import raise_on_any_rank
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.distributed import comm
 from tptrain.parallel.sequence_parallel import check_sequence_length
+from tptrain.training import checkpoint_dirs as dirs
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
@@ -120,7 +121,7 @@ class Trainer:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         self._claim_output_dir(resume)
-        path = ckpt.resolve_resume(resume, args.output_dir)
+        path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
         reporter = self._reporter()
@@ -192,13 +193,13 @@ class Trainer:
         """Refuse an output_dir holding an earlier run unless told to resume it or overwrite it (then its
         checkpoints and metrics are deleted). Checked on rank 0, raised on every rank."""
         output_dir, overwrite = self.args.output_dir, self.args.overwrite_output_dir
-        raise_on_any_rank(ckpt.earlier_run_error(output_dir, resume=resume, overwrite=overwrite)
+        raise_on_any_rank(dirs.earlier_run_error(output_dir, resume=resume, overwrite=overwrite)
                           if self.is_rank0 else None, exc_type=ValueError)
         if overwrite:
             error = None
             if self.is_rank0:
                 try:
-                    ckpt.clear_earlier_run(output_dir)
+                    dirs.clear_earlier_run(output_dir)
                 except OSError as exc:
                     error = f"overwrite_output_dir=True: cannot delete the earlier run in {output_dir}: {exc}"
             raise_on_any_rank(error)
@@ -212,7 +213,7 @@ class Trainer:
                                     save_total_limit=self.args.save_total_limit)
 
     def _load(self, path: Path) -> None:
-        step = ckpt.read_trainer_state(path)["global_step"]  # the same file on every rank: raised on all
+        step = dirs.read_trainer_state(path)["global_step"]  # the same file on every rank: raised on all
         if step >= self.args.max_steps:
             raise ValueError(f"{path} is at step {step} and max_steps={self.args.max_steps}: nothing is left to "
                              f"train; raise max_steps (--max-steps) above {step} to continue this run")
