@@ -8,15 +8,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tptrain.models.configuration import (LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config,
+from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig,
+                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
                                           load_config_dict)
-from tptrain.models.decoder import (DecoderForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM,
-                                    Qwen3ForCausalLM)
+from tptrain.models.decoder import (DecoderForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
+                                    MinistralForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+                                    Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "ministral": (MinistralConfig, MinistralForCausalLM),
+    "granite": (GraniteConfig, GraniteForCausalLM),
+    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
 }
 
 

@@ -21,6 +21,7 @@ from tptrain.checkpoint.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 # HF's plan for LlamaModel / Qwen2Model, plus our vocab-parallel embedding.
@@ -96,6 +97,11 @@ class PretrainedConfig:
         if self.extra.get("use_sliding_window"):
             raise ValueError(f"{name}: use_sliding_window=true is not implemented; set it to false "
                              "(full causal attention) to train this model with tptrain.")
+        # Per-layer lists: their properties check the values, the lengths are checked here.
+        for key, per_layer in (("layer_types", self.layer_sliding_windows), ("no_rope_layers", self.layer_uses_rope)):
+            if len(per_layer) != self.num_hidden_layers:
+                raise ValueError(f"{name}: {key} has {len(per_layer)} entries, num_hidden_layers="
+                                 f"{self.num_hidden_layers} needs one per layer.")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
@@ -109,6 +115,44 @@ class PretrainedConfig:
     def rope_type(self) -> str:
         scaling = self.rope_scaling or {}
         return scaling.get("rope_type", scaling.get("type", "default"))
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Per layer: how many keys back a query sees (itself included), None = full causal attention.
+
+        Families without sliding windows accept only full-attention `layer_types` (transformers'
+        Qwen2/Qwen3 write them); a window there would be ignored by tptrain, so it is an error.
+        """
+        layer_types = self.extra.get("layer_types") or ["full_attention"] * self.num_hidden_layers
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{type(self).__name__}: layer_types={layer_types} is not implemented for "
+                             f"model_type {self.model_type!r}; only 'full_attention' layers are.")
+        return [None] * len(layer_types)
+
+    @property
+    def layer_uses_rope(self) -> list[bool]:
+        """Per layer: whether q and k are rotated (False: no positional encoding in that layer)."""
+        return [True] * self.num_hidden_layers
+
+    @property
+    def attention_scale(self) -> float | None:
+        """Softmax scale of q.k; None = 1/sqrt(head_dim) (SDPA's default)."""
+        return None
+
+    @property
+    def embedding_scale(self) -> float:
+        """Factor on the token embeddings before the first layer."""
+        return 1.0
+
+    @property
+    def residual_scale(self) -> float:
+        """Factor on each attention / MLP output before it is added to the residual stream."""
+        return 1.0
+
+    @property
+    def logits_divisor(self) -> float:
+        """The logits (and so the loss) are lm_head's output divided by this."""
+        return 1.0
 
     @property
     def qkv_bias(self) -> bool:
@@ -222,3 +266,128 @@ class Qwen3Config(PretrainedConfig):
     head_dim: int | None = 128  # transformers' Qwen3 default; not hidden_size // num_attention_heads
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+
+
+def _sliding_windows(config: PretrainedConfig, layer_types: list[str]) -> list[int | None]:
+    """`layer_types` ("full_attention" / "sliding_attention" per layer) -> each layer's window."""
+    name = type(config).__name__
+    unknown = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"{name}: layer_types value(s) {unknown} not implemented; supported: "
+                         f"{', '.join(SUPPORTED_LAYER_TYPES)}.")
+    window = config.sliding_window
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{name}: sliding_window={window!r} must be a positive integer or null.")
+    if window is None and "sliding_attention" in layer_types:
+        raise ValueError(f"{name}: layer_types has 'sliding_attention' layers but sliding_window is null.")
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+@dataclasses.dataclass(kw_only=True)
+class MistralConfig(PretrainedConfig):
+    """Mistral: every layer attends over a sliding window of `sliding_window` keys (None: full)."""
+
+    model_type: ClassVar[str] = "mistral"
+    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+
+    intermediate_size: int = 14336
+    num_key_value_heads: int | None = 8
+    max_position_embeddings: int = 4096 * 32
+    sliding_window: int | None = 4096  # keys a query sees, itself included; None = full causal attention
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        # transformers' Mistral applies sliding_window to every layer and ignores layer_types;
+        # per-layer types are Ministral's (model_type "ministral").
+        uniform = ["sliding_attention" if self.sliding_window is not None else "full_attention"]
+        if (layer_types := self.extra.get("layer_types")) and set(layer_types) != set(uniform):
+            raise ValueError(f"MistralConfig: layer_types={layer_types} disagrees with sliding_window="
+                             f"{self.sliding_window} (transformers' Mistral ignores layer_types); use "
+                             "model_type 'ministral' for per-layer attention types.")
+        return _sliding_windows(self, uniform * self.num_hidden_layers)
+
+
+@dataclasses.dataclass(kw_only=True)
+class MinistralConfig(MistralConfig):
+    """Ministral: Mistral with per-layer `layer_types` (sliding or full attention)."""
+
+    model_type: ClassVar[str] = "ministral"
+
+    layer_types: list[str] | None = None  # per layer; None -> all "sliding_attention" (or full if no window)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        super().__post_init__()
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        return _sliding_windows(self, self.layer_types)
+
+
+@dataclasses.dataclass(kw_only=True)
+class GraniteConfig(PretrainedConfig):
+    """IBM Granite (3.x dense): scalar multipliers on embeddings, residual branches, scores and logits."""
+
+    model_type: ClassVar[str] = "granite"
+    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+
+    embedding_multiplier: float = 1.0  # token embeddings are multiplied by it
+    residual_multiplier: float = 1.0  # each attention / MLP output is multiplied by it before the residual add
+    attention_multiplier: float = 1.0  # the softmax scale of q.k (replaces 1/sqrt(head_dim))
+    logits_scaling: float = 1.0  # logits are divided by it
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier
+
+    @property
+    def embedding_scale(self) -> float:
+        return self.embedding_multiplier
+
+    @property
+    def residual_scale(self) -> float:
+        return self.residual_multiplier
+
+    @property
+    def logits_divisor(self) -> float:
+        return self.logits_scaling
+
+
+@dataclasses.dataclass(kw_only=True)
+class SmolLM3Config(PretrainedConfig):
+    """SmolLM3: some layers have no rotary embedding (NoPE), listed in `no_rope_layers`."""
+
+    model_type: ClassVar[str] = "smollm3"
+    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+
+    vocab_size: int = 128256
+    hidden_size: int = 2048
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = 4
+    max_position_embeddings: int = 32768
+    rope_theta: float = 2000000.0
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 128004
+    bos_token_id: int | None = 128000
+    eos_token_id: int | list[int] | None = 128001
+    no_rope_layers: list[int] | None = None  # per layer: 1 = RoPE, 0 = none; None -> every no_rope_layer_interval-th is 0
+    no_rope_layer_interval: int = 4  # only used to fill in no_rope_layers
+
+    def __post_init__(self) -> None:
+        if self.no_rope_layers is None:
+            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0)
+                                   for i in range(self.num_hidden_layers)]
+        super().__post_init__()
+
+    @property
+    def layer_uses_rope(self) -> list[bool]:
+        if any(v not in (0, 1) for v in self.no_rope_layers):
+            raise ValueError(f"SmolLM3Config: no_rope_layers={self.no_rope_layers} must hold 0 (no RoPE) or "
+                             "1 (RoPE) per layer.")
+        return [bool(v) for v in self.no_rope_layers]

@@ -1,4 +1,4 @@
-"""The one decoder-only transformer. Llama, Qwen2 and Qwen3 differ only by config flags.
+"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3 differ only by config.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -18,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig,
+                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -28,14 +29,28 @@ class CausalLMOutput:
     logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
 
 
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) 1/0 padding mask -> (batch, 1, seq, seq) bool, True where a query sees a key.
+def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor | None = None,
+                sliding_window: int | None = None) -> torch.Tensor | None:
+    """(batch or 1, 1, seq, seq) bool, True where a query sees a key; None = plain causal (SDPA's is_causal).
 
-    A query that sees no key at all (left padding) gets a zero output from SDPA, as in transformers.
+    `attention_mask` is the (batch, seq) 1/0 padding mask; `sliding_window` keeps the last that many
+    keys (the query's own included), as transformers' sliding-window mask. Always over the full
+    sequence: under sequence parallelism attention runs on the gathered sequence. A query that sees no
+    key at all (left padding) gets a zero output from SDPA, as in transformers.
     """
-    seq = attention_mask.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal[None, None] & attention_mask.bool()[:, None, None, :]
+    if attention_mask is None and sliding_window is None:
+        return None
+    query = torch.arange(seq, device=device)[:, None]
+    key = torch.arange(seq, device=device)[None, :]
+    sees = key <= query
+    if sliding_window is not None:
+        sees = sees & (key > query - sliding_window)
+    sees = sees[None, None]
+    return sees if attention_mask is None else sees & attention_mask.bool()[:, None, None, :]
+
+
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x if factor == 1.0 else x * factor
 
 
 class RMSNorm(nn.Module):
@@ -60,10 +75,12 @@ class Attention(nn.Module):
     tp_kv_projections = ("k_proj", "v_proj")
     tp_pairs = {"o_proj": ("q_proj", "k_proj", "v_proj"), "q_norm": ("q_proj",), "k_norm": ("k_proj",)}
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, *, use_rope: bool = True) -> None:
         super().__init__()
         hidden, head_dim = config.hidden_size, config.head_dim
         self.head_dim = head_dim
+        self.use_rope = use_rope  # False: no positional encoding in this layer (NoPE)
+        self.scale = config.attention_scale
         self.q_proj = nn.Linear(hidden, config.num_attention_heads * head_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
@@ -85,12 +102,14 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rotary(q, k, cos, sin)
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local_heads * head_dim)
 
 
@@ -109,17 +128,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.sliding_window = config.layer_sliding_windows[layer_idx]  # read by DecoderModel for the mask
+        self.residual_scale = config.residual_scale
+        self.self_attn = Attention(config, use_rope=config.layer_uses_rope[layer_idx])
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + _scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask), self.residual_scale)
+        return h + _scaled(self.mlp(self.post_attention_layernorm(h)), self.residual_scale)
 
 
 class DecoderModel(nn.Module):
@@ -128,19 +149,24 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.embedding_scale = config.embedding_scale
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (batch, seq, hidden)
+        # (batch, seq, hidden); a sequence shard under sequence parallelism, input_ids are the full sequence
+        h = _scaled(self.embed_tokens(input_ids), self.embedding_scale)
+        seq = input_ids.shape[1]
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+            position_ids = torch.arange(seq, device=input_ids.device)[None]
         cos, sin = self.rotary_emb(h, position_ids)
-        mask = None if attention_mask is None else causal_padding_mask(attention_mask)
+        masks = {w: causal_mask(seq, device=input_ids.device, attention_mask=attention_mask, sliding_window=w)
+                 for w in {layer.sliding_window for layer in self.layers}}  # one per distinct window
         for layer in self.layers:
+            mask = masks[layer.sliding_window]
             if self.gradient_checkpointing and self.training:
                 h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:
@@ -201,6 +227,8 @@ class DecoderForCausalLM(PreTrainedModel):
                 num_items_in_batch: int | torch.Tensor | None = None) -> CausalLMOutput:
         h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         logits = self.lm_head(h)  # (batch, seq, vocab)
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits)
 
@@ -215,3 +243,19 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     config_class = Qwen3Config
+
+
+class MistralForCausalLM(DecoderForCausalLM):
+    config_class = MistralConfig
+
+
+class MinistralForCausalLM(DecoderForCausalLM):
+    config_class = MinistralConfig
+
+
+class GraniteForCausalLM(DecoderForCausalLM):
+    config_class = GraniteConfig
+
+
+class SmolLM3ForCausalLM(DecoderForCausalLM):
+    config_class = SmolLM3Config

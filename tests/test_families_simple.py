@@ -1,0 +1,255 @@
+"""Mistral / Ministral (sliding windows), Granite (multipliers), SmolLM3 (layers without RoPE) under TP.
+
+transformers 5.23 writes each tiny random checkpoint; tptrain loads it at tp 1, 2 and 4 and must give
+transformers' logits and loss; at tp 2 (also with sequence parallelism and activation checkpointing)
+gradients and three AdamW steps equal the single-device tptrain model (fp64); what tp 2 saves loads in
+transformers with the same logits; a LoRA adapter trained at tp 2 loads in peft with the same logits.
+Every distributed check of one world size runs in one spawned job.
+
+    .venv/bin/python -m pytest tests/test_families_simple.py -q
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.test_train_cli import tptrain_train
+from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.models import AutoConfig
+
+TOL = dict(rtol=2e-5, atol=2e-5)  # tptrain vs transformers (fp32 checkpoints)
+EXACT = dict(rtol=1e-10, atol=1e-10)  # tptrain at tp 2 vs tptrain on one device (fp64)
+# transformers runs RMSNorm and RoPE in fp32 even for an fp64 model: ~1e-6 apart (as tests/test_lora_interop.py).
+LORA_TOL = dict(rtol=1e-5, atol=1e-5)
+SEQ = 12
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+            num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: replicated twice at tp 4
+FAMILIES = {
+    # a window of 5 < SEQ keys, head_dim 24 != hidden / heads
+    "mistral": dict(TINY, head_dim=24, sliding_window=5),
+    # one sliding layer, one full layer
+    "ministral": dict(TINY, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    # every multiplier away from 1, attention bias, tied embeddings
+    "granite": dict(TINY, embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.1,
+                    logits_scaling=4.0, attention_bias=True, tie_word_embeddings=True),
+    # layer 1 without RoPE
+    "smollm3": dict(TINY, no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (2, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[1, -4:-1] = -100
+    return ids, labels
+
+
+def _hf_reference(hf, ids, labels) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss}
+
+
+def _write_hf_checkpoint(transformers, model_type: str, kwargs: dict, path, seed: int):
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # every parameter random (norms around 1), as tests/test_models.py
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.2
+            p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: (directory written by transformers, its logits and loss on _batch())}."""
+    import transformers  # here, not at module level: the spawned ranks import this module too
+    root = tmp_path_factory.mktemp("hf")
+    ids, labels = _batch()
+    out = {}
+    for i, (name, kwargs) in enumerate(FAMILIES.items()):
+        hf = _write_hf_checkpoint(transformers, name, kwargs, root / name, seed=i)
+        out[name] = (root / name, _hf_reference(hf, ids, labels))
+    return out
+
+
+def _logits_and_loss(model) -> dict[str, torch.Tensor]:
+    ids, labels = _batch()
+    with torch.no_grad():
+        return {"logits": model(ids).logits, "loss": model(ids, labels=labels).loss}
+
+
+def _check(model, expected, what: str) -> float:
+    """Asserts transformers' logits and loss; returns max |logits - transformers|."""
+    got = _logits_and_loss(model)
+    torch.testing.assert_close(got["logits"], expected["logits"], **TOL, msg=lambda m: f"{what} logits: {m}")
+    torch.testing.assert_close(got["loss"], expected["loss"], **TOL, msg=lambda m: f"{what} loss: {m}")
+    return (got["logits"] - expected["logits"]).abs().max().item()
+
+
+def test_tp1_matches_transformers_and_the_window_matters(checkpoints, tmp_path):
+    import transformers
+    for name, (path, expected) in checkpoints.items():
+        _check(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), expected, f"{name} tp=1")
+    # Without its window the same mistral checkpoint gives other logits: the window is really applied.
+    full = tmp_path / "mistral_full"
+    shutil.copytree(checkpoints["mistral"][0], full)
+    config = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32))["logits"]
+    assert (got - checkpoints["mistral"][1]["logits"]).abs().max() > 1e-2
+    # Left padding combined with the window, as transformers masks it.
+    ids, _ = _batch()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["mistral"][0], dtype=torch.float32).eval()
+        ref = hf(ids, attention_mask=mask, position_ids=position_ids).logits
+        ours = AutoModelForCausalLM.from_pretrained(checkpoints["mistral"][0], dtype=torch.float32)
+        out = ours(ids, attention_mask=mask, position_ids=position_ids).logits
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], **TOL)
+
+
+def _train_equivalence(ref, model, what: str) -> None:
+    """Loss, every gradient and 3 AdamW steps of a TP model equal its single-device copy."""
+    ids, labels = _batch(seed=5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
+        torch.testing.assert_close(loss, ref_loss, **EXACT, msg=lambda m: f"{what} loss, step {step}: {m}")
+        ref_loss.backward()
+        loss.backward()
+        if step == 0:
+            assert_grads_match(model, ref, what=f"{what} grad")
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    assert_params_match(model, ref, f"{what}: 3 AdamW steps")
+
+
+def _tp2_worker(checkpoints, out) -> None:
+    from tptrain.peft import LoraConfig, get_peft_model
+    tp2, sp2 = DistributedConfig(tp_size=2), DistributedConfig(tp_size=2, enable_sequence_parallel=True)
+    errors = {}
+    for name, (path, expected) in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=tp2)
+        errors[name] = _check(model, expected, f"{name} tp=2")
+        model.save_pretrained(out / "saved" / name)
+
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=tp2)
+        _train_equivalence(ref, model, f"{name} tp=2")
+        if name in ("mistral", "ministral"):  # windows under sequence parallelism and activation checkpointing
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=sp2)
+            ref.gradient_checkpointing_enable(), model.gradient_checkpointing_enable()
+            ref.train(), model.train()
+            _train_equivalence(ref, model, f"{name} tp=2 sp+checkpointing")
+
+        torch.manual_seed(0)  # LoRA on every linear layer, trained 3 steps so B is no longer zero
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=tp2)
+        lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules=LORA_TARGETS))
+        opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+        ids, labels = _batch(seed=4)
+        for _ in range(3):
+            lora(ids, labels=labels).loss.backward()
+            opt.step(), opt.zero_grad()
+        lora.save_pretrained(out / "lora" / name)
+        lora.eval()
+        with torch.no_grad():
+            logits = lora(_batch()[0]).logits
+        if torch.distributed.get_rank() == 0:
+            torch.save(logits, out / "lora" / name / "logits.pt")
+    if torch.distributed.get_rank() == 0:
+        (out / "tp2_errors.json").write_text(json.dumps(errors))
+
+
+def _tp4_worker(checkpoints, out) -> None:
+    errors = {}
+    for name, (path, expected) in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(tp_size=4))
+        assert model.tp_layout.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 2
+        errors[name] = _check(model, expected, f"{name} tp=4 (KV heads replicated)")
+    if torch.distributed.get_rank() == 0:
+        (out / "tp4_errors.json").write_text(json.dumps(errors))
+
+
+def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
+    import peft
+    import transformers
+    run_distributed(_tp2_worker, 2, checkpoints, tmp_path)
+    print("max |logits - transformers| at tp 2:", (tmp_path / "tp2_errors.json").read_text())
+    ids, labels = _batch()
+    for name, (path, expected) in checkpoints.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / name,
+                                                                   dtype=torch.float32).eval()
+            got = _hf_reference(hf, ids, labels)
+            torch.testing.assert_close(got["logits"], expected["logits"], **TOL, msg=lambda m: f"{name} saved: {m}")
+            base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+            lora = peft.PeftModel.from_pretrained(base, tmp_path / "lora" / name).eval()
+            with torch.no_grad():
+                peft_logits = lora(ids).logits
+        ours = torch.load(tmp_path / "lora" / name / "logits.pt")
+        torch.testing.assert_close(peft_logits, ours, **LORA_TOL, msg=lambda m: f"{name} LoRA in peft: {m}")
+        assert (ours - expected["logits"].double()).abs().max() > 1e-2, f"{name}: the adapter changes nothing"
+
+
+def test_tp4_matches_transformers_with_kv_replication(checkpoints, tmp_path):
+    run_distributed(_tp4_worker, 4, checkpoints, tmp_path)
+    print("max |logits - transformers| at tp 4:", (tmp_path / "tp4_errors.json").read_text())
+
+
+def test_configs_round_trip_through_transformers(tmp_path):
+    import transformers
+    for name, kwargs in FAMILIES.items():
+        config = AutoConfig.for_model(name, **kwargs)
+        config.save_pretrained(tmp_path / name)
+        hf_config = transformers.AutoConfig.from_pretrained(tmp_path / name)
+        for key in ("sliding_window", "layer_types", "no_rope_layers", "embedding_multiplier",
+                    "residual_multiplier", "attention_multiplier", "logits_scaling", "head_dim"):
+            if key in kwargs:
+                assert getattr(hf_config, key) == kwargs[key], (name, key)
+        hf_config.save_pretrained(tmp_path / f"{name}_hf")
+        assert AutoConfig.from_pretrained(tmp_path / f"{name}_hf").layer_sliding_windows == config.layer_sliding_windows
+        assert AutoConfig.from_pretrained(tmp_path / f"{name}_hf").layer_uses_rope == config.layer_uses_rope
+
+
+@pytest.mark.parametrize("model_type, kwargs, key", [
+    ("ministral", dict(layer_types=["chunked_attention", "full_attention"]), "layer_types"),
+    ("ministral", dict(layer_types=["sliding_attention"] * 3), "layer_types"),
+    ("ministral", dict(sliding_window=None, layer_types=["sliding_attention"] * 2), "sliding_window"),
+    ("mistral", dict(sliding_window=0), "sliding_window"),
+    ("mistral", dict(extra={"layer_types": ["full_attention", "sliding_attention"]}), "layer_types"),
+    ("smollm3", dict(no_rope_layers=[1, 2]), "no_rope_layers"),
+    ("smollm3", dict(no_rope_layers=[1]), "no_rope_layers"),
+    ("smollm3", dict(extra={"use_sliding_window": True, "sliding_window": 4}), "use_sliding_window"),
+    ("qwen3", dict(extra={"layer_types": ["sliding_attention", "full_attention"]}), "layer_types"),
+    ("granite", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+])
+def test_unsupported_config_values_name_the_key(model_type, kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        AutoConfig.for_model(model_type, **{**TINY, **kwargs})
+
+
+def test_train_cli_smoke_on_granite(tmp_path):
+    import transformers
+    # Byte-level tokenizer (no tokenizer.json): 257 ids, so a vocabulary of 320.
+    _write_hf_checkpoint(transformers, "granite", {**FAMILIES["granite"], "vocab_size": 320}, tmp_path / "granite",
+                         seed=0)
+    run = tptrain_train("--model", str(tmp_path / "granite"), "--output-dir", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32)
+    assert model.config.model_type == "granite" and model.config.logits_scaling == 4.0
