@@ -376,7 +376,8 @@ class SmolLM3Config(PretrainedConfig):
     pad_token_id: int | None = 128004
     bos_token_id: int | None = 128000
     eos_token_id: int | list[int] | None = 128001
-    no_rope_layers: list[int] | None = None  # per layer: 1 = RoPE, 0 = none; None -> every no_rope_layer_interval-th is 0
+    # per layer: 1 = RoPE, 0 = none; None -> 0 for every no_rope_layer_interval-th layer, as transformers
+    no_rope_layers: list[int] | None = None
     no_rope_layer_interval: int = 4  # only used to fill in no_rope_layers
 
     def __post_init__(self) -> None:

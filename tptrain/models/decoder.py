@@ -38,6 +38,8 @@ def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor 
     sequence: under sequence parallelism attention runs on the gathered sequence. A query that sees no
     key at all (left padding) gets a zero output from SDPA, as in transformers.
     """
+    if sliding_window is not None and sliding_window >= seq:
+        sliding_window = None  # the window holds the whole sequence: keep SDPA's is_causal (flash) path
     if attention_mask is None and sliding_window is None:
         return None
     query = torch.arange(seq, device=device)[:, None]
