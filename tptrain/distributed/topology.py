@@ -1,12 +1,12 @@
 """The job's one topology: the size of every mesh axis, and the DeviceMesh built from it.
 
     dims = DistributedConfig(tp_size=2).parallel_dims()      # ParallelDims(dp_replicate=1, dp_shard=2, tp=2) on 4 ranks
-    mesh = dims.build_mesh("cpu")                             # axes dp_replicate, dp_shard, tp (+ flattened "dp")
+    mesh = dims.build_mesh("cpu")                             # axes dp_replicate, dp_shard, tp; dp_mesh(mesh)
 
 As torchtitan's ParallelDims: the axes are ("dp_replicate", "dp_shard", "tp"), TP innermost, so a TP
 group is a block of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
-The mesh also has "dp", the flattened dp_replicate x dp_shard axis: the reductions over every
-data-parallel rank (token counts, the loss) run on it.
+`dp_mesh(mesh)` is the flattened dp_replicate x dp_shard axis: the reductions over every data-parallel
+rank (token counts, the loss) run on it.
 """
 from __future__ import annotations
 
@@ -51,5 +51,11 @@ class ParallelDims:
         """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
         assert math.prod(self.sizes().values()) == self.world_size
         mesh = init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=MESH_AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_mesh(mesh)  # created now, on every rank together (it makes process groups)
         return comm.track_mesh(mesh)
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The flattened dp_replicate x dp_shard axis of a mesh built by `ParallelDims.build_mesh` (the same
+    object each call: torch keeps it on the root mesh)."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")

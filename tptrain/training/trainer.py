@@ -27,9 +27,9 @@ from torch import nn
 
 from tptrain.checkpoint import writable_error
 from tptrain.checkpoint.hub import TOKENIZER_PATTERNS
-from tptrain.distributed import raise_on_any_rank
+from tptrain.distributed import comm, raise_on_any_rank
+from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
-from tptrain.distributed import comm
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training import checkpoint_dirs as dirs
 from tptrain.training import checkpointing as ckpt
@@ -70,7 +70,7 @@ class Trainer:
         self.mesh, self.device = training_mesh(model, self.dims)  # the model's own, or the one it moves onto
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
-        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=self.mesh["dp"].get_local_rank(),
+        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_mesh(self.mesh).get_local_rank(),
                                     dp_size=self.dims.dp, global_batch=self.global_batch)
         raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
         if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
@@ -165,14 +165,14 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Every TP rank of a dp rank holds the same loss: the global one is the sum over the dp ranks.
-        comm.all_reduce(loss_sum, self.mesh["dp"].get_group(), phase="loss")
+        comm.all_reduce(loss_sum, dp_mesh(self.mesh).get_group(), phase="loss")
         return loss_sum.item(), grad_norm.item()
 
     def _global_token_count(self, micro: list[torch.Tensor]) -> int:
         """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
         local = sum(int((shift_labels(ids) != IGNORE_INDEX).sum()) for ids in micro)
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
-        comm.all_reduce(count, self.mesh["dp"].get_group(), phase="token_count")  # TP ranks share their dp rank's
+        comm.all_reduce(count, dp_mesh(self.mesh).get_group(), phase="token_count")  # TP ranks share their dp rank's
         return int(count.item())
 
     def _autocast(self):
