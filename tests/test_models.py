@@ -187,7 +187,7 @@ def test_transformers5_rope_parameters_and_dtype():
 
 
 def test_unknown_model_type_and_unsupported_features(tmp_path):
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama.*olmo2.*qwen2, qwen3"):
         AutoConfig.for_model("gpt2")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
     with pytest.raises(ValueError, match="'mistral'"):

@@ -1,12 +1,12 @@
 """Single-device model code: configs, the decoder, rotary embeddings and the model_type registry."""
 from tptrain.models.auto import MODEL_REGISTRY, AutoConfig, AutoModelForCausalLM
-from tptrain.models.configuration import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from tptrain.models.configuration import LlamaConfig, Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config
 from tptrain.models.decoder import (CausalLMOutput, DecoderForCausalLM, DecoderModel, LlamaForCausalLM,
-                                    Qwen2ForCausalLM, Qwen3ForCausalLM, RMSNorm, causal_lm_loss)
+                                    Olmo2ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, RMSNorm, causal_lm_loss)
 
 __all__ = [
     "MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM",
-    "PretrainedConfig", "LlamaConfig", "Qwen2Config", "Qwen3Config",
+    "PretrainedConfig", "LlamaConfig", "Qwen2Config", "Qwen3Config", "Olmo2Config",
     "CausalLMOutput", "DecoderForCausalLM", "DecoderModel", "RMSNorm", "causal_lm_loss",
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
 ]

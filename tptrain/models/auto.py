@@ -8,15 +8,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tptrain.models.configuration import (LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config,
+from tptrain.models.configuration import (LlamaConfig, Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config,
                                           load_config_dict)
-from tptrain.models.decoder import (DecoderForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM,
+from tptrain.models.decoder import (DecoderForCausalLM, LlamaForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM,
                                     Qwen3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM),
 }
 
 

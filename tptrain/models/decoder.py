@@ -1,4 +1,4 @@
-"""The one decoder-only transformer. Llama, Qwen2 and Qwen3 differ only by config flags.
+"""The one decoder-only transformer. Llama, Qwen2, Qwen3 and OLMo 2 differ only by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from tptrain.models.configuration import LlamaConfig, Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -47,8 +47,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the input dtype: transformers' LlamaRMSNorm, bit for bit.
         h = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (exact tests)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(self.mean_square(h) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def mean_square(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., dim) -> (..., 1). The TP style `distributed_rmsnorm` replaces it when dim is split over ranks."""
+        return h.pow(2).mean(-1, keepdim=True)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -69,20 +73,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            over_width = config.qk_norm == "width"  # the whole projected width, else each head's head_dim
+            self.q_norm = RMSNorm(self.q_proj.out_features if over_width else head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.k_proj.out_features if over_width else head_dim, eps=config.rms_norm_eps)
+        if config.qk_norm == "width":  # o_proj reads what the norms made of q and k
+            self.tp_pairs = {**self.tp_pairs, "o_proj": ("q_norm", "k_norm", "v_proj")}
         self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        q = self.q_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)  # (batch, seq, local width)
+        if self.qk_norm == "width":
+            q, k = self.q_norm(q), self.k_norm(k)
         # Shapes come from the projections, not from x: under TP the heads are this rank's local
         # heads, and under sequence parallelism x is a sequence shard while q spans the full sequence.
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # (batch, seq, local_heads, head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
+        k = k.view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
         q, k = apply_rotary(q, k, cos, sin)
@@ -113,11 +122,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_sublayer_output = config.norm_sublayer_output
+        if not self.norm_sublayer_output:
+            self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.norm_sublayer_output:
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
+        if self.norm_sublayer_output:  # norm on each sublayer's output, before the residual add
+            h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -215,3 +231,7 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     config_class = Qwen3Config
+
+
+class Olmo2ForCausalLM(DecoderForCausalLM):
+    config_class = Olmo2Config
