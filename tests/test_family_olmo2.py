@@ -166,7 +166,50 @@ def _assert_communication(model, tp: int) -> None:
     model.zero_grad()
 
 
-def _tp2_worker(path, expected, save_dir, out) -> None:
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TOL = dict(rtol=1e-5, atol=1e-5)  # the bases differ by transformers' fp32 RoPE (~1e-6)
+
+
+def _peft_adapter(path, out_dir):
+    """A random peft adapter on transformers' OLMo 2, saved to `out_dir`; returns its logits."""
+    import peft
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
+                                                    task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
+        model.save_pretrained(out_dir)
+        return model(_batch()[0]).logits
+
+
+def _lora_crossing(path, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
+    """peft's adapter on a tp 2 base, and a tptrain-trained adapter (2 AdamW steps) saved for peft."""
+    from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+    config = DistributedConfig(tp_size=2)
+    ids = _batch()[0]
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=F64,
+                                                                            distributed_config=config), peft_dir)
+    with torch.no_grad():
+        peft_logits = loaded(ids).logits
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=config),
+                           LoraConfig(r=4, lora_alpha=16, target_modules=LORA_TARGETS))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_ids, labels = _batch(seed=4)
+    for _ in range(2):
+        model(train_ids, labels=labels).loss.backward()
+        opt.step(), opt.zero_grad()
+    model.save_pretrained(adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        return {"peft_adapter": peft_logits, "tptrain_adapter": model(ids).logits}
+
+
+def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     assert ref.tp_size == 1
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=2))
@@ -182,8 +225,9 @@ def _tp2_worker(path, expected, save_dir, out) -> None:
     _equivalence(sp, copy.deepcopy(ref), steps=1)
     report = comm_report(sp, *_batch())
     assert report.matches_minimum, report.table()
+    lora = _lora_crossing(path, peft_dir, adapter_dir)
     if torch.distributed.get_rank() == 0:
-        torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": report.table()}, out)
+        torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": report.table(), **lora}, out)
 
 
 def _tp4_worker(path, expected, out) -> None:
@@ -199,10 +243,12 @@ def _tp4_worker(path, expected, out) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
 
-def test_tp2_matches_transformers_single_device_and_saves_for_transformers(checkpoint, tmp_path):
+def test_tp2_matches_transformers_single_device_saves_for_transformers_and_crosses_lora_with_peft(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
-    run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt")
+    peft_logits = _peft_adapter(path, tmp_path / "peft_adapter")
+    run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt",
+                    tmp_path / "peft_adapter", tmp_path / "tptrain_adapter")
     result = torch.load(tmp_path / "tp2.pt")
     print(f"\ntp=2 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}\n"
           f"{result['table']}")
@@ -212,6 +258,15 @@ def test_tp2_matches_transformers_single_device_and_saves_for_transformers(check
     got = _hf_reference(hf)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
+    # LoRA crosses both ways: peft's adapter on the tp 2 model, the tptrain-trained one in peft.
+    import peft
+    torch.testing.assert_close(result["peft_adapter"], peft_logits, **LORA_TOL)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    with torch.no_grad():
+        plain = base(_batch()[0]).logits
+        reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "tptrain_adapter")(_batch()[0]).logits
+    torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
+    assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
 
 
 def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoint, tmp_path):
@@ -219,3 +274,4 @@ def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoi
     run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")
     result = torch.load(tmp_path / "tp4.pt")
     print(f"\ntp=4 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}")
+
