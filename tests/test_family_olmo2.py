@@ -27,7 +27,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
-# transformers' rotary embedding computes cos/sin in fp32 even for an fp64 model.
+# transformers' Olmo2RMSNorm normalises in fp32 even in an fp64 model (tptrain: in fp64), ~1e-6 apart.
 HF_TOL = dict(rtol=1e-6, atol=1e-6)
 B, S = 2, 12
 
@@ -90,6 +90,17 @@ def test_tp1_logits_loss_and_grads_match_transformers(checkpoint):
     hf_grads = dict(hf.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, hf_grads[name].grad, **HF_TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_bf16_arithmetic_is_transformers(checkpoint):
+    """Olmo2RMSNorm scales before casting back and RoPE rotates in fp32: bit for bit in bfloat16."""
+    import transformers
+    path, _ = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("key, value", [("attention_dropout", 0.1), ("mlp_bias", True), ("hidden_act", "gelu"),

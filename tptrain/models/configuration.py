@@ -59,6 +59,10 @@ class PretrainedConfig:
     # post_attention_layernorm: Llama); True, on each sublayer's output before the residual add
     # (post_attention_layernorm, post_feedforward_layernorm: OLMo 2).
     norm_sublayer_output: ClassVar[bool] = False
+    # Low-precision arithmetic of OLMo 2: every RMSNorm multiplies by its weight in fp32 before casting back, and
+    # RoPE rotates q and k in fp32 (Llama: cast first, then scale; rotate in the activations' dtype).
+    norm_scale_in_float32: ClassVar[bool] = False
+    rope_in_float32: ClassVar[bool] = False
 
     vocab_size: int = 32000  # rows of embed_tokens and lm_head
     hidden_size: int = 4096  # residual stream width
@@ -248,6 +252,8 @@ class Olmo2Config(PretrainedConfig):
     }
     qk_norm: ClassVar[str | None] = "width"
     norm_sublayer_output: ClassVar[bool] = True
+    norm_scale_in_float32: ClassVar[bool] = True
+    rope_in_float32: ClassVar[bool] = True
 
     vocab_size: int = 50304
     rms_norm_eps: float = 1e-5

@@ -39,15 +39,19 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float) -> None:
+    def __init__(self, dim: int, *, eps: float, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype: transformers' LlamaRMSNorm, bit for bit.
+        # Normalise in fp32, scale in the input dtype (transformers' LlamaRMSNorm, bit for bit), or scale in fp32,
+        # then cast (`scale_in_float32`: Olmo2RMSNorm).
         h = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (exact tests)
         h = h * torch.rsqrt(self.mean_square(h) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
     def mean_square(self, h: torch.Tensor) -> torch.Tensor:
@@ -56,6 +60,11 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def rms_norm(config: PretrainedConfig, dim: int) -> RMSNorm:
+    """The config's RMSNorm over `dim` features."""
+    return RMSNorm(dim, eps=config.rms_norm_eps, scale_in_float32=config.norm_scale_in_float32)
 
 
 class Attention(nn.Module):
@@ -74,8 +83,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             over_width = config.qk_norm == "width"  # the whole projected width, else each head's head_dim
-            self.q_norm = RMSNorm(self.q_proj.out_features if over_width else head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.k_proj.out_features if over_width else head_dim, eps=config.rms_norm_eps)
+            self.q_norm = rms_norm(config, self.q_proj.out_features if over_width else head_dim)
+            self.k_norm = rms_norm(config, self.k_proj.out_features if over_width else head_dim)
         if config.qk_norm == "width":  # o_proj reads what the norms made of q and k
             self.tp_pairs = {**self.tp_pairs, "o_proj": ("q_norm", "k_norm", "v_proj")}
         self.qk_norm = config.qk_norm
@@ -124,10 +133,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.norm_sublayer_output = config.norm_sublayer_output
         if not self.norm_sublayer_output:
-            self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.input_layernorm = rms_norm(config, config.hidden_size)
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
         if self.norm_sublayer_output:
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm = rms_norm(config, config.hidden_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -145,7 +154,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
 
