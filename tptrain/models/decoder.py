@@ -132,11 +132,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.norm_sublayer_output = config.norm_sublayer_output
-        if not self.norm_sublayer_output:
-            self.input_layernorm = rms_norm(config, config.hidden_size)
-        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
-        if self.norm_sublayer_output:
+        if self.norm_sublayer_output:  # transformers' names: attention's output norm, then the MLP's
+            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
             self.post_feedforward_layernorm = rms_norm(config, config.hidden_size)
+        else:
+            self.input_layernorm = rms_norm(config, config.hidden_size)
+            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
