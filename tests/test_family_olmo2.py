@@ -236,6 +236,11 @@ def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
     _equivalence(sp, copy.deepcopy(ref), steps=1)
     report = comm_report(sp, *_batch())
     assert report.matches_minimum, report.table()
+    # Activation checkpointing: the recomputed norms sum their squares again, in step on every rank.
+    recomputed = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2))
+    recomputed.gradient_checkpointing_enable()
+    recomputed.train()
+    _equivalence(recomputed, copy.deepcopy(ref), steps=1)
     lora = _lora_crossing(path, peft_dir, adapter_dir)
     if torch.distributed.get_rank() == 0:
         torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": report.table(), **lora}, out)
