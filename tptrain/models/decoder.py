@@ -88,6 +88,7 @@ class Attention(nn.Module):
         if config.qk_norm == "width":  # o_proj reads what the norms made of q and k
             self.tp_pairs = {**self.tp_pairs, "o_proj": ("q_norm", "k_norm", "v_proj")}
         self.qk_norm = config.qk_norm
+        self.rope_in_float32 = config.rope_in_float32
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -103,7 +104,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = apply_rotary(q, k, cos, sin, keep_dtype=self.rope_in_float32)
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available

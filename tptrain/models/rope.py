@@ -71,9 +71,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim), in the dtype of cos and sin,
-    and return them in their own dtype."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim). `keep_dtype`: return them
+    in their own dtype when cos/sin are wider (`rope_in_float32`: rotated in fp32, as transformers' OLMo 2)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-    return (q * cos + rotate_half(q) * sin).to(q.dtype), (k * cos + rotate_half(k) * sin).to(k.dtype)
+    q_rot, k_rot = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return (q_rot.to(q.dtype), k_rot.to(k.dtype)) if keep_dtype else (q_rot, k_rot)
