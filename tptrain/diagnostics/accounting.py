@@ -9,7 +9,8 @@ down_proj, the vocab-parallel embedding) ends in one sum, and every group of col
 (q/k/v, gate/up, lm_head) begins with one boundary. Plain TP: one all-reduce of (batch, seq, hidden)
 at each, in forward (the sums) and backward (the boundaries). TP+SP: the same bytes as a
 reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
-saving it. The vocab-parallel loss adds 3 all-reduces of (tokens,) scalars; partial parameter
+saving it. The vocab-parallel loss adds 3 all-reduces of (tokens,) scalars, and a norm over split features
+(`distributed_rmsnorm`, OLMo 2's q/k norms) one in forward and one in backward; partial parameter
 gradients (norms, q/k norms) travel in one bucketed all-reduce. Bytes are each rank's input payload.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
+from tptrain.parallel.styles import STYLES
 
 _PHASES = ("forward", "backward", "grad_sync", "token_count", "loss", "grad_norm")
 
@@ -119,7 +121,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
     dtype = next(model.parameters()).dtype
     act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
-    loss_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize
+    token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
     enters, exits = _boundaries(layout.plan)
     out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
 
@@ -136,7 +138,11 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         add(("forward", "all_reduce"), exits, exits * act)
         add(("backward", "all_reduce"), enters, enters * act)
     if layout.vocab_parallel_loss:
-        add(("forward", "all_reduce"), 3, 3 * loss_bytes)  # vocab-parallel loss: max, target, sum-exp
+        add(("forward", "all_reduce"), 3, 3 * token_bytes)  # vocab-parallel loss: max, target, sum-exp
+    norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
+    if norms:  # norms over split features: the sum of squares, and its gradient
+        add(("forward", "all_reduce"), norms, norms * token_bytes)
+        add(("backward", "all_reduce"), norms, norms * token_bytes)
     params = dict(model.named_parameters())
     sync = [(params[n], s) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad]
     if sync:

@@ -159,6 +159,20 @@ class _ReduceFromTP(Function):
         return grad, None
 
 
+class _SumOverTP(Function):
+    """all-reduce fwd / all-reduce bwd (a sum every rank goes on to use: each rank's output depends on every
+    rank's input, so each input's gradient is the sum of every rank's output gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group_name = group_name(group)
+        return all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), resolve_group(ctx.group_name)), None
+
+
 class _AlongDim(Function):
     """A collective along tensor dim `dim` in forward and its conjugate in backward (the functions below)."""
 
@@ -178,6 +192,12 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
+
+
+def sum_over_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """all-reduce fwd / all-reduce bwd (a statistic over features split across the ranks, e.g. a norm's sum of
+    squares)."""
+    return _SumOverTP.apply(x, group)
 
 
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:

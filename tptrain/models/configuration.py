@@ -53,8 +53,17 @@ class PretrainedConfig:
     base_model_tp_plan: ClassVar[dict[str, str]] = {}
     # Rules added to it under sequence parallelism (DistributedConfig(enable_sequence_parallel=True)).
     base_model_sp_plan: ClassVar[dict[str, str]] = {}
-    # RMSNorm over head_dim on q and k before RoPE (Qwen3). Fixed per architecture, not in config.json.
-    qk_norm: ClassVar[bool] = False
+    # RMSNorm on q and k before RoPE, fixed per architecture (not in config.json): None (none), "head" (over each
+    # head's head_dim: Qwen3) or "width" (over the whole projected width, before the head split: OLMo 2).
+    qk_norm: ClassVar[str | None] = None
+    # Where each decoder layer's two RMSNorms sit: False, on each sublayer's input (input_layernorm,
+    # post_attention_layernorm: Llama); True, on each sublayer's output before the residual add
+    # (post_attention_layernorm, post_feedforward_layernorm: OLMo 2).
+    norm_sublayer_output: ClassVar[bool] = False
+    # Low-precision arithmetic of OLMo 2: every RMSNorm multiplies by its weight in fp32 before casting back, and
+    # RoPE rotates q and k in fp32 (Llama: cast first, then scale; rotate in the activations' dtype).
+    norm_scale_in_float32: ClassVar[bool] = False
+    rope_in_float32: ClassVar[bool] = False
 
     vocab_size: int = 32000  # rows of embed_tokens and lm_head
     hidden_size: int = 4096  # residual stream width
@@ -258,7 +267,7 @@ class Qwen3Config(PretrainedConfig):
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     }
     base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
-    qk_norm: ClassVar[bool] = True
+    qk_norm: ClassVar[str | None] = "head"
 
     vocab_size: int = 151936
     intermediate_size: int = 22016
@@ -392,3 +401,42 @@ class SmolLM3Config(PretrainedConfig):
             raise ValueError(f"SmolLM3Config: no_rope_layers={self.no_rope_layers} must hold 0 (no RoPE) or "
                              "1 (RoPE) per layer.")
         return [bool(v) for v in self.no_rope_layers]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Olmo2Config(PretrainedConfig):
+    """OLMo 2: RMSNorm on each sublayer's output (no input norms) and on q and k over their whole projected
+    width. Under TP the q/k norms are `distributed_rmsnorm`, so attention stays sharded (transformers gathers
+    q/k/v to every rank instead)."""
+
+    model_type: ClassVar[str] = "olmo2"
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        **_DECODER_TP_PLAN,
+        "layers.*.self_attn.q_norm": "distributed_rmsnorm",
+        "layers.*.self_attn.k_norm": "distributed_rmsnorm",
+    }
+    base_model_sp_plan: ClassVar[dict[str, str]] = {
+        "norm": "sequence_parallel",
+        "layers.*.post_attention_layernorm": "sequence_parallel",
+        "layers.*.post_feedforward_layernorm": "sequence_parallel",
+    }
+    qk_norm: ClassVar[str | None] = "width"
+    norm_sublayer_output: ClassVar[bool] = True
+    norm_scale_in_float32: ClassVar[bool] = True
+    rope_in_float32: ClassVar[bool] = True
+
+    vocab_size: int = 50304
+    rms_norm_eps: float = 1e-5
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 50279
+    attention_dropout: float = 0.0  # only 0 is implemented
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.attention_dropout:
+            raise ValueError(f"Olmo2Config: attention_dropout={self.attention_dropout} is not implemented (tptrain's "
+                             "attention has no dropout); set it to 0.0.")
+        if self.mlp_bias:
+            raise ValueError("Olmo2Config: mlp_bias=true is not part of OLMo 2 (transformers builds its MLP without "
+                             "bias); remove mlp_bias from config.json or set it to false.")

@@ -1,4 +1,5 @@
-"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3 differ only by config.
+"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3 and OLMo 2 differ only
+by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig,
+from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig, Olmo2Config,
                                           PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
@@ -56,19 +57,32 @@ def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float) -> None:
+    def __init__(self, dim: int, *, eps: float, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype: transformers' LlamaRMSNorm, bit for bit.
+        # Normalise in fp32, scale in the input dtype (transformers' LlamaRMSNorm, bit for bit), or scale in fp32,
+        # then cast (`scale_in_float32`: Olmo2RMSNorm).
         h = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (exact tests)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * torch.rsqrt(self.mean_square(h) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+    def mean_square(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., dim) -> (..., 1). The TP style `distributed_rmsnorm` replaces it when dim is split over ranks."""
+        return h.pow(2).mean(-1, keepdim=True)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def rms_norm(config: PretrainedConfig, dim: int) -> RMSNorm:
+    """The config's RMSNorm over `dim` features."""
+    return RMSNorm(dim, eps=config.rms_norm_eps, scale_in_float32=config.norm_scale_in_float32)
 
 
 class Attention(nn.Module):
@@ -88,24 +102,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            over_width = config.qk_norm == "width"  # the whole projected width, else each head's head_dim
+            self.q_norm = rms_norm(config, self.q_proj.out_features if over_width else head_dim)
+            self.k_norm = rms_norm(config, self.k_proj.out_features if over_width else head_dim)
+        if config.qk_norm == "width":  # o_proj reads what the norms made of q and k
+            self.tp_pairs = {**self.tp_pairs, "o_proj": ("q_norm", "k_norm", "v_proj")}
         self.qk_norm = config.qk_norm
+        self.rope_in_float32 = config.rope_in_float32
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        q = self.q_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)  # (batch, seq, local width)
+        if self.qk_norm == "width":
+            q, k = self.q_norm(q), self.k_norm(k)
         # Shapes come from the projections, not from x: under TP the heads are this rank's local
         # heads, and under sequence parallelism x is a sequence shard while q spans the full sequence.
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # (batch, seq, local_heads, head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
+        k = k.view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
         if self.use_rope:
-            q, k = apply_rotary(q, k, cos, sin)
+            q, k = apply_rotary(q, k, cos, sin, keep_dtype=self.rope_in_float32)
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
@@ -136,11 +156,19 @@ class DecoderLayer(nn.Module):
         self.residual_scale = config.residual_scale
         self.self_attn = Attention(config, use_rope=config.layer_uses_rope[layer_idx])
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm_sublayer_output = config.norm_sublayer_output
+        if self.norm_sublayer_output:  # transformers' names: attention's output norm, then the MLP's
+            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = rms_norm(config, config.hidden_size)
+        else:
+            self.input_layernorm = rms_norm(config, config.hidden_size)
+            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
+        if self.norm_sublayer_output:  # norm on each sublayer's output, before the residual add
+            h = h + _scaled(self.post_attention_layernorm(self.self_attn(h, cos, sin, mask)), self.residual_scale)
+            return h + _scaled(self.post_feedforward_layernorm(self.mlp(h)), self.residual_scale)
         h = h + _scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask), self.residual_scale)
         return h + _scaled(self.mlp(self.post_attention_layernorm(h)), self.residual_scale)
 
@@ -152,7 +180,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.embedding_scale = config.embedding_scale
         self.gradient_checkpointing = False
@@ -261,3 +289,7 @@ class GraniteForCausalLM(DecoderForCausalLM):
 
 class SmolLM3ForCausalLM(DecoderForCausalLM):
     config_class = SmolLM3Config
+
+
+class Olmo2ForCausalLM(DecoderForCausalLM):
+    config_class = Olmo2Config

@@ -44,10 +44,12 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddin
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids -> (cos, sin), each (batch or 1, seq, head_dim), in the activations' dtype."""
+    """position_ids -> (cos, sin), each (batch or 1, seq, head_dim), in the activations' dtype (at least fp32
+    with `config.rope_in_float32`, so that q and k are rotated in fp32)."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        self.in_float32 = config.rope_in_float32
         inv_freq = rope_inv_freq(config)
         self._inv_freq: dict[torch.device, torch.Tensor] = {inv_freq.device: inv_freq}
 
@@ -60,7 +62,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self._inv_freq_on(position_ids.device)
         freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, head_dim // 2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        dtype = torch.promote_types(x.dtype, torch.float32) if self.in_float32 else x.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,8 +71,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim)."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                 keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim). `keep_dtype`: return them
+    in their own dtype when cos/sin are wider (`rope_in_float32`: rotated in fp32, as transformers' OLMo 2)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, k_rot = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return (q_rot.to(q.dtype), k_rot.to(k.dtype)) if keep_dtype else (q_rot, k_rot)

@@ -115,9 +115,13 @@ def _fix_hint(config: Any, size: int, chunks: int) -> str:
 
 
 def _kv_parent(model: nn.Module, name: str) -> bool:
-    """Whether module `name` is one its parent declares as producing KV heads (`tp_kv_projections`)."""
+    """Whether module `name` holds KV-head rows: its parent declares it a KV projection (`tp_kv_projections`),
+    or it reads only KV projections (`tp_pairs`: a norm over k_proj's output is laid out like k_proj)."""
     parent, _, leaf = name.rpartition(".")
-    return leaf in getattr(model.get_submodule(parent), "tp_kv_projections", ())
+    owner = model.get_submodule(parent)
+    kv = getattr(owner, "tp_kv_projections", ())
+    producers = getattr(owner, "tp_pairs", {}).get(leaf, ())
+    return leaf in kv or bool(producers) and all(p in kv for p in producers)
 
 
 @dataclass

@@ -117,6 +117,9 @@ class ParallelStyle:
     splits_output: ClassVar[bool] = False
     needs_split_input: ClassVar[bool] = False
     vocab_parallel_loss: ClassVar[bool] = False
+    # All-reduces of one float per token this style issues in forward, and as many in backward
+    # (a norm over split features): counted in the communication report's minimum.
+    token_all_reduces: ClassVar[int] = 0
 
     def __init__(self, *, kv_replicas: int = 1) -> None:
         self.kv_replicas = kv_replicas
@@ -288,3 +291,34 @@ class SequenceParallel(ReplicatedWithGradAllreduce):
 
     name = "sequence_parallel"
     needs_split_input = False  # split along the sequence, not the features
+
+
+@register_style
+class DistributedRMSNorm(ParallelStyle):
+    """An RMSNorm over features a colwise projection split (OLMo 2's q/k norms over the whole projected width),
+    so attention stays sharded. The weight is split like the projection's output rows (dim 0, with its KV
+    replicas); the module's `mean_square(h)` (`(..., local) -> (..., 1)`) becomes each rank's sum of squares,
+    summed over TP (one all-reduce of one float per token, forward and backward), over the global width.
+    Ranks holding the same KV chunk each add it, so the sum is divided by the replica count; in backward the
+    summed gradient, divided alike, reaches each holder, and their weight and input shares add up to the whole."""
+
+    name = "distributed_rmsnorm"
+    splits_output = True
+    needs_split_input = True
+    token_all_reduces = 1
+
+    def param_specs(self, module):
+        spec = ShardSpec(0, self.kv_replicas, partial_grad=self.kv_replicas > 1)
+        return {n: spec for n in _own_params(module)}
+
+    def install(self, module, ctx):
+        if not callable(getattr(module, "mean_square", None)):
+            raise TypeError(f"style {self.name!r} needs a norm with a mean_square(h) method (tptrain's RMSNorm), "
+                            f"got a {type(module).__name__}")
+        width = module.weight.shape[0] * (ctx.size // self.kv_replicas)  # the unsplit feature count
+
+        def mean_square(h):  # (..., local_width) -> (..., 1)
+            total = comm.sum_over_tp(h.pow(2).sum(-1, keepdim=True), ctx.group) / self.kv_replicas
+            return total / width
+
+        module.mean_square = mean_square

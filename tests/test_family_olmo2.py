@@ -1,0 +1,293 @@
+"""OLMo 2 (post-sublayer norms, q/k RMSNorm over the whole projected width) against transformers 5.23, and its
+tensor-parallel layout: attention stays sharded, the q/k norms sum their squares over TP (`distributed_rmsnorm`).
+
+A tiny random checkpoint written by transformers' Olmo2ForCausalLM (2 KV heads, so tp 4 replicates KV), fp64
+throughout. One spawned job per world size.
+
+    .venv/bin/python -m pytest tests/test_family_olmo2.py -q
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.diagnostics.accounting import comm_report
+from tptrain.diagnostics.plan_report import plan_report
+from tptrain.distributed.comm import CommTracker
+from tptrain.models import AutoConfig, Olmo2Config
+from tptrain.parallel.plan import check_plan
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
+# transformers' Olmo2RMSNorm normalises in fp32 even in an fp64 model (tptrain: in fp64), ~1e-6 apart.
+HF_TOL = dict(rtol=1e-6, atol=1e-6)
+B, S = 2, 12
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (B, S), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[1, -4:-1] = -100
+    return ids, labels
+
+
+def _hf_reference(hf) -> dict[str, torch.Tensor]:
+    ids, labels = _batch()
+    with torch.no_grad():
+        # transformers computes the loss in fp32 whatever the model's dtype
+        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss.to(F64)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory written by transformers, its fp64 logits and loss on _batch())."""
+    import transformers  # here: the spawned ranks import this module too
+    torch.manual_seed(0)
+    hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**TINY)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # every parameter random, norms around 1
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
+    path = tmp_path_factory.mktemp("olmo2")
+    hf.save_pretrained(path)
+    return path, _hf_reference(hf.to(F64))
+
+
+def _check_against_hf(model, expected, what: str) -> float:
+    """Asserts logits and loss equal transformers'; returns max |logits - transformers|."""
+    ids, labels = _batch()
+    with torch.no_grad():
+        logits, loss = model(ids).logits, model(ids, labels=labels).loss
+    torch.testing.assert_close(logits, expected["logits"], **HF_TOL, msg=lambda m: f"{what} logits: {m}")
+    torch.testing.assert_close(loss, expected["loss"], **HF_TOL, msg=lambda m: f"{what} loss: {m}")
+    return (logits - expected["logits"]).abs().max().item()
+
+
+def test_tp1_logits_loss_and_grads_match_transformers(checkpoint):
+    import transformers
+    path, expected = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    assert type(model.config) is Olmo2Config and model.tp_size == 1
+    layer = model.model.layers[0]
+    assert not hasattr(layer, "input_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+    assert layer.self_attn.q_norm.weight.shape == (64,) and layer.self_attn.k_norm.weight.shape == (32,)
+    _check_against_hf(model, expected, "tp=1")
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    ids, labels = _batch()
+    model(ids, labels=labels).loss.backward()
+    hf(ids, labels=labels).loss.backward()
+    hf_grads = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, hf_grads[name].grad, **HF_TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_bf16_arithmetic_is_transformers(checkpoint):
+    """Olmo2RMSNorm scales before casting back and RoPE rotates in fp32: bit for bit in bfloat16."""
+    import transformers
+    path, _ = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key, value", [("attention_dropout", 0.1), ("mlp_bias", True), ("hidden_act", "gelu"),
+                                        ("use_sliding_window", True)])
+def test_unsupported_config_values_name_the_key(key, value):
+    with pytest.raises(ValueError, match=key):
+        Olmo2Config.from_dict({**TINY, "model_type": "olmo2", key: value})
+
+
+def test_plan_shows_distributed_norms_and_the_pair_check_guards_them():
+    config = AutoConfig.for_model("olmo2", **TINY)
+    report = plan_report(config, 4)
+    assert not report.problems, report.text
+    rows = [line.split() for line in report.text.splitlines()]
+    q_norm = next(r for r in rows if r and r[0].endswith("self_attn.q_norm"))
+    k_norm = next(r for r in rows if r and r[0].endswith("self_attn.k_norm"))
+    assert q_norm[1:5] == ["distributed_rmsnorm", "weight", "(64,)", "(16,)"], q_norm
+    assert k_norm[1:5] == ["distributed_rmsnorm", "weight", "(32,)", "(16,)"], k_norm  # 2 KV chunks, 2 replicas
+
+    model = AutoModelForCausalLM.from_config(config, device="meta")
+    resolved = check_plan(model, "auto", 4)
+    spec = resolved.specs["model.layers.0.self_attn.k_norm.weight"]
+    assert (spec.dim, spec.replicas, spec.partial_grad) == (0, 2, True)  # laid out like k_proj
+    spec = resolved.specs["model.layers.0.self_attn.q_norm.weight"]
+    assert (spec.dim, spec.replicas, spec.partial_grad) == (0, 1, False)  # each rank owns its slice
+    # A replicated q_norm cannot meet colwise q_proj (its input) nor rowwise o_proj (its reader).
+    problems = check_plan(model, {"layers.*.self_attn.q_norm": None}, 2).problems
+    assert any("q_norm (no rule (replicated))" in p and "q_proj" in p for p in problems), problems
+    assert any("o_proj ('rowwise') expects its input split" in p and "q_norm (no rule (replicated))" in p
+               for p in problems), problems
+
+
+def _equivalence(model, ref, *, steps: int = 3) -> float:
+    """Logits, gradients of every parameter and 3 AdamW steps of the TP `model` equal the single-device `ref`;
+    returns max |logits - single-device logits|."""
+    ids, labels = _batch(seed=2)
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids).logits
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    diff = (logits - ref_logits).abs().max().item()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        ref_loss.backward(), loss.backward()
+        if step == 0:
+            assert_grads_match(model, ref)
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    assert_params_match(model, ref, f"{steps} AdamW steps")
+    return diff
+
+
+def _assert_communication(model, tp: int) -> None:
+    """One training forward + backward sends exactly the Megatron minimum plus one (tokens,) all-reduce per
+    q/k norm in forward and one in backward; no q/k/v gather."""
+    ids, labels = _batch()
+    layers, tokens = TINY["num_hidden_layers"], B * S
+    act = tokens * TINY["hidden_size"] * 8  # one fp64 (batch, seq, hidden) activation
+    with CommTracker() as t:
+        model(ids, labels=labels).loss.backward()
+    fwd = sorted(r.bytes for r in t.records if r.phase == "forward")
+    bwd = sorted(r.bytes for r in t.records if r.phase == "backward")
+    assert {r.op for r in t.records} == {"all_reduce"}, "no all-gather: q and k stay sharded"
+    # forward: 2 per layer + the embedding (activations), 3 for the vocab-parallel loss, 2 per layer for the norms
+    assert fwd == sorted([act] * (2 * layers + 1) + [tokens * 8] * (3 + 2 * layers)), fwd
+    # backward: 2 per layer + the head's input boundary, 2 per layer for the norms' sums of squares
+    assert bwd == sorted([act] * (2 * layers + 1) + [tokens * 8] * (2 * layers)), bwd
+    partial = tp > TINY["num_key_value_heads"]  # only KV-replicated weights (k/v proj, k_norm) hold shares
+    assert t.counts("grad_sync") == ({"all_reduce": 1} if partial else {})
+    model.zero_grad()
+    report = comm_report(model, ids, labels)
+    assert report.matches_minimum and report.full_logit_collectives == 0, report.table()
+    model.zero_grad()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TOL = dict(rtol=1e-5, atol=1e-5)  # the bases differ by transformers' fp32 RoPE (~1e-6)
+
+
+def _peft_adapter(path, out_dir):
+    """A random peft adapter on transformers' OLMo 2, saved to `out_dir`; returns its logits."""
+    import peft
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
+                                                    task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
+        model.save_pretrained(out_dir)
+        return model(_batch()[0]).logits
+
+
+def _lora_crossing(path, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
+    """peft's adapter on a tp 2 base, and a tptrain-trained adapter (2 AdamW steps) saved for peft."""
+    from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+    config = DistributedConfig(tp_size=2)
+    ids = _batch()[0]
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=F64,
+                                                                            distributed_config=config), peft_dir)
+    with torch.no_grad():
+        peft_logits = loaded(ids).logits
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=config),
+                           LoraConfig(r=4, lora_alpha=16, target_modules=LORA_TARGETS))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_ids, labels = _batch(seed=4)
+    for _ in range(2):
+        model(train_ids, labels=labels).loss.backward()
+        opt.step(), opt.zero_grad()
+    model.save_pretrained(adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        return {"peft_adapter": peft_logits, "tptrain_adapter": model(ids).logits}
+
+
+def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    assert ref.tp_size == 1
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=2))
+    attn = model.model.layers[0].self_attn
+    assert model.tp_plan["model.layers.0.self_attn.q_norm"] == "distributed_rmsnorm"
+    assert attn.q_norm.weight.shape == (32,) and attn.k_norm.weight.shape == (16,)
+    diff = _check_against_hf(model, expected, "tp=2")
+    model.save_pretrained(save_dir)
+    _assert_communication(model, 2)
+    vs_tp1 = _equivalence(model, ref)
+    # Sequence parallelism: the residual-stream norms hold sequence shards, the q/k norms full sequences.
+    sp = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
+    _equivalence(sp, copy.deepcopy(ref), steps=1)
+    report = comm_report(sp, *_batch())
+    assert report.matches_minimum, report.table()
+    # Activation checkpointing: the recomputed norms sum their squares again, in step on every rank.
+    recomputed = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2))
+    recomputed.gradient_checkpointing_enable()
+    recomputed.train()
+    _equivalence(recomputed, copy.deepcopy(ref), steps=1)
+    lora = _lora_crossing(path, peft_dir, adapter_dir)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": report.table(), **lora}, out)
+
+
+def _tp4_worker(path, expected, out) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
+    specs = model.tp_layout.specs
+    assert specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2  # 2 KV heads over 4 ranks
+    assert model.model.layers[0].self_attn.k_norm.weight.shape == (16,)
+    diff = _check_against_hf(model, expected, "tp=4 (KV replicated)")
+    _assert_communication(model, 4)
+    vs_tp1 = _equivalence(model, ref)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
+
+
+def test_tp2_matches_transformers_single_device_saves_for_transformers_and_crosses_lora_with_peft(checkpoint, tmp_path):
+    import transformers
+    path, expected = checkpoint
+    peft_logits = _peft_adapter(path, tmp_path / "peft_adapter")
+    run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt",
+                    tmp_path / "peft_adapter", tmp_path / "tptrain_adapter")
+    result = torch.load(tmp_path / "tp2.pt")
+    print(f"\ntp=2 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}\n"
+          f"{result['table']}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=F64).eval()
+    got = _hf_reference(hf)
+    torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
+    torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
+    # LoRA crosses both ways: peft's adapter on the tp 2 model, the tptrain-trained one in peft.
+    import peft
+    torch.testing.assert_close(result["peft_adapter"], peft_logits, **LORA_TOL)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    with torch.no_grad():
+        plain = base(_batch()[0]).logits
+        reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "tptrain_adapter")(_batch()[0]).logits
+    torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
+    assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
+
+
+def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoint, tmp_path):
+    path, expected = checkpoint
+    run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")
+    result = torch.load(tmp_path / "tp4.pt")
+    print(f"\ntp=4 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}")
+
