@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig,
-                                          Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
-                                          load_config_dict)
-from tptrain.models.decoder import (DecoderForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
-                                    MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM,
-                                    Qwen3ForCausalLM, SmolLM3ForCausalLM)
+from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
+                                          MinistralConfig, MistralConfig, Olmo2Config, PretrainedConfig, Qwen2Config,
+                                          Qwen3Config, SmolLM3Config, load_config_dict)
+from tptrain.models.decoder import (DecoderForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM,
+                                    LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
+                                    Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -24,6 +24,8 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     "granite": (GraniteConfig, GraniteForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
 
 

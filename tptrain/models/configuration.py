@@ -20,7 +20,8 @@ from typing import Any, ClassVar
 from tptrain.checkpoint.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (tanh-approximated GELU: Gemma)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
@@ -56,10 +57,17 @@ class PretrainedConfig:
     # RMSNorm on q and k before RoPE, fixed per architecture (not in config.json): None (none), "head" (over each
     # head's head_dim: Qwen3) or "width" (over the whole projected width, before the head split: OLMo 2).
     qk_norm: ClassVar[str | None] = None
-    # Where each decoder layer's two RMSNorms sit: False, on each sublayer's input (input_layernorm,
-    # post_attention_layernorm: Llama); True, on each sublayer's output before the residual add
-    # (post_attention_layernorm, post_feedforward_layernorm: OLMo 2).
+    # Where each decoder layer's RMSNorms sit: on each sublayer's input (input_layernorm, post_attention_layernorm:
+    # Llama), on each sublayer's output before the residual add (post_attention_layernorm,
+    # post_feedforward_layernorm: OLMo 2), or both (input_layernorm, post_attention_layernorm,
+    # pre_feedforward_layernorm, post_feedforward_layernorm: Gemma 2/3).
+    norm_sublayer_input: ClassVar[bool] = True
     norm_sublayer_output: ClassVar[bool] = False
+    # Every RMSNorm multiplies by (norm_weight_offset + weight): 1.0 for Gemma's norms, whose weights are offsets
+    # from 1 (initialised to 0).
+    norm_weight_offset: ClassVar[float] = 0.0
+    # The embedding scale is rounded to the embedding's dtype before multiplying (Gemma: sqrt(hidden) in bf16).
+    embedding_scale_in_weight_dtype: ClassVar[bool] = False
     # Low-precision arithmetic of OLMo 2: every RMSNorm multiplies by its weight in fp32 before casting back, and
     # RoPE rotates q and k in fp32 (Llama: cast first, then scale; rotate in the activations' dtype).
     norm_scale_in_float32: ClassVar[bool] = False
@@ -72,7 +80,7 @@ class PretrainedConfig:
     num_attention_heads: int = 32  # query heads
     num_key_value_heads: int | None = None  # key/value heads (GQA); None -> num_attention_heads
     head_dim: int | None = None  # per-head width; None -> hidden_size // num_attention_heads
-    hidden_act: str = "silu"  # MLP activation; only "silu" is implemented
+    hidden_act: str = "silu"  # MLP activation: "silu" or "gelu_pytorch_tanh"
     max_position_embeddings: int = 2048  # longest sequence the model was trained for
     initializer_range: float = 0.02  # std of the normal init of Linear/Embedding weights
     rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
@@ -101,8 +109,9 @@ class PretrainedConfig:
             raise ValueError(
                 f"{name}: num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it to be.")
-        if self.hidden_act != "silu":
-            raise ValueError(f"{name}: hidden_act={self.hidden_act!r} is not implemented; only 'silu' is.")
+        if self.mlp_activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"{name}: {self.mlp_activation_key}={self.mlp_activation!r} is not implemented; "
+                             f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}.")
         if self.extra.get("use_sliding_window"):
             raise ValueError(f"{name}: use_sliding_window=true is not implemented; set it to false "
                              "(full causal attention) to train this model with tptrain.")
@@ -111,19 +120,32 @@ class PretrainedConfig:
             if len(per_layer) != self.num_hidden_layers:
                 raise ValueError(f"{name}: {key} has {len(per_layer)} entries, num_hidden_layers="
                                  f"{self.num_hidden_layers} needs one per layer.")
-        rope_type = self.rope_type
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
-        if rope_type == "llama3":
-            missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
-            if missing:
-                raise ValueError(f"{name}: rope_scaling of type 'llama3' lacks {missing}.")
+        for _, scaling in self.layer_ropes:
+            rope_type = _rope_type(scaling)
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
+                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+            required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",)}.get(rope_type, ())
+            if missing := [k for k in required if k not in scaling]:
+                raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
 
     @property
     def rope_type(self) -> str:
-        scaling = self.rope_scaling or {}
-        return scaling.get("rope_type", scaling.get("type", "default"))
+        return _rope_type(self.rope_scaling)
+
+    @property
+    def layer_ropes(self) -> list[tuple[float, dict[str, Any] | None]]:
+        """Per layer: (RoPE base, rope_scaling dict or None) its q and k are rotated with."""
+        return [(self.rope_theta, self.rope_scaling)] * self.num_hidden_layers
+
+    @property
+    def mlp_activation(self) -> str:
+        """The MLP's gate activation, one of SUPPORTED_ACTIVATIONS."""
+        return self.hidden_act
+
+    @property
+    def mlp_activation_key(self) -> str:
+        return "hidden_act"
 
     @property
     def layer_sliding_windows(self) -> list[int | None]:
@@ -152,6 +174,16 @@ class PretrainedConfig:
     def embedding_scale(self) -> float:
         """Factor on the token embeddings before the first layer."""
         return 1.0
+
+    @property
+    def attn_softcap(self) -> float | None:
+        """Attention scores become tanh(scores / cap) * cap before the softmax; None = no capping."""
+        return None
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The logits become tanh(logits / cap) * cap; None = no capping."""
+        return None
 
     @property
     def residual_scale(self) -> float:
@@ -206,16 +238,31 @@ class PretrainedConfig:
         return config_file
 
 
+def _rope_type(scaling: dict[str, Any] | None) -> str:
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def _absorb_rope_parameters(d: dict[str, Any]) -> None:
     """Fold transformers-5 `rope_parameters` into `rope_theta` / `rope_scaling`, in place.
 
     Priority is transformers': a `rope_scaling` key beats `rope_parameters`, and the theta inside
-    `rope_parameters` beats a top-level `rope_theta`.
+    `rope_parameters` beats a top-level `rope_theta`. Per-layer-type parameters (Gemma 3:
+    {"full_attention": {...}, "sliding_attention": {...}}) become the full layers' `rope_theta` / `rope_scaling`
+    and the sliding layers' `rope_local_base_freq`, the spelling earlier transformers versions read.
     """
     params = d.pop("rope_parameters", None)
     if not params:
         return
     params = dict(params)
+    if "sliding_attention" in params:
+        local = dict(params.pop("sliding_attention") or {})
+        if _rope_type(local) != "default":
+            raise ValueError(f"rope_parameters['sliding_attention'] of type {_rope_type(local)!r} is not "
+                             "implemented; only 'default' RoPE on sliding-window layers is.")
+        if "rope_theta" in local:
+            d["rope_local_base_freq"] = local["rope_theta"]
+        params = dict(params.pop("full_attention", None) or {})
     if "rope_theta" in params:
         d["rope_theta"] = params.pop("rope_theta")
     if d.get("rope_scaling") is None and params.get("rope_type", params.get("type", "default")) != "default":
@@ -421,6 +468,7 @@ class Olmo2Config(PretrainedConfig):
         "layers.*.post_feedforward_layernorm": "sequence_parallel",
     }
     qk_norm: ClassVar[str | None] = "width"
+    norm_sublayer_input: ClassVar[bool] = False
     norm_sublayer_output: ClassVar[bool] = True
     norm_scale_in_float32: ClassVar[bool] = True
     rope_in_float32: ClassVar[bool] = True
@@ -440,3 +488,132 @@ class Olmo2Config(PretrainedConfig):
         if self.mlp_bias:
             raise ValueError("Olmo2Config: mlp_bias=true is not part of OLMo 2 (transformers builds its MLP without "
                              "bias); remove mlp_bias from config.json or set it to false.")
+
+
+# Gemma's residual-stream norms: all four per layer and the final one hold sequence shards under SP.
+_GEMMA_SP_PLAN = {
+    **_DECODER_SP_PLAN,
+    "layers.*.pre_feedforward_layernorm": "sequence_parallel",
+    "layers.*.post_feedforward_layernorm": "sequence_parallel",
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Gemma2Config(PretrainedConfig):
+    """Gemma 2: (1 + weight) RMSNorms before and after each sublayer, embeddings times sqrt(hidden_size), a
+    tanh-GELU MLP, softmax scale query_pre_attn_scalar**-0.5, tanh soft-capping of attention scores and logits,
+    sliding-window and full layers (`layer_types`), tied embeddings."""
+
+    model_type: ClassVar[str] = "gemma2"
+    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = _GEMMA_SP_PLAN
+    norm_sublayer_output: ClassVar[bool] = True
+    norm_weight_offset: ClassVar[float] = 1.0
+    norm_scale_in_float32: ClassVar[bool] = True  # (1 + weight) * normalised, in fp32, then cast (as transformers)
+    embedding_scale_in_weight_dtype: ClassVar[bool] = True
+
+    vocab_size: int = 256000
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = 256
+    hidden_act: str = "gelu_pytorch_tanh"  # Gemma 1's key; transformers' Gemma 2/3 read hidden_activation only
+    hidden_activation: str = "gelu_pytorch_tanh"  # MLP activation: "gelu_pytorch_tanh" (or "silu")
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    bos_token_id: int | None = 2
+    query_pre_attn_scalar: float = 256  # softmax scale is query_pre_attn_scalar ** -0.5
+    sliding_window: int | None = 4096  # keys a sliding-attention query sees, itself included
+    layer_types: list[str] | None = None  # per layer; None -> transformers' default pattern
+    final_logit_softcapping: float | None = 30.0  # logits = tanh(logits / cap) * cap; None: none
+    attn_logit_softcapping: float | None = 50.0  # scores = tanh(scores / cap) * cap; None: none
+    attention_dropout: float = 0.0  # only 0 is implemented
+    sliding_window_every: ClassVar[int] = 2  # default layer_types: every n-th layer full, the others sliding
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            n = self.extra.get("sliding_window_pattern", self.sliding_window_every)
+            self.layer_types = ["sliding_attention" if (i + 1) % n else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        super().__post_init__()
+
+    def _validate(self) -> None:
+        super()._validate()
+        name = type(self).__name__
+        if self.extra.get("use_bidirectional_attention"):
+            raise ValueError(f"{name}: use_bidirectional_attention=true is not implemented (tptrain trains causal "
+                             "LMs); set it to false.")
+        if self.attention_dropout:
+            raise ValueError(f"{name}: attention_dropout={self.attention_dropout} is not implemented; set it to 0.0.")
+        if self.mlp_bias:
+            raise ValueError(f"{name}: mlp_bias=true is not part of Gemma (transformers builds its MLP without bias).")
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, key)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0):
+                raise ValueError(f"{name}: {key}={cap!r} must be a positive number or null.")
+
+    @property
+    def mlp_activation(self) -> str:
+        return self.hidden_activation
+
+    @property
+    def mlp_activation_key(self) -> str:
+        return "hidden_activation"
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        return _sliding_windows(self, self.layer_types)
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_pre_attn_scalar ** -0.5
+
+    @property
+    def embedding_scale(self) -> float:
+        return self.hidden_size ** 0.5
+
+    @property
+    def attn_softcap(self) -> float | None:
+        return self.attn_logit_softcapping
+
+    @property
+    def logit_softcap(self) -> float | None:
+        return self.final_logit_softcapping
+
+
+@dataclasses.dataclass(kw_only=True)
+class Gemma3TextConfig(Gemma2Config):
+    """Gemma 3 (text): Gemma 2 plus (1 + weight) RMSNorms on q and k per head, a second RoPE base for the
+    sliding layers (`rope_local_base_freq`; `rope_theta` and `rope_scaling` are the full layers'), five sliding
+    layers to one full by default, no soft-capping by default."""
+
+    model_type: ClassVar[str] = "gemma3_text"
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        **_DECODER_TP_PLAN,
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    }
+    qk_norm: ClassVar[str | None] = "head"
+    sliding_window_every: ClassVar[int] = 6
+
+    vocab_size: int = 262208
+    max_position_embeddings: int = 131072
+    rope_theta: float = 1000000.0  # full-attention layers
+    rope_local_base_freq: float = 10000.0  # sliding-window layers
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # transformers' Gemma 3 ignores it: only null is accepted
+
+    def _validate(self) -> None:
+        super()._validate()
+        if self.attn_logit_softcapping is not None:
+            raise ValueError(f"Gemma3TextConfig: attn_logit_softcapping={self.attn_logit_softcapping} is not applied "
+                             "by transformers' Gemma 3 attention; set it to null.")
+
+    @property
+    def layer_ropes(self) -> list[tuple[float, dict[str, Any] | None]]:
+        local, full = (self.rope_local_base_freq, None), (self.rope_theta, self.rope_scaling)
+        return [local if t == "sliding_attention" else full for t in self.layer_types]

@@ -1,5 +1,5 @@
-"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3 and OLMo 2 differ only
-by config flags.
+"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3, OLMo 2 and Gemma 2/3
+differ only by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig, Olmo2Config,
-                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
+from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig,
+                                          MistralConfig, Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config,
+                                          SmolLM3Config)
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -56,21 +57,45 @@ def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x if factor == 1.0 else x * factor
 
 
+def _offset(x: torch.Tensor, offset: float) -> torch.Tensor:
+    return x + offset if offset else x
+
+
+def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """tanh(x / cap) * cap: x squashed smoothly into (-cap, cap); None = x unchanged."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                         scale: float | None, softcap: float) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the softmax (SDPA cannot), as transformers' eager attention:
+    masked scores at the dtype's minimum, softmax in fp32 (or wider). q, k, v: (batch, heads, seq, head_dim)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, seq, seq)
+    if mask is None:  # plain causal
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float, scale_in_float32: bool = False) -> None:
+    def __init__(self, dim: int, *, eps: float, scale_in_float32: bool = False, weight_offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))
         self.eps = eps
         self.scale_in_float32 = scale_in_float32
+        self.weight_offset = weight_offset  # scale by (weight_offset + weight): Gemma's weights are offsets from 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the input dtype (transformers' LlamaRMSNorm, bit for bit), or scale in fp32,
-        # then cast (`scale_in_float32`: Olmo2RMSNorm).
+        # then cast (`scale_in_float32`: Olmo2RMSNorm; Gemma's (1 + weight), the offset added in fp32).
         h = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (exact tests)
         h = h * torch.rsqrt(self.mean_square(h) + self.eps)
         if self.scale_in_float32:
-            return (self.weight * h).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+            weight = self.weight.to(h.dtype) + self.weight_offset if self.weight_offset else self.weight
+            return (weight * h).to(x.dtype)
+        return _offset(self.weight, self.weight_offset) * h.to(x.dtype)
 
     def mean_square(self, h: torch.Tensor) -> torch.Tensor:
         """(..., dim) -> (..., 1). The TP style `distributed_rmsnorm` replaces it when dim is split over ranks."""
@@ -82,7 +107,8 @@ class RMSNorm(nn.Module):
 
 def rms_norm(config: PretrainedConfig, dim: int) -> RMSNorm:
     """The config's RMSNorm over `dim` features."""
-    return RMSNorm(dim, eps=config.rms_norm_eps, scale_in_float32=config.norm_scale_in_float32)
+    return RMSNorm(dim, eps=config.rms_norm_eps, scale_in_float32=config.norm_scale_in_float32,
+                   weight_offset=config.norm_weight_offset)
 
 
 class Attention(nn.Module):
@@ -97,6 +123,7 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.use_rope = use_rope  # False: no positional encoding in this layer (NoPE)
         self.scale = config.attention_scale
+        self.softcap = config.attn_softcap  # None: SDPA; else scores are soft-capped (softcapped_attention)
         self.q_proj = nn.Linear(hidden, config.num_attention_heads * head_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
@@ -130,8 +157,10 @@ class Attention(nn.Module):
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        else:  # heads are independent: capping this rank's local heads is the capping of the whole
+            out = softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local_heads * head_dim)
 
 
@@ -144,9 +173,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+        self.gelu_tanh = config.mlp_activation == "gelu_pytorch_tanh"  # else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -156,21 +188,31 @@ class DecoderLayer(nn.Module):
         self.residual_scale = config.residual_scale
         self.self_attn = Attention(config, use_rope=config.layer_uses_rope[layer_idx])
         self.mlp = MLP(config)
-        self.norm_sublayer_output = config.norm_sublayer_output
-        if self.norm_sublayer_output:  # transformers' names: attention's output norm, then the MLP's
-            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
-            self.post_feedforward_layernorm = rms_norm(config, config.hidden_size)
-        else:
-            self.input_layernorm = rms_norm(config, config.hidden_size)
-            self.post_attention_layernorm = rms_norm(config, config.hidden_size)
+        # transformers' names of (attention input, attention output, MLP input, MLP output) norms; None: no norm there
+        names = _sublayer_norm_names(config.norm_sublayer_input, config.norm_sublayer_output)
+        self.attn_norms, self.mlp_norms = names[:2], names[2:]
+        for name in filter(None, names):
+            self.add_module(name, rms_norm(config, config.hidden_size))
+
+    def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        return x if name is None else getattr(self, name)(x)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        if self.norm_sublayer_output:  # norm on each sublayer's output, before the residual add
-            h = h + _scaled(self.post_attention_layernorm(self.self_attn(h, cos, sin, mask)), self.residual_scale)
-            return h + _scaled(self.post_feedforward_layernorm(self.mlp(h)), self.residual_scale)
-        h = h + _scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask), self.residual_scale)
-        return h + _scaled(self.mlp(self.post_attention_layernorm(h)), self.residual_scale)
+        (attn_in, attn_out), (mlp_in, mlp_out) = self.attn_norms, self.mlp_norms
+        attn = self.self_attn(self._norm(attn_in, h), cos, sin, mask)
+        h = h + _scaled(self._norm(attn_out, attn), self.residual_scale)
+        return h + _scaled(self._norm(mlp_out, self.mlp(self._norm(mlp_in, h))), self.residual_scale)
+
+
+def _sublayer_norm_names(on_input: bool, on_output: bool) -> tuple[str | None, ...]:
+    """(attention input, attention output, MLP input, MLP output) norm names as transformers spells them."""
+    if on_input and on_output:  # Gemma
+        return "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+    if on_output:  # OLMo 2
+        return None, "post_attention_layernorm", None, "post_feedforward_layernorm"
+    assert on_input, "a decoder layer needs its norms somewhere"
+    return "input_layernorm", None, "post_attention_layernorm", None  # Llama
 
 
 class DecoderModel(nn.Module):
@@ -183,20 +225,27 @@ class DecoderModel(nn.Module):
         self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
         self.embedding_scale = config.embedding_scale
+        self.embedding_scale_in_weight_dtype = config.embedding_scale_in_weight_dtype
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # (batch, seq, hidden); a sequence shard under sequence parallelism, input_ids are the full sequence
-        h = _scaled(self.embed_tokens(input_ids), self.embedding_scale)
+        h = self.embed_tokens(input_ids)
+        scale = self.embedding_scale
+        if self.embedding_scale_in_weight_dtype:  # transformers' Gemma casts sqrt(hidden) to the weights' dtype
+            scale = torch.tensor(scale, dtype=h.dtype).item()
+        h = _scaled(h, scale)
         seq = input_ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device)[None]
-        cos, sin = self.rotary_emb(h, position_ids)
+        layer_rope = self.rotary_emb.layer_rope  # per layer: the first layer with the same RoPE
+        rope = {i: self.rotary_emb(h, position_ids, i) for i in set(layer_rope)}  # {that layer: (cos, sin)}
         masks = {w: causal_mask(seq, device=input_ids.device, attention_mask=attention_mask, sliding_window=w)
                  for w in {layer.sliding_window for layer in self.layers}}  # one per distinct window
-        for layer in self.layers:
+        for layer, rope_layer in zip(self.layers, layer_rope):
             mask = masks[layer.sliding_window]
+            cos, sin = rope[rope_layer]
             if self.gradient_checkpointing and self.training:
                 h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:
@@ -232,7 +281,7 @@ class DecoderForCausalLM(PreTrainedModel):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """transformers' random init: Linear/Embedding ~ N(0, initializer_range), biases 0, norms 1.
+        """transformers' random init: Linear/Embedding ~ N(0, initializer_range), biases 0, norm scales 1.
 
         Works on whatever tensors the modules hold (full, sharded, or meta, where it is a no-op).
         """
@@ -242,8 +291,8 @@ class DecoderForCausalLM(PreTrainedModel):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-            if isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+            if isinstance(module, RMSNorm):  # scale 1: weight 1, or 0 for an offset of 1
+                nn.init.constant_(module.weight, 1.0 - module.weight_offset)
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
@@ -259,6 +308,7 @@ class DecoderForCausalLM(PreTrainedModel):
         logits = self.lm_head(h)  # (batch, seq, vocab)
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
+        logits = _softcap(logits, self.config.logit_softcap)  # element-wise: vocab-sharded logits stay sharded
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits)
 
@@ -293,3 +343,11 @@ class SmolLM3ForCausalLM(DecoderForCausalLM):
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
     config_class = Olmo2Config
+
+
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    config_class = Gemma2Config
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    config_class = Gemma3TextConfig

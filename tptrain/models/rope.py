@@ -14,14 +14,19 @@ from torch import nn
 from tptrain.models.configuration import PretrainedConfig
 
 
-def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
-    """Inverse frequencies, (head_dim // 2,) fp32 on CPU, for rope type "default" or "llama3"."""
+def rope_inv_freq(config: PretrainedConfig, layer: int = 0) -> torch.Tensor:
+    """Inverse frequencies of `layer`'s RoPE (`config.layer_ropes`), (head_dim // 2,) fp32 on CPU, for rope type
+    "default", "linear" or "llama3"."""
+    theta, scaling = config.layer_ropes[layer]
     dim = config.head_dim
     # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
-    if config.rope_type == "llama3":
-        inv_freq = _llama3_scaling(inv_freq, config.rope_scaling, config.max_position_embeddings)
+    inv_freq = 1.0 / (theta ** exponents)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "linear":  # positions divided by `factor`
+        inv_freq = inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling, config.max_position_embeddings)
     return inv_freq
 
 
@@ -44,22 +49,27 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddin
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids -> (cos, sin), each (batch or 1, seq, head_dim), in the activations' dtype (at least fp32
-    with `config.rope_in_float32`, so that q and k are rotated in fp32)."""
+    """position_ids -> (cos, sin) of one layer's RoPE, each (batch or 1, seq, head_dim), in the activations' dtype
+    (at least fp32 with `config.rope_in_float32`, so that q and k are rotated in fp32). Layers may differ in RoPE
+    base and scaling (`config.layer_ropes`, Gemma 3); `layer_rope[i]` is the first layer with layer i's RoPE."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.in_float32 = config.rope_in_float32
-        inv_freq = rope_inv_freq(config)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {inv_freq.device: inv_freq}
+        ropes = config.layer_ropes
+        self.layer_rope = [ropes.index(rope) for rope in ropes]
+        cpu = torch.device("cpu")
+        # {first layer with that RoPE: {device: (head_dim // 2,) fp32 inverse frequencies}}
+        self._inv_freq = {i: {cpu: rope_inv_freq(config, i)} for i in sorted(set(self.layer_rope))}
 
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
-        return self._inv_freq[device]
+    def _inv_freq_on(self, rope: int, device: torch.device) -> torch.Tensor:
+        copies = self._inv_freq[rope]
+        if device not in copies:
+            copies[device] = copies[torch.device("cpu")].to(device)
+        return copies[device]
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._inv_freq_on(position_ids.device)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq_on(self.layer_rope[layer], position_ids.device)
         freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, head_dim // 2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = torch.promote_types(x.dtype, torch.float32) if self.in_float32 else x.dtype

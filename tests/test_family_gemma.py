@@ -1,0 +1,285 @@
+"""Gemma 2 and Gemma 3 (text) against transformers 5.23, and under tensor parallelism.
+
+What they add to the one decoder: (1 + weight) RMSNorms before and after each sublayer, embeddings times
+sqrt(hidden_size), a tanh-GELU MLP, softmax scale query_pre_attn_scalar**-0.5, soft-capped attention scores
+(Gemma 2) and logits, sliding-window and full layers, two RoPE bases (Gemma 3: `rope_local_base_freq` on sliding
+layers, linear scaling on full ones) and per-head (1 + weight) q/k norms (Gemma 3), tied embeddings.
+
+Tiny random checkpoints written by transformers (2 KV heads, so tp 4 replicates KV; windows of 4 < 12 tokens;
+caps of 5 so that they bite), fp64. One spawned job per world size for both families.
+
+    .venv/bin/python -m pytest tests/test_family_gemma.py -q
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.models import MODEL_REGISTRY, AutoConfig, Gemma2Config, Gemma3TextConfig
+
+F64 = torch.float64
+EXACT = dict(rtol=1e-10, atol=1e-10)  # tptrain at tp 2/4 vs tptrain on one device: a layout bug is O(1)
+# transformers runs its RMSNorms (and Gemma 2's softmax) in fp32 even in an fp64 model: ~1e-6 apart.
+HF_TOL = dict(rtol=1e-5, atol=1e-5)
+LORA_TOL = dict(rtol=1e-5, atol=1e-5)
+B, S = 2, 12
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=24, max_position_embeddings=64, sliding_window=4,
+            query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention"] * 2)
+FAMILIES = {
+    "gemma2": dict(TINY, attn_logit_softcapping=5.0, final_logit_softcapping=5.0),
+    "gemma3_text": dict(TINY, final_logit_softcapping=5.0, rope_theta=1e5, rope_local_base_freq=100.0,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY["vocab_size"], (B, S), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[1, -4:-1] = -100
+    return ids, labels
+
+
+def _hf_reference(hf) -> dict[str, torch.Tensor]:
+    ids, labels = _batch()
+    with torch.no_grad():  # transformers computes the loss in fp32 whatever the model's dtype
+        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss.to(F64)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: (directory written by transformers, its fp64 logits and loss on _batch())}."""
+    import transformers  # here: the spawned ranks import this module too
+    root = tmp_path_factory.mktemp("gemma")
+    out = {}
+    for i, (name, kwargs) in enumerate(FAMILIES.items()):
+        torch.manual_seed(i)
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(name, **kwargs)).eval()
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():  # every parameter random; the (1 + w) norms' weights around 0
+            for p in hf.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        hf.save_pretrained(root / name)
+        out[name] = (root / name, _hf_reference(hf.to(F64)))
+    return out
+
+
+def _logits_and_loss(model) -> dict[str, torch.Tensor]:
+    ids, labels = _batch()
+    with torch.no_grad():
+        return {"logits": model(ids).logits, "loss": model(ids, labels=labels).loss}
+
+
+def _check_against_hf(model, expected, what: str) -> float:
+    """Asserts logits and loss equal transformers'; returns max |logits - transformers|."""
+    got = _logits_and_loss(model)
+    torch.testing.assert_close(got["logits"], expected["logits"], **HF_TOL, msg=lambda m: f"{what} logits: {m}")
+    torch.testing.assert_close(got["loss"], expected["loss"], **HF_TOL, msg=lambda m: f"{what} loss: {m}")
+    return (got["logits"] - expected["logits"]).abs().max().item()
+
+
+def test_tp1_logits_loss_and_grads_match_transformers(checkpoints):
+    import transformers
+    for name, (path, expected) in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+        assert type(model.config) is {"gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}[name]
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
+        layer = model.model.layers[0]
+        assert {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm"} <= set(dict(layer.named_children()))
+        assert hasattr(layer.self_attn, "q_norm") == (name == "gemma3_text")
+        _check_against_hf(model, expected, f"{name} tp=1")
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+        ids, labels = _batch()
+        model(ids, labels=labels).loss.backward()
+        hf(ids, labels=labels).loss.backward()
+        hf_grads = dict(hf.named_parameters())
+        for pname, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, hf_grads[pname].grad, **HF_TOL, msg=lambda m: f"{name} {pname}: {m}")
+
+
+def _edited(path, tmp_path, **changes):
+    """A copy of checkpoint `path` with config.json keys changed."""
+    out = tmp_path / f"{path.name}_{'_'.join(changes)}"
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, **changes}))
+    return out
+
+
+@pytest.mark.parametrize("name, changes", [
+    ("gemma2", dict(attn_logit_softcapping=None)),
+    ("gemma2", dict(final_logit_softcapping=None)),
+    ("gemma2", dict(sliding_window=64)),
+    ("gemma3_text", dict(final_logit_softcapping=None)),
+    ("gemma3_text", dict(sliding_window=64)),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e5}})),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e5},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+])
+def test_caps_windows_and_rope_bases_matter(checkpoints, tmp_path, name, changes):
+    """Without a cap, a window, the local RoPE base or the linear scaling, the same weights give other logits --
+    in transformers and in tptrain alike."""
+    import transformers
+    path, expected = checkpoints[name]
+    edited = _edited(path, tmp_path, **changes)
+    got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(edited, dtype=F64))["logits"]
+    assert (got - expected["logits"]).abs().max() > 1e-2, changes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(edited, dtype=F64).eval()
+    torch.testing.assert_close(got, _hf_reference(hf)["logits"], **HF_TOL)
+
+
+def test_bf16_arithmetic_is_close_to_transformers(checkpoints):
+    """(1 + w) in fp32, sqrt(hidden) in bf16: bf16 logits within bf16 rounding of transformers'."""
+    import transformers
+    for name, (path, _) in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        ids, _ = _batch()
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=2e-2, atol=5e-2)
+
+
+def test_configs_round_trip_through_transformers(tmp_path):
+    import transformers
+    for name, kwargs in FAMILIES.items():
+        config = AutoConfig.for_model(name, **kwargs)
+        config.save_pretrained(tmp_path / name)
+        hf_config = transformers.AutoConfig.from_pretrained(tmp_path / name)
+        for key in ("sliding_window", "layer_types", "head_dim", "query_pre_attn_scalar", "attn_logit_softcapping",
+                    "final_logit_softcapping", "hidden_activation"):
+            assert getattr(hf_config, key) == getattr(config, key), (name, key)
+        hf_config.save_pretrained(tmp_path / f"{name}_hf")
+        again = AutoConfig.from_pretrained(tmp_path / f"{name}_hf")
+        assert again.layer_ropes == config.layer_ropes and again.layer_sliding_windows == config.layer_sliding_windows
+    gemma3 = AutoConfig.for_model("gemma3_text", **FAMILIES["gemma3_text"])
+    assert gemma3.layer_ropes[:2] == [(100.0, None), (1e5, {"rope_type": "linear", "factor": 2.0})]
+    assert AutoConfig.for_model("gemma2", num_hidden_layers=4).layer_sliding_windows == [4096, None, 4096, None]
+
+
+@pytest.mark.parametrize("model_type, changes, key", [
+    ("gemma2", dict(hidden_activation="gelu"), "hidden_activation"),
+    ("gemma2", dict(layer_types=["chunked_attention", "full_attention"] * 2), "layer_types"),
+    ("gemma2", dict(layer_types=["full_attention"]), "layer_types"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma2", dict(attn_logit_softcapping=0.0), "attn_logit_softcapping"),
+    ("gemma2", dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
+    ("gemma2", dict(attention_dropout=0.1), "attention_dropout"),
+    ("gemma2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    ("gemma3_text", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma3_text", dict(rope_scaling={"rope_type": "linear"}), "rope_scaling"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                          "full_attention": {"rope_type": "default"}}), "sliding_attention"),
+])
+def test_unsupported_config_values_name_the_key(model_type, changes, key):
+    with pytest.raises(ValueError, match=key):
+        MODEL_REGISTRY[model_type][0].from_dict({**TINY, "model_type": model_type, **changes})
+
+
+def _equivalence(model, ref, what: str, *, steps: int = 3) -> float:
+    """Logits, every gradient and `steps` AdamW steps of the TP `model` equal the single-device `ref`; returns
+    max |logits - single-device logits|."""
+    ids, labels = _batch(seed=2)
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids).logits
+    torch.testing.assert_close(logits, ref_logits, **EXACT, msg=lambda m: f"{what} logits: {m}")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
+        torch.testing.assert_close(loss, ref_loss, **EXACT, msg=lambda m: f"{what} loss, step {step}: {m}")
+        ref_loss.backward(), loss.backward()
+        if step == 0:
+            assert_grads_match(model, ref, what=f"{what} grad")
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    assert_params_match(model, ref, f"{what}: {steps} AdamW steps")
+    return (logits - ref_logits).abs().max().item()
+
+
+def _tp2_worker(checkpoints, out) -> None:
+    from tptrain.peft import LoraConfig, get_peft_model
+    tp2, sp2 = DistributedConfig(tp_size=2), DistributedConfig(tp_size=2, enable_sequence_parallel=True)
+    errors = {}
+    for name, (path, expected) in checkpoints.items():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=tp2)
+        errors[name] = _check_against_hf(model, expected, f"{name} tp=2")
+        model.save_pretrained(out / "saved" / name)
+        _equivalence(model, ref, f"{name} tp=2")
+        # Sequence parallelism (the four norms per layer hold sequence shards) with activation checkpointing.
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=sp2)
+        assert model.tp_plan["model.layers.0.pre_feedforward_layernorm"] == "sequence_parallel"
+        ref.gradient_checkpointing_enable(), model.gradient_checkpointing_enable()
+        ref.train(), model.train()
+        _equivalence(model, ref, f"{name} tp=2 sp+checkpointing", steps=1)
+
+        torch.manual_seed(0)  # LoRA on every linear layer, trained 3 steps so B is no longer zero
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=tp2)
+        lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules=LORA_TARGETS))
+        opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+        ids, labels = _batch(seed=4)
+        for _ in range(3):
+            lora(ids, labels=labels).loss.backward()
+            opt.step(), opt.zero_grad()
+        lora.save_pretrained(out / "lora" / name)
+        lora.eval()
+        with torch.no_grad():
+            logits = lora(_batch()[0]).logits
+        if torch.distributed.get_rank() == 0:
+            torch.save(logits, out / "lora" / name / "logits.pt")
+    if torch.distributed.get_rank() == 0:
+        (out / "tp2_errors.json").write_text(json.dumps(errors))
+
+
+def _tp4_worker(checkpoints, out) -> None:
+    errors = {}
+    for name, (path, expected) in checkpoints.items():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
+        assert model.tp_layout.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 2
+        errors[name] = _check_against_hf(model, expected, f"{name} tp=4 (KV heads replicated)")
+        _equivalence(model, ref, f"{name} tp=4")
+    if torch.distributed.get_rank() == 0:
+        (out / "tp4_errors.json").write_text(json.dumps(errors))
+
+
+def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
+    import peft
+    import transformers
+    run_distributed(_tp2_worker, 2, checkpoints, tmp_path)
+    print("\nmax |logits - transformers| at tp 2:", (tmp_path / "tp2_errors.json").read_text())
+    ids, _ = _batch()
+    for name, (path, expected) in checkpoints.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / name, dtype=F64).eval()
+            got = _hf_reference(hf)
+            torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+            lora = peft.PeftModel.from_pretrained(base, tmp_path / "lora" / name).eval()
+            with torch.no_grad():
+                peft_logits = lora(ids).logits
+        ours = torch.load(tmp_path / "lora" / name / "logits.pt")
+        torch.testing.assert_close(peft_logits, ours, **LORA_TOL, msg=lambda m: f"{name} LoRA in peft: {m}")
+        assert (ours - expected["logits"]).abs().max() > 1e-2, f"{name}: the adapter changes nothing"
+
+
+def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoints, tmp_path):
+    run_distributed(_tp4_worker, 4, checkpoints, tmp_path)
+    print("\nmax |logits - transformers| at tp 4:", (tmp_path / "tp4_errors.json").read_text())
