@@ -22,6 +22,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel import assert_grads_match, assert_params_match
 from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import MODEL_REGISTRY, AutoConfig, Gemma2Config, Gemma3TextConfig
 
 F64 = torch.float64
@@ -143,15 +144,23 @@ def test_caps_windows_and_rope_bases_matter(checkpoints, tmp_path, name, changes
     torch.testing.assert_close(got, _hf_reference(hf)["logits"], **HF_TOL)
 
 
-def test_bf16_arithmetic_is_close_to_transformers(checkpoints):
-    """(1 + w) in fp32, sqrt(hidden) in bf16: bf16 logits within bf16 rounding of transformers'."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_low_precision_arithmetic_is_transformers_bit_for_bit(checkpoints, dtype):
+    """(1 + w) scaled in fp32, sqrt(hidden) rounded to the weights' dtype, the capped scores' fp32 softmax: the
+    same bits as transformers, also with left padding (rows that see no key included)."""
     import transformers
+    ids, _ = _batch()
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     for name, (path, _) in checkpoints.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-        ids, _ = _batch()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         with torch.no_grad():
-            torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=2e-2, atol=5e-2)
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=0, atol=0)
+            padded = model(ids, attention_mask=mask, position_ids=position_ids).logits
+            ref = hf(ids, attention_mask=mask, position_ids=position_ids).logits
+            torch.testing.assert_close(padded, ref, rtol=0, atol=0, msg=lambda m: f"{name} left padding: {m}")
 
 
 def test_configs_round_trip_through_transformers(tmp_path):
@@ -169,6 +178,10 @@ def test_configs_round_trip_through_transformers(tmp_path):
     gemma3 = AutoConfig.for_model("gemma3_text", **FAMILIES["gemma3_text"])
     assert gemma3.layer_ropes[:2] == [(100.0, None), (1e5, {"rope_type": "linear", "factor": 2.0})]
     assert AutoConfig.for_model("gemma2", num_hidden_layers=4).layer_sliding_windows == [4096, None, 4096, None]
+    for name, extra in (("gemma2", {}), ("gemma3_text", {}), ("gemma3_text", {"sliding_window_pattern": 3})):
+        default = MODEL_REGISTRY[name][0].from_dict({"num_hidden_layers": 7, **extra})  # no layer_types
+        hf_default = transformers.AutoConfig.for_model(name, num_hidden_layers=7, **extra)
+        assert default.layer_types == hf_default.layer_types, (name, extra)
 
 
 @pytest.mark.parametrize("model_type, changes, key", [
@@ -211,6 +224,13 @@ def _equivalence(model, ref, what: str, *, steps: int = 3) -> float:
     return (logits - ref_logits).abs().max().item()
 
 
+def _assert_megatron_minimum(model, what: str) -> None:
+    """Capping and the extra norms add no collective: one step sends the Megatron minimum, logits stay sharded."""
+    report = comm_report(model, *_batch())
+    assert report.matches_minimum and report.full_logit_collectives == 0, f"{what}\n{report.table()}"
+    model.zero_grad()
+
+
 def _tp2_worker(checkpoints, out) -> None:
     from tptrain.peft import LoraConfig, get_peft_model
     tp2, sp2 = DistributedConfig(tp_size=2), DistributedConfig(tp_size=2, enable_sequence_parallel=True)
@@ -220,11 +240,13 @@ def _tp2_worker(checkpoints, out) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=tp2)
         errors[name] = _check_against_hf(model, expected, f"{name} tp=2")
         model.save_pretrained(out / "saved" / name)
+        _assert_megatron_minimum(model, f"{name} tp=2")
         _equivalence(model, ref, f"{name} tp=2")
         # Sequence parallelism (the four norms per layer hold sequence shards) with activation checkpointing.
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=sp2)
         assert model.tp_plan["model.layers.0.pre_feedforward_layernorm"] == "sequence_parallel"
+        _assert_megatron_minimum(model, f"{name} tp=2 sp")
         ref.gradient_checkpointing_enable(), model.gradient_checkpointing_enable()
         ref.train(), model.train()
         _equivalence(model, ref, f"{name} tp=2 sp+checkpointing", steps=1)

@@ -532,14 +532,16 @@ class Gemma2Config(PretrainedConfig):
     final_logit_softcapping: float | None = 30.0  # logits = tanh(logits / cap) * cap; None: none
     attn_logit_softcapping: float | None = 50.0  # scores = tanh(scores / cap) * cap; None: none
     attention_dropout: float = 0.0  # only 0 is implemented
-    sliding_window_every: ClassVar[int] = 2  # default layer_types: every n-th layer full, the others sliding
 
     def __post_init__(self) -> None:
-        if self.layer_types is None:
-            n = self.extra.get("sliding_window_pattern", self.sliding_window_every)
+        if self.layer_types is None:  # transformers' default: every n-th layer full, the others sliding
+            n = self._full_attention_every()
             self.layer_types = ["sliding_attention" if (i + 1) % n else "full_attention"
                                 for i in range(self.num_hidden_layers)]
         super().__post_init__()
+
+    def _full_attention_every(self) -> int:
+        return 2
 
     def _validate(self) -> None:
         super()._validate()
@@ -598,7 +600,6 @@ class Gemma3TextConfig(Gemma2Config):
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     }
     qk_norm: ClassVar[str | None] = "head"
-    sliding_window_every: ClassVar[int] = 6
 
     vocab_size: int = 262208
     max_position_embeddings: int = 131072
@@ -606,6 +607,9 @@ class Gemma3TextConfig(Gemma2Config):
     rope_local_base_freq: float = 10000.0  # sliding-window layers
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # transformers' Gemma 3 ignores it: only null is accepted
+
+    def _full_attention_every(self) -> int:
+        return self.extra.get("sliding_window_pattern", 6)  # older hub configs' key (transformers reads it too)
 
     def _validate(self) -> None:
         super()._validate()
