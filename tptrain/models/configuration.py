@@ -121,7 +121,7 @@ class PretrainedConfig:
                 raise ValueError(f"{name}: {key} has {len(per_layer)} entries, num_hidden_layers="
                                  f"{self.num_hidden_layers} needs one per layer.")
         for _, scaling in self.layer_ropes:
-            rope_type = _rope_type(scaling)
+            rope_type = rope_type_of(scaling)
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
                                  f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
@@ -131,7 +131,7 @@ class PretrainedConfig:
 
     @property
     def rope_type(self) -> str:
-        return _rope_type(self.rope_scaling)
+        return rope_type_of(self.rope_scaling)
 
     @property
     def layer_ropes(self) -> list[tuple[float, dict[str, Any] | None]]:
@@ -238,7 +238,8 @@ class PretrainedConfig:
         return config_file
 
 
-def _rope_type(scaling: dict[str, Any] | None) -> str:
+def rope_type_of(scaling: dict[str, Any] | None) -> str:
+    """The rope type of a `rope_scaling` dict (None: "default"); transformers reads "rope_type", then "type"."""
     scaling = scaling or {}
     return scaling.get("rope_type", scaling.get("type", "default"))
 
@@ -257,8 +258,8 @@ def _absorb_rope_parameters(d: dict[str, Any]) -> None:
     params = dict(params)
     if "sliding_attention" in params:
         local = dict(params.pop("sliding_attention") or {})
-        if _rope_type(local) != "default":
-            raise ValueError(f"rope_parameters['sliding_attention'] of type {_rope_type(local)!r} is not "
+        if rope_type_of(local) != "default":
+            raise ValueError(f"rope_parameters['sliding_attention'] of type {rope_type_of(local)!r} is not "
                              "implemented; only 'default' RoPE on sliding-window layers is.")
         if "rope_theta" in local:
             d["rope_local_base_freq"] = local["rope_theta"]

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from tptrain.models.configuration import PretrainedConfig
+from tptrain.models.configuration import PretrainedConfig, rope_type_of
 
 
 def rope_inv_freq(config: PretrainedConfig, layer: int = 0) -> torch.Tensor:
@@ -22,7 +22,7 @@ def rope_inv_freq(config: PretrainedConfig, layer: int = 0) -> torch.Tensor:
     # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (theta ** exponents)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    rope_type = rope_type_of(scaling)
     if rope_type == "linear":  # positions divided by `factor`
         inv_freq = inv_freq / scaling["factor"]
     if rope_type == "llama3":
