@@ -9,10 +9,10 @@ import os
 from typing import Any
 
 from tptrain.models.configuration import (GraniteConfig, LlamaConfig, MinistralConfig, MistralConfig,
-                                          Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
+                                          Olmo2Config, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
                                           load_config_dict)
 from tptrain.models.decoder import (DecoderForCausalLM, GraniteForCausalLM, LlamaForCausalLM,
-                                    MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Qwen2ForCausalLM,
+                                    MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                     Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
@@ -24,6 +24,7 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     "granite": (GraniteConfig, GraniteForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 
 

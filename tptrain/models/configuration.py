@@ -64,6 +64,9 @@ class PretrainedConfig:
     # RoPE rotates q and k in fp32 (Llama: cast first, then scale; rotate in the activations' dtype).
     norm_scale_in_float32: ClassVar[bool] = False
     rope_in_float32: ClassVar[bool] = False
+    # The checkpoint packs q/k/v into one `self_attn.qkv_proj` (rows: q, then k, then v) and gate/up into one
+    # `mlp.gate_up_proj` (rows: gate, then up), as Phi-3 does; False: separate q/k/v and gate/up projections.
+    fused_projections: ClassVar[bool] = False
 
     vocab_size: int = 32000  # rows of embed_tokens and lm_head
     hidden_size: int = 4096  # residual stream width
@@ -144,6 +147,11 @@ class PretrainedConfig:
         return [True] * self.num_hidden_layers
 
     @property
+    def rotary_dim(self) -> int:
+        """Leading features of each head that RoPE rotates (the rest pass through): all of head_dim here."""
+        return self.head_dim
+
+    @property
     def attention_scale(self) -> float | None:
         """Softmax scale of q.k; None = 1/sqrt(head_dim) (SDPA's default)."""
         return None
@@ -218,6 +226,8 @@ def _absorb_rope_parameters(d: dict[str, Any]) -> None:
     params = dict(params)
     if "rope_theta" in params:
         d["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params:  # transformers 5 keeps it among the RoPE parameters
+        d.setdefault("partial_rotary_factor", params.pop("partial_rotary_factor"))
     if d.get("rope_scaling") is None and params.get("rope_type", params.get("type", "default")) != "default":
         d["rope_scaling"] = params
 
@@ -440,3 +450,52 @@ class Olmo2Config(PretrainedConfig):
         if self.mlp_bias:
             raise ValueError("Olmo2Config: mlp_bias=true is not part of OLMo 2 (transformers builds its MLP without "
                              "bias); remove mlp_bias from config.json or set it to false.")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Phi3Config(PretrainedConfig):
+    """Phi-3: fused qkv_proj and gate_up_proj (split per segment under TP by the `packed_colwise` style) and RoPE on
+    the first `partial_rotary_factor` of each head."""
+
+    model_type: ClassVar[str] = "phi3"
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.qkv_proj": "packed_colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    fused_projections: ClassVar[bool] = True
+
+    vocab_size: int = 32064
+    hidden_size: int = 3072
+    intermediate_size: int = 8192
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    eos_token_id: int | list[int] | None = 32000
+    pad_token_id: int | None = 32000
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
+    sliding_window: int | None = None  # keys a query sees, itself included; None = full causal attention
+    resid_pdrop: float = 0.0  # dropouts: only 0 is implemented
+    embd_pdrop: float = 0.0
+    attention_dropout: float = 0.0
+
+    def _validate(self) -> None:
+        super()._validate()
+        for key in ("resid_pdrop", "embd_pdrop", "attention_dropout"):
+            if getattr(self, key):
+                raise ValueError(f"Phi3Config: {key}={getattr(self, key)} is not implemented (tptrain has no dropout "
+                                 f"there); set it to 0.0.")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ValueError(f"Phi3Config: partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and "
+                             f"rotate an even number of features (head_dim={self.head_dim} gives {self.rotary_dim}).")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # transformers' truncation
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+        return _sliding_windows(self, [kind] * self.num_hidden_layers)

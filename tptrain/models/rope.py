@@ -15,8 +15,8 @@ from tptrain.models.configuration import PretrainedConfig
 
 
 def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
-    """Inverse frequencies, (head_dim // 2,) fp32 on CPU, for rope type "default" or "llama3"."""
-    dim = config.head_dim
+    """Inverse frequencies, (rotary_dim // 2,) fp32 on CPU, for rope type "default" or "llama3"."""
+    dim = config.rotary_dim
     # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (config.rope_theta ** exponents)
@@ -74,7 +74,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                  keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim). `keep_dtype`: return them
-    in their own dtype when cos/sin are wider (`rope_in_float32`: rotated in fp32, as transformers' OLMo 2)."""
+    in their own dtype when cos/sin are wider (`rope_in_float32`: rotated in fp32, as transformers' OLMo 2).
+    cos/sin narrower than head_dim (partial rotary): only the leading features rotate, the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        (q, q_pass), (k, k_pass) = q.split([rot, q.shape[-1] - rot], -1), k.split([rot, k.shape[-1] - rot], -1)
+        q, k = apply_rotary(q, k, cos, sin, keep_dtype=keep_dtype)
+        return torch.cat([q, q_pass], dim=-1), torch.cat([k, k_pass], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     q_rot, k_rot = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     return (q_rot.to(q.dtype), k_rot.to(k.dtype)) if keep_dtype else (q_rot, k_rot)
