@@ -107,7 +107,8 @@ def test_fp32_and_bf16_arithmetic_is_transformers(checkpoint, dtype):
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("rope_scaling", {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_scaling"),
+    ("rope_scaling", {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 4}, "short_factor"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling"),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "rope_scaling"),
     ("resid_pdrop", 0.1, "resid_pdrop"), ("attention_dropout", 0.1, "attention_dropout"),
     ("partial_rotary_factor", 0.0, "partial_rotary_factor")])
@@ -368,3 +369,27 @@ def test_sliding_window_matches_transformers(tmp_path):
     ids, _ = _batch()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
+def test_longrope_matches_transformers_short_and_long(tmp_path):
+    """longrope: short factors up to original_max_position_embeddings, long factors (for the whole sequence) past
+    it, cos/sin scaled by sqrt(1 + log(factor) / log(original)); bit for bit in fp32, and in fp64 within HF_TOL."""
+    import transformers
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0]}
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **{**TINY, "max_position_embeddings": 64}, original_max_position_embeddings=8, rope_parameters=rope)).eval()
+    hf.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.config.rope_type == "longrope" and model.model.rotary_emb.attention_factor > 1.0
+    ids, _ = _batch()
+    with torch.no_grad():
+        for seq in (8, 12):  # up to the original context (short factors), and past it (long factors)
+            torch.testing.assert_close(model(ids[:, :seq]).logits, hf(ids[:, :seq]).logits, rtol=0, atol=0)
+        short, long = model(ids[:, :8]).logits, model(ids).logits[:, :8]
+    assert (short - long).abs().max() > 1e-3  # the long factors change even the first positions
+    model.save_pretrained(tmp_path / "saved")  # config.json written back so that transformers reads longrope
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=0)

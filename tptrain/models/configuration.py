@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from tptrain.checkpoint.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "longrope")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
@@ -122,6 +122,20 @@ class PretrainedConfig:
             missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"{name}: rope_scaling of type 'llama3' lacks {missing}.")
+        if rope_type == "longrope":
+            self._validate_longrope()
+
+    def _validate_longrope(self) -> None:
+        name, scaling, half = type(self).__name__, self.rope_scaling, self.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, list) or len(factors) != half:
+                raise ValueError(f"{name}: rope_scaling of type 'longrope' needs {key}, a list of {half} numbers "
+                                 f"(rotary_dim // 2), got {factors!r}.")
+        has_top = getattr(self, "original_max_position_embeddings", None) or self.extra.get(
+            "original_max_position_embeddings")
+        if not (has_top or scaling.get("original_max_position_embeddings")):
+            raise ValueError(f"{name}: rope_scaling of type 'longrope' needs original_max_position_embeddings.")
 
     @property
     def rope_type(self) -> str:
@@ -454,8 +468,8 @@ class Olmo2Config(PretrainedConfig):
 
 @dataclasses.dataclass(kw_only=True)
 class Phi3Config(PretrainedConfig):
-    """Phi-3: fused qkv_proj and gate_up_proj (split per segment under TP by the `packed_colwise` style) and RoPE on
-    the first `partial_rotary_factor` of each head."""
+    """Phi-3: fused qkv_proj and gate_up_proj (split per segment under TP by the `packed_colwise` style), RoPE on
+    the first `partial_rotary_factor` of each head, default or `longrope` RoPE."""
 
     model_type: ClassVar[str] = "phi3"
     base_model_tp_plan: ClassVar[dict[str, str]] = {
@@ -475,6 +489,7 @@ class Phi3Config(PretrainedConfig):
     rms_norm_eps: float = 1e-5
     eos_token_id: int | list[int] | None = 32000
     pad_token_id: int | None = 32000
+    original_max_position_embeddings: int = 4096  # pre-training context; longrope's long factors apply past it
     partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
     sliding_window: int | None = None  # keys a query sees, itself included; None = full causal attention
     resid_pdrop: float = 0.0  # dropouts: only 0 is implemented

@@ -14,15 +14,40 @@ from torch import nn
 from tptrain.models.configuration import PretrainedConfig
 
 
-def rope_inv_freq(config: PretrainedConfig) -> torch.Tensor:
-    """Inverse frequencies, (rotary_dim // 2,) fp32 on CPU, for rope type "default" or "llama3"."""
+def rope_inv_freq(config: PretrainedConfig, *, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies, (rotary_dim // 2,) fp32 on CPU, for rope type "default", "llama3" or "longrope"
+    (`long`: its long-context factors, else its short ones)."""
     dim = config.rotary_dim
     # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if config.rope_type == "longrope":  # transformers' `_compute_longrope_parameters`
+        factors = config.rope_scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * config.rope_theta ** exponents)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_type == "llama3":
         inv_freq = _llama3_scaling(inv_freq, config.rope_scaling, config.max_position_embeddings)
     return inv_freq
+
+
+def longrope_original_length(config: PretrainedConfig) -> int | None:
+    """The pre-training context of a longrope model: past it the long factors apply. transformers prefers the
+    config's top-level `original_max_position_embeddings` to the one inside `rope_scaling`."""
+    top = getattr(config, "original_max_position_embeddings", None) or config.extra.get(
+        "original_max_position_embeddings")
+    return top or (config.rope_scaling or {}).get("original_max_position_embeddings")
+
+
+def rope_attention_factor(config: PretrainedConfig) -> float:
+    """Factor on cos and sin: 1 except for longrope, sqrt(1 + log(factor) / log(original length))."""
+    if config.rope_type != "longrope":
+        return 1.0
+    scaling, original = config.rope_scaling, longrope_original_length(config)
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int) -> torch.Tensor:
@@ -50,20 +75,32 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.in_float32 = config.rope_in_float32
-        inv_freq = rope_inv_freq(config)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {inv_freq.device: inv_freq}
+        self.attention_factor = rope_attention_factor(config)
+        # longrope: the long factors apply to the whole sequence once it is longer than the pre-training context
+        self.original_length = longrope_original_length(config) if config.rope_type == "longrope" else None
+        freqs = {"short": rope_inv_freq(config)}
+        if self.original_length is not None:
+            freqs["long"] = rope_inv_freq(config, long=True)
+        self._inv_freq: dict[tuple[str, torch.device], torch.Tensor] = {
+            (kind, torch.device("cpu")): f for kind, f in freqs.items()}
 
-    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
-        return self._inv_freq[device]
+    def _inv_freq_on(self, kind: str, device: torch.device) -> torch.Tensor:
+        if (kind, device) not in self._inv_freq:
+            self._inv_freq[kind, device] = self._inv_freq[kind, torch.device("cpu")].to(device)
+        return self._inv_freq[kind, device]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._inv_freq_on(position_ids.device)
-        freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, head_dim // 2), fp32
+        inv_freq = self._inv_freq_on("short", position_ids.device)
+        if self.original_length is not None:  # a tensor condition, as transformers: no host sync
+            longer = position_ids.max() + 1 > self.original_length
+            inv_freq = torch.where(longer, self._inv_freq_on("long", position_ids.device), inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, rotary_dim // 2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         dtype = torch.promote_types(x.dtype, torch.float32) if self.in_float32 else x.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
