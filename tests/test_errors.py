@@ -110,7 +110,7 @@ CASES = [
     ("empty_base_plan", lambda p: _empty_base_plan(p["good"]), ValueError,
      ["declares no base_model_tp_plan", "tp_size=2"]),
     ("model_type", lambda p: _load(p["model_type"]), ValueError,
-     ["model_type 'gpt_neox' is not supported", "granite, llama, ministral, mistral, olmo2, qwen2, qwen3, smollm3"]),
+     ["model_type 'gpt_neox' is not supported", "granite, llama, ministral, mistral, olmo2, phi3, qwen2, qwen3, smollm3"]),
     ("missing_shard", lambda p: _load(p["missing_shard"]), FileNotFoundError,
      ["model-00002-of-", ".safetensors", "missing"]),
     ("truncated", lambda p: _load(p["truncated"]), ValueError,

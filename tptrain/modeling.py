@@ -25,7 +25,7 @@ from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.plan import ResolvedPlan
-from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full
+from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -191,8 +191,7 @@ class PreTrainedModel(nn.Module):
         loaded: dict[int, nn.Parameter] = {}
         for name, p in self.named_parameters():  # tied aliases dedup'd: lm_head reads embed_tokens
             spec = layout.spec(name) if layout else ShardSpec()
-            t = reader.read(name, dim=spec.dim, index=spec.chunk_index(rank), count=spec.num_chunks(self.tp_size),
-                            dtype=dtype, device=device)
+            t = read_shard(reader, name, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, p in list(self.named_parameters(remove_duplicate=False)):
             mod_name, _, pname = name.rpartition(".")

@@ -98,6 +98,25 @@ class CheckpointReader:
         out = torch.empty(tuple(view.shape), dtype=dtype or view.dtype, device=device or "cpu")
         return out.copy_(view)
 
+    def read_ranges(self, name: str, *, dim: int, ranges: list[tuple[int, int]], dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+        """The [start, stop) ranges of tensor `name` along `dim`, concatenated in order (a packed tensor's rows
+        of one rank: its q, k and v heads). Only those bytes are copied out of the memory-mapped file."""
+        info = self._info(name)
+        dim = _check_chunk(name, info.shape, dim, 0, 1)
+        bad = [r for r in ranges if not 0 <= r[0] <= r[1] <= info.shape[dim]]
+        if bad:
+            raise ValueError(f"reading tensor {name!r} of shape {info.shape}: row ranges {bad} along dim {dim} "
+                             f"are out of bounds")
+        shape = list(info.shape)
+        shape[dim] = sum(stop - start for start, stop in ranges)
+        out = torch.empty(shape, dtype=dtype or info.dtype, device=device or "cpu")
+        tensor_slice, offset = self._handle(info.file).get_slice(name), 0
+        for start, stop in ranges:
+            out.narrow(dim, offset, stop - start).copy_(tensor_slice[(slice(None),) * dim + (slice(start, stop),)])
+            offset += stop - start
+        return out
+
     def close(self) -> None:
         self._handles.clear()  # dropping the handles unmaps the files
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
-from tptrain.parallel.styles import STYLES
+from tptrain.parallel.styles import STYLES, ColwiseParallel
 
 _PHASES = ("forward", "backward", "grad_sync", "token_count", "loss", "grad_norm")
 
@@ -108,7 +108,7 @@ class CommReport:
 
 def _boundaries(plan: dict[str, str]) -> tuple[int, int]:
     """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary."""
-    enters = {name.rpartition(".")[0] for name, style in plan.items() if style.startswith("colwise")}
+    enters = {name.rpartition(".")[0] for name, style in plan.items() if issubclass(STYLES[style], ColwiseParallel)}
     exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values())
     return len(enters), exits
 
@@ -144,11 +144,12 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         add(("forward", "all_reduce"), norms, norms * token_bytes)
         add(("backward", "all_reduce"), norms, norms * token_bytes)
     params = dict(model.named_parameters())
-    sync = [(params[n], s) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad]
+    sync = [(part, piece) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad
+            for part, piece in s.local_parts(params[n].detach(), tp) if part.partial_grad]  # packed: its KV parts
     if sync:
         grad_dtype = torch.promote_types(dtype, torch.float32)
         add(("grad_sync", "all_reduce"), 1,
-            sum(p.numel() * s.num_chunks(tp) for p, s in sync) * grad_dtype.itemsize)
+            sum(piece.numel() * s.num_chunks(tp) for s, piece in sync) * grad_dtype.itemsize)
     return dict(out)
 
 

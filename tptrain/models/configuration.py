@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from tptrain.checkpoint.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (tanh-approximated GELU: Gemma)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -72,6 +72,9 @@ class PretrainedConfig:
     # RoPE rotates q and k in fp32 (Llama: cast first, then scale; rotate in the activations' dtype).
     norm_scale_in_float32: ClassVar[bool] = False
     rope_in_float32: ClassVar[bool] = False
+    # The checkpoint packs q/k/v into one `self_attn.qkv_proj` (rows: q, then k, then v) and gate/up into one
+    # `mlp.gate_up_proj` (rows: gate, then up), as Phi-3 does; False: separate q/k/v and gate/up projections.
+    fused_projections: ClassVar[bool] = False
 
     vocab_size: int = 32000  # rows of embed_tokens and lm_head
     hidden_size: int = 4096  # residual stream width
@@ -128,6 +131,20 @@ class PretrainedConfig:
             required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",)}.get(rope_type, ())
             if missing := [k for k in required if k not in scaling]:
                 raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
+            if rope_type == "longrope":
+                self._validate_longrope(scaling)
+
+    def _validate_longrope(self, scaling: dict[str, Any]) -> None:
+        name, half = type(self).__name__, self.rotary_dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = scaling.get(key)
+            if not isinstance(factors, list) or len(factors) != half:
+                raise ValueError(f"{name}: rope_scaling of type 'longrope' needs {key}, a list of {half} numbers "
+                                 f"(rotary_dim // 2), got {factors!r}.")
+        has_top = getattr(self, "original_max_position_embeddings", None) or self.extra.get(
+            "original_max_position_embeddings")
+        if not (has_top or scaling.get("original_max_position_embeddings")):
+            raise ValueError(f"{name}: rope_scaling of type 'longrope' needs original_max_position_embeddings.")
 
     @property
     def rope_type(self) -> str:
@@ -164,6 +181,11 @@ class PretrainedConfig:
     def layer_uses_rope(self) -> list[bool]:
         """Per layer: whether q and k are rotated (False: no positional encoding in that layer)."""
         return [True] * self.num_hidden_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading features of each head that RoPE rotates (the rest pass through): all of head_dim here."""
+        return self.head_dim
 
     @property
     def attention_scale(self) -> float | None:
@@ -266,6 +288,8 @@ def _absorb_rope_parameters(d: dict[str, Any]) -> None:
         params = dict(params.pop("full_attention", None) or {})
     if "rope_theta" in params:
         d["rope_theta"] = params.pop("rope_theta")
+    if "partial_rotary_factor" in params:  # transformers 5 keeps it among the RoPE parameters
+        d.setdefault("partial_rotary_factor", params.pop("partial_rotary_factor"))
     if d.get("rope_scaling") is None and params.get("rope_type", params.get("type", "default")) != "default":
         d["rope_scaling"] = params
 
@@ -622,3 +646,53 @@ class Gemma3TextConfig(Gemma2Config):
     def layer_ropes(self) -> list[tuple[float, dict[str, Any] | None]]:
         local, full = (self.rope_local_base_freq, None), (self.rope_theta, self.rope_scaling)
         return [local if t == "sliding_attention" else full for t in self.layer_types]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Phi3Config(PretrainedConfig):
+    """Phi-3: fused qkv_proj and gate_up_proj (split per segment under TP by the `packed_colwise` style), RoPE on
+    the first `partial_rotary_factor` of each head, default or `longrope` RoPE."""
+
+    model_type: ClassVar[str] = "phi3"
+    base_model_tp_plan: ClassVar[dict[str, str]] = {
+        "embed_tokens": "embedding_rowwise",
+        "layers.*.self_attn.qkv_proj": "packed_colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    fused_projections: ClassVar[bool] = True
+
+    vocab_size: int = 32064
+    hidden_size: int = 3072
+    intermediate_size: int = 8192
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    eos_token_id: int | list[int] | None = 32000
+    pad_token_id: int | None = 32000
+    original_max_position_embeddings: int = 4096  # pre-training context; longrope's long factors apply past it
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that RoPE rotates
+    sliding_window: int | None = None  # keys a query sees, itself included; None = full causal attention
+    resid_pdrop: float = 0.0  # dropouts: only 0 is implemented
+    embd_pdrop: float = 0.0
+    attention_dropout: float = 0.0
+
+    def _validate(self) -> None:
+        super()._validate()
+        for key in ("resid_pdrop", "embd_pdrop", "attention_dropout"):
+            if getattr(self, key):
+                raise ValueError(f"Phi3Config: {key}={getattr(self, key)} is not implemented (tptrain has no dropout "
+                                 f"there); set it to 0.0.")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ValueError(f"Phi3Config: partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and "
+                             f"rotate an even number of features (head_dim={self.head_dim} gives {self.rotary_dim}).")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)  # transformers' truncation
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+        return _sliding_windows(self, [kind] * self.num_hidden_layers)

@@ -1,5 +1,5 @@
-"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3, OLMo 2 and Gemma 2/3
-differ only by config flags.
+"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3, OLMo 2, Gemma 2/3 and
+Phi-3 differ only by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig,
-                                          MistralConfig, Olmo2Config, PretrainedConfig, Qwen2Config, Qwen3Config,
-                                          SmolLM3Config)
+                                          MistralConfig, Olmo2Config, Phi3Config, PretrainedConfig, Qwen2Config,
+                                          Qwen3Config, SmolLM3Config)
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -111,6 +111,24 @@ def rms_norm(config: PretrainedConfig, dim: int) -> RMSNorm:
                    weight_offset=config.norm_weight_offset)
 
 
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose output rows are several projections packed one after another (Phi-3's qkv_proj:
+    q, k, v). `tp_segments` declares them as data, ((rows, holds KV heads), ...), for the `packed_colwise`
+    style; `segment_sizes` is how many of each this module's rows hold (the style sets this rank's)."""
+
+    def __init__(self, in_features: int, segments: tuple[tuple[int, bool], ...], *, bias: bool) -> None:
+        super().__init__(in_features, sum(rows for rows, _ in segments), bias=bias)
+        self.tp_segments = tuple(segments)
+        self.segment_sizes = tuple(rows for rows, _ in segments)
+
+
+def split_packed(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`module`'s output on `x`, split into its packed segments (batch, seq, local rows of each). A module wrapped by
+    an adapter keeps its sizes on the wrapped `base_layer`."""
+    sizes = getattr(module, "segment_sizes", None) or module.base_layer.segment_sizes
+    return module(x).split(list(sizes), dim=-1)
+
+
 class Attention(nn.Module):
     # What the tensor-parallel engine needs to know, as data: k/v rows are KV heads (replicated when
     # tp_size > num_key_value_heads), and which projections feed which (a split output must meet a split input).
@@ -124,14 +142,21 @@ class Attention(nn.Module):
         self.use_rope = use_rope  # False: no positional encoding in this layer (NoPE)
         self.scale = config.attention_scale
         self.softcap = config.attn_softcap  # None: SDPA; else scores are soft-capped (softcapped_attention)
-        self.q_proj = nn.Linear(hidden, config.num_attention_heads * head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, config.num_key_value_heads * head_dim, bias=config.qkv_bias)
+        q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        self.fused = config.fused_projections
+        if self.fused:  # one qkv_proj; KV heads are its last two segments
+            self.qkv_proj = PackedLinear(hidden, ((q_rows, False), (kv_rows, True), (kv_rows, True)),
+                                         bias=config.qkv_bias)
+            self.tp_kv_projections, self.tp_pairs = (), {"o_proj": ("qkv_proj",)}
+        else:
+            self.q_proj = nn.Linear(hidden, q_rows, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(hidden, kv_rows, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(hidden, kv_rows, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * head_dim, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             over_width = config.qk_norm == "width"  # the whole projected width, else each head's head_dim
-            self.q_norm = rms_norm(config, self.q_proj.out_features if over_width else head_dim)
-            self.k_norm = rms_norm(config, self.k_proj.out_features if over_width else head_dim)
+            self.q_norm = rms_norm(config, q_rows if over_width else head_dim)
+            self.k_norm = rms_norm(config, kv_rows if over_width else head_dim)
         if config.qk_norm == "width":  # o_proj reads what the norms made of q and k
             self.tp_pairs = {**self.tp_pairs, "o_proj": ("q_norm", "k_norm", "v_proj")}
         self.qk_norm = config.qk_norm
@@ -139,7 +164,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
-        q, k = self.q_proj(x), self.k_proj(x)  # (batch, seq, local width)
+        if self.fused:
+            q, k, v = split_packed(self.qkv_proj, x)  # (batch, seq, local width of each)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (batch, seq, local width)
         if self.qk_norm == "width":
             q, k = self.q_norm(q), self.k_norm(k)
         # Shapes come from the projections, not from x: under TP the heads are this rank's local
@@ -147,7 +175,7 @@ class Attention(nn.Module):
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.head_dim)  # (batch, seq, local_heads, head_dim)
         k = k.view(b, s, -1, self.head_dim)  # (batch, seq, local_kv_heads, head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        v = v.view(b, s, -1, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
@@ -170,15 +198,20 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.fused = config.fused_projections
+        if self.fused:  # one gate_up_proj: gate rows, then up rows
+            self.gate_up_proj = PackedLinear(hidden, ((inner, False), (inner, False)), bias=config.mlp_bias)
+            self.tp_pairs = {"down_proj": ("gate_up_proj",)}
+        else:
+            self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
         self.gelu_tanh = config.mlp_activation == "gelu_pytorch_tanh"  # else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        gate, up = split_packed(self.gate_up_proj, x) if self.fused else (self.gate_proj(x), self.up_proj(x))
         gate = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
@@ -351,3 +384,7 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     config_class = Gemma3TextConfig
+
+
+class Phi3ForCausalLM(DecoderForCausalLM):
+    config_class = Phi3Config

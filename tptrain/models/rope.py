@@ -14,20 +14,44 @@ from torch import nn
 from tptrain.models.configuration import PretrainedConfig, rope_type_of
 
 
-def rope_inv_freq(config: PretrainedConfig, layer: int = 0) -> torch.Tensor:
-    """Inverse frequencies of `layer`'s RoPE (`config.layer_ropes`), (head_dim // 2,) fp32 on CPU, for rope type
-    "default", "linear" or "llama3"."""
+def rope_inv_freq(config: PretrainedConfig, layer: int = 0, *, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of `layer`'s RoPE (`config.layer_ropes`), (rotary_dim // 2,) fp32 on CPU, for rope type
+    "default", "linear", "llama3" or "longrope" (`long`: its long-context factors, else its short ones)."""
     theta, scaling = config.layer_ropes[layer]
-    dim = config.head_dim
+    dim = config.rotary_dim
     # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (theta ** exponents)
     rope_type = rope_type_of(scaling)
+    if rope_type == "longrope":  # transformers' `_compute_longrope_parameters`
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if rope_type == "linear":  # positions divided by `factor`
         inv_freq = inv_freq / scaling["factor"]
     if rope_type == "llama3":
         inv_freq = _llama3_scaling(inv_freq, scaling, config.max_position_embeddings)
     return inv_freq
+
+
+def longrope_original_length(config: PretrainedConfig) -> int | None:
+    """The pre-training context of a longrope model: past it the long factors apply. transformers prefers the
+    config's top-level `original_max_position_embeddings` to the one inside `rope_scaling`."""
+    top = getattr(config, "original_max_position_embeddings", None) or config.extra.get(
+        "original_max_position_embeddings")
+    return top or (config.rope_scaling or {}).get("original_max_position_embeddings")
+
+
+def rope_attention_factor(config: PretrainedConfig) -> float:
+    """Factor on cos and sin: 1 except for longrope, sqrt(1 + log(factor) / log(original length))."""
+    if config.rope_type != "longrope":
+        return 1.0
+    scaling, original = config.rope_scaling, longrope_original_length(config)
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddings: int) -> torch.Tensor:
@@ -49,31 +73,46 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddin
 
 
 class RotaryEmbedding(nn.Module):
-    """position_ids -> (cos, sin) of one layer's RoPE, each (batch or 1, seq, head_dim), in the activations' dtype
-    (at least fp32 with `config.rope_in_float32`, so that q and k are rotated in fp32). Layers may differ in RoPE
-    base and scaling (`config.layer_ropes`, Gemma 3); `layer_rope[i]` is the first layer with layer i's RoPE."""
+    """position_ids -> (cos, sin) of one layer's RoPE, each (batch or 1, seq, rotary_dim), in the activations'
+    dtype (at least fp32 with `config.rope_in_float32`, so that q and k are rotated in fp32). Layers may differ
+    in RoPE base and scaling (`config.layer_ropes`, Gemma 3); `layer_rope[i]` is the first layer with layer i's
+    RoPE. longrope (Phi-3; one RoPE for every layer) switches to its long factors past the pre-training context
+    and scales cos and sin by its attention factor."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.in_float32 = config.rope_in_float32
         ropes = config.layer_ropes
         self.layer_rope = [ropes.index(rope) for rope in ropes]
+        self.attention_factor = rope_attention_factor(config)
+        # longrope: the long factors apply to the whole sequence once it is longer than the pre-training context
+        self.original_length = longrope_original_length(config) if config.rope_type == "longrope" else None
         cpu = torch.device("cpu")
-        # {first layer with that RoPE: {device: (head_dim // 2,) fp32 inverse frequencies}}
-        self._inv_freq = {i: {cpu: rope_inv_freq(config, i)} for i in sorted(set(self.layer_rope))}
+        # {(first layer with that RoPE, "short" / "long", device): (rotary_dim // 2,) fp32 inverse frequencies}
+        self._inv_freq: dict[tuple[int, str, torch.device], torch.Tensor] = {}
+        for i in sorted(set(self.layer_rope)):
+            self._inv_freq[i, "short", cpu] = rope_inv_freq(config, i)
+            if self.original_length is not None:
+                self._inv_freq[i, "long", cpu] = rope_inv_freq(config, i, long=True)
 
-    def _inv_freq_on(self, rope: int, device: torch.device) -> torch.Tensor:
-        copies = self._inv_freq[rope]
-        if device not in copies:
-            copies[device] = copies[torch.device("cpu")].to(device)
-        return copies[device]
+    def _inv_freq_on(self, rope: int, kind: str, device: torch.device) -> torch.Tensor:
+        if (rope, kind, device) not in self._inv_freq:
+            self._inv_freq[rope, kind, device] = self._inv_freq[rope, kind, torch.device("cpu")].to(device)
+        return self._inv_freq[rope, kind, device]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._inv_freq_on(self.layer_rope[layer], position_ids.device)
-        freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, head_dim // 2), fp32
+        rope = self.layer_rope[layer]
+        inv_freq = self._inv_freq_on(rope, "short", position_ids.device)
+        if self.original_length is not None:  # a tensor condition, as transformers: no host sync
+            longer = position_ids.max() + 1 > self.original_length
+            inv_freq = torch.where(longer, self._inv_freq_on(rope, "long", position_ids.device), inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, rotary_dim // 2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         dtype = torch.promote_types(x.dtype, torch.float32) if self.in_float32 else x.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +123,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                  keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim). `keep_dtype`: return them
-    in their own dtype when cos/sin are wider (`rope_in_float32`: rotated in fp32, as transformers' OLMo 2)."""
+    in their own dtype when cos/sin are wider (`rope_in_float32`: rotated in fp32, as transformers' OLMo 2).
+    cos/sin narrower than head_dim (partial rotary): only the leading features rotate, the rest pass through."""
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        (q, q_pass), (k, k_pass) = q.split([rot, q.shape[-1] - rot], -1), k.split([rot, k.shape[-1] - rot], -1)
+        q, k = apply_rotary(q, k, cos, sin, keep_dtype=keep_dtype)
+        return torch.cat([q, q_pass], dim=-1), torch.cat([k, k_pass], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     q_rot, k_rot = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     return (q_rot.to(q.dtype), k_rot.to(k.dtype)) if keep_dtype else (q_rot, k_rot)

@@ -99,16 +99,17 @@ class PartialGradSync:
         """Sum each local share in `grads` ({param name: tensor}, updated in place) over the ranks
         holding the same chunk, all in one all-reduce. Names that need no sum are ignored."""
         specs = self.layout.partial_grad_specs()
-        names = [n for n in specs if n in grads]  # table order: identical on every rank
-        if not names:
+        # Table order, identical on every rank; of a packed tensor only its partial segments (views of the grad).
+        pieces = [(part, piece) for n in specs if n in grads
+                  for part, piece in specs[n].local_parts(grads[n], self.ctx.size) if part.partial_grad]
+        if not pieces:
             return
         # At least fp32, so half-precision gradients are summed without loss; fp64 stays fp64.
-        dtype = functools.reduce(torch.promote_types, (grads[n].dtype for n in names), torch.float32)
-        flat = torch.cat([self._slot_buffer(grads[n], specs[n], dtype).flatten() for n in names])
+        dtype = functools.reduce(torch.promote_types, (piece.dtype for _, piece in pieces), torch.float32)
+        flat = torch.cat([self._slot_buffer(piece, spec, dtype).flatten() for spec, piece in pieces])
         comm.all_reduce(flat, self.ctx.group, phase="grad_sync")
         offset = 0
-        for name in names:
-            local, spec = grads[name], specs[name]
+        for spec, local in pieces:
             width = local.numel() * spec.num_chunks(self.ctx.size)
             region = flat[offset:offset + width].view(spec.num_chunks(self.ctx.size), -1)
             local.copy_(region[spec.chunk_index(self.ctx.rank)].view_as(local))

@@ -28,30 +28,71 @@ class ShardSpec:
     replicas: how many consecutive ranks hold the same chunk (KV heads when tp > num_key_value_heads).
     partial_grad: each rank's gradient is only its share; the true gradient is the sum over the ranks
         holding the same chunk (replicated weights applied to sharded activations).
+    segments: a packed tensor (fused q/k/v or gate/up rows): ((global size along dim, replicas), ...) in
+        order; each segment is split on its own as a spec of its own, and rank r holds its chunk of every
+        segment, concatenated in the same order. Empty: one tensor split as a whole.
     """
 
     dim: int | None = None
     replicas: int = 1
     partial_grad: bool = False
+    segments: tuple[tuple[int, int], ...] = ()
 
     def num_chunks(self, tp_size: int) -> int:
+        assert not self.segments, "a packed spec has one chunk count per segment: use parts()"
         return 1 if self.dim is None else tp_size // self.replicas
 
     def chunk_index(self, tp_rank: int) -> int:
+        assert not self.segments, "a packed spec has one chunk index per segment: use parts()"
         return 0 if self.dim is None else tp_rank // self.replicas
+
+    @property
+    def single_placement(self) -> bool:
+        """Expressible as one DTensor placement (Replicate or Shard(dim)): neither KV replicas nor segments."""
+        return self.dim is None or (self.replicas == 1 and not self.segments)
+
+    def parts(self) -> list[tuple[int, int | None, "ShardSpec"]]:
+        """[(global start along dim, global size or None for all, plain spec of that part)]: one part unless packed."""
+        if not self.segments:
+            return [(0, None, self)]
+        out, start = [], 0
+        for size, reps in self.segments:
+            out.append((start, size, ShardSpec(self.dim, reps, partial_grad=reps > 1)))
+            start += size
+        return out
+
+    def local_parts(self, local: torch.Tensor, tp_size: int) -> list[tuple["ShardSpec", torch.Tensor]]:
+        """[(plain spec, view of this rank's `local` holding that part)]: the packed segments of a local shard."""
+        if not self.segments:
+            return [(self, local)]
+        sizes = [size // sub.num_chunks(tp_size) for _, size, sub in self.parts()]
+        return [(sub, piece) for (_, _, sub), piece in zip(self.parts(), local.split(sizes, dim=self.dim))]
+
+    def local_ranges(self, shape: tuple[int, ...], tp_size: int, tp_rank: int) -> list[tuple[int, int]]:
+        """The global [start, stop) ranges along `dim` that rank `tp_rank` holds, in local order."""
+        out = []
+        for start, size, sub in self.parts():
+            size = shape[self.dim] if size is None else size
+            step = size // sub.num_chunks(tp_size)
+            first = start + sub.chunk_index(tp_rank) * step
+            out.append((first, first + step))
+        return out
 
     def local_shape(self, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
         if self.dim is None:
             return tuple(shape)
         out = list(shape)
-        out[self.dim] //= self.num_chunks(tp_size)
+        out[self.dim] = sum(stop - start for start, stop in self.local_ranges(shape, tp_size, 0))
         return tuple(out)
 
     def local_chunk(self, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
-        """Rank `tp_rank`'s piece of the unsharded tensor `full` (a view; `full` itself when replicated)."""
+        """Rank `tp_rank`'s piece of the unsharded tensor `full` (a view unless packed; `full` itself when
+        replicated)."""
         if self.dim is None:
             return full
-        return full.chunk(self.num_chunks(tp_size), dim=self.dim)[self.chunk_index(tp_rank)]
+        ranges = self.local_ranges(tuple(full.shape), tp_size, tp_rank)
+        pieces = [full.narrow(self.dim, start, stop - start) for start, stop in ranges]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
 
 @dataclass
@@ -120,6 +161,8 @@ class ParallelStyle:
     # All-reduces of one float per token this style issues in forward, and as many in backward
     # (a norm over split features): counted in the communication report's minimum.
     token_all_reduces: ClassVar[int] = 0
+    # Splits each of a packed module's segments (`tp_segments`) on its own.
+    packed: ClassVar[bool] = False
 
     def __init__(self, *, kv_replicas: int = 1) -> None:
         self.kv_replicas = kv_replicas
@@ -211,6 +254,33 @@ class ColwiseParallel(ParallelStyle):
 
     def install(self, module, ctx):
         module.register_forward_pre_hook(lambda m, args: (ctx.enter(args[0]), *args[1:]))
+
+
+@register_style
+class PackedColwiseParallel(ColwiseParallel):
+    """Colwise for a packed projection (fused q/k/v, gate/up): each segment of the output rows is split on its
+    own, so a rank holds its q, k and v heads (its gate and up columns), concatenated in the checkpoint's order.
+    The module declares its segments as data, `tp_segments = ((global rows, holds KV heads), ...)`; KV segments
+    get the plan's KV replicas. The forward is colwise's: the model splits the local output by local sizes."""
+
+    name = "packed_colwise"
+    packed = True
+
+    def param_specs(self, module):
+        segments = getattr(module, "tp_segments", None)
+        if not segments:
+            raise TypeError(f"style {self.name!r} needs a module declaring tp_segments ((rows, is_kv), ...), "
+                            f"got a {type(module).__name__} without them; use 'colwise' for an unpacked projection")
+        packed = tuple((rows, self.kv_replicas if kv else 1) for rows, kv in segments)
+        spec = ShardSpec(0, segments=packed, partial_grad=any(reps > 1 for _, reps in packed))
+        return {n: spec for n in _own_params(module)}
+
+    def install(self, module, ctx):
+        super().install(module, ctx)
+        # This rank's rows of each segment: what the model splits the local output by.
+        spec = self.param_specs(module)["weight"]
+        module.segment_sizes = tuple(stop - start for start, stop in
+                                     spec.local_ranges((sum(r for r, _ in module.tp_segments),), ctx.size, ctx.rank))
 
 
 @register_style

@@ -24,7 +24,7 @@ from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.styles import ShardSpec, TPContext
 
-__all__ = ["ParamLayout", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full"]
+__all__ = ["ParamLayout", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full", "read_shard"]
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,28 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
 
 
 def gather_full(t: torch.Tensor, spec: ShardSpec, ctx: TPContext) -> torch.Tensor:
-    """The unsharded tensor from every rank's local `t` (a parameter or its gradient). Collective."""
+    """The unsharded tensor from every rank's local `t` (a parameter or its gradient). Collective: one
+    all-gather, whatever the layout (a packed tensor's segments are put back in the checkpoint's order)."""
     if spec.dim is None:
         return t
     full = comm.all_gather(t.contiguous(), ctx.group, dim=spec.dim, phase="gather")
-    if spec.replicas > 1:  # consecutive ranks hold the same chunk: keep one of each
-        full = torch.cat(full.chunk(ctx.size, dim=spec.dim)[::spec.replicas], dim=spec.dim)
-    return full
+    if spec.single_placement:
+        return full
+    # Rank r's block holds its chunk of every part; keep each distinct chunk once (ranks sharing a KV chunk
+    # are consecutive), part by part.
+    blocks = [spec.local_parts(block, ctx.size) for block in full.chunk(ctx.size, dim=spec.dim)]
+    return torch.cat([blocks[r][i][1] for i, (part, _) in enumerate(blocks[0])
+                      for r in range(0, ctx.size, part.replicas)], dim=spec.dim)
+
+
+def read_shard(reader, name: str, spec: ShardSpec, *, tp_size: int, tp_rank: int, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """Rank `tp_rank`'s piece of checkpoint tensor `name` (a CheckpointReader), reading only its bytes."""
+    if spec.segments:
+        return reader.read_ranges(name, dim=spec.dim, ranges=spec.local_ranges(reader.shape(name), tp_size, tp_rank),
+                                  dtype=dtype, device=device)
+    return reader.read(name, dim=spec.dim, index=spec.chunk_index(tp_rank), count=spec.num_chunks(tp_size),
+                       dtype=dtype, device=device)
 
 
 def _labels_given(forward) -> Callable[[tuple, dict], bool]:

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from tptrain.checkpoint.safetensors_io import CheckpointReader, atomic_directory
 from tptrain.parallel.styles import ShardSpec
+from tptrain.parallel.tensor_parallel import read_shard
 from tptrain.peft.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig
 from tptrain.peft.lora import ADAPTER
 
@@ -76,5 +77,4 @@ def read_slices(reader: CheckpointReader, keys: dict[str, str], params: dict[str
     with torch.no_grad():
         for key, name in keys.items():
             spec, p = specs.get(name, ShardSpec()), params[name]
-            p.copy_(reader.read(key, dim=spec.dim, index=spec.chunk_index(tp_rank), count=spec.num_chunks(tp_size),
-                                dtype=p.dtype))
+            p.copy_(read_shard(reader, key, spec, tp_size=tp_size, tp_rank=tp_rank, dtype=p.dtype))

@@ -53,12 +53,15 @@ def factor_specs(style: str | None, base_spec: ShardSpec, where: str) -> tuple[S
     """(spec of A, spec of B) for a base module with TP style `style` and weight spec `base_spec`."""
     if style is None:  # not sharded: plain replicated module
         return REPLICATED, REPLICATED
-    if style in ("colwise", "colwise_gather_output"):
-        return PARTIAL, base_spec  # B follows the weight's rows, incl. KV-head replicas and their partial grads
+    if style in ("colwise", "colwise_gather_output", "packed_colwise"):
+        # B follows the weight's rows, incl. KV-head replicas and their partial grads, and a packed weight's
+        # segments (each split on its own, so B's local rows line up with the base's local q, k, v)
+        return PARTIAL, base_spec
     if style in ("rowwise", "embedding_rowwise"):
         return ShardSpec(1), PARTIAL
     raise ValueError(f"LoRA cannot adapt {where!r}: its tensor-parallel style {style!r} is not supported (supported: "
-                     "colwise, colwise_gather_output, rowwise, embedding_rowwise); drop it from target_modules")
+                     "colwise, colwise_gather_output, packed_colwise, rowwise, embedding_rowwise); drop it from "
+                     "target_modules")
 
 
 class LoraLayer(nn.Module):

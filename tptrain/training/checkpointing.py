@@ -53,7 +53,7 @@ class StateConverter:
         spec = self._spec(name)
         if spec.dim is None or self.ctx is None or self.ctx.size == 1:
             return local
-        if spec.replicas > 1:  # not expressible as a TP Shard placement: save the full tensor
+        if not spec.single_placement:  # KV replicas or packed segments: no TP Shard placement; save the full tensor
             return gather_full(local, spec, self.ctx)
         return self._tp_dtensor(name, local, spec.dim)
 
@@ -63,7 +63,7 @@ class StateConverter:
         local = torch.empty(like.shape, dtype=like.dtype, device=local_device_of(like))
         if spec.dim is None or self.ctx is None or self.ctx.size == 1:
             return local
-        if spec.replicas > 1:
+        if not spec.single_placement:
             return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local.device)
         return self._tp_dtensor(name, local, spec.dim)
 
@@ -77,7 +77,7 @@ class StateConverter:
         """Write a loaded global view back into this rank's training tensor `dest` (in place)."""
         spec = self._spec(name)
         local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
-        if spec.dim is not None and spec.replicas > 1 and self.ctx is not None:
+        if not spec.single_placement and self.ctx is not None:
             local = spec.local_chunk(local, self.ctx.size, self.ctx.rank)
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()

@@ -70,17 +70,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
     disjoint. dp_replicate copies are identical and need no reduction.
     """
     tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
+    tp_size = mesh["tp"].size() if mesh is not None else 1
     grads, sharded, whole = [], [], []
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         g = local_tensor(p.grad)
         grads.append(g)
-        spec = specs.get(name, ShardSpec())
-        if spec.dim is None:
-            whole.append(g)
-        elif tp_rank % spec.replicas == 0:
-            sharded.append(g)
+        for part, piece in specs.get(name, ShardSpec()).local_parts(g, tp_size):  # a packed tensor part by part
+            if part.dim is None:
+                whole.append(piece)
+            elif tp_rank % part.replicas == 0:
+                sharded.append(piece)
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
     device = grads[0].device if grads else torch.device("cpu")
 
