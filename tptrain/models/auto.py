@@ -9,11 +9,12 @@ import os
 from typing import Any
 
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
-                                          MinistralConfig, MistralConfig, Olmo2Config, Phi3Config, PretrainedConfig,
-                                          Qwen2Config, Qwen3Config, SmolLM3Config, load_config_dict)
+                                          MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config, load_config_dict)
 from tptrain.models.decoder import (DecoderForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM,
                                     LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
-                                    Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
+                                    Olmo3ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                    SmolLM3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -24,6 +25,7 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     "granite": (GraniteConfig, GraniteForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+    "olmo3": (Olmo3Config, Olmo3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),

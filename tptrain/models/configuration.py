@@ -696,3 +696,44 @@ class Phi3Config(PretrainedConfig):
     def layer_sliding_windows(self) -> list[int | None]:
         kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
         return _sliding_windows(self, [kind] * self.num_hidden_layers)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Olmo3Config(Olmo2Config):
+    """OLMo 3: OLMo 2 plus sliding-window and full layers (`layer_types`; by default every 4th layer full), each
+    kind with its RoPE (transformers' `rope_parameters` per layer type: `rope_theta` and `rope_scaling` are the full
+    layers', `rope_local_base_freq` the sliding layers' base, default RoPE there)."""
+
+    model_type: ClassVar[str] = "olmo3"
+
+    rope_theta: float = 500000.0  # full-attention layers
+    # sliding-window layers. transformers 5.x gives them 500000 unless rope_parameters["sliding_attention"] says
+    # otherwise, even when a top-level rope_theta is set (that one is the full layers').
+    rope_local_base_freq: float = 500000.0
+    sliding_window: int | None = 4096  # keys a sliding-attention query sees, itself included
+    layer_types: list[str] | None = None  # per layer; None -> transformers' default (every 4th layer full)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        super().__post_init__()
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        return _sliding_windows(self, self.layer_types)
+
+    @property
+    def layer_ropes(self) -> list[tuple[float, dict[str, Any] | None]]:
+        local, full = (self.rope_local_base_freq, None), (self.rope_theta, self.rope_scaling)
+        return [local if t == "sliding_attention" else full for t in self.layer_types]
+
+    def to_dict(self) -> dict[str, Any]:
+        # transformers 5.x's Olmo3Config cannot read the sliding layers' base from rope_theta-style keys: also write
+        # its per-layer-type rope_parameters (its rope_scaling / rope_theta then agree with them).
+        out = super().to_dict()
+        full = {**(self.rope_scaling or {}), "rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        out["rope_parameters"] = {"full_attention": full,
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": self.rope_local_base_freq}}
+        return dict(sorted(out.items()))

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig,
-                                          MistralConfig, Olmo2Config, Phi3Config, PretrainedConfig, Qwen2Config,
-                                          Qwen3Config, SmolLM3Config)
+                                          MistralConfig, Olmo2Config, Olmo3Config, Phi3Config, PretrainedConfig,
+                                          Qwen2Config, Qwen3Config, SmolLM3Config)
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -388,3 +388,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     config_class = Phi3Config
+
+
+class Olmo3ForCausalLM(DecoderForCausalLM):
+    config_class = Olmo3Config

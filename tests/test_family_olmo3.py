@@ -1,0 +1,122 @@
+"""OLMo 3 (OLMo 2 plus sliding-window / full layers, each layer type with its RoPE) against transformers 5.23.
+
+A tiny random checkpoint written by transformers' Olmo3ForCausalLM: 3 layers (sliding, full, sliding), a window of
+4 keys on 12-token sequences, 2 KV heads (tp 4 replicates KV), linear RoPE scaling on the full layer only and
+another base on the sliding ones. fp64 throughout; the helpers are OLMo 2's. One spawned job per world size.
+
+    .venv/bin/python -m pytest tests/test_family_olmo3.py -q
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_family_olmo2 import F64, HF_TOL, _batch, _check_against_hf, _equivalence, _hf_reference
+from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.models import AutoConfig, Olmo3Config
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2, sliding_window=4,
+            layer_types=LAYER_TYPES)
+ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory written by transformers, its fp64 logits and loss on _batch())."""
+    import transformers
+    torch.manual_seed(0)
+    hf = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**TINY, rope_parameters=ROPE)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
+    path = tmp_path_factory.mktemp("olmo3")
+    hf.save_pretrained(path)
+    return path, _hf_reference(hf.to(F64))
+
+
+def test_tp1_matches_transformers_and_the_window_matters(checkpoint):
+    path, expected = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    config = model.config
+    assert type(config) is Olmo3Config and config.layer_sliding_windows == [4, None, 4]
+    assert config.layer_ropes == [(1000.0, None), (10000.0, {"rope_type": "linear", "factor": 2.0}), (1000.0, None)]
+    _check_against_hf(model, expected, "tp=1")
+    # Without the window (every layer full) the logits are another model's.
+    full = AutoConfig.from_pretrained(path)
+    full.layer_types = ["full_attention"] * 3
+    unwindowed = AutoModelForCausalLM.from_config(full, dtype=F64)
+    unwindowed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (unwindowed(_batch()[0]).logits - expected["logits"]).abs().max() > 1e-2
+
+
+def test_bf16_is_transformers_bit_for_bit(checkpoint):
+    import transformers
+    path, _ = checkpoint
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(_batch()[0]).logits, hf(_batch()[0]).logits, rtol=0, atol=0)
+
+
+def test_defaults_and_bad_layer_types_name_the_key():
+    import transformers
+    ours, theirs = Olmo3Config(num_hidden_layers=8), transformers.Olmo3Config(num_hidden_layers=8)
+    assert ours.layer_types == theirs.layer_types and ours.sliding_window == theirs.sliding_window
+    # A top-level rope_theta is the full layers' only (transformers 5.x); the sliding ones keep 500000.
+    legacy = Olmo3Config.from_dict({"model_type": "olmo3", **TINY, "rope_theta": 10000.0})
+    assert legacy.layer_ropes[0] == (500000.0, None) and legacy.layer_ropes[1] == (10000.0, None)
+    with pytest.raises(ValueError, match="layer_types"):
+        Olmo3Config.from_dict({"model_type": "olmo3", **TINY, "layer_types": ["sliding_attention", "chunked", "x"]})
+    with pytest.raises(ValueError, match="layer_types"):
+        Olmo3Config.from_dict({"model_type": "olmo3", **TINY, "layer_types": LAYER_TYPES[:2]})
+
+
+def _tp2_worker(path, expected, save_dir, out) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=2))
+    assert model.tp_plan["model.layers.0.self_attn.q_norm"] == "distributed_rmsnorm"
+    diff = _check_against_hf(model, expected, "tp=2")
+    model.save_pretrained(save_dir)
+    vs_tp1 = _equivalence(model, ref)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
+
+
+def _tp4_worker(path, expected, out) -> None:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
+    assert model.tp_layout.specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2
+    diff = _check_against_hf(model, expected, "tp=4 (KV replicated)")
+    if torch.distributed.get_rank() == 0:
+        torch.save({"diff": diff}, out)
+
+
+def test_tp2_matches_transformers_and_single_device_and_saves_for_transformers(checkpoint, tmp_path):
+    import transformers
+    path, expected = checkpoint
+    run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt")
+    result = torch.load(tmp_path / "tp2.pt")
+    print(f"\ntp=2 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=F64).eval()
+    assert hf.config.rope_parameters == ROPE, hf.config.rope_parameters
+    assert hf.config.layer_types == LAYER_TYPES and hf.config.sliding_window == 4
+    got = _hf_reference(hf)
+    torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
+    torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
+
+
+def test_tp4_matches_transformers_with_kv_replication(checkpoint, tmp_path):
+    path, expected = checkpoint
+    run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")
+    result = torch.load(tmp_path / "tp4.pt")
+    print(f"\ntp=4 max |logits - transformers| = {result['diff']:.3g}")
+    assert result["diff"] <= HF_TOL["atol"] * 10
