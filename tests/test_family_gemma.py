@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.family_utils import batch as _batch, hf_reference as _hf_reference
 from tests.test_tensor_parallel import assert_grads_match, assert_params_match
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
@@ -40,21 +41,6 @@ FAMILIES = {
                         rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (B, S), generator=g)
-    labels = ids.clone()
-    labels[:, :3] = -100
-    labels[1, -4:-1] = -100
-    return ids, labels
-
-
-def _hf_reference(hf) -> dict[str, torch.Tensor]:
-    ids, labels = _batch()
-    with torch.no_grad():  # transformers computes the loss in fp32 whatever the model's dtype
-        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss.to(F64)}
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.family_utils import batch as _batch, check_against_hf, hf_reference as _hf_reference, randomize
 from tests.test_tensor_parallel import assert_grads_match, assert_params_match
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
@@ -32,45 +33,20 @@ HF_TOL = dict(rtol=1e-6, atol=1e-6)
 B, S = 2, 12
 
 
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (B, S), generator=g)
-    labels = ids.clone()
-    labels[:, :3] = -100
-    labels[1, -4:-1] = -100
-    return ids, labels
-
-
-def _hf_reference(hf) -> dict[str, torch.Tensor]:
-    ids, labels = _batch()
-    with torch.no_grad():
-        # transformers computes the loss in fp32 whatever the model's dtype
-        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss.to(F64)}
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(directory written by transformers, its fp64 logits and loss on _batch())."""
     import transformers  # here: the spawned ranks import this module too
     torch.manual_seed(0)
     hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**TINY)).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # every parameter random, norms around 1
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
+    randomize(hf)  # every parameter random, norms around 1
     path = tmp_path_factory.mktemp("olmo2")
     hf.save_pretrained(path)
     return path, _hf_reference(hf.to(F64))
 
 
 def _check_against_hf(model, expected, what: str) -> float:
-    """Asserts logits and loss equal transformers'; returns max |logits - transformers|."""
-    ids, labels = _batch()
-    with torch.no_grad():
-        logits, loss = model(ids).logits, model(ids, labels=labels).loss
-    torch.testing.assert_close(logits, expected["logits"], **HF_TOL, msg=lambda m: f"{what} logits: {m}")
-    torch.testing.assert_close(loss, expected["loss"], **HF_TOL, msg=lambda m: f"{what} loss: {m}")
-    return (logits - expected["logits"]).abs().max().item()
+    return check_against_hf(model, expected, what, HF_TOL)
 
 
 def test_tp1_logits_loss_and_grads_match_transformers(checkpoint):
