@@ -19,7 +19,6 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel import assert_grads_match, assert_params_match
-from tests.test_train_cli import tptrain_train
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig
 
@@ -260,14 +259,3 @@ def test_configs_round_trip_through_transformers(tmp_path):
 def test_unsupported_config_values_name_the_key(model_type, kwargs, key):
     with pytest.raises(ValueError, match=key):
         AutoConfig.for_model(model_type, **{**TINY, **kwargs})
-
-
-def test_train_cli_smoke_on_granite(tmp_path):
-    import transformers
-    # Byte-level tokenizer (no tokenizer.json): 257 ids, so a vocabulary of 320.
-    _write_hf_checkpoint(transformers, "granite", {**FAMILIES["granite"], "vocab_size": 320}, tmp_path / "granite",
-                         seed=0)
-    run = tptrain_train("--model", str(tmp_path / "granite"), "--output-dir", str(tmp_path / "run"))
-    assert run.returncode == 0, run.stdout + run.stderr
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32)
-    assert model.config.model_type == "granite" and model.config.logits_scaling == 4.0
