@@ -97,7 +97,7 @@ def _tp2_worker(checkpoints, save_root) -> None:
         assert model.model.layers[0].mlp.up_proj.weight.shape == (48, 64)  # only this rank's half
         _check(model, expected, f"{name} tp=2")
         ids, labels = _batch()
-        local = model(ids, labels=labels).logits  # with labels the head's logits stay vocab-sharded
+        local = model(ids, labels=labels, return_logits=True).logits  # with labels the logits stay vocab-sharded
         rank = model.tp_layout.ctx.rank
         torch.testing.assert_close(local, expected["logits"].chunk(2, dim=-1)[rank], **TOL)
         model.save_pretrained(save_root / name)

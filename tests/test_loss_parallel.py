@@ -49,17 +49,19 @@ def _loss_worker(tp: int) -> None:
             assert model.lm_head.weight is model.model.embed_tokens.weight
         ids, labels = batch(config.vocab_size)
         labels[1, 5:9] = -100
-        for items in (None, 37):  # token mean, and sum / num_items_in_batch (gradient accumulation)
-            ref_out = ref(ids, labels=labels, num_items_in_batch=items)
+        # token mean, and sum / num_items_in_batch (gradient accumulation); whole logits, and the fused head + loss
+        for items, whole in ((None, True), (37, True), (None, False), (37, False)):
+            ref_out = ref(ids, labels=labels, num_items_in_batch=items, return_logits=True)
             with CommTracker() as t:
-                out = model(ids, labels=labels, num_items_in_batch=items)
+                out = model(ids, labels=labels, num_items_in_batch=items, return_logits=whole)
                 out.loss.backward()
             ref_out.loss.backward()
             torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
-            # The head's output stays this rank's vocab shard; nothing of vocab width is communicated.
-            assert out.logits.shape == (*ids.shape, config.vocab_size // tp)
-            local = ref_out.logits.chunk(tp, dim=-1)[model.tp_layout.ctx.rank]
-            torch.testing.assert_close(out.logits, local, **TOL)
+            if whole:  # the head's output stays this rank's vocab shard
+                assert out.logits.shape == (*ids.shape, config.vocab_size // tp)
+                local = ref_out.logits.chunk(tp, dim=-1)[model.tp_layout.ctx.rank]
+                torch.testing.assert_close(out.logits, local, **TOL)
+            # Nothing of vocab width is communicated.
             assert "all_gather" not in t.counts()
             assert all(r.shape[-1] == config.hidden_size for r in t.records if len(r.shape) > 1)
             grads = full_grads(model)

@@ -88,7 +88,7 @@ def test_logits_loss_and_grads_match_transformers(checkpoint):
         assert model.lm_head.weight is model.model.embed_tokens.weight
     input_ids, labels = _batch()
 
-    out, ref = model(input_ids, labels=labels), hf(input_ids, labels=labels)
+    out, ref = model(input_ids, labels=labels, return_logits=True), hf(input_ids, labels=labels)
     torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=RTOL)
 
@@ -142,7 +142,7 @@ def test_saved_config_builds_identical_transformers_model(arch, tmp_path):
     hf.load_state_dict(model.state_dict())  # strict: same names, same shapes
     assert torch.equal(rope_inv_freq(config), hf.model.rotary_emb.inv_freq)
     input_ids, labels = _batch()
-    out, ref = model(input_ids, labels=labels), hf(input_ids, labels=labels)
+    out, ref = model(input_ids, labels=labels, return_logits=True), hf(input_ids, labels=labels)
     torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out.loss, ref.loss, atol=ATOL, rtol=RTOL)
     assert AutoConfig.from_pretrained(tmp_path) == config
@@ -276,6 +276,6 @@ def test_gradient_checkpointing_and_bf16():
 
     bf16 = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     bf16.load_state_dict(model.state_dict())
-    out = bf16(input_ids, labels=labels)
+    out = bf16(input_ids, labels=labels, return_logits=True)
     assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
     torch.testing.assert_close(out.loss, model(input_ids, labels=labels).loss, atol=2e-2, rtol=0)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tptrain.losses import causal_lm_loss
+from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
                                           MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
@@ -306,7 +306,10 @@ class DecoderForCausalLM(PreTrainedModel):
         super().__init__(config)
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.loss_function = causal_lm_loss
+        self.loss_function = causal_lm_loss  # (logits, labels, num_items_in_batch) -> loss
+        # (h, head weight, labels, num_items_in_batch, transform=) -> loss, without the whole logits: training
+        # with labels uses it; the TP engine swaps in its vocab-parallel version.
+        self.head_loss_function = chunked_causal_lm_loss
         self.tie_weights()
         self.init_weights()
 
@@ -341,14 +344,24 @@ class DecoderForCausalLM(PreTrainedModel):
         """Recompute each decoder layer in backward (non-reentrant torch.utils.checkpoint)."""
         self.model.gradient_checkpointing = True
 
-    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                num_items_in_batch: int | torch.Tensor | None = None) -> CausalLMOutput:
-        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        logits = self.lm_head(h)  # (batch, seq, vocab)
+    def _transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Element-wise, so vocab-sharded logits (and chunks of them) stay sharded."""
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
-        logits = _softcap(logits, self.config.logit_softcap)  # element-wise: vocab-sharded logits stay sharded
+        return _softcap(logits, self.config.logit_softcap)
+
+    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False) -> CausalLMOutput:
+        """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
+        `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits."""
+        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        # A head wrapped by an adapter is not a plain weight: it goes the unfused way.
+        if labels is not None and self.training and not return_logits and type(self.lm_head) is nn.Linear:
+            loss = self.head_loss_function(h, self.lm_head.weight, labels, num_items_in_batch,
+                                           transform=self._transform_logits)
+            return CausalLMOutput(loss=loss, logits=None)
+        logits = self._transform_logits(self.lm_head(h))  # (batch, seq, vocab)
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits)
 

@@ -1,7 +1,8 @@
 """Vocab-parallel cross-entropy: the loss straight from vocabulary-sharded logits.
 
 No rank ever holds the full (batch, seq, vocab) logits. The loss needs exactly three all-reduces of
-(tokens,) scalars: the max logit, the target logit, and the sum of exponentials.
+(tokens,) scalars: the max logit, the target logit, and the sum of exponentials. In training the head and the
+loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp) logits never exist whole either.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.losses import IGNORE_INDEX, chunked_head_cross_entropy, shift_labels
 from tptrain.distributed import comm
 from tptrain.parallel.styles import TPContext, vocab_shard_ids
 
@@ -60,3 +61,22 @@ def make_vocab_parallel_causal_lm_loss(ctx: TPContext):
         return per_token.sum() / denom
 
     return loss_function
+
+
+def make_vocab_parallel_head_loss(ctx: TPContext):
+    """The TP replacement for a model's `head_loss_function(h, weight, labels, num_items_in_batch, transform=)`:
+    the head's input boundary (as its colwise style would cross it), then the chunked cross-entropy over this
+    rank's vocabulary rows, its per-token statistics summed over the group once (3 all-reduces of (tokens,))."""
+
+    def head_loss(h, weight, labels, num_items_in_batch=None, *, transform):
+        x = ctx.enter(h)  # (batch, seq, hidden): the whole sequence under sequence parallelism too
+        group = ctx.group
+        target = shift_labels(labels).reshape(-1).to(x.device)
+        per_token = chunked_head_cross_entropy(
+            x.reshape(-1, x.shape[-1]), weight, target, transform=transform, vocab_start=ctx.rank * weight.shape[0],
+            reduce_max=lambda t: comm.all_reduce(t, group, op=dist.ReduceOp.MAX),
+            reduce_sum=lambda t: comm.all_reduce(t, group))
+        denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
+        return per_token.sum() / denom
+
+    return head_loss

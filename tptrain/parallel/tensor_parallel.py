@@ -19,7 +19,7 @@ from torch import nn
 
 from tptrain.distributed import comm
 from tptrain.parallel.grad_sync import PartialGradSync
-from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss
+from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.styles import ShardSpec, TPContext
@@ -161,6 +161,8 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group)
     if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
         model.loss_function = make_vocab_parallel_causal_lm_loss(ctx)
+        if hasattr(model, "head_loss_function"):
+            model.head_loss_function = make_vocab_parallel_head_loss(ctx)
         labels_given = _labels_given(model.forward)
 
         def before(module, args, kwargs):
