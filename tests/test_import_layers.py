@@ -14,7 +14,7 @@ LAYERS = [
     ("tptrain.checkpoint",),
     ("tptrain.parallel",),
     ("tptrain.modeling",),
-    ("tptrain.models",),
+    ("tptrain.models", "tptrain.hf"),
     ("tptrain.diagnostics",),
     ("tptrain.training", "tptrain.peft"),
     ("tptrain.cli", "tptrain.__main__", "tptrain"),
