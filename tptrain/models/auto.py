@@ -48,7 +48,7 @@ def select_backend(model_type: str | None, backend: str = "auto") -> str:
     if backend == "native" or (backend == "auto" and model_type in MODEL_REGISTRY):
         _lookup(model_type)
         return "native"
-    if importlib.util.find_spec("transformers") is None:
+    if not _installed("transformers"):
         why = "is not implemented natively by tptrain" if backend == "auto" else "was asked for backend='transformers'"
         raise ValueError(f"model_type {model_type!r} {why}, and transformers is not installed. Either "
                          f"`pip install \"tptrain[hf]\"` (tptrain's engine on transformers' modeling code), or use "
@@ -56,14 +56,17 @@ def select_backend(model_type: str | None, backend: str = "auto") -> str:
     return "transformers"
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a finder that refuses it
+        return False
+
+
 def _transformers_backend():
     from tptrain.hf import model  # imports transformers: only once that backend is chosen
 
     return model
-
-
-def _is_native_config(config: Any) -> bool:
-    return isinstance(config, PretrainedConfig)
 
 
 class AutoConfig:
@@ -85,7 +88,7 @@ class AutoModelForCausalLM:
     def from_config(config: Any, **kwargs: Any) -> DecoderForCausalLM:
         """Random init (or meta, with device="meta"); kwargs go to `PreTrainedModel.from_config`. A transformers
         config (from `AutoConfig.from_pretrained` of a non-native type) builds a TransformersCausalLM."""
-        if not _is_native_config(config):
+        if not isinstance(config, PretrainedConfig):
             return _transformers_backend().TransformersCausalLM.from_config(config, **kwargs)
         return _lookup(config.model_type)[1].from_config(config, **kwargs)
 
