@@ -46,6 +46,9 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
+    plan.add_argument("--backend", choices=("auto", "native", "transformers"), default="auto",
+                      help="model code: tptrain's own (native), transformers' under tptrain's engine (transformers, "
+                           "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
     plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")
     plan.set_defaults(handler=_run_plan)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
@@ -70,7 +73,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.diagnostics.plan_report import plan_report
 
     try:
-        config = AutoConfig.from_pretrained(args.model)
+        config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
                              sequence_parallel=args.sequence_parallel, dtype=args.dtype)
     except (OSError, ValueError, TypeError) as exc:
