@@ -95,3 +95,11 @@ def test_meta_build_reads_nothing_and_random_init_is_transformers():
     model = AutoModelForCausalLM.from_config(load_config({"model_type": "helium", **TINY}), dtype=torch.float64)
     assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in model.parameters())
     assert model(torch.randint(0, 128, (1, 5)), labels=torch.randint(0, 128, (1, 5))).loss.isfinite()
+
+
+def test_per_parameter_moe_styles_are_named():
+    model = _meta_model("mixtral", num_local_experts=2, num_experts_per_tok=1)
+    problems = check_plan(model, "auto", 2).problems
+    assert any("'model.layers.*.mlp.experts.gate_up_proj' ('packed_colwise') names a parameter" in p
+               for p in problems), problems
+    assert any("unknown style 'moe_tp_experts'" in p for p in problems), problems

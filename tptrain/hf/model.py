@@ -28,7 +28,7 @@ from torch import nn
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from tptrain.hf.plan import declare_tp_facts, translate_plan, unplanned_parameters
+from tptrain.hf.plan import declare_tp_facts, parameter_rules, translate_plan, unplanned_parameters
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel, _SkipInit
 from tptrain.models.configuration import load_config_dict
@@ -87,10 +87,13 @@ class TransformersCausalLM(PreTrainedModel):
         if base and type(embed) is nn.Embedding:  # a plain embedding: vocab-parallel, as tptrain's native plans
             base = {next(n for n, m in hf_model.base_model.named_modules() if m is embed): "embedding_rowwise",
                     **base}
-        self.tp_base_plan = base  # read by parallel/plan.py instead of the config's (transformers' spelling)
-        self._tp_plan = translate_plan(getattr(hf_model, "_tp_plan", None) or {})
         prefix = self.base_model_prefix
-        declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in base.items()}, **self._tp_plan}, self.config)
+        self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
+        # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling).
+        self.tp_base_plan = {g: s for g, s in base.items() if f"{prefix}.{g}" not in self._parameter_rules}
+        self._tp_plan = translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})  # the head (class-level)
+        declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
+                         self.config)
 
     # ------------------------------------------------------------------ building
 
@@ -150,7 +153,8 @@ class TransformersCausalLM(PreTrainedModel):
         """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
         if tp_size == 1:
             return []
-        return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles)))
+        unplanned = [re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles)]
+        return list(dict.fromkeys([*self._parameter_rules.values(), *unplanned]))
 
     def _apply_plan(self, resolved, distributed_config, *, reader=None, dtype=None):
         super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)

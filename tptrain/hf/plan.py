@@ -34,6 +34,22 @@ def translate_plan(plan: dict[str, str] | None) -> dict[str, str]:
     return out
 
 
+def parameter_rules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{glob: problem} for the rules of `plan` (full names) that name a parameter, not a module: transformers'
+    per-parameter styles (stacked MoE experts, attention sinks). tptrain's styles apply to modules."""
+    modules = dict(model.named_modules())
+    out = {}
+    for glob, style in plan.items():
+        parent, _, leaf = glob.rpartition(".")
+        owners = [m for n, m in modules.items() if n and _matches(parent, n)]
+        if owners and not any(_matches(glob, n) for n in modules) and any(leaf in dict(m.named_parameters(
+                recurse=False)) for m in owners):
+            out[glob] = (f"tp_plan rule {glob!r} ({style!r}) names a parameter, not a module: a transformers "
+                         f"per-parameter style (stacked MoE experts, attention sinks) that tptrain's transformers "
+                         f"backend does not have; use tp_size=1, or a model type tptrain implements natively")
+    return out
+
+
 def _matches(glob: str, name: str) -> bool:
     parts, names = glob.split("."), name.split(".")
     return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
