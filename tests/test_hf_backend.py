@@ -141,6 +141,13 @@ def _tp_worker(tp: int, checkpoints: dict, llama, save_root, out) -> None:
         comm = _assert_minimum_communication(model, model_type)
         model.save_pretrained(save_root / model_type)
         _equivalence(model, ref)
+        if model_type == "starcoder2" and tp == 2:  # transformers' activation checkpointing under tptrain's TP
+            recomputed = AutoModelForCausalLM.from_pretrained(path, dtype=F64,
+                                                              distributed_config=DistributedConfig(tp_size=tp))
+            recomputed.gradient_checkpointing_enable()
+            recomputed.train()
+            assert recomputed.hf_model.model.gradient_checkpointing
+            _equivalence(recomputed, AutoModelForCausalLM.from_pretrained(path, dtype=F64), steps=1)
         results[model_type] = {"diff": diff, "comm": comm}
     results["llama"] = _native_vs_transformers(llama, tp)
     if dist.get_rank() == 0:
