@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -34,13 +35,17 @@ from tptrain.modeling import PreTrainedModel, _SkipInit
 from tptrain.models.configuration import load_config_dict
 from tptrain.models.decoder import CausalLMOutput
 
-TESTED_VERSIONS = ">=5.23,<5.24"  # the `tptrain[hf]` extra's range: what the tests ran against
+TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
 
 
 def load_config(path_or_id: str | os.PathLike | dict) -> Any:
     """transformers' config for a checkpoint directory / hub id (or a config.json dict); custom code refused."""
     config_dict = path_or_id if isinstance(path_or_id, dict) else load_config_dict(path_or_id)
     model_type = config_dict.get("model_type")
+    if not transformers.__version__.startswith(TESTED + "."):
+        warnings.warn(f"tptrain's transformers backend is tested with transformers {TESTED}.x; "
+                      f"{transformers.__version__} is installed (pip install \"tptrain[hf]\" installs a tested one)",
+                      stacklevel=2)
     if config_dict.get("auto_map"):
         raise ValueError(f"{path_or_id if not isinstance(path_or_id, dict) else model_type!r}: config.json has "
                          f"auto_map, i.e. modeling code from the hub (trust_remote_code); tptrain's transformers "
@@ -84,9 +89,9 @@ class TransformersCausalLM(PreTrainedModel):
         base = translate_plan(type(hf_model.config).base_model_tp_plan or getattr(hf_model.config,
                                                                                  "base_model_tp_plan", None))
         embed = hf_model.get_input_embeddings()
-        if base and type(embed) is nn.Embedding:  # a plain embedding: vocab-parallel, as tptrain's native plans
-            base = {next(n for n, m in hf_model.base_model.named_modules() if m is embed): "embedding_rowwise",
-                    **base}
+        name = next((n for n, m in hf_model.base_model.named_modules() if m is embed), None)
+        if base and name and type(embed) is nn.Embedding:  # a plain embedding: vocab-parallel, as tptrain's plans
+            base = {name: "embedding_rowwise", **base}
         prefix = self.base_model_prefix
         self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
         # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling).
