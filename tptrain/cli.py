@@ -3,6 +3,7 @@
     tptrain plan Qwen/Qwen3-0.6B --tp-size 4                  # or a checkpoint directory
     tptrain plan ./ckpt --tp-size 8 --sequence-parallel --dtype bfloat16
     tptrain plan ./ckpt --tp-size 2 --tp-plan '{"layers.*.mlp.down_proj": "rowwise"}'
+    tptrain plan ./llama --tp-size 2 --backend transformers   # transformers' model code on tptrain's engine
     python -m tptrain plan ...                                # the same
     tptrain train --help
 
