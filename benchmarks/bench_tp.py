@@ -351,6 +351,9 @@ def _table(results: dict, loads: dict, args) -> str:
              lambda n: f"{get(n, 'tptrain-hf', 2)['step'] / get(n, 'tptrain', 2)['step']:.2f}x", "<= 1.1")
         line("tp-2 step time, tptrain-hf / peer",
              lambda n: f"{get(n, 'tptrain-hf', 2)['step'] / get(n, 'peer', 2)['step']:.2f}x", "<= 0.9")
+        line("same on CPU time/step: tptrain-hf / native, tptrain-hf / peer",
+             lambda n: f"{get(n, 'tptrain-hf', 2)['cpu'] / get(n, 'tptrain', 2)['cpu']:.2f}x, "
+             f"{get(n, 'tptrain-hf', 2)['cpu'] / get(n, 'peer', 2)['cpu']:.2f}x", "-")
         line("tptrain-hf collectives == minimum",
              lambda n: f"{get(n, 'tptrain-hf', 2)['coll'] == get(n, 'tptrain-hf', 2)['min']}", "True")
     line("tp-2 step time with SP, tptrain / peer",
