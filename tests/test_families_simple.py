@@ -1,4 +1,4 @@
-"""Mistral / Ministral (sliding windows), Granite (multipliers), SmolLM3 (layers without RoPE) under TP.
+"""Mistral / Ministral / Ministral 3 (sliding windows; YaRN and query scales), Granite (multipliers), SmolLM3 (layers without RoPE) under TP.
 
 transformers 5.23 writes each tiny random checkpoint; tptrain loads it at tp 1, 2 and 4 and must give
 transformers' logits and loss; at tp 2 (also with sequence parallelism and activation checkpointing)
@@ -19,7 +19,6 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.test_tensor_parallel import assert_grads_match, assert_params_match
-from tests.test_train_cli import tptrain_train
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig
 
@@ -35,6 +34,11 @@ FAMILIES = {
     "mistral": dict(TINY, head_dim=24, sliding_window=5),
     # one sliding layer, one full layer
     "ministral": dict(TINY, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    # YaRN (both mscales, so cos and sin are scaled too) and queries scaled past position 6 (Llama 4 temperature);
+    # sliding_window applies to every layer, as in Mistral
+    "ministral3": dict(TINY, head_dim=16, sliding_window=5, max_position_embeddings=24, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=6, beta_fast=8.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5, llama_4_scaling_beta=0.3)),
     # every multiplier away from 1, attention bias, tied embeddings
     "granite": dict(TINY, embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.1,
                     logits_scaling=4.0, attention_bias=True, tie_word_embeddings=True),
@@ -108,6 +112,16 @@ def test_tp1_matches_transformers_and_the_window_matters(checkpoints, tmp_path):
     (full / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
     got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32))["logits"]
     assert (got - checkpoints["mistral"][1]["logits"]).abs().max() > 1e-2
+    # Ministral 3's YaRN and its query scale change the logits: both are really applied.
+    path, expected = checkpoints["ministral3"]
+    config = json.loads((path / "config.json").read_text())
+    for change in ({"llama_4_scaling_beta": 0.0}, {"rope_type": "default"}):
+        changed = tmp_path / f"ministral3_{next(iter(change))}"
+        shutil.copytree(path, changed)
+        (changed / "config.json").write_text(json.dumps(
+            {**config, "rope_parameters": {**config["rope_parameters"], **change}}))
+        got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32))["logits"]
+        assert (got - expected["logits"]).abs().max() > 1e-3, change
     # Left padding combined with the window, as transformers masks it.
     ids, _ = _batch()
     mask = torch.ones_like(ids)
@@ -149,7 +163,7 @@ def _tp2_worker(checkpoints, out) -> None:
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=tp2)
         _train_equivalence(ref, model, f"{name} tp=2")
-        if name in ("mistral", "ministral"):  # windows under sequence parallelism and activation checkpointing
+        if name in ("mistral", "ministral", "ministral3"):  # windows (and query scales) under sequence parallelism and activation checkpointing
             ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=sp2)
             ref.gradient_checkpointing_enable(), model.gradient_checkpointing_enable()
@@ -222,6 +236,8 @@ def test_configs_round_trip_through_transformers(tmp_path):
                     "residual_multiplier", "attention_multiplier", "logits_scaling", "head_dim"):
             if key in kwargs:
                 assert getattr(hf_config, key) == kwargs[key], (name, key)
+        if "rope_parameters" in kwargs:  # written as rope_theta + rope_scaling, read back by transformers 5 as given
+            assert hf_config.rope_parameters == kwargs["rope_parameters"], (name, hf_config.rope_parameters)
         hf_config.save_pretrained(tmp_path / f"{name}_hf")
         assert AutoConfig.from_pretrained(tmp_path / f"{name}_hf").layer_sliding_windows == config.layer_sliding_windows
         assert AutoConfig.from_pretrained(tmp_path / f"{name}_hf").layer_uses_rope == config.layer_uses_rope
@@ -237,19 +253,9 @@ def test_configs_round_trip_through_transformers(tmp_path):
     ("smollm3", dict(no_rope_layers=[1]), "no_rope_layers"),
     ("smollm3", dict(extra={"use_sliding_window": True, "sliding_window": 4}), "use_sliding_window"),
     ("qwen3", dict(extra={"layer_types": ["sliding_attention", "full_attention"]}), "layer_types"),
-    ("granite", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    ("granite", dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling"),
+    ("ministral3", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "original_max_position_embeddings"),
 ])
 def test_unsupported_config_values_name_the_key(model_type, kwargs, key):
     with pytest.raises(ValueError, match=key):
         AutoConfig.for_model(model_type, **{**TINY, **kwargs})
-
-
-def test_train_cli_smoke_on_granite(tmp_path):
-    import transformers
-    # Byte-level tokenizer (no tokenizer.json): 257 ids, so a vocabulary of 320.
-    _write_hf_checkpoint(transformers, "granite", {**FAMILIES["granite"], "vocab_size": 320}, tmp_path / "granite",
-                         seed=0)
-    run = tptrain_train("--model", str(tmp_path / "granite"), "--output-dir", str(tmp_path / "run"))
-    assert run.returncode == 0, run.stdout + run.stderr
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32)
-    assert model.config.model_type == "granite" and model.config.logits_scaling == 4.0

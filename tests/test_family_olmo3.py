@@ -2,19 +2,23 @@
 
 A tiny random checkpoint written by transformers' Olmo3ForCausalLM: 3 layers (sliding, full, sliding), a window of
 4 keys on 12-token sequences, 2 KV heads (tp 4 replicates KV), linear RoPE scaling on the full layer only and
-another base on the sliding ones. fp64 throughout; the helpers are OLMo 2's. One spawned job per world size.
+another base on the sliding ones. fp64 throughout; the helpers are OLMo 2's. One spawned job per world size: tp 2
+(transformers' logits, single-device gradients and AdamW steps, also with sequence parallelism and activation
+checkpointing, the saved checkpoint in transformers, LoRA crossing with peft) and tp 4 (KV replicated).
 
     .venv/bin/python -m pytest tests/test_family_olmo3.py -q
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_family_olmo2 import F64, HF_TOL, _batch, _check_against_hf, _equivalence, _hf_reference
+from tests.test_family_olmo2 import (F64, HF_TOL, LORA_TOL, _batch, _check_against_hf, _equivalence, _hf_reference,
+                                     _lora_crossing, _peft_adapter)
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig, Olmo3Config
 
@@ -79,29 +83,41 @@ def test_defaults_and_bad_layer_types_name_the_key():
         Olmo3Config.from_dict({"model_type": "olmo3", **TINY, "layer_types": LAYER_TYPES[:2]})
 
 
-def _tp2_worker(path, expected, save_dir, out) -> None:
+def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=2))
     assert model.tp_plan["model.layers.0.self_attn.q_norm"] == "distributed_rmsnorm"
     diff = _check_against_hf(model, expected, "tp=2")
     model.save_pretrained(save_dir)
     vs_tp1 = _equivalence(model, ref)
+    # Windows and per-layer RoPEs under sequence parallelism + activation checkpointing.
+    sp = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
+    sp.gradient_checkpointing_enable(), sp.train()
+    single = copy.deepcopy(ref)
+    single.gradient_checkpointing_enable(), single.train()
+    _equivalence(sp, single, steps=2)
+    lora = _lora_crossing(path, peft_dir, adapter_dir)
+    if torch.distributed.get_rank() == 0:
+        torch.save({"diff": diff, "vs_tp1": vs_tp1, **lora}, out)
+
+
+def _tp4_worker(path, expected, out) -> None:
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
+    assert model.tp_layout.specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2
+    diff = _check_against_hf(model, expected, "tp=4 (KV replicated)")
+    vs_tp1 = _equivalence(model, ref)
     if torch.distributed.get_rank() == 0:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
 
-def _tp4_worker(path, expected, out) -> None:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
-    assert model.tp_layout.specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2
-    diff = _check_against_hf(model, expected, "tp=4 (KV replicated)")
-    if torch.distributed.get_rank() == 0:
-        torch.save({"diff": diff}, out)
-
-
-def test_tp2_matches_transformers_and_single_device_and_saves_for_transformers(checkpoint, tmp_path):
+def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_crosses_lora(checkpoint, tmp_path):
+    import peft
     import transformers
     path, expected = checkpoint
-    run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt")
+    peft_logits = _peft_adapter(path, tmp_path / "peft_adapter")
+    run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt",
+                    tmp_path / "peft_adapter", tmp_path / "tptrain_adapter")
     result = torch.load(tmp_path / "tp2.pt")
     print(f"\ntp=2 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}")
     with warnings.catch_warnings():
@@ -112,11 +128,19 @@ def test_tp2_matches_transformers_and_single_device_and_saves_for_transformers(c
     got = _hf_reference(hf)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
+    # LoRA on every linear layer crosses both ways: peft's adapter on the tp 2 model, the tptrain-trained one in peft.
+    torch.testing.assert_close(result["peft_adapter"], peft_logits, **LORA_TOL)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    with torch.no_grad():
+        plain = base(_batch()[0]).logits
+        reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "tptrain_adapter")(_batch()[0]).logits
+    torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
+    assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
 
 
 def test_tp4_matches_transformers_with_kv_replication(checkpoint, tmp_path):
     path, expected = checkpoint
     run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")
     result = torch.load(tmp_path / "tp4.pt")
-    print(f"\ntp=4 max |logits - transformers| = {result['diff']:.3g}")
+    print(f"\ntp=4 max |logits - transformers| = {result['diff']:.3g}, - tp 1: {result['vs_tp1']:.3g}")
     assert result["diff"] <= HF_TOL["atol"] * 10

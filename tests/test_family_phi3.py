@@ -86,7 +86,7 @@ def test_fp32_and_bf16_arithmetic_is_transformers(checkpoint, dtype):
 @pytest.mark.parametrize("key, value, match", [
     ("rope_scaling", {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 4}, "short_factor"),
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_scaling"),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "rope_scaling"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}, "rope_scaling"),
     ("resid_pdrop", 0.1, "resid_pdrop"), ("attention_dropout", 0.1, "attention_dropout"),
     ("partial_rotary_factor", 0.0, "partial_rotary_factor")])
 def test_unsupported_config_values_name_the_key(key, value, match):

@@ -9,13 +9,14 @@ import importlib.util
 import os
 from typing import Any
 
-from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
+from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
                                           MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config, load_config_dict)
+                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
+                                          absorb_rope_parameters, load_config_dict)
 from tptrain.models.decoder import (DecoderForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM,
-                                    LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
-                                    Olmo3ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                                    SmolLM3ForCausalLM)
+                                    LlamaForCausalLM, Ministral3ForCausalLM, MinistralForCausalLM, MistralForCausalLM,
+                                    Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
+                                    Qwen3ForCausalLM, SmolLM3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "ministral": (MinistralConfig, MinistralForCausalLM),
+    "ministral3": (Ministral3Config, Ministral3ForCausalLM),
     "granite": (GraniteConfig, GraniteForCausalLM),
     "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
     "olmo2": (Olmo2Config, Olmo2ForCausalLM),
@@ -80,6 +82,8 @@ class AutoConfig:
 
     @staticmethod
     def for_model(model_type: str, **kwargs: Any) -> PretrainedConfig:
+        """The config of `model_type` from keyword arguments (transformers 5's `rope_parameters` spelling too)."""
+        absorb_rope_parameters(kwargs)
         return _lookup(model_type)[0](**kwargs)
 
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from tptrain.checkpoint.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (tanh-approximated GELU: Gemma)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -128,7 +128,8 @@ class PretrainedConfig:
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
                                  f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
-            required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",)}.get(rope_type, ())
+            required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",),
+                        "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
             if missing := [k for k in required if k not in scaling]:
                 raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
             if rope_type == "longrope":
@@ -193,6 +194,12 @@ class PretrainedConfig:
         return None
 
     @property
+    def query_position_scale(self) -> tuple[float, int] | None:
+        """(beta, length): after RoPE, the queries at position p are multiplied by 1 + beta * log(1 + floor(p /
+        length)) (Llama 4's attention temperature, Ministral 3); None = no position-dependent scale."""
+        return None
+
+    @property
     def embedding_scale(self) -> float:
         """Factor on the token embeddings before the first layer."""
         return 1.0
@@ -234,7 +241,7 @@ class PretrainedConfig:
                              f"{model_type!r}; use tptrain.models.AutoConfig to pick the class.")
         if (dtype := d.pop("dtype", None)) is not None:  # transformers-5 spelling wins, as there
             d["torch_dtype"] = dtype
-        _absorb_rope_parameters(d)
+        absorb_rope_parameters(d)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: d.pop(k) for k in list(d) if k in names}
         return cls(**known, extra=d)
@@ -266,7 +273,7 @@ def rope_type_of(scaling: dict[str, Any] | None) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def _absorb_rope_parameters(d: dict[str, Any]) -> None:
+def absorb_rope_parameters(d: dict[str, Any]) -> None:
     """Fold transformers-5 `rope_parameters` into `rope_theta` / `rope_scaling`, in place.
 
     Priority is transformers': a `rope_scaling` key beats `rope_parameters`, and the theta inside
@@ -290,8 +297,8 @@ def _absorb_rope_parameters(d: dict[str, Any]) -> None:
         d["rope_theta"] = params.pop("rope_theta")
     if "partial_rotary_factor" in params:  # transformers 5 keeps it among the RoPE parameters
         d.setdefault("partial_rotary_factor", params.pop("partial_rotary_factor"))
-    if d.get("rope_scaling") is None and params.get("rope_type", params.get("type", "default")) != "default":
-        d["rope_scaling"] = params
+    if d.get("rope_scaling") is None:  # also when "default": None, not a family's own default scaling
+        d["rope_scaling"] = params if rope_type_of(params) != "default" else None
 
 
 def load_config_dict(path_or_id: str | os.PathLike) -> dict[str, Any]:
@@ -406,6 +413,34 @@ class MinistralConfig(MistralConfig):
     @property
     def layer_sliding_windows(self) -> list[int | None]:
         return _sliding_windows(self, self.layer_types)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Ministral3Config(MistralConfig):
+    """Ministral 3 (the text model of Mistral 3): Mistral with YaRN RoPE and, past the pre-training context,
+    queries scaled up with their position (`rope_parameters["llama_4_scaling_beta"]`, Llama 4's attention
+    temperature). As transformers' Ministral3: a set `sliding_window` applies to every layer."""
+
+    model_type: ClassVar[str] = "ministral3"
+
+    vocab_size: int = 131072
+    num_hidden_layers: int = 34
+    head_dim: int | None = 128
+    max_position_embeddings: int = 262144
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 1000000.0
+    rope_scaling: dict[str, Any] | None = dataclasses.field(default_factory=lambda: {
+        "rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1})
+    sliding_window: int | None = None
+    pad_token_id: int | None = 11
+
+    @property
+    def query_position_scale(self) -> tuple[float, int] | None:
+        scaling = self.rope_scaling or {}
+        if scaling.get("llama_4_scaling_beta") is None:
+            return None
+        return scaling["llama_4_scaling_beta"], scaling["original_max_position_embeddings"]
 
 
 @dataclasses.dataclass(kw_only=True)

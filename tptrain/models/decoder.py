@@ -1,5 +1,5 @@
-"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral, Granite, SmolLM3, OLMo 2, Gemma 2/3 and
-Phi-3 differ only by config flags.
+"""The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral/Ministral 3, Granite, SmolLM3, OLMo 2/3,
+Gemma 2/3 and Phi-3 differ only by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -19,9 +19,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig,
-                                          MistralConfig, Olmo2Config, Olmo3Config, Phi3Config, PretrainedConfig,
-                                          Qwen2Config, Qwen3Config, SmolLM3Config)
+from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
+                                          MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
+                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -162,8 +162,8 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.rope_in_float32 = config.rope_in_float32
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.fused:
             q, k, v = split_packed(self.qkv_proj, x)  # (batch, seq, local width of each)
         else:
@@ -181,6 +181,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
         if self.use_rope:
             q, k = apply_rotary(q, k, cos, sin, keep_dtype=self.rope_in_float32)
+        if q_scale is not None:  # (batch or 1, 1, seq, 1): config.query_position_scale
+            q = q * q_scale.to(q.dtype)
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
@@ -230,10 +232,10 @@ class DecoderLayer(nn.Module):
     def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
         return x if name is None else getattr(self, name)(x)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
         (attn_in, attn_out), (mlp_in, mlp_out) = self.attn_norms, self.mlp_norms
-        attn = self.self_attn(self._norm(attn_in, h), cos, sin, mask)
+        attn = self.self_attn(self._norm(attn_in, h), cos, sin, mask, q_scale)
         h = h + _scaled(self._norm(attn_out, attn), self.residual_scale)
         return h + _scaled(self._norm(mlp_out, self.mlp(self._norm(mlp_in, h))), self.residual_scale)
 
@@ -259,6 +261,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.embedding_scale = config.embedding_scale
         self.embedding_scale_in_weight_dtype = config.embedding_scale_in_weight_dtype
+        self.query_position_scale = config.query_position_scale
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
@@ -274,15 +277,19 @@ class DecoderModel(nn.Module):
             position_ids = torch.arange(seq, device=input_ids.device)[None]
         layer_rope = self.rotary_emb.layer_rope  # per layer: the first layer with the same RoPE
         rope = {i: self.rotary_emb(h, position_ids, i) for i in set(layer_rope)}  # {that layer: (cos, sin)}
+        q_scale = None
+        if self.query_position_scale is not None:  # as transformers: fp32 positions, log(1 + .)
+            beta, length = self.query_position_scale
+            q_scale = (1 + beta * torch.log(1 + torch.floor(position_ids.float() / length)))[:, None, :, None]
         masks = {w: causal_mask(seq, device=input_ids.device, attention_mask=attention_mask, sliding_window=w)
                  for w in {layer.sliding_window for layer in self.layers}}  # one per distinct window
         for layer, rope_layer in zip(self.layers, layer_rope):
             mask = masks[layer.sliding_window]
             cos, sin = rope[rope_layer]
             if self.gradient_checkpointing and self.training:
-                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, mask, q_scale, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask)
+                h = layer(h, cos, sin, mask, q_scale)
         return self.norm(h)
 
 
@@ -388,6 +395,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     config_class = Phi3Config
+
+
+class Ministral3ForCausalLM(DecoderForCausalLM):
+    config_class = Ministral3Config
 
 
 class Olmo3ForCausalLM(DecoderForCausalLM):

@@ -16,7 +16,7 @@ from tptrain.models.configuration import PretrainedConfig, rope_type_of
 
 def rope_inv_freq(config: PretrainedConfig, layer: int = 0, *, long: bool = False) -> torch.Tensor:
     """Inverse frequencies of `layer`'s RoPE (`config.layer_ropes`), (rotary_dim // 2,) fp32 on CPU, for rope type
-    "default", "linear", "llama3" or "longrope" (`long`: its long-context factors, else its short ones)."""
+    "default", "linear", "llama3", "yarn" or "longrope" (`long`: its long-context factors, else its short ones)."""
     theta, scaling = config.layer_ropes[layer]
     dim = config.rotary_dim
     # Explicit device/dtype: construction may run under `torch.device("meta")` or a bf16 default dtype.
@@ -25,6 +25,8 @@ def rope_inv_freq(config: PretrainedConfig, layer: int = 0, *, long: bool = Fals
     if rope_type == "longrope":  # transformers' `_compute_longrope_parameters`
         factors = scaling["long_factor" if long else "short_factor"]
         return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * theta ** exponents)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(theta ** exponents, scaling, _yarn_factor(config, scaling), theta=theta, dim=dim)
     inv_freq = 1.0 / (theta ** exponents)
     if rope_type == "linear":  # positions divided by `factor`
         inv_freq = inv_freq / scaling["factor"]
@@ -42,7 +44,9 @@ def longrope_original_length(config: PretrainedConfig) -> int | None:
 
 
 def rope_attention_factor(config: PretrainedConfig) -> float:
-    """Factor on cos and sin: 1 except for longrope, sqrt(1 + log(factor) / log(original length))."""
+    """Factor on cos and sin: 1 except for longrope, sqrt(1 + log(factor) / log(original length)), and YaRN."""
+    if config.rope_type == "yarn":
+        return _yarn_attention_factor(config.rope_scaling, _yarn_factor(config, config.rope_scaling))
     if config.rope_type != "longrope":
         return 1.0
     scaling, original = config.rope_scaling, longrope_original_length(config)
@@ -70,6 +74,49 @@ def _llama3_scaling(inv_freq: torch.Tensor, scaling: dict, max_position_embeddin
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_factor(config: PretrainedConfig, scaling: dict) -> float:
+    """YaRN's context extension; without `factor`, max_position_embeddings over the original length (DeepSeek-V3)."""
+    factor = scaling.get("factor")
+    return config.max_position_embeddings / scaling["original_max_position_embeddings"] if factor is None else factor
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attention_factor(scaling: dict, factor: float) -> float:
+    """transformers' `_compute_yarn_parameters`: `attention_factor`, else the ratio of the two mscales, else
+    0.1 * log(factor) + 1."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(powers: torch.Tensor, scaling: dict, factor: float, *, theta: float,
+                   dim: int) -> torch.Tensor:
+    """YaRN (NTK-by-parts) from `powers` = theta ** (2i / dim), (dim // 2,): frequencies that turn fewer than
+    `beta_slow` times over the original context are interpolated (divided by `factor`), those turning more than
+    `beta_fast` times are kept, a linear ramp between."""
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the feature index that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate it
+    return 1.0 / (factor * powers) * (1 - extrapolation) + 1.0 / powers * extrapolation
 
 
 class RotaryEmbedding(nn.Module):

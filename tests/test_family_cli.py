@@ -1,0 +1,63 @@
+"""`tptrain train --model DIR` on every model type: a tiny checkpoint written by transformers, trained for the
+smoke run's 4 steps at tp 2 (two worker processes), its final checkpoint reloaded by tptrain and transformers.
+
+    .venv/bin/python -m pytest tests/test_family_cli.py -q
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests import test_families_simple, test_family_gemma, test_family_olmo2, test_family_olmo3, test_family_phi3
+from tests.family_utils import randomize
+from tests.test_train_cli import read_metrics, tptrain_train
+from tptrain import AutoModelForCausalLM
+from tptrain.models import MODEL_REGISTRY
+
+# Byte-level tokenizer (the checkpoints have no tokenizer.json): 257 ids, so a vocabulary of 320.
+CLI_VOCAB = 320
+FAMILIES = {
+    "llama": dict(test_families_simple.TINY),
+    "qwen2": dict(test_families_simple.TINY),
+    "qwen3": dict(test_families_simple.TINY, head_dim=16),
+    **test_families_simple.FAMILIES,
+    "olmo2": test_family_olmo2.TINY,
+    "olmo3": dict(test_family_olmo3.TINY, rope_parameters=test_family_olmo3.ROPE),
+    **test_family_gemma.FAMILIES,
+    "phi3": test_family_phi3.TINY,
+}
+
+
+def test_every_model_type_has_a_smoke_run():
+    assert set(FAMILIES) == set(MODEL_REGISTRY)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_train_cli_smoke(model_type, tmp_path):
+    import transformers
+    # The smoke run's 32-token sequences need max_position_embeddings >= 32.
+    kwargs = {**FAMILIES[model_type], "vocab_size": CLI_VOCAB, "pad_token_id": None, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs))
+    randomize(hf, norm_weight=0.0 if model_type.startswith("gemma") else 1.0)
+    hf.save_pretrained(tmp_path / "model")
+
+    run = tptrain_train("--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
+    final = tmp_path / "run" / "final"
+    ours = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    assert ours.config.model_type == model_type
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ids = torch.randint(0, 257, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-4, atol=1e-4)
+        trained = hf.eval()(ids).logits
+    assert (ours(ids).logits - trained).abs().max() > 1e-4, "training changed nothing"
