@@ -27,7 +27,7 @@ import torch
 import transformers
 from torch import nn
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tptrain.hf.plan import declare_tp_facts, parameter_rules, translate_plan, unplanned_parameters
 from tptrain.losses import causal_lm_loss
@@ -59,6 +59,11 @@ def load_config(path_or_id: str | os.PathLike | dict) -> Any:
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"transformers has no causal-LM class for model_type {model_type!r}")
     return config
+
+
+def knows(model_type: str | None) -> bool:
+    """Whether transformers has a causal-LM class for `model_type`."""
+    return model_type in transformers.CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 class _ConfigLoader:

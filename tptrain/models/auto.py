@@ -55,6 +55,10 @@ def select_backend(model_type: str | None, backend: str = "auto") -> str:
         raise ValueError(f"model_type {model_type!r} {why}, and transformers is not installed. Either "
                          f"`pip install \"tptrain[hf]\"` (tptrain's engine on transformers' modeling code), or use "
                          f"one of tptrain's native model types: {', '.join(sorted(MODEL_REGISTRY))}.")
+    if not _transformers_backend().knows(model_type):
+        raise ValueError(f"model_type {model_type!r} is not supported: tptrain implements "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}, and the installed transformers has no causal LM of "
+                         f"that type for tptrain's transformers backend either.")
     return "transformers"
 
 
