@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/bench_tp.py                                    # everything
     .venv/bin/python benchmarks/bench_tp.py --workloads medium --steps 2 --warmup 1 --no-load   # quick look
+    .venv/bin/python benchmarks/bench_tp.py --backend transformers --workloads medium --no-load
+        # + tptrain's engine on transformers' Qwen3ForCausalLM (impl "tptrain-hf"), next to native and the peer
 
 Every measurement runs in fresh processes: tp 1 as one process, tp 2 as two ranks launched with
 `python -m torch.distributed.run --standalone --nproc-per-node 2`; each rank uses ONE thread
@@ -36,6 +38,7 @@ WORKLOADS = {  # name: (config, batch, seq)
 }
 LOAD_CONFIG = dict(QWEN3, num_hidden_layers=28, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # Qwen3-0.6B
 RUNS = [("tptrain", 1, False), ("peer", 1, False), ("tptrain", 2, False), ("tptrain", 2, True), ("peer", 2, False)]
+HF_RUNS = [("tptrain-hf", 1, False), ("tptrain-hf", 2, False)]  # --backend transformers
 MB = 1e6
 
 
@@ -125,11 +128,12 @@ def _batches(vocab: int, b: int, s: int, n: int):
 
 def _load(impl: str, ckpt: str, tp: int, sp: bool):
     import torch
-    if impl == "tptrain":
+    if impl.startswith("tptrain"):
         from tptrain import DistributedConfig
         from tptrain.models import AutoModelForCausalLM
-        dc = DistributedConfig(tp_size=tp, enable_sequence_parallel=sp) if tp > 1 else None
-        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
+        backend = "transformers" if impl == "tptrain-hf" else "native"
+        dc = DistributedConfig(tp_size=tp, enable_sequence_parallel=sp, backend=backend) if tp > 1 else None
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc, backend=backend)
     import transformers
     dc = transformers.DistributedConfig(tp_size=tp) if tp > 1 else None
     return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
@@ -138,7 +142,7 @@ def _load(impl: str, ckpt: str, tp: int, sp: bool):
 def _measure_step(impl: str, model, ids, labels) -> dict:
     """One extra forward + backward: collectives and saved-activation bytes (not timed)."""
     from tptrain.diagnostics.accounting import SavedTensorMeter, comm_report
-    if impl == "tptrain":
+    if impl.startswith("tptrain"):
         report = comm_report(model, ids, labels)
         out = {"saved": report.saved_activation_bytes, "full_logit": report.full_logit_collectives,
                "coll": [sum(r.count for r in report.rows), sum(r.bytes for r in report.rows)],
@@ -165,7 +169,7 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
     import tptrain  # noqa: F401 - imports count in the baseline for both implementations
-    if spec["impl"] == "peer":
+    if spec["impl"] in ("peer", "tptrain-hf"):  # the transformers backend imports it too
         import transformers  # noqa: F401
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
@@ -257,9 +261,12 @@ def _fmt_coll(c) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: medium,large-vocab")
-    parser.add_argument("--impls", default="tptrain,peer", help="comma-separated: tptrain,peer")
+    parser.add_argument("--impls", default="tptrain,peer", help="comma-separated: tptrain,peer (tptrain-hf comes "
+                                                                "with tptrain under --backend transformers)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--backend", choices=("native", "transformers"), default="native",
+                        help="transformers: also run tptrain's engine on transformers' modeling code (tptrain-hf)")
     parser.add_argument("--no-load", action="store_true", help="skip the ~2.4 GB checkpoint load measurement")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -280,8 +287,8 @@ def main() -> None:
             parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
         config, b, s = WORKLOADS[name]
         ckpt = _qwen3_checkpoint(cache, f"qwen3-{name}", config)
-        for impl, tp, sp in RUNS:
-            if impl in impls:
+        for impl, tp, sp in RUNS + (HF_RUNS if args.backend == "transformers" else []):
+            if impl in impls or impl == "tptrain-hf" and "tptrain" in impls:
                 spec = dict(mode="train", impl=impl, workload=name, tp=tp, sp=sp, ckpt=str(ckpt),
                             steps=args.steps, warmup=args.warmup)
                 ranks = _launch(spec, tp, args.timeout)
@@ -339,6 +346,16 @@ def _table(results: dict, loads: dict, args) -> str:
 
     line("tp-2 step time, tptrain / peer", lambda n: f"{get(n, 'tptrain', 2)['step'] / get(n, 'peer', 2)['step']:.2f}x "
          f"(speed-up {get(n, 'peer', 2)['step'] / get(n, 'tptrain', 2)['step']:.2f}x)", "<= 0.85 (medium), 0.80 (large-vocab)")
+    if args.backend == "transformers":
+        line("tp-2 step time, tptrain-hf / tptrain (native)",
+             lambda n: f"{get(n, 'tptrain-hf', 2)['step'] / get(n, 'tptrain', 2)['step']:.2f}x", "<= 1.1")
+        line("tp-2 step time, tptrain-hf / peer",
+             lambda n: f"{get(n, 'tptrain-hf', 2)['step'] / get(n, 'peer', 2)['step']:.2f}x", "<= 0.9")
+        line("same on CPU time/step: tptrain-hf / native, tptrain-hf / peer",
+             lambda n: f"{get(n, 'tptrain-hf', 2)['cpu'] / get(n, 'tptrain', 2)['cpu']:.2f}x, "
+             f"{get(n, 'tptrain-hf', 2)['cpu'] / get(n, 'peer', 2)['cpu']:.2f}x", "-")
+        line("tptrain-hf collectives == minimum",
+             lambda n: f"{get(n, 'tptrain-hf', 2)['coll'] == get(n, 'tptrain-hf', 2)['min']}", "True")
     line("tp-2 step time with SP, tptrain / peer",
          lambda n: f"{get(n, 'tptrain', 2, True)['step'] / get(n, 'peer', 2)['step']:.2f}x", "-")
     for impl in ("tptrain", "peer"):

@@ -16,6 +16,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.checkpoint import CheckpointReader, save_checkpoint
+from tptrain.models import MODEL_REGISTRY
 from tptrain.parallel.tensor_parallel import check_plan
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -53,7 +54,7 @@ def bad(tmp_path_factory):
     state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"].t()
     save_checkpoint(state, paths["shape"], extra_files={"config.json": (paths["shape"] / "config.json").read_text()})
     config = json.loads((paths["model_type"] / "config.json").read_text())
-    (paths["model_type"] / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    (paths["model_type"] / "config.json").write_text(json.dumps({**config, "model_type": "acme_lm"}))
     return paths
 
 
@@ -110,8 +111,8 @@ CASES = [
     ("empty_base_plan", lambda p: _empty_base_plan(p["good"]), ValueError,
      ["declares no base_model_tp_plan", "tp_size=2"]),
     ("model_type", lambda p: _load(p["model_type"]), ValueError,
-     ["model_type 'gpt_neox' is not supported",
-      "gemma2, gemma3_text, granite, llama, ministral, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3"]),
+     ["model_type 'acme_lm' is not supported",
+      ", ".join(sorted(MODEL_REGISTRY))]),
     ("missing_shard", lambda p: _load(p["missing_shard"]), FileNotFoundError,
      ["model-00002-of-", ".safetensors", "missing"]),
     ("truncated", lambda p: _load(p["truncated"]), ValueError,

@@ -14,7 +14,7 @@ LAYERS = [
     ("tptrain.checkpoint",),
     ("tptrain.parallel",),
     ("tptrain.modeling",),
-    ("tptrain.models",),
+    ("tptrain.models", "tptrain.hf"),
     ("tptrain.diagnostics",),
     ("tptrain.training", "tptrain.peft"),
     ("tptrain.cli", "tptrain.__main__", "tptrain"),
@@ -89,3 +89,55 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    from tptrain.training import trainer\n")
     assert "tptrain.training.trainer" in _imports(probe, _modules())
+
+
+# The transformers backend is the only package that may import transformers (or peft), and it is imported only
+# inside the functions that choose it, so the core imports and runs without transformers installed.
+OPTIONAL = ("transformers", "peft")
+BACKEND = "tptrain.hf"
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def _module_level_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """tptrain modules imported at module level (not inside a function) of `path`."""
+    tree = ast.parse(path.read_text())
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in nested:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("tptrain"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tptrain"):
+            out.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                       for a in node.names)
+    return out
+
+
+def test_only_the_transformers_backend_imports_transformers_and_only_lazily():
+    modules = _modules()
+    outside = [f"{mod} imports {dep}" for mod, path in sorted(modules.items())
+               if not (mod == BACKEND or mod.startswith(BACKEND + "."))
+               for dep in sorted(_third_party_imports(path) & set(OPTIONAL))]
+    assert not outside, "only tptrain.hf may import transformers/peft:\n" + "\n".join(outside)
+    eager = [f"{mod} imports {dep} at module level" for mod, path in sorted(modules.items())
+             if not mod.startswith(BACKEND) for dep in sorted(_module_level_imports(path, modules))
+             if dep == BACKEND or dep.startswith(BACKEND + ".")]
+    assert not eager, "tptrain.hf must be imported only where the backend is chosen:\n" + "\n".join(eager)
+    assert "transformers" in _third_party_imports(modules["tptrain.hf.model"])  # the check can see it
+
+
+def test_the_lazy_import_checker_sees_module_level_imports(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from tptrain.hf import model\n\ndef f():\n    from tptrain.training import trainer\n")
+    assert _module_level_imports(probe, _modules()) == {"tptrain.hf.model"}

@@ -55,12 +55,12 @@ def test_train_refuses_bad_inputs_before_starting_workers(tmp_path, monkeypatch,
     monkeypatch.setattr(train_cli, "_worker", _no_workers)
     gpt = tmp_path / "gpt"
     gpt.mkdir()
-    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64}))
+    (gpt / "config.json").write_text(json.dumps({"model_type": "acme_lm", "hidden_size": 64}))
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf".encode() + "é".encode("latin-1") * 100)
     out = ["--output-dir", str(tmp_path / "run")]
     cases = [
-        (["--model", str(gpt)], "model_type 'gpt_neox' is not supported"),
+        (["--model", str(gpt)], "model_type 'acme_lm' is not supported"),
         (["--data", str(tmp_path / "missing.txt")], "missing.txt does not exist"),
         (["--data", str(latin1)], "not valid UTF-8: byte offset 3"),
         (["--tp-size", "3"], "--tp-size 3 cannot shard Qwen3ForCausalLM: num_attention_heads=4 is not divisible"),

@@ -3,6 +3,7 @@
     tptrain plan Qwen/Qwen3-0.6B --tp-size 4                  # or a checkpoint directory
     tptrain plan ./ckpt --tp-size 8 --sequence-parallel --dtype bfloat16
     tptrain plan ./ckpt --tp-size 2 --tp-plan '{"layers.*.mlp.down_proj": "rowwise"}'
+    tptrain plan ./llama --tp-size 2 --backend transformers   # transformers' model code on tptrain's engine
     python -m tptrain plan ...                                # the same
     tptrain train --help
 
@@ -46,6 +47,9 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
+    plan.add_argument("--backend", choices=("auto", "native", "transformers"), default="auto",
+                      help="model code: tptrain's own (native), transformers' under tptrain's engine (transformers, "
+                           "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
     plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")
     plan.set_defaults(handler=_run_plan)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
@@ -70,7 +74,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.diagnostics.plan_report import plan_report
 
     try:
-        config = AutoConfig.from_pretrained(args.model)
+        config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
                              sequence_parallel=args.sequence_parallel, dtype=args.dtype)
     except (OSError, ValueError, TypeError) as exc:

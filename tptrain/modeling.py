@@ -61,6 +61,7 @@ class PreTrainedModel(nn.Module):
     config_class: ClassVar[type]
     _tp_plan: ClassVar[dict[str, str]] = {}
     base_model_prefix: ClassVar[str] = "model"
+    backend: ClassVar[str] = "native"  # "transformers": tptrain's engine on transformers' modeling code (tptrain.hf)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -204,6 +205,13 @@ class PreTrainedModel(nn.Module):
         Collective over the TP group; returns the dict on TP rank 0 and None elsewhere."""
         return gather_parameters(self, [name for name, _ in self.named_parameters()])
 
+    def config_json(self, dtype: torch.dtype) -> str:
+        """The config.json written next to weights of `dtype`."""
+        config = self.config.to_dict()
+        config["torch_dtype"] = str(dtype).replace("torch.", "")
+        config["architectures"] = config.get("architectures") or [type(self).__name__]
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
         """Write one consolidated HF checkpoint (config.json + safetensors), whatever tp_size was.
 
@@ -211,11 +219,8 @@ class PreTrainedModel(nn.Module):
         writer is raised on every rank.
         """
         def write(state: dict[str, torch.Tensor]) -> None:
-            config = self.config.to_dict()
-            config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
-            config["architectures"] = config.get("architectures") or [type(self).__name__]
             save_checkpoint(state, save_directory, max_shard_size=max_shard_size,
-                            extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
+                            extra_files={"config.json": self.config_json(next(iter(state.values())).dtype)})
 
         save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
 

@@ -45,8 +45,11 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
     problems = resolved.problems
     rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize)
-    lines = [f"tptrain plan: {type(model).__name__} (model_type {config.model_type!r}), tp_size={tp_size}, "
+    name = type(getattr(model, "hf_model", model)).__name__
+    lines = [f"tptrain plan: {name} (model_type {config.model_type!r}), tp_size={tp_size}, "
              f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
+             f"backend: {model.backend}" + (" (transformers' modeling code on tptrain's engine)"
+                                            if model.backend == "transformers" else " (tptrain's own model code)"),
              *_head_lines(config, tp_size), "", *_table(rows), "",
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
              f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
@@ -58,9 +61,11 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
 
 
 def _head_lines(config: Any, tp_size: int) -> list[str]:
-    heads, n_kv = config.num_attention_heads, config.num_key_value_heads
-    out = [f"attention: {heads} query heads, {n_kv} KV heads, head_dim {config.head_dim}; "
-           f"vocab_size {config.vocab_size}, intermediate_size {config.intermediate_size}"]
+    heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = [f"attention: {heads} query heads, {n_kv} KV heads, head_dim {head_dim}; "
+           f"vocab_size {config.vocab_size}, intermediate_size {getattr(config, 'intermediate_size', None)}"]
     if heads % tp_size == 0 and (n_kv % tp_size == 0 or tp_size % n_kv == 0):
         out.append(f"per rank: {heads // tp_size} query head(s), {max(n_kv // tp_size, 1)} KV head(s)")
     replicas = kv_replicas(config, tp_size)

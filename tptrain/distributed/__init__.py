@@ -18,7 +18,9 @@ from tptrain.distributed import comm
 from tptrain.distributed.comm import raise_on_any_rank
 from tptrain.distributed.topology import MESH_AXES, ParallelDims
 
-__all__ = ["MESH_AXES", "DistributedConfig", "ParallelDims", "comm", "init_distributed", "local_device",
+BACKENDS = ("auto", "native", "transformers")
+
+__all__ = ["BACKENDS", "MESH_AXES", "DistributedConfig", "ParallelDims", "comm", "init_distributed", "local_device",
            "raise_on_any_rank"]
 
 
@@ -60,6 +62,9 @@ class DistributedConfig:
     enable_sequence_parallel: shard norms and the residual stream along the sequence between TP regions.
     dp_replicate_size: replicated data-parallel degree (DDP, or the replica axis of HSDP).
     dp_shard_size: sharded data-parallel degree (FSDP2); None: whatever WORLD_SIZE leaves over.
+    backend: "auto" (tptrain's own model code for its model types, transformers' otherwise), "native", or
+        "transformers" (transformers' modeling code under tptrain's engine, `pip install "tptrain[hf]"`; forces it
+        for a native type too, to compare the two).
     """
 
     tp_size: int | None = None
@@ -67,6 +72,7 @@ class DistributedConfig:
     enable_sequence_parallel: bool = False
     dp_replicate_size: int = 1
     dp_shard_size: int | None = None
+    backend: str = "auto"
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def sizes(self, world_size: int | None = None, *, described: str | None = None) -> dict[str, int]:
@@ -77,6 +83,8 @@ class DistributedConfig:
         """Resolve every mesh axis against the world size; ValueError (same on every rank) if impossible.
         `described`: how the error names these sizes (default: this DistributedConfig)."""
         world = env_world_size() if world_size is None else world_size
+        if self.backend not in BACKENDS:
+            raise ValueError(f"DistributedConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         for name in ("tp_size", "dp_replicate_size", "dp_shard_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

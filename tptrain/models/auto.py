@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -41,10 +42,46 @@ def _lookup(model_type: str | None) -> tuple[type[PretrainedConfig], type[Decode
     return MODEL_REGISTRY[model_type]
 
 
+def select_backend(model_type: str | None, backend: str = "auto") -> str:
+    """"native" (tptrain's model code) or "transformers" (transformers' modeling code under tptrain's engine,
+    tptrain.hf). "auto": native for tptrain's model types, transformers for any other when it is installed."""
+    if backend not in ("auto", "native", "transformers"):
+        raise ValueError(f"backend must be 'auto', 'native' or 'transformers', got {backend!r}")
+    if backend == "native" or (backend == "auto" and model_type in MODEL_REGISTRY):
+        _lookup(model_type)
+        return "native"
+    if not _installed("transformers"):
+        why = "is not implemented natively by tptrain" if backend == "auto" else "was asked for backend='transformers'"
+        raise ValueError(f"model_type {model_type!r} {why}, and transformers is not installed. Either "
+                         f"`pip install \"tptrain[hf]\"` (tptrain's engine on transformers' modeling code), or use "
+                         f"one of tptrain's native model types: {', '.join(sorted(MODEL_REGISTRY))}.")
+    if not _transformers_backend().knows(model_type):
+        raise ValueError(f"model_type {model_type!r} is not supported: tptrain implements "
+                         f"{', '.join(sorted(MODEL_REGISTRY))}, and the installed transformers has no causal LM of "
+                         f"that type for tptrain's transformers backend either.")
+    return "transformers"
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a finder that refuses it
+        return False
+
+
+def _transformers_backend():
+    from tptrain.hf import model  # imports transformers: only once that backend is chosen
+
+    return model
+
+
 class AutoConfig:
     @staticmethod
-    def from_pretrained(path_or_id: str | os.PathLike) -> PretrainedConfig:
+    def from_pretrained(path_or_id: str | os.PathLike, *, backend: str = "auto") -> Any:
+        """tptrain's config for a native model type; transformers' config for one that runs on transformers."""
         config_dict = load_config_dict(path_or_id)
+        if select_backend(config_dict.get("model_type"), backend) == "transformers":
+            return _transformers_backend().load_config(config_dict)
         return _lookup(config_dict.get("model_type"))[0].from_dict(config_dict)
 
     @staticmethod
@@ -56,12 +93,22 @@ class AutoConfig:
 
 class AutoModelForCausalLM:
     @staticmethod
-    def from_config(config: PretrainedConfig, **kwargs: Any) -> DecoderForCausalLM:
-        """Random init (or meta, with device="meta"); kwargs go to `PreTrainedModel.from_config`."""
+    def from_config(config: Any, **kwargs: Any) -> DecoderForCausalLM:
+        """Random init (or meta, with device="meta"); kwargs go to `PreTrainedModel.from_config`. A transformers
+        config (from `AutoConfig.from_pretrained` of a non-native type) builds a TransformersCausalLM."""
+        if not isinstance(config, PretrainedConfig):
+            return _transformers_backend().TransformersCausalLM.from_config(config, **kwargs)
         return _lookup(config.model_type)[1].from_config(config, **kwargs)
 
     @staticmethod
-    def from_pretrained(path_or_id: str | os.PathLike, **kwargs: Any) -> DecoderForCausalLM:
-        """Resolve the class from config.json, then `cls.from_pretrained(path_or_id, **kwargs)`."""
+    def from_pretrained(path_or_id: str | os.PathLike, *, backend: str = "auto", **kwargs: Any) -> DecoderForCausalLM:
+        """Resolve the class from config.json, then `cls.from_pretrained(path_or_id, **kwargs)`. The backend is
+        `distributed_config.backend` when given, else `backend` (see `select_backend`)."""
+        if kwargs.pop("trust_remote_code", False):
+            raise ValueError("trust_remote_code is out of scope: tptrain runs its own model code, or transformers' "
+                             "own model classes (backend='transformers'), never modeling code from the hub")
         model_type = load_config_dict(path_or_id).get("model_type")
+        config = kwargs.get("distributed_config")
+        if select_backend(model_type, config.backend if config is not None else backend) == "transformers":
+            return _transformers_backend().TransformersCausalLM.from_pretrained(path_or_id, **kwargs)
         return _lookup(model_type)[1].from_pretrained(path_or_id, **kwargs)

@@ -20,12 +20,19 @@ def model_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     `base_model_sp_plan` under sequence parallelism) under the base-model prefix, plus the head's
     class-level `_tp_plan`."""
     prefix = getattr(model, "base_model_prefix", "model")
-    base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    base = dict(base_plan(model))
     if sequence_parallel and base:  # the config's own SP rules (norms on the residual stream)
         base.update(getattr(model.config, "base_model_sp_plan", None) or {})
     plan = {f"{prefix}.{glob}": style for glob, style in base.items()}
-    plan.update(getattr(type(model), "_tp_plan", {}) or {})
+    plan.update(getattr(model, "_tp_plan", {}) or {})
     return plan
+
+
+def base_plan(model: nn.Module) -> dict[str, str]:
+    """The base model's plan: the model's own `tp_base_plan` if it has one (a transformers model, its config's plan
+    in tptrain's style names), else its config's `base_model_tp_plan`."""
+    plan = getattr(model, "tp_base_plan", None)
+    return plan if plan is not None else getattr(model.config, "base_model_tp_plan", None) or {}
 
 
 def merge_overrides(model: nn.Module, plan: dict[str, str], overrides: Mapping[str, Any]) -> dict:
@@ -156,7 +163,7 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     """Resolve and validate `tp_plan` for `model` without touching the model or any process group."""
     styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
-    if tp_size > 1 and not problems and not getattr(model.config, "base_model_tp_plan", None) and not user_rules:
+    if tp_size > 1 and not problems and not base_plan(model) and not user_rules:
         # The head's own plan alone would split only the output head: that is not tensor parallelism of the model.
         problems.append(f"{type(model).__name__}'s config declares no base_model_tp_plan, so tptrain does not know "
                         f"how to shard it at tp_size={tp_size}; pass DistributedConfig(tp_plan={{module-glob: style}}) "
@@ -168,6 +175,8 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     objects = {name: make_style(style, where=name, kv_replicas=replicas if _kv_parent(model, name) else 1)
                for name, style in styles.items()}
     specs, layout_problems = _layout_specs(model, objects, tp_size)
+    if hasattr(model, "tp_plan_problems"):  # what only the model can see (tptrain.hf: unplanned weights)
+        layout_problems += model.tp_plan_problems(styles, tp_size)
     if tp_size > 1:
         layout_problems += _pair_problems(model, objects, sequence_parallel)
     head = _output_head(model)

@@ -1,0 +1,221 @@
+"""TransformersCausalLM: a transformers `*ForCausalLM` run by tptrain's engine (the "transformers" backend).
+
+For a model_type tptrain has no native implementation of. transformers' own modeling code does the math; tptrain
+does everything parallel, exactly as for its native models: the model is built on the meta device, the config's
+`base_model_tp_plan` (translated to tptrain's styles, plus the vocab-parallel embedding) is checked by `check_plan`
+and applied by `apply_tensor_parallel`, each rank reads only its slice (`read_shard`), the loss is the
+vocab-parallel one, KV heads are replicated when tp_size > num_key_value_heads (the attention modules' per-rank
+head counts are patched; transformers' own TP refuses that), and saving, the Trainer, DCP and LoRA see an
+ordinary tptrain model: parameter names are transformers' (`model.layers.0.self_attn.q_proj.weight`).
+
+    model = AutoModelForCausalLM.from_pretrained("bigcode/starcoder2-3b", dtype=torch.bfloat16,
+                                                 distributed_config=DistributedConfig(tp_size=4))
+    model.backend  # "transformers"
+
+The transformers model is not a submodule: its children (`model`, `lm_head`) are this module's, so parameter
+names, hooks and `.to()` are the same as for a native model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tptrain.hf.plan import declare_tp_facts, parameter_rules, translate_plan, unplanned_parameters
+from tptrain.losses import causal_lm_loss
+from tptrain.modeling import PreTrainedModel, _SkipInit
+from tptrain.models.configuration import load_config_dict
+from tptrain.models.decoder import CausalLMOutput
+
+TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
+
+
+def load_config(path_or_id: str | os.PathLike | dict) -> Any:
+    """transformers' config for a checkpoint directory / hub id (or a config.json dict); custom code refused."""
+    config_dict = path_or_id if isinstance(path_or_id, dict) else load_config_dict(path_or_id)
+    model_type = config_dict.get("model_type")
+    if not transformers.__version__.startswith(TESTED + "."):
+        warnings.warn(f"tptrain's transformers backend is tested with transformers {TESTED}.x; "
+                      f"{transformers.__version__} is installed (pip install \"tptrain[hf]\" installs a tested one)",
+                      stacklevel=2)
+    if config_dict.get("auto_map"):
+        raise ValueError(f"{path_or_id if not isinstance(path_or_id, dict) else model_type!r}: config.json has "
+                         f"auto_map, i.e. modeling code from the hub (trust_remote_code); tptrain's transformers "
+                         f"backend runs only transformers' own model classes. Out of scope.")
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise ValueError(f"model_type {model_type!r} is known neither to tptrain nor to transformers "
+                         f"{transformers.__version__}") from None
+    config = config_class.from_dict({k: v for k, v in config_dict.items() if k != "model_type"})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"transformers has no causal-LM class for model_type {model_type!r}")
+    return config
+
+
+def knows(model_type: str | None) -> bool:
+    """Whether transformers has a causal-LM class for `model_type`."""
+    return model_type in transformers.CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+class _ConfigLoader:
+    """`config_class` of TransformersCausalLM: what `PreTrainedModel._open_checkpoint` calls."""
+
+    @staticmethod
+    def from_pretrained(directory) -> Any:
+        return load_config(directory)
+
+
+class TransformersCausalLM(PreTrainedModel):
+    """tptrain's engine on a transformers causal LM. Build with `from_pretrained` / `from_config`."""
+
+    backend = "transformers"
+    config_class = _ConfigLoader
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__(hf_model.config)
+        object.__setattr__(self, "hf_model", hf_model)  # not registered: its children are ours
+        own = [n for n, _ in hf_model.named_parameters(recurse=False)] + [n for n, _ in hf_model.named_buffers(recurse=False)]
+        if own:
+            raise ValueError(f"{type(hf_model).__name__} holds tensors {own} outside its submodules; tptrain's "
+                             f"transformers backend does not support it")
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        self.base_model_prefix = hf_model.base_model_prefix
+        self.loss_function = causal_lm_loss
+        base = translate_plan(type(hf_model.config).base_model_tp_plan or getattr(hf_model.config,
+                                                                                 "base_model_tp_plan", None))
+        embed = hf_model.get_input_embeddings()
+        name = next((n for n, m in hf_model.base_model.named_modules() if m is embed), None)
+        if base and name and type(embed) is nn.Embedding:  # a plain embedding: vocab-parallel, as tptrain's plans
+            base = {name: "embedding_rowwise", **base}
+        prefix = self.base_model_prefix
+        self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
+        # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling).
+        self.tp_base_plan = {g: s for g, s in base.items() if f"{prefix}.{g}" not in self._parameter_rules}
+        self._tp_plan = translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})  # the head (class-level)
+        declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
+                         self.config)
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_config(cls, config: Any, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> "TransformersCausalLM":
+        """transformers' random init, or (device="meta") shapes only for sharded loading."""
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        device = torch.device(device or "cpu")
+        if device.type != "meta":
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return cls(hf.to(device))
+        prev = torch.get_default_dtype()
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            with device, _SkipInit():
+                hf = model_class(config)
+        finally:
+            torch.set_default_dtype(prev)
+        return cls(hf)
+
+    def _check_checkpoint(self, reader) -> None:
+        conversion = get_checkpoint_conversion_mapping(self.config.model_type)
+        missing = [n for n, _ in self.named_parameters() if n not in reader]
+        if missing and conversion:
+            raise ValueError(f"checkpoint {reader.directory} lacks tensor {missing[0]!r} (and {len(missing) - 1} "
+                             f"more): transformers converts {self.config.model_type!r} checkpoints while loading "
+                             f"({type(conversion[0]).__name__} {conversion[0].source_patterns} -> "
+                             f"{conversion[0].target_patterns}), which tptrain's reader does not do")
+        super()._check_checkpoint(reader)
+
+    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
+        super()._load(reader, device, dtype, rank=rank)
+        self._materialise_buffers(device)
+
+    @torch.no_grad()
+    def _materialise_buffers(self, device: torch.device) -> None:
+        """Buffers built on meta (rotary inv_freq: computed, not stored) recomputed by transformers' own init."""
+        for name, module in self.named_modules():
+            if not any(b.device.type == "meta" for b in module.buffers(recurse=False)):
+                continue
+            if any(True for _ in module.parameters(recurse=False)):
+                raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers that are not in the "
+                                 f"checkpoint next to its parameters; tptrain's transformers backend cannot "
+                                 f"recompute them")
+            module.to_empty(device=device, recurse=False)
+            self.hf_model._init_weights(module)
+
+    def _check_plan(self, distributed_config):
+        if distributed_config.enable_sequence_parallel:
+            raise ValueError("sequence parallelism is not supported on the transformers backend (transformers' "
+                             "layers are not split along the sequence); drop enable_sequence_parallel")
+        return super()._check_plan(distributed_config)
+
+    def tp_plan_problems(self, styles: dict[str, str], tp_size: int) -> list[str]:
+        """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
+        if tp_size == 1:
+            return []
+        unplanned = [re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles)]
+        return list(dict.fromkeys([*self._parameter_rules.values(), *unplanned]))
+
+    def _apply_plan(self, resolved, distributed_config, *, reader=None, dtype=None):
+        super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
+        self._set_local_heads()
+        return self
+
+    def _set_local_heads(self) -> None:
+        """transformers' attention repeats KV heads `num_key_value_groups` times: make it this rank's ratio of
+        query heads to KV heads (with KV replicas, fewer KV heads per rank than transformers assumes)."""
+        for name, module in self.named_modules():
+            query, kv = getattr(module, "tp_query_projection", None), getattr(module, "tp_kv_projections", ())
+            if query is None or not kv:
+                continue
+            head_dim = module.head_dim
+            local_q = getattr(module, query).weight.shape[0] // head_dim
+            local_kv = getattr(module, kv[0]).weight.shape[0] // head_dim
+            assert local_q % local_kv == 0, (name, local_q, local_kv)
+            module.num_key_value_groups = local_q // local_kv
+
+    # ------------------------------------------------------------------ running
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.hf_model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.hf_model.get_output_embeddings()
+
+    def gradient_checkpointing_enable(self) -> None:
+        """transformers' own activation checkpointing of each decoder layer (non-reentrant)."""
+        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def train(self, mode: bool = True) -> "TransformersCausalLM":
+        super().train(mode)
+        self.hf_model.training = mode
+        return self
+
+    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
+        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
+        kwargs.setdefault("use_cache", False)
+        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               **kwargs).logits
+        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    # ------------------------------------------------------------------ saving
+
+    def config_json(self, dtype: torch.dtype) -> str:
+        """transformers' own config.json, with the saved dtype."""
+        config = self.config.to_dict()
+        config["dtype"] = str(dtype).replace("torch.", "")
+        config["architectures"] = [type(self.hf_model).__name__]
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
