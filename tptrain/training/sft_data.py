@@ -26,7 +26,8 @@ import torch
 from torch.utils.data import Dataset
 
 from tptrain.losses import IGNORE_INDEX
-from tptrain.training.chat_template import ROLES, ChatTemplate
+from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
+from tptrain.training.data import build_dataset
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -256,6 +257,26 @@ def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, to
         pad = length - item["input_ids"].numel()
         batch["input_ids"].append(torch.nn.functional.pad(item["input_ids"], (0, pad), value=pad_id))
         batch["labels"].append(torch.nn.functional.pad(item["labels"], (0, pad), value=IGNORE_INDEX))
-        last = item["position_ids"][-1] + 1
-        batch["position_ids"].append(torch.cat([item["position_ids"], torch.arange(last, last + pad)]))
+        positions = item.get("position_ids")
+        if positions is None:
+            positions = torch.arange(item["input_ids"].numel())
+        last = int(positions[-1]) + 1
+        batch["position_ids"].append(torch.cat([positions, torch.arange(last, last + pad)]))
     return {k: torch.stack(v) for k, v in batch.items()}
+
+
+def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir: str | Path | None = None,
+                        chat_template: str | Path | None = None, packing: bool = True,
+                        assistant_only_loss: bool = True, truncation: str = "truncate") -> Any:
+    """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
+    `chat_template` or the checkpoint in `model_dir`, loaded only when a record is a chat); plain text
+    (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is."""
+    if isinstance(source, SFTDataset):
+        return source
+    records = read_records(source)
+    if records is None:
+        return build_dataset(source, tokenizer, seq_len)
+    chat = any(isinstance(r, dict) and ("messages" in r or isinstance(r.get("prompt"), list)) for r in records[1])
+    template = load_chat_template(model_dir, chat_template) if chat else None
+    return build_sft_dataset(records, tokenizer, seq_len, chat_template=template, packing=packing,
+                             assistant_only_loss=assistant_only_loss, truncation=truncation)
