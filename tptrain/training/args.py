@@ -8,6 +8,7 @@ process group exists.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -93,6 +94,7 @@ class TrainingArguments:
     per_device_eval_batch_size: eval rows per forward on one data-parallel rank (None: the train size).
     save_best: after each evaluation with the lowest eval loss so far, write output_dir/best (the model,
         or the adapter) and best/eval_results.json.
+    report_to: None, or "tensorboard" (scalars also written to output_dir/runs; needs `tensorboard`).
     """
 
     output_dir: str
@@ -127,6 +129,7 @@ class TrainingArguments:
     eval_split: float = 0.0
     per_device_eval_batch_size: int | None = None
     save_best: bool = False
+    report_to: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
@@ -163,6 +166,14 @@ class TrainingArguments:
             raise ValueError(f"TrainingArguments.eval_steps must be an int >= 0, got {self.eval_steps!r}")
         if not 0.0 <= self.eval_split < 1.0:
             raise ValueError(f"TrainingArguments.eval_split must be in [0, 1), got {self.eval_split!r}")
+        if self.report_to not in (None, "none", "tensorboard"):
+            raise ValueError(f"TrainingArguments.report_to must be None or 'tensorboard', got {self.report_to!r}")
+        if self.report_to == "tensorboard":
+            try:
+                importlib.import_module("torch.utils.tensorboard")
+            except ImportError:
+                raise ValueError("report_to='tensorboard' (--report-to tensorboard) needs the tensorboard package, "
+                                 "which is not installed: pip install tensorboard (or drop the option)") from None
         if self.per_device_eval_batch_size is not None and self.per_device_eval_batch_size < 1:
             raise ValueError(f"TrainingArguments.per_device_eval_batch_size must be >= 1, got "
                              f"{self.per_device_eval_batch_size!r}")

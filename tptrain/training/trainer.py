@@ -206,7 +206,8 @@ class Trainer:
             from tptrain.training.reporting import Reporter
         except ImportError:
             return None
-        return Reporter(self.args.output_dir, total_steps=self.args.max_steps, enabled=self.is_rank0)
+        return Reporter(self.args.output_dir, total_steps=self.args.max_steps, enabled=self.is_rank0,
+                        tensorboard=self.args.report_to == "tensorboard")
 
     # ------------------------------------------------------------------ fine-tuning data and evaluation
 
@@ -287,6 +288,9 @@ class Trainer:
         """Write output_dir/checkpoint-<step> (collective); returns its path."""
         state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
                  "layout": self.dims.sizes(), "best_eval_loss": self.best_eval_loss}
+        runtime = getattr(self.model, "runtime", None)  # a PeftModel's dropout-mask stream (seed, forward count)
+        if runtime is not None:
+            state["lora_runtime"] = {"seed": runtime.seed, "step": runtime.step}
         return ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
                                     optimizer=self.optimizer, conv=self.converter, trainer_state=state,
                                     save_total_limit=self.args.save_total_limit)
@@ -299,6 +303,8 @@ class Trainer:
         state = ckpt.load_checkpoint(path, model=self.inner, optimizer=self.optimizer, conv=self.converter)
         self.global_step, self.run_id = state["global_step"], state["run_id"]
         self.best_eval_loss = state.get("best_eval_loss")
+        if "lora_runtime" in state and getattr(self.model, "runtime", None) is not None:
+            self.model.runtime.seed, self.model.runtime.step = state["lora_runtime"]["seed"], state["lora_runtime"]["step"]
         self.data_order.load_state_dict(state["data_order"])
         # The schedule of THIS run's arguments at the saved step (a resume may raise max_steps), as if the
         # run had started with them: rebuilt from the step, not restored (the saved last lr may be 0).
@@ -306,9 +312,11 @@ class Trainer:
                                                            last_epoch=self.global_step - 1)
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
-        """The consolidated HF checkpoint (default output_dir/final), loadable by transformers, plus the
-        source model's tokenizer files. Collective: FSDP and TP shards are gathered, rank 0 writes."""
+        """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter),
+        loadable by transformers (and peft), plus the source model's tokenizer files. Collective: FSDP and TP shards are gathered, rank 0 writes."""
         target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
+        if output_dir is None and self.model is not self.inner:  # a PeftModel: its adapter, in PEFT's format
+            target = target / "adapter"
         self.model.save_pretrained(target)
         if self.is_rank0:
             source = self._tokenizer_dir()
