@@ -3,6 +3,7 @@ with peft + transformers; resume mid-run gives the same losses; bad flags and re
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -106,8 +107,7 @@ def test_finetune_flags_and_records_fail_clearly(tmp_path):
     ]
     for flags, message in cases:
         run = tptrain_train(*flags, "--output-dir", out)
-        assert run.returncode == 2 and message in run.stderr or __import__("re").search(message, run.stderr), \
-            (flags, run.returncode, run.stderr)
+        assert run.returncode == 2 and re.search(message, run.stderr), (flags, run.returncode, run.stderr)
     # Found while tokenizing, in the workers: raised on every rank, reported once, no hang.
     bad = chat_records(8, 1)
     bad[5] = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}

@@ -109,6 +109,7 @@ def _split_worker(tmp: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=chat_records(24, 1), tokenizer=tok)
     assert len(trainer.eval_dataset) == 6 and len(trainer.dataset) == 18
     assert trainer.args.max_steps == 2 * (18 // 2)
+    assert trainer.scheduler.lr_lambdas[0](trainer.args.max_steps) == 0.0  # the schedule ends there too
     with pytest.raises(ValueError, match="either eval_dataset or TrainingArguments.eval_split"):
         Trainer(model=model, args=args, train_dataset=chat_records(24, 1), eval_dataset=chat_records(2, 1),
                 tokenizer=tok)

@@ -53,7 +53,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
                         "tiny Qwen3 config) is initialised at random (--seed)")
     p.add_argument("--data", default=BUNDLED_DATA,
-                   help=".txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per line) file "
+                   help=".txt (documents separated by two blank lines) or .jsonl file: {\"text\": ...}, "
+                        "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} per line "
                         "(default: the bundled Shakespeare corpus)")
     p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -65,7 +66,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: {SCRATCH_LR} for a model trained from scratch, {FINETUNE_LR} "
                         "for a checkpoint with weights)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 10%% of max steps)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warmup steps (default: 10%% of max steps; 0 with --num-epochs)")
     p.add_argument("--save-steps", type=int, help=f"resumable checkpoint every N steps, 0: never "
                                                   f"(default: {FULL.save_steps})")
     p.add_argument("--save-total-limit", type=int, default=2, help="resumable checkpoints kept (default: 2)")
@@ -95,8 +97,8 @@ def run_train(args: argparse.Namespace) -> int:
     for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
-    if args.warmup_steps is None:
-        args.warmup_steps = args.max_steps // 10
+    if args.warmup_steps is None:  # --num-epochs: the step count is known only once the data is tokenized
+        args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
     nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
     try:
         _preflight(args, nproc)
@@ -333,9 +335,16 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
     source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
               if inputs.from_scratch else f"loaded from {args.model}")
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
-          f"{inputs.dataset.num_tokens:,} tokens from {args.data} in {len(inputs.dataset):,} blocks of {args.seq_len}; "
+          f"{_describe_data(inputs.dataset, args)}; "
           f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
+
+
+def _describe_data(dataset, args: argparse.Namespace) -> str:
+    if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
+        rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
+        return f"{dataset.num_samples:,} samples ({dataset.num_tokens:,} target tokens) from {args.data}, {rows}"
+    return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 
 def _set_threads(torch) -> int:

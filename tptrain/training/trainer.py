@@ -91,7 +91,7 @@ class Trainer:
         self.fsdp = parallelize_for_training(model, self.mesh, gradient_checkpointing=args.gradient_checkpointing,
                                              bf16=args.bf16)
         self.optimizer = build_optimizer(model, args)
-        self.scheduler = build_scheduler(self.optimizer, args)
+        self.scheduler = build_scheduler(self.optimizer, self.args)  # max_steps may come from num_train_epochs
         self.converter = ckpt.StateConverter(model)
         layout = getattr(model, "tp_layout", None)
         self.specs = layout.specs if layout else {}
