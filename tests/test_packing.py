@@ -1,6 +1,7 @@
 """Document-masked packing: a packed batch gives each sample exactly its own logits, losses and gradients, as if
 run one by one (fp64), on one device and at tp 2 with SP off and on, for every kind of attention (plain,
-sliding window, soft-capped scores), with activation checkpointing."""
+sliding window, soft-capped scores, OLMo 2's distributed q/k norms, Phi-3's fused projections), with activation
+checkpointing."""
 from __future__ import annotations
 
 import copy
@@ -22,6 +23,9 @@ FAMILIES = {
     "gemma2_softcap_window": dict(model_type="gemma2", **TINY, sliding_window=4, query_pre_attn_scalar=16,
                                   attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
                                   layer_types=["sliding_attention", "full_attention"]),
+    "olmo2_distributed_norm": dict(model_type="olmo2", **TINY),  # q/k norms over all heads: tp all-reduces
+    "phi3_fused_partial_rotary": dict(model_type="phi3", **{k: v for k, v in TINY.items() if k != "head_dim"},
+                                      partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2, bos_token_id=1),
 }
 ROWS = ((7, 5, 9), (11, 6))  # sample lengths per packed row
 SEQ = 24
