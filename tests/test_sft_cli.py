@@ -33,7 +33,8 @@ def _jsonl(path, records):
     return path
 
 
-FLAGS = ("--tp-size", "2", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--seq-len", "64",
+FLAGS = ("--tp-size", "2", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--grad-accum", "2",
+         "--seq-len", "64",
          "--lr", "3e-3", "--warmup-steps", "1", "--eval-steps", "2", "--save-best", "--lora-r", "4",
          "--lora-alpha", "8", "--lora-dropout", "0.05", "--lora-target-modules", "all-linear",
          "--max-new-tokens", "2", "--prompt", "to be")
@@ -89,7 +90,7 @@ def test_lora_sft_run_exports_adapter_and_merged_model_and_resumes(tmp_path):
                                                                                               rel=1e-6)
 
 
-def test_finetune_flags_and_records_fail_clearly(tmp_path):
+def test_finetune_flags_and_records_fail_clearly(tmp_path, capsys):
     ckpt = _checkpoint(tmp_path)
     bare = chat_checkpoint(tmp_path / "bare", None)  # no chat template
     chat = _jsonl(tmp_path / "chat.jsonl", chat_records(8, 1))
@@ -105,9 +106,13 @@ def test_finetune_flags_and_records_fail_clearly(tmp_path):
         (("--model", str(ckpt), "--data", str(chat), "--report-to", "tensorboard"),
          "needs the tensorboard package"),
     ]
-    for flags, message in cases:
-        run = tptrain_train(*flags, "--output-dir", out)
-        assert run.returncode == 2 and re.search(message, run.stderr), (flags, run.returncode, run.stderr)
+    from tptrain.cli import main
+
+    capsys.readouterr()  # the checkpoint writer's progress bars
+    for flags, message in cases:  # refused before any worker starts (exit code 2): checked in this process
+        code = main(["train", "--smoke-test", *flags, "--output-dir", out])
+        stderr = capsys.readouterr().err
+        assert code == 2 and re.search(message, stderr) and stderr.count("\n") == 1, (flags, code, stderr)
     # Found while tokenizing, in the workers: raised on every rank, reported once, no hang.
     bad = chat_records(8, 1)
     bad[5] = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}

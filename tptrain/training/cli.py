@@ -321,9 +321,9 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
     training_args = _training_args(args, from_scratch=from_scratch)
 
     def build(source):
-        return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir, chat_template=args.chat_template,
-                                   packing=args.packing, assistant_only_loss=args.assistant_only_loss,
-                                   truncation=args.truncation)
+        return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
+                                   chat_template=args.chat_template, packing=args.packing,
+                                   assistant_only_loss=args.assistant_only_loss, truncation=args.truncation)
     return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer, build(args.data),
                    training_args, None if args.eval_data is None else build(args.eval_data))
 

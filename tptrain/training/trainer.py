@@ -235,11 +235,14 @@ class Trainer:
                       f"seq_len={self.args.seq_len} and were truncated (truncation='error' / --truncation error "
                       "refuses them instead)", flush=True)
 
-    def _batch(self, rows: list[Any]) -> dict[str, torch.Tensor]:
+    def _padding(self) -> dict[str, int]:
+        """How `collate` pads a micro-batch: with eos, to a multiple of tp_size under sequence parallelism."""
         layout = getattr(self.inner, "tp_layout", None)
-        multiple = self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1
-        pad_id = getattr(self.tokenizer, "eos_token_id", 0)
-        return {k: v.to(self.device) for k, v in collate(rows, pad_id=pad_id, multiple=multiple).items()}
+        return {"pad_id": getattr(self.tokenizer, "eos_token_id", 0),
+                "multiple": self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1}
+
+    def _batch(self, rows: list[Any]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in collate(rows, **self._padding()).items()}
 
     def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
         """{"eval_loss", "eval_ppl", "eval_tokens"} over all of `eval_dataset` (default: the Trainer's);
@@ -247,12 +250,9 @@ class Trainer:
         data = self.eval_dataset if eval_dataset is None else self._dataset(eval_dataset)
         if data is None:
             raise ValueError("Trainer.evaluate: no eval set; pass eval_dataset (--eval-data) or set eval_split")
-        layout = getattr(self.inner, "tp_layout", None)
-        return evaluate_loss(self.model, data, batch_size=self.args.per_device_eval_batch_size
-                             or self.args.per_device_train_batch_size, mesh=self.mesh, device=self.device,
-                             pad_id=getattr(self.tokenizer, "eos_token_id", 0),
-                             multiple=self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1,
-                             autocast=self._autocast)
+        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        return evaluate_loss(self.model, data, batch_size=batch_size, mesh=self.mesh, device=self.device,
+                             autocast=self._autocast, **self._padding())
 
     def _evaluate_and_log(self, reporter) -> dict[str, float]:
         metrics = self.evaluate()
@@ -304,7 +304,8 @@ class Trainer:
         self.global_step, self.run_id = state["global_step"], state["run_id"]
         self.best_eval_loss = state.get("best_eval_loss")
         if "lora_runtime" in state and getattr(self.model, "runtime", None) is not None:
-            self.model.runtime.seed, self.model.runtime.step = state["lora_runtime"]["seed"], state["lora_runtime"]["step"]
+            runtime = state["lora_runtime"]
+            self.model.runtime.seed, self.model.runtime.step = runtime["seed"], runtime["step"]
         self.data_order.load_state_dict(state["data_order"])
         # The schedule of THIS run's arguments at the saved step (a resume may raise max_steps), as if the
         # run had started with them: rebuilt from the step, not restored (the saved last lr may be 0).
@@ -313,7 +314,8 @@ class Trainer:
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
         """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter),
-        loadable by transformers (and peft), plus the source model's tokenizer files. Collective: FSDP and TP shards are gathered, rank 0 writes."""
+        loadable by transformers (and peft), plus the source model's tokenizer files. Collective: FSDP and TP
+        shards are gathered, rank 0 writes."""
         target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
         if output_dir is None and self.model is not self.inner:  # a PeftModel: its adapter, in PEFT's format
             target = target / "adapter"
