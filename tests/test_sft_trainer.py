@@ -121,3 +121,7 @@ def _split_worker(tmp: str) -> None:
                 train_dataset=bad, tokenizer=tok)
     with pytest.raises(ValueError, match="eval_split"):
         TrainingArguments(output_dir=f"{tmp}/x", eval_split=1.5)
+    with pytest.raises(ValueError, match="save_best need an eval set"):
+        Trainer(model=model, args=TrainingArguments(output_dir=f"{tmp}/nob", seq_len=64, save_best=True,
+                                                    chat_template=f"{tmp}/chatml.jinja"),
+                train_dataset=chat_records(24, 1), tokenizer=tok)

@@ -218,6 +218,9 @@ class Trainer:
                                  "--eval-split), not both")
             self.dataset, held = split_dataset(self.dataset, self.args.eval_split, self.args.seed)
             return held
+        if source is None and (self.args.eval_steps or self.args.save_best):
+            raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
+                             "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
         return None if source is None else self._dataset(source)
 
     def _epochs_to_steps(self) -> None:
