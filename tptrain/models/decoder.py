@@ -31,18 +31,34 @@ class CausalLMOutput:
     logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
 
 
+def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """(batch, seq) index of the packed sample each token belongs to, or None when no row is packed.
+
+    A sample starts wherever a position id is not its predecessor's plus one (as transformers'
+    `find_packed_sequence_indices`), so packed rows carry their boundaries in `position_ids` alone.
+    """
+    if position_ids is None or position_ids.dim() != 2:
+        return None
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    starts = step != 1
+    if not bool(starts[:, 1:].any()):
+        return None  # every row is one sample: keep the plain causal (flash) path
+    return starts.cumsum(-1)
+
+
 def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor | None = None,
-                sliding_window: int | None = None) -> torch.Tensor | None:
+                sliding_window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor | None:
     """(batch or 1, 1, seq, seq) bool, True where a query sees a key; None = plain causal (SDPA's is_causal).
 
     `attention_mask` is the (batch, seq) 1/0 padding mask; `sliding_window` keeps the last that many
-    keys (the query's own included), as transformers' sliding-window mask. Always over the full
-    sequence: under sequence parallelism attention runs on the gathered sequence. A query that sees no
-    key at all (left padding) gets a zero output from SDPA, as in transformers.
+    keys (the query's own included), as transformers' sliding-window mask; `documents` (batch, seq, from
+    `document_ids`) makes the mask block-diagonal: a token of a packed sample sees only its own sample.
+    Always over the full sequence: under sequence parallelism attention runs on the gathered sequence.
+    A query that sees no key at all (left padding) gets a zero output from SDPA, as in transformers.
     """
     if sliding_window is not None and sliding_window >= seq:
         sliding_window = None  # the window holds the whole sequence: keep SDPA's is_causal (flash) path
-    if attention_mask is None and sliding_window is None:
+    if attention_mask is None and sliding_window is None and documents is None:
         return None
     query = torch.arange(seq, device=device)[:, None]
     key = torch.arange(seq, device=device)[None, :]
@@ -50,6 +66,8 @@ def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor 
     if sliding_window is not None:
         sees = sees & (key > query - sliding_window)
     sees = sees[None, None]
+    if documents is not None:  # (batch, 1, seq, seq): same sample only
+        sees = sees & (documents[:, None, :, None] == documents[:, None, None, :])
     return sees if attention_mask is None else sees & attention_mask.bool()[:, None, None, :]
 
 
@@ -281,7 +299,9 @@ class DecoderModel(nn.Module):
         if self.query_position_scale is not None:  # as transformers: fp32 positions, log(1 + .)
             beta, length = self.query_position_scale
             q_scale = (1 + beta * torch.log(1 + torch.floor(position_ids.float() / length)))[:, None, :, None]
-        masks = {w: causal_mask(seq, device=input_ids.device, attention_mask=attention_mask, sliding_window=w)
+        documents = document_ids(position_ids)  # packed samples: block-diagonal causal attention
+        masks = {w: causal_mask(seq, device=input_ids.device, attention_mask=attention_mask, sliding_window=w,
+                                documents=documents)
                  for w in {layer.sliding_window for layer in self.layers}}  # one per distinct window
         for layer, rope_layer in zip(self.layers, layer_rope):
             mask = masks[layer.sliding_window]

@@ -8,6 +8,7 @@ process group exists.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -80,6 +81,20 @@ class TrainingArguments:
     resume_from_checkpoint: True resumes from the latest complete checkpoint in output_dir, a path
         from that checkpoint; None/False starts fresh.
     parallelism_config: the rank layout; None: the model's tp_size, remaining ranks FSDP2 dp_shard.
+
+    Fine-tuning data and evaluation (tptrain/training/sft_data.py, evaluation.py):
+    num_train_epochs: train this many passes over the data instead of max_steps (None: max_steps).
+    packing: pack instruction samples into rows of seq_len tokens (document-masked); False: one sample
+        per row, padded to the longest of its micro-batch. Plain text is always cut into blocks.
+    assistant_only_loss: a "messages" record trains only on its assistant turns; False: on every token.
+    truncation: "truncate" (cut samples longer than seq_len; the count is reported once) or "error".
+    chat_template: a Jinja file rendering "messages" records instead of the checkpoint's template.
+    eval_steps: evaluate every this many steps (0: only at the end), when there is an eval set.
+    eval_split: hold out this fraction of the training rows as the eval set (0: none).
+    per_device_eval_batch_size: eval rows per forward on one data-parallel rank (None: the train size).
+    save_best: after each evaluation with the lowest eval loss so far, write output_dir/best (the model,
+        or the adapter) and best/eval_results.json.
+    report_to: None, or "tensorboard" (scalars also written to output_dir/runs; needs `tensorboard`).
     """
 
     output_dir: str
@@ -104,6 +119,17 @@ class TrainingArguments:
     overwrite_output_dir: bool = False
     resume_from_checkpoint: bool | str | os.PathLike | None = None
     parallelism_config: ParallelismConfig | None = None
+    # fine-tuning data and evaluation
+    num_train_epochs: float | None = None
+    packing: bool = True
+    assistant_only_loss: bool = True
+    truncation: str = "truncate"
+    chat_template: str | os.PathLike | None = None
+    eval_steps: int = 0
+    eval_split: float = 0.0
+    per_device_eval_batch_size: int | None = None
+    save_best: bool = False
+    report_to: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
@@ -126,9 +152,31 @@ class TrainingArguments:
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ValueError(f"TrainingArguments.lr_scheduler_type={self.lr_scheduler_type!r} is not one of "
                              f"{SCHEDULERS}")
+        self._check_finetuning()
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")
+
+    def _check_finetuning(self) -> None:
+        if self.num_train_epochs is not None and not self.num_train_epochs > 0:
+            raise ValueError(f"TrainingArguments.num_train_epochs must be > 0 (or None), got {self.num_train_epochs!r}")
+        if self.truncation not in ("truncate", "error"):
+            raise ValueError(f"TrainingArguments.truncation must be 'truncate' or 'error', got {self.truncation!r}")
+        if not isinstance(self.eval_steps, int) or self.eval_steps < 0:
+            raise ValueError(f"TrainingArguments.eval_steps must be an int >= 0, got {self.eval_steps!r}")
+        if not 0.0 <= self.eval_split < 1.0:
+            raise ValueError(f"TrainingArguments.eval_split must be in [0, 1), got {self.eval_split!r}")
+        if self.report_to not in (None, "none", "tensorboard"):
+            raise ValueError(f"TrainingArguments.report_to must be None or 'tensorboard', got {self.report_to!r}")
+        if self.report_to == "tensorboard":
+            try:
+                importlib.import_module("torch.utils.tensorboard")
+            except ImportError:
+                raise ValueError("report_to='tensorboard' (--report-to tensorboard) needs the tensorboard package, "
+                                 "which is not installed: pip install tensorboard (or drop the option)") from None
+        if self.per_device_eval_batch_size is not None and self.per_device_eval_batch_size < 1:
+            raise ValueError(f"TrainingArguments.per_device_eval_batch_size must be >= 1, got "
+                             f"{self.per_device_eval_batch_size!r}")
 
 
 def check_seq_len(seq_len: int, config: Any, *, what: str) -> None:

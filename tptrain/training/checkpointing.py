@@ -99,11 +99,13 @@ def _optimizer_items(model: nn.Module, optimizer: torch.optim.Optimizer):
 
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateConverter, *,
                 for_load: bool) -> dict[str, Any]:
-    """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}."""
+    """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}.
+    Only trained parameters are in it: frozen ones (a LoRA run's base weights) come from the model as loaded."""
     view = (lambda name, t: conv.load_target(name, t)) if for_load else conv.to_global
     state: dict[str, Any] = {"model": {}, "optim": {}}
     for name, p in model.named_parameters():
-        state["model"][name] = view(name, p)
+        if p.requires_grad:
+            state["model"][name] = view(name, p)
     for name, p, st in _optimizer_items(model, optimizer):
         if not for_load and "exp_avg" not in st:
             raise ValueError(f"no optimizer state for {name}: checkpoints are written after an optimizer step")
@@ -217,7 +219,8 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     check_compatible(path, state)
     _dcp(dcp.load, state, path, f"cannot read checkpoint {path}")
     for name, p in model.named_parameters():
-        conv.copy_from_global(name, state["model"][name], p)
+        if name in state["model"]:
+            conv.copy_from_global(name, state["model"][name], p)
     for name, p, st in _optimizer_items(model, optimizer):
         loaded = state["optim"][name]
         for key in ("exp_avg", "exp_avg_sq"):

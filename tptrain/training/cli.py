@@ -53,7 +53,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
                         "tiny Qwen3 config) is initialised at random (--seed)")
     p.add_argument("--data", default=BUNDLED_DATA,
-                   help=".txt (documents separated by two blank lines) or .jsonl ({\"text\": ...} per line) file "
+                   help=".txt (documents separated by two blank lines) or .jsonl file: {\"text\": ...}, "
+                        "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} per line "
                         "(default: the bundled Shakespeare corpus)")
     p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -65,7 +66,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default: {SCRATCH_LR} for a model trained from scratch, {FINETUNE_LR} "
                         "for a checkpoint with weights)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 10%% of max steps)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warmup steps (default: 10%% of max steps; 0 with --num-epochs)")
     p.add_argument("--save-steps", type=int, help=f"resumable checkpoint every N steps, 0: never "
                                                   f"(default: {FULL.save_steps})")
     p.add_argument("--save-total-limit", type=int, default=2, help="resumable checkpoints kept (default: 2)")
@@ -83,16 +85,20 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke-test", action="store_true",
                    help=f"seconds-long run for tests: {SMOKE.max_steps} steps of batch {SMOKE.batch_size} x "
                         f"{SMOKE.seq_len} tokens, unless the flags above say otherwise")
+    from tptrain.training.finetune_cli import add_finetune_arguments
+
+    add_finetune_arguments(p)  # instruction data, evaluation, LoRA, logging; and the --help sections
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Entry point of `tptrain train`; returns the process exit code (2: refused before any worker started)."""
     defaults = SMOKE if args.smoke_test else FULL
+    args.max_steps_given = args.max_steps is not None
     for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
-    if args.warmup_steps is None:
-        args.warmup_steps = args.max_steps // 10
+    if args.warmup_steps is None:  # --num-epochs: the step count is known only once the data is tokenized
+        args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
     nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
     try:
         _preflight(args, nproc)
@@ -114,7 +120,7 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     from tptrain.models import AutoConfig
     from tptrain.training.args import check_seq_len
     from tptrain.training.checkpoint_dirs import earlier_run_error, resolve_resume
-    from tptrain.training.data import read_documents
+    from tptrain.training import finetune_cli
 
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc)):
         if value < 1:
@@ -127,7 +133,7 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     _check_tp_plan(config, args.tp_size, args.model)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
-    read_documents(args.data)
+    finetune_cli.preflight(args, model_dir, nproc, max_steps_given=args.max_steps_given)  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
@@ -157,6 +163,7 @@ def _config_only(model_dir: Path) -> bool:
 
 def _training_args(args: argparse.Namespace, *, from_scratch: bool):
     from tptrain.training.args import TrainingArguments
+    from tptrain.training.finetune_cli import training_kwargs
 
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
     return TrainingArguments(
@@ -164,7 +171,7 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
-        overwrite_output_dir=args.overwrite_output_dir)
+        overwrite_output_dir=args.overwrite_output_dir, **training_kwargs(args))
 
 
 # ------------------------------------------------------------------ launcher
@@ -260,6 +267,7 @@ class _Inputs:
     tokenizer: Any
     dataset: Any
     training_args: Any
+    eval_dataset: Any = None
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -268,6 +276,7 @@ def _train(args: argparse.Namespace) -> None:
     from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
     from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
+    from tptrain.training import finetune_cli
     from tptrain.training.generate import greedy_generate
     from tptrain.training.trainer import Trainer
 
@@ -290,8 +299,11 @@ def _train(args: argparse.Namespace) -> None:
     rank = torch.distributed.get_rank()
     if rank == 0:
         _announce(args, inputs, model, threads)
-    trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
-    result = trainer.train()  # ends with the consolidated model + tokenizer files in output_dir/final
+    model = finetune_cli.apply_lora(model, args)  # --lora-r: only the adapters train
+    trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer,
+                      eval_dataset=inputs.eval_dataset)
+    result = trainer.train()  # ends with the consolidated model (or adapter) + tokenizer files in output_dir/final
+    finetune_cli.finish(trainer, args)  # --merge: final/merged
     text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
         _summary(args, result, time.perf_counter() - start, text)
@@ -300,13 +312,20 @@ def _train(args: argparse.Namespace) -> None:
 def _read_inputs(args: argparse.Namespace) -> _Inputs:
     from tptrain.checkpoint import resolve_checkpoint
     from tptrain.models import AutoConfig
-    from tptrain.training.data import build_dataset, load_tokenizer
+    from tptrain.training.data import load_tokenizer
+    from tptrain.training.sft_data import build_training_data
 
     model_dir = resolve_checkpoint(args.model)
     from_scratch = _config_only(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer,
-                   build_dataset(args.data, tokenizer, args.seq_len), _training_args(args, from_scratch=from_scratch))
+    training_args = _training_args(args, from_scratch=from_scratch)
+
+    def build(source):
+        return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
+                                   chat_template=args.chat_template, packing=args.packing,
+                                   assistant_only_loss=args.assistant_only_loss, truncation=args.truncation)
+    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer, build(args.data),
+                   training_args, None if args.eval_data is None else build(args.eval_data))
 
 
 def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) -> None:
@@ -316,9 +335,16 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
     source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
               if inputs.from_scratch else f"loaded from {args.model}")
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
-          f"{inputs.dataset.num_tokens:,} tokens from {args.data} in {len(inputs.dataset):,} blocks of {args.seq_len}; "
+          f"{_describe_data(inputs.dataset, args)}; "
           f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
+
+
+def _describe_data(dataset, args: argparse.Namespace) -> str:
+    if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
+        rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
+        return f"{dataset.num_samples:,} samples ({dataset.num_tokens:,} target tokens) from {args.data}, {rows}"
+    return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 
 def _set_threads(torch) -> int:

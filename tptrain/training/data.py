@@ -12,6 +12,7 @@ their batch without talking to each other.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -57,6 +58,13 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def encoding(self, text: str) -> Any:
+        """The `tokenizers.Encoding` of `text`: `.ids` and `.char_to_token(i)` (chat label masks need both)."""
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
 
 class ByteTokenizer:
     """Fallback when a checkpoint has no tokenizer.json: UTF-8 bytes are ids 0..255, eos is 256."""
@@ -72,6 +80,23 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encoding(self, text: str) -> Any:
+        return _ByteEncoding(text)
+
+    def token_to_id(self, token: str) -> int | None:
+        return None
+
+
+class _ByteEncoding:
+    """`.ids` and `.char_to_token` of a text under ByteTokenizer (a character is one or more byte tokens)."""
+
+    def __init__(self, text: str) -> None:
+        self.ids = list(text.encode("utf-8"))
+        self._starts = list(itertools.accumulate((len(c.encode("utf-8")) for c in text), initial=0))[:-1]
+
+    def char_to_token(self, index: int) -> int | None:
+        return self._starts[index] if 0 <= index < len(self._starts) else None
 
 
 def load_tokenizer(model_dir: str | Path | None) -> HFTokenizer | ByteTokenizer:

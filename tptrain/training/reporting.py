@@ -24,8 +24,13 @@ class Reporter:
     together) gives tokens/s since the previous log; every key is written to the JSONL line as given.
     """
 
-    def __init__(self, output_dir: str | Path, *, total_steps: int, enabled: bool) -> None:
+    def __init__(self, output_dir: str | Path, *, total_steps: int, enabled: bool, tensorboard: bool = False) -> None:
         self.enabled = enabled
+        self._tensorboard = None  # a SummaryWriter on output_dir/runs (report_to="tensorboard"), rank 0 only
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(Path(output_dir) / "runs"))
         self.path = Path(output_dir) / "metrics.jsonl"
         self.plot_path = Path(output_dir) / "loss.png"
         self.total_steps = total_steps
@@ -45,6 +50,11 @@ class Reporter:
             record["tokens_per_second"] = round(record["num_tokens"] * steps / elapsed, 1)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key.replace("eval_", "eval/") if key.startswith("eval_")
+                                                 else f"train/{key}", value, step)
         shown = {"loss": record.get("loss"), "lr": record.get("learning_rate"),
                  "tok/s": record.get("tokens_per_second")}
         self._bar.set_postfix({k: _short(v) for k, v in shown.items() if v is not None}, refresh=False)
@@ -64,6 +74,8 @@ class Reporter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         records = read_metrics(self.path)
         if records:
             plot_loss(records, self.plot_path)
@@ -118,8 +130,11 @@ def plot_loss(records: list[dict[str, Any]], path: str | Path) -> None:
     ax = fig.add_subplot()
     ax.plot(steps, losses, alpha=0.35, label="loss")
     ax.plot(steps, smooth, label=f"mean of the last {FINAL_WINDOW} steps")
+    evals = [(r["step"], r["eval_loss"]) for r in records if isinstance(r.get("eval_loss"), (int, float))]
+    if evals:  # the evaluation loss (whole eval set) next to the training loss
+        ax.plot(*zip(*evals), marker="o", label="eval loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

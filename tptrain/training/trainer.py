@@ -13,6 +13,9 @@ gradients are summed, so the update equals one step on the whole batch on one de
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import math
 import os
 import shutil
 import time
@@ -34,7 +37,9 @@ from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training import checkpoint_dirs as dirs
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
-from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
+from tptrain.training.data import DataOrder, PackedDataset, load_tokenizer
+from tptrain.training.evaluation import evaluate_loss, split_dataset
+from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from tptrain.training.parallelize import parallelize_for_training, resolve_parallelism, training_mesh
 
@@ -50,12 +55,17 @@ class Trainer:
     """Trains `model` (already tensor-parallel if tp_size > 1) on `train_dataset`.
 
     train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
-        strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's).
+        strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's);
+        instruction records ("messages", "prompt"/"completion": a .jsonl, a list of dicts, a
+        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments).
+    eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
+        (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
     constructor, identically on every rank, before any collective.
     """
 
-    def __init__(self, model: nn.Module, *, args: TrainingArguments, train_dataset: Any, tokenizer: Any = None) -> None:
+    def __init__(self, model: nn.Module, *, args: TrainingArguments, train_dataset: Any, tokenizer: Any = None,
+                 eval_dataset: Any = None) -> None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"args must be a TrainingArguments, got {type(args).__name__}")
         self.args, self.model, self.tokenizer = args, model, tokenizer
@@ -66,7 +76,9 @@ class Trainer:
         self.dims = resolve_parallelism(model, args.parallelism_config)
         self._check_sequence_length()
         self.dataset = self._dataset(train_dataset)
+        self.eval_dataset = self._eval_dataset(eval_dataset)
         self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dims.dp
+        self._epochs_to_steps()
         self.mesh, self.device = training_mesh(model, self.dims)  # the model's own, or the one it moves onto
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
@@ -79,25 +91,30 @@ class Trainer:
         self.fsdp = parallelize_for_training(model, self.mesh, gradient_checkpointing=args.gradient_checkpointing,
                                              bf16=args.bf16)
         self.optimizer = build_optimizer(model, args)
-        self.scheduler = build_scheduler(self.optimizer, args)
+        self.scheduler = build_scheduler(self.optimizer, self.args)  # max_steps may come from num_train_epochs
         self.converter = ckpt.StateConverter(model)
         layout = getattr(model, "tp_layout", None)
         self.specs = layout.specs if layout else {}
         self.grad_sync = layout.grad_sync if layout else None
         self.global_step = 0
+        self.best_eval_loss: float | None = None
+        self._report_truncation()
         self.run_id = uuid.uuid4().hex  # marks this run's checkpoints (rank 0's is the one written); kept on resume
 
     # ------------------------------------------------------------------ set-up checks (no collectives)
 
-    def _dataset(self, source: Any) -> PackedDataset:
-        if not isinstance(source, PackedDataset):  # a PackedDataset is already tokenized: only its seq_len is checked
+    def _dataset(self, source: Any) -> PackedDataset | SFTDataset:
+        if not isinstance(source, (PackedDataset, SFTDataset)):  # already tokenized: only seq_len is checked
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self._model_dir())
             vocab = self.inner.config.vocab_size
             if self.tokenizer.vocab_size > vocab:
                 raise ValueError(f"the tokenizer produces ids up to {self.tokenizer.vocab_size - 1} but the model's "
                                  f"vocab_size is {vocab}; pass the model's own tokenizer")
-        return build_dataset(source, self.tokenizer, self.args.seq_len)
+        a = self.args
+        return build_training_data(source, self.tokenizer, a.seq_len, model_dir=self._model_dir(),
+                                   chat_template=a.chat_template, packing=a.packing,
+                                   assistant_only_loss=a.assistant_only_loss, truncation=a.truncation)
 
     def _model_dir(self) -> Path | None:
         name = getattr(self.inner, "name_or_path", None)
@@ -137,10 +154,14 @@ class Trainer:
                 reporter.log(self.global_step, {
                     "loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
                     "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start})
+            if self.eval_dataset is not None and args.eval_steps and self.global_step % args.eval_steps == 0:
+                self._evaluate_and_log(reporter)
             if args.save_steps and self.global_step % args.save_steps == 0:
                 saved = self.save_checkpoint()
                 if reporter is not None:
                     reporter.message(f"saved {saved}")
+        if self.eval_dataset is not None and not (args.eval_steps and self.global_step % args.eval_steps == 0):
+            self._evaluate_and_log(reporter)  # the final evaluation
         if reporter is not None:
             reporter.close()
         final = self.save_model()
@@ -149,13 +170,13 @@ class Trainer:
     def training_step(self, indices: list[int]) -> tuple[float, float]:
         """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
         b = self.args.per_device_train_batch_size
-        micro = [torch.stack([self.dataset[i] for i in indices[k:k + b]]).to(self.device)
-                 for k in range(0, len(indices), b)]
+        micro = [self._batch([self.dataset[i] for i in indices[k:k + b]]) for k in range(0, len(indices), b)]
         num_items = self._global_token_count(micro)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for ids in micro:
+        for batch in micro:
             with self._autocast():
-                loss = self.model(ids, labels=ids, num_items_in_batch=num_items).loss
+                loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
+                                  num_items_in_batch=num_items).loss
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
         if self.grad_sync is not None:  # partial gradients (q/k norms, shared KV chunks) summed over TP
@@ -168,9 +189,9 @@ class Trainer:
         comm.all_reduce(loss_sum, dp_mesh(self.mesh).get_group(), phase="loss")
         return loss_sum.item(), grad_norm.item()
 
-    def _global_token_count(self, micro: list[torch.Tensor]) -> int:
+    def _global_token_count(self, micro: list[dict[str, torch.Tensor]]) -> int:
         """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
-        local = sum(int((shift_labels(ids) != IGNORE_INDEX).sum()) for ids in micro)
+        local = sum(int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum()) for batch in micro)
         count = torch.tensor([local], dtype=torch.int64, device=self.device)
         comm.all_reduce(count, dp_mesh(self.mesh).get_group(), phase="token_count")  # TP ranks share their dp rank's
         return int(count.item())
@@ -185,7 +206,69 @@ class Trainer:
             from tptrain.training.reporting import Reporter
         except ImportError:
             return None
-        return Reporter(self.args.output_dir, total_steps=self.args.max_steps, enabled=self.is_rank0)
+        return Reporter(self.args.output_dir, total_steps=self.args.max_steps, enabled=self.is_rank0,
+                        tensorboard=self.args.report_to == "tensorboard")
+
+    # ------------------------------------------------------------------ fine-tuning data and evaluation
+
+    def _eval_dataset(self, source: Any) -> Any:
+        if self.args.eval_split:
+            if source is not None:
+                raise ValueError("pass either eval_dataset or TrainingArguments.eval_split (--eval-data or "
+                                 "--eval-split), not both")
+            self.dataset, held = split_dataset(self.dataset, self.args.eval_split, self.args.seed)
+            return held
+        if source is None and (self.args.eval_steps or self.args.save_best):
+            raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
+                             "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
+        return None if source is None else self._dataset(source)
+
+    def _epochs_to_steps(self) -> None:
+        """num_train_epochs -> max_steps (steps per epoch: the rows that fill whole global batches)."""
+        epochs = self.args.num_train_epochs
+        if epochs is not None:
+            steps = max(1, math.ceil(epochs * (len(self.dataset) // max(1, self.global_batch))))
+            self.args = dataclasses.replace(self.args, max_steps=steps)
+
+    def _report_truncation(self) -> None:
+        for name, data in (("train", self.dataset), ("eval", self.eval_dataset)):
+            cut = getattr(data, "num_truncated", 0)
+            if cut and self.is_rank0:
+                print(f"tptrain: {cut} of {data.num_samples} {name} samples of {data.name} were longer than "
+                      f"seq_len={self.args.seq_len} and were truncated (truncation='error' / --truncation error "
+                      "refuses them instead)", flush=True)
+
+    def _padding(self) -> dict[str, int]:
+        """How `collate` pads a micro-batch: with eos, to a multiple of tp_size under sequence parallelism."""
+        layout = getattr(self.inner, "tp_layout", None)
+        return {"pad_id": getattr(self.tokenizer, "eos_token_id", 0),
+                "multiple": self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1}
+
+    def _batch(self, rows: list[Any]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in collate(rows, **self._padding()).items()}
+
+    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
+        """{"eval_loss", "eval_ppl", "eval_tokens"} over all of `eval_dataset` (default: the Trainer's);
+        the token mean over the whole set, identical at every layout. Collective."""
+        data = self.eval_dataset if eval_dataset is None else self._dataset(eval_dataset)
+        if data is None:
+            raise ValueError("Trainer.evaluate: no eval set; pass eval_dataset (--eval-data) or set eval_split")
+        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        return evaluate_loss(self.model, data, batch_size=batch_size, mesh=self.mesh, device=self.device,
+                             autocast=self._autocast, **self._padding())
+
+    def _evaluate_and_log(self, reporter) -> dict[str, float]:
+        metrics = self.evaluate()
+        if reporter is not None:
+            reporter.log(self.global_step, {k: metrics[k] for k in ("eval_loss", "eval_ppl")})
+            reporter.message(f"step {self.global_step}: eval_loss {metrics['eval_loss']:.4f}, "
+                             f"eval_ppl {metrics['eval_ppl']:.2f}")
+        if self.args.save_best and (self.best_eval_loss is None or metrics["eval_loss"] < self.best_eval_loss):
+            self.best_eval_loss = metrics["eval_loss"]
+            best = self.save_model(Path(self.args.output_dir) / "best")
+            if self.is_rank0:
+                (best / "eval_results.json").write_text(json.dumps({"step": self.global_step, **metrics}) + "\n")
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -207,7 +290,10 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write output_dir/checkpoint-<step> (collective); returns its path."""
         state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
-                 "layout": self.dims.sizes()}
+                 "layout": self.dims.sizes(), "best_eval_loss": self.best_eval_loss}
+        runtime = getattr(self.model, "runtime", None)  # a PeftModel's dropout-mask stream (seed, forward count)
+        if runtime is not None:
+            state["lora_runtime"] = {"seed": runtime.seed, "step": runtime.step}
         return ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
                                     optimizer=self.optimizer, conv=self.converter, trainer_state=state,
                                     save_total_limit=self.args.save_total_limit)
@@ -219,6 +305,10 @@ class Trainer:
                              f"train; raise max_steps (--max-steps) above {step} to continue this run")
         state = ckpt.load_checkpoint(path, model=self.inner, optimizer=self.optimizer, conv=self.converter)
         self.global_step, self.run_id = state["global_step"], state["run_id"]
+        self.best_eval_loss = state.get("best_eval_loss")
+        if "lora_runtime" in state and getattr(self.model, "runtime", None) is not None:
+            runtime = state["lora_runtime"]
+            self.model.runtime.seed, self.model.runtime.step = runtime["seed"], runtime["step"]
         self.data_order.load_state_dict(state["data_order"])
         # The schedule of THIS run's arguments at the saved step (a resume may raise max_steps), as if the
         # run had started with them: rebuilt from the step, not restored (the saved last lr may be 0).
@@ -226,9 +316,12 @@ class Trainer:
                                                            last_epoch=self.global_step - 1)
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
-        """The consolidated HF checkpoint (default output_dir/final), loadable by transformers, plus the
-        source model's tokenizer files. Collective: FSDP and TP shards are gathered, rank 0 writes."""
+        """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter),
+        loadable by transformers (and peft), plus the source model's tokenizer files. Collective: FSDP and TP
+        shards are gathered, rank 0 writes."""
         target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
+        if output_dir is None and self.model is not self.inner:  # a PeftModel: its adapter, in PEFT's format
+            target = target / "adapter"
         self.model.save_pretrained(target)
         if self.is_rank0:
             source = self._tokenizer_dir()

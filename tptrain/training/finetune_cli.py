@@ -1,0 +1,144 @@
+"""`tptrain train`'s fine-tuning options: instruction data, evaluation, LoRA, logging; and the grouped --help.
+
+    tptrain train --model ./ckpt --data chat.jsonl --eval-split 0.05 --eval-steps 50 --save-best \
+        --lora-r 16 --lora-alpha 32 --lora-dropout 0.05 --lora-target-modules all-linear --merge --tp-size 2
+
+training/cli.py calls in here at five points (flags, preflight, TrainingArguments, inputs, LoRA at the
+start and end of a run), so the launcher stays one file and this concern another.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+# --help sections: (title, flags); flags added elsewhere and not named here stay under "options".
+HELP_GROUPS = (
+    ("model", ("--model", "--dtype", "--seed")),
+    ("data", ("--data", "--seq-len", "--packing", "--assistant-only-loss", "--chat-template", "--truncation")),
+    ("evaluation", ("--eval-data", "--eval-split", "--eval-steps", "--save-best")),
+    ("parallelism", ("--tp-size", "--nproc-per-node")),
+    ("optimisation", ("--max-steps", "--num-epochs", "--batch-size", "--grad-accum", "--lr", "--warmup-steps",
+                      "--bf16")),
+    ("checkpoints and output", ("--output-dir", "--save-steps", "--save-total-limit", "--resume",
+                                "--overwrite-output-dir", "--report-to", "--prompt", "--max-new-tokens",
+                                "--smoke-test")),
+    ("LoRA", ("--lora-r", "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--merge")),
+)
+
+
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    """The fine-tuning flags, then the --help sections."""
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                   help="instruction data: pack whole samples into --seq-len rows, each attending only to itself "
+                        "(default); --no-packing: one sample per row, padded to the longest in the batch")
+    p.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
+                   help="\"messages\" records: train on the assistant turns only (default)")
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records "
+                                                            "(default: the checkpoint's)")
+    p.add_argument("--truncation", choices=("truncate", "error"), default="truncate",
+                   help="a sample longer than --seq-len is cut (default; the count is reported) or an error")
+    p.add_argument("--eval-data", metavar="FILE", help="evaluation set (the same formats as --data)")
+    p.add_argument("--eval-split", type=float, default=0.0, metavar="FRACTION",
+                   help="hold out this fraction of --data for evaluation, e.g. 0.05")
+    p.add_argument("--eval-steps", type=int, default=0, metavar="N",
+                   help="evaluate every N steps (default 0: only at the end); eval_loss/eval_ppl in metrics.jsonl")
+    p.add_argument("--save-best", action="store_true",
+                   help="keep the model (or adapter) with the lowest eval loss in --output-dir/best")
+    p.add_argument("--num-epochs", type=float, help="passes over the data, instead of --max-steps")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
+    p.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
+                   help="also log to TensorBoard (--output-dir/runs; needs `pip install tensorboard`)")
+    p.add_argument("--lora-r", type=int, default=0, help="train a LoRA adapter of this rank (0: full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha / r (default: 2 x --lora-r)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default: 0)")
+    p.add_argument("--lora-target-modules", default="all-linear",
+                   help="'all-linear' (default) or comma-separated module names, e.g. q_proj,v_proj")
+    p.add_argument("--merge", action="store_true",
+                   help="with --lora-r: also write the merged full checkpoint to --output-dir/final/merged")
+    group_help(p)
+
+
+def group_help(p: argparse.ArgumentParser) -> None:
+    """Move each flag named in HELP_GROUPS from the "options" section into its own section of --help."""
+    by_flag = {flag: action for action in p._actions for flag in action.option_strings}
+    for title, flags in HELP_GROUPS:
+        group = p.add_argument_group(title)
+        for flag in flags:
+            action = by_flag.get(flag)
+            if action is not None and action in p._optionals._group_actions:
+                p._optionals._group_actions.remove(action)
+                group._group_actions.append(action)
+
+
+def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainingArguments fields these flags set."""
+    return dict(num_train_epochs=args.num_epochs, gradient_accumulation_steps=args.grad_accum, packing=args.packing,
+                assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
+                chat_template=args.chat_template, eval_steps=args.eval_steps, eval_split=args.eval_split,
+                save_best=args.save_best, report_to=None if args.report_to == "none" else args.report_to)
+
+
+def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:
+    """Checks before any worker starts: the data files (records parsed, chat template present when a record is
+    a chat), the eval flags, LoRA's values. Raises the first problem found."""
+    from tptrain.training.chat_template import load_chat_template
+    from tptrain.training.data import read_documents
+    from tptrain.training.sft_data import read_records, record_format
+
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is None:
+            continue
+        records = read_records(path)
+        if records is None:
+            read_documents(path)
+            continue
+        name, items = records
+        chat = False
+        for index, record in enumerate(items):
+            chat |= record_format(record, index, name) == "messages" or isinstance(record.get("prompt"), list)
+        if chat:
+            load_chat_template(model_dir, args.chat_template)
+    if args.eval_data and args.eval_split:
+        raise ValueError("pass --eval-data or --eval-split, not both")
+    if (args.eval_steps or args.save_best) and not (args.eval_data or args.eval_split):
+        raise ValueError("--eval-steps and --save-best need an eval set: add --eval-data FILE or --eval-split 0.05")
+    if args.num_epochs is not None and max_steps_given:
+        raise ValueError("pass --max-steps or --num-epochs, not both")
+    if args.lora_r < 0:
+        raise ValueError(f"--lora-r must be >= 1 (or 0: no LoRA), got {args.lora_r}")
+    if not args.lora_r and (args.merge or args.lora_alpha is not None):
+        raise ValueError("--merge and --lora-alpha need --lora-r (a LoRA run)")
+    if args.merge and nproc > args.tp_size:
+        raise ValueError(f"--merge needs --nproc-per-node equal to --tp-size ({args.tp_size}): merging an FSDP-sharded "
+                         "model is not implemented; merge afterwards with PeftModel.from_pretrained(base, "
+                         "'final/adapter').merge_and_unload().save_pretrained(dir)")
+
+
+def lora_config(args: argparse.Namespace):
+    from tptrain.peft import LoraConfig
+
+    targets = args.lora_target_modules
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    alpha = 2 * args.lora_r if args.lora_alpha is None else args.lora_alpha
+    return LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+
+
+def apply_lora(model, args: argparse.Namespace):
+    """The model with fresh LoRA adapters when --lora-r is set (only they train), else the model."""
+    if not args.lora_r:
+        return model
+    import torch
+
+    from tptrain.peft import get_peft_model
+
+    torch.manual_seed(args.seed)  # the adapters' initial values and dropout stream follow --seed
+    return get_peft_model(model, lora_config(args))
+
+
+def finish(trainer, args: argparse.Namespace) -> Path | None:
+    """With --merge: fold the trained adapters in and write final/merged (a full HF checkpoint + tokenizer)."""
+    if not (args.lora_r and args.merge):
+        return None
+    trainer.model = trainer.model.merge_and_unload()
+    return trainer.save_model(Path(args.output_dir) / "final" / "merged")

@@ -1,0 +1,282 @@
+"""Instruction data for supervised fine-tuning: TRL's record formats, label masks, document-masked packing.
+
+    records = read_records("chat.jsonl")                          # None: plain text (training/data.py packs it)
+    dataset = build_sft_dataset(records, tokenizer, seq_len=512, chat_template=load_chat_template(model_dir))
+    batch = collate([dataset[i] for i in indices], pad_id=tokenizer.eos_token_id)
+    model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"])
+
+Each record is one sample, detected from its keys (as TRL names them):
+  {"text": ...}                              loss on every token (eos appended)
+  {"messages": [{"role", "content"}, ...]}   rendered with the chat template; loss on assistant turns only
+                                             (assistant_only_loss=False: on every token)
+  {"prompt": ..., "completion": ...}         strings (eos appended) or message lists; loss on the completion
+A sample's first token is never a target (nothing precedes it), so packing samples side by side changes no
+target. Packed rows (`packing=True`) hold whole samples one after another, `seq_len` tokens, position ids
+restarting at 0 at each sample (the decoder turns that into block-diagonal causal attention), the tail
+padded as a sample of its own with labels -100. Without packing each sample is a row, padded per batch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from tptrain.losses import IGNORE_INDEX
+from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
+from tptrain.training.data import build_dataset
+
+TRUNCATION = ("truncate", "error")
+_STRUCTURED_KEYS = ("messages", "prompt", "completion")
+
+
+def read_records(source: Any) -> tuple[str, list[dict[str, Any]]] | None:
+    """(name, records) when `source` holds instruction records (a .jsonl file, a list of dicts or a
+    `datasets.Dataset` with a messages/prompt/completion field); None for plain text sources."""
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if path.suffix != ".jsonl" or not path.is_file():
+            return None
+        records = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
+        name = str(path)
+    elif isinstance(source, (list, tuple)) and any(isinstance(r, dict) for r in source):
+        records, name = list(source), f"(list of {len(source)} records)"
+    elif type(source).__module__.split(".")[0] == "datasets":
+        if not set(_STRUCTURED_KEYS) & set(getattr(source, "column_names", None) or ()):
+            return None
+        records, name = [dict(row) for row in source], f"({type(source).__name__})"
+    else:
+        return None
+    if not any(isinstance(r, dict) and set(_STRUCTURED_KEYS) & set(r) for r in records) and \
+            all(isinstance(r, dict) and "text" in r for r in records) and records:
+        return None  # {"text"} lines only: language-model blocks, as before
+    if not records:
+        raise ValueError(f"dataset {name} is empty: it has no records to train on")
+    return name, records
+
+
+def record_format(record: Any, index: int, name: str) -> str:
+    """'messages', 'prompt/completion' or 'text'; ValueError naming the record when none matches."""
+    if isinstance(record, dict):
+        if "messages" in record:
+            return "messages"
+        if "prompt" in record and "completion" in record:
+            return "prompt/completion"
+        if "text" in record:
+            return "text"
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise ValueError(f"dataset {name} record {index} ({keys}) matches no format: give each record a \"text\" string, "
+                     "\"messages\" (a list of {\"role\", \"content\"}), or \"prompt\" and \"completion\"")
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE_INDEX where the token is not a target
+
+
+class SampleEncoder:
+    """Turns records into token ids and labels. chat_template: needed only by message records."""
+
+    def __init__(self, tokenizer: Any, *, chat_template: ChatTemplate | None = None,
+                 assistant_only_loss: bool = True, name: str = "(records)") -> None:
+        self.tokenizer, self.template, self.assistant_only_loss, self.name = \
+            tokenizer, chat_template, assistant_only_loss, name
+
+    def __call__(self, record: dict[str, Any], index: int) -> Sample:
+        fmt = record_format(record, index, self.name)
+        eos = self.tokenizer.eos_token_id
+        if fmt == "text":
+            ids = self._encode(self._string(record, "text", index)) + [eos]
+            return _first_not_target(Sample(ids, list(ids)))
+        if fmt == "messages":
+            messages = self._messages(record["messages"], index, "messages")
+            text, spans = self._chat_template(index).render(messages)
+            if not self.assistant_only_loss:
+                spans = [(0, len(text))]
+            return _first_not_target(self._masked(text, spans))
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            prompt_ids, completion_ids = self._encode(prompt), self._encode(completion) + [eos]
+            return _first_not_target(Sample(prompt_ids + completion_ids,
+                                            [IGNORE_INDEX] * len(prompt_ids) + completion_ids))
+        if isinstance(prompt, list) and isinstance(completion, list):
+            template = self._chat_template(index)
+            prompt_msgs = self._messages(prompt, index, "prompt")
+            completion_msgs = self._messages(completion, index, "completion")
+            before = template.text(prompt_msgs, add_generation_prompt=True)
+            text = template.text(prompt_msgs + completion_msgs)
+            if not text.startswith(before):
+                raise ValueError(f"dataset {self.name} record {index}: the prompt rendered with the generation prompt "
+                                 "is not a prefix of prompt + completion under chat template "
+                                 f"{template.name}; the completion cannot be located")
+            return _first_not_target(self._masked(text, [(len(before), len(text))]))
+        raise ValueError(f"dataset {self.name} record {index}: \"prompt\" and \"completion\" must both be strings or "
+                         f"both message lists, got {type(prompt).__name__} and {type(completion).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def _string(self, record: dict, key: str, index: int) -> str:
+        if not isinstance(record[key], str):
+            raise ValueError(f"dataset {self.name} record {index}: \"{key}\" is a {type(record[key]).__name__}, "
+                             "not a string")
+        return record[key]
+
+    def _chat_template(self, index: int) -> ChatTemplate:
+        if self.template is None:
+            raise ValueError(f"dataset {self.name} record {index} is a chat (messages), but no chat template was "
+                             "given; pass the checkpoint's (load_chat_template) or --chat-template FILE")
+        return self.template
+
+    def _messages(self, messages: Any, index: int, key: str) -> list[dict[str, Any]]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"dataset {self.name} record {index}: \"{key}\" must be a non-empty list of "
+                             "{\"role\", \"content\"} messages")
+        for j, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(f"dataset {self.name} record {index}: {key}[{j}] is not a message with a \"role\"")
+            if message["role"] not in ROLES:
+                raise ValueError(f"dataset {self.name} record {index}: {key}[{j}] has the unknown role "
+                                 f"{message['role']!r}; roles are {', '.join(ROLES)}")
+        return messages
+
+    def _masked(self, text: str, spans: list[tuple[int, int]]) -> Sample:
+        """Tokens of `text`; targets the tokens of `spans` (character ranges) by transformers' rule for
+        `return_assistant_tokens_mask`: from the token of a span's first character to that of its last."""
+        encoding = self.tokenizer.encoding(text)
+        ids = list(encoding.ids)
+        mask = [False] * len(ids)
+        for start, end in spans:
+            if end <= start:
+                continue
+            first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+            if first is None:
+                break
+            for t in range(first, len(ids) if last is None else last + 1):
+                mask[t] = True
+        return Sample(ids, [i if m else IGNORE_INDEX for i, m in zip(ids, mask)])
+
+
+def _first_not_target(sample: Sample) -> Sample:
+    if sample.labels:
+        sample.labels[0] = IGNORE_INDEX
+    return sample
+
+
+class SFTDataset(Dataset):
+    """Rows of {"input_ids", "labels", "position_ids"} (1-D LongTensors): packed rows of exactly `seq_len`
+    tokens, or one sample per row (`packing=False`). num_truncated: samples cut to seq_len."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]], *, seq_len: int, packing: bool, num_samples: int,
+                 num_truncated: int, name: str) -> None:
+        self.rows, self.seq_len, self.packing, self.name = rows, seq_len, packing, name
+        self.num_samples, self.num_truncated = num_samples, num_truncated
+        self.num_tokens = sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in rows)  # target tokens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.rows[index]
+
+
+def build_sft_dataset(records: tuple[str, list[dict[str, Any]]], tokenizer: Any, seq_len: int, *,
+                      chat_template: ChatTemplate | None = None, assistant_only_loss: bool = True,
+                      packing: bool = True, truncation: str = "truncate") -> SFTDataset:
+    """Encode every record (see the module docstring), cut samples longer than `seq_len` (or, with
+    truncation="error", refuse them naming the record) and pack or keep them one per row."""
+    if truncation not in TRUNCATION:
+        raise ValueError(f"truncation={truncation!r} is not one of {TRUNCATION}")
+    name, items = records
+    if not items:
+        raise ValueError(f"dataset {name} is empty: it has no records to train on")
+    encode = SampleEncoder(tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss, name=name)
+    samples, truncated = [], 0
+    for index, record in enumerate(items):
+        sample = encode(record, index)
+        if len(sample.input_ids) > seq_len:
+            if truncation == "error":
+                raise ValueError(f"dataset {name} record {index} has {len(sample.input_ids)} tokens, more than "
+                                 f"seq_len={seq_len}; raise seq_len, shorten or drop the record, or truncate "
+                                 "(--truncation truncate)")
+            sample, truncated = Sample(sample.input_ids[:seq_len], sample.labels[:seq_len]), truncated + 1
+        samples.append(sample)
+    if not any(label != IGNORE_INDEX for s in samples for label in s.labels):
+        raise ValueError(f"dataset {name} has no target token at all (no assistant turn or completion survives "
+                         "truncation); check the records, raise seq_len, or use --no-assistant-only-loss")
+    rows = _pack(samples, seq_len, tokenizer.eos_token_id) if packing else [_row([s]) for s in samples]
+    return SFTDataset(rows, seq_len=seq_len, packing=packing, num_samples=len(samples), num_truncated=truncated,
+                      name=name)
+
+
+def _row(samples: list[Sample], length: int = 0, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Samples side by side, position ids restarting at each; padded to `length` as one more sample."""
+    ids = [t for s in samples for t in s.input_ids]
+    labels = [t for s in samples for t in s.labels]
+    positions = [p for s in samples for p in range(len(s.input_ids))]
+    pad = max(0, length - len(ids))
+    return {"input_ids": torch.tensor(ids + [pad_id] * pad), "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
+            "position_ids": torch.tensor(positions + list(range(pad)))}
+
+
+def _pack(samples: list[Sample], seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Whole samples, in order, into rows of `seq_len` tokens (a sample that does not fit starts the next row)."""
+    rows, current, used = [], [], 0
+    for sample in samples:
+        if current and used + len(sample.input_ids) > seq_len:
+            rows.append(_row(current, seq_len, pad_id))
+            current, used = [], 0
+        current.append(sample)
+        used += len(sample.input_ids)
+    if current:
+        rows.append(_row(current, seq_len, pad_id))
+    return rows
+
+
+def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+    """One micro-batch: (batch, seq) input_ids, labels and (for SFT rows) position_ids. Rows of different
+    lengths are right-padded to the longest (rounded up to `multiple`, e.g. the TP degree under sequence
+    parallelism), labels -100 there; positions run on, so padding needs no mask (causal attention never
+    lets a real token see a later pad). Plain blocks (LongTensors) are their own labels."""
+    if all(isinstance(item, torch.Tensor) for item in items):
+        ids = torch.stack(items)
+        return {"input_ids": ids, "labels": ids}
+    length = -(-max(item["input_ids"].numel() for item in items) // multiple) * multiple
+    batch = {"input_ids": [], "labels": [], "position_ids": []}
+    for item in items:
+        pad = length - item["input_ids"].numel()
+        batch["input_ids"].append(torch.nn.functional.pad(item["input_ids"], (0, pad), value=pad_id))
+        batch["labels"].append(torch.nn.functional.pad(item["labels"], (0, pad), value=IGNORE_INDEX))
+        positions = item.get("position_ids")
+        if positions is None:
+            positions = torch.arange(item["input_ids"].numel())
+        last = int(positions[-1]) + 1
+        batch["position_ids"].append(torch.cat([positions, torch.arange(last, last + pad)]))
+    return {k: torch.stack(v) for k, v in batch.items()}
+
+
+def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir: str | Path | None = None,
+                        chat_template: str | Path | None = None, packing: bool = True,
+                        assistant_only_loss: bool = True, truncation: str = "truncate") -> Any:
+    """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
+    `chat_template` or the checkpoint in `model_dir`, loaded only when a record is a chat); plain text
+    (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is."""
+    if isinstance(source, SFTDataset):
+        return source
+    records = read_records(source)
+    if records is None:
+        return build_dataset(source, tokenizer, seq_len)
+    chat = any(isinstance(r, dict) and ("messages" in r or isinstance(r.get("prompt"), list)) for r in records[1])
+    template = load_chat_template(model_dir, chat_template) if chat else None
+    return build_sft_dataset(records, tokenizer, seq_len, chat_template=template, packing=packing,
+                             assistant_only_loss=assistant_only_loss, truncation=truncation)
