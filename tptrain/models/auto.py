@@ -9,12 +9,14 @@ import os
 from typing import Any
 
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
-                                          MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config, load_config_dict)
+                                          MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                                          OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
+                                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config, load_config_dict)
 from tptrain.models.decoder import (DecoderForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM,
                                     LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM, Olmo2ForCausalLM,
                                     Olmo3ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
                                     SmolLM3ForCausalLM)
+from tptrain.models.decoder import MixtralForCausalLM, OlmoeForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -29,6 +31,10 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM),
 }
 
 
