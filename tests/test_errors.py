@@ -111,7 +111,8 @@ CASES = [
      ["declares no base_model_tp_plan", "tp_size=2"]),
     ("model_type", lambda p: _load(p["model_type"]), ValueError,
      ["model_type 'gpt_neox' is not supported",
-      "gemma2, gemma3_text, granite, llama, ministral, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3"]),
+      "gemma2, gemma3_text, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, "
+      "qwen2_moe, qwen3, qwen3_moe, smollm3"]),
     ("missing_shard", lambda p: _load(p["missing_shard"]), FileNotFoundError,
      ["model-00002-of-", ".safetensors", "missing"]),
     ("truncated", lambda p: _load(p["truncated"]), ValueError,

@@ -187,7 +187,8 @@ def test_transformers5_rope_parameters_and_dtype():
 
 
 def test_unknown_model_type_and_unsupported_features(tmp_path):
-    supported = "gemma2, gemma3_text, granite, llama, ministral, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3"
+    supported = ("gemma2, gemma3_text, granite, llama, ministral, mistral, mixtral, olmo2, olmo3, olmoe, phi3, qwen2, "
+                 "qwen2_moe, qwen3, qwen3_moe, smollm3")
     with pytest.raises(ValueError, match=f"'gpt2' is not supported.*{supported}"):
         AutoConfig.for_model("gpt2")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma"}))

@@ -246,9 +246,15 @@ def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_
     if spec.dim == 0:
         per_rank = len(keys) // spec.num_chunks(tp_size)
         first = spec.chunk_index(tp_rank) * per_rank
-        return torch.stack([reader.read(k, **kwargs) for k in keys[first:first + per_rank]])
-    inner = ShardSpec() if spec.dim is None else ShardSpec(spec.dim - 1, spec.replicas)
-    return torch.stack([read_shard(reader, k, inner, tp_size=tp_size, tp_rank=tp_rank, **kwargs) for k in keys])
+        keys, inner = keys[first:first + per_rank], ShardSpec()
+    else:
+        inner = ShardSpec() if spec.dim is None else ShardSpec(spec.dim - 1, spec.replicas)
+    out = None
+    for i, key in enumerate(keys):  # one expert at a time: the peak is the stack plus one expert's slice
+        t = read_shard(reader, key, inner, tp_size=tp_size, tp_rank=tp_rank, **kwargs)
+        out = t.new_empty((len(keys), *t.shape)) if out is None else out
+        out[i] = t
+    return out
 
 
 def to_checkpoint_names(state: dict[str, torch.Tensor], keys: dict[str, str | list[str]]) -> dict[str, torch.Tensor]:
