@@ -54,9 +54,8 @@ def _load(impl: str, ckpt: str, kwargs: dict):
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
                                                     distributed_config=DistributedConfig(tp_size=2, **kwargs))
     import transformers
-    dc = transformers.DistributedConfig(tp_size=2, enable_expert_parallel=True)
-    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, tp_plan="auto",
-                                                             distributed_config=dc)
+    dc = transformers.DistributedConfig(tp_size=2, tp_plan="auto", enable_expert_parallel=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
 
 
 def _step_bytes(impl: str, model, ids, labels) -> int:
@@ -80,8 +79,9 @@ def _step_bytes(impl: str, model, ids, labels) -> int:
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
-    import tptrain  # noqa: F401 - imports count in the baseline for both implementations
-    import transformers  # noqa: F401
+    import tptrain
+    import transformers
+    assert tptrain and transformers  # imported here so both count in the baseline, for both implementations
     torch.set_num_threads(1)
     sampler = PeakSampler()
     baseline = sampler.reset()

@@ -95,9 +95,9 @@ def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int)
         where = f"all {experts} experts per rank, each split 1/{tp_size} along moe_intermediate_size"
     else:
         where = f"{experts} experts per rank"
-    moves = {"expert_parallel_all_to_all": f"per MoE layer: forward 3 all-to-alls (counts, rows out, results back) "
-                                           f"+ 1 all-gather of the token shares; backward 2 all-to-alls + 2 "
-                                           f"all-gathers (token share, routing weights)",
+    moves = {"expert_parallel_all_to_all": "per MoE layer: forward 3 all-to-alls (counts, rows out, results back) "
+                                           "+ 1 all-gather of the token shares; backward 2 all-to-alls + 2 "
+                                           "all-gathers (token share, routing weights)",
              "expert_tensor_parallel": "per MoE layer: the partial outputs summed by the layer's one all-reduce "
                                        "(+ 1 (tokens, top_k) all-reduce in backward for the router)",
              "expert_parallel_all_reduce": "per MoE layer: no token moves; partial outputs summed by the layer's "
