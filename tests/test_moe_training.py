@@ -57,3 +57,31 @@ def _one_process_worker(tmp: str) -> None:
 def test_train_at_ep2_matches_one_device_and_resumes_at_tp2_and_in_one_process(tmp_path):
     run_distributed(_worker, 2, str(tmp_path), timeout=500)
     run_distributed(_one_process_worker, 1, str(tmp_path), timeout=300)
+
+
+def test_tptrain_train_expert_parallel_cli(tmp_path):
+    """`tptrain train --expert-parallel` trains an MoE model from its config (the bundled tokenizer) at ep 2; on a
+    dense model the flag is refused up front, before any worker starts."""
+    import json
+    import shutil
+
+    from tests.test_train_cli import tptrain_train
+    from tptrain.models import AutoModelForCausalLM
+    from tptrain.training.reporting import read_metrics
+    bundled = tptrain_train.__globals__["ROOT"] / "tptrain" / "data" / "tiny-qwen3"
+    model_dir = tmp_path / "tiny-moe"
+    shutil.copytree(bundled, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                  num_experts_per_tok=1, moe_intermediate_size=128, num_hidden_layers=2)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    run = tptrain_train("--model", str(model_dir), "--expert-parallel", "--output-dir", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert final.config.model_type == "qwen3_moe" and final.model.layers[0].mlp.experts.gate_proj.shape[0] == 4
+
+    dense = tptrain_train("--expert-parallel", "--output-dir", str(tmp_path / "dense"))
+    assert dense.returncode != 0 and "--expert-parallel" in dense.stderr, dense.stderr
+    assert "mixture-of-experts" in dense.stderr and "Traceback" not in dense.stderr, dense.stderr

@@ -15,7 +15,8 @@ on every rank, identically.
   are already on every rank.
 * `expert_parallel_all_to_all`: rank r routes only its 1/p share of the tokens, sends each (token, expert) row to
   the expert's owner (all-to-all, variable splits), gets the results back (the reverse all-to-all), weights and
-  sums them, and the shares are all-gathered into the whole block output.
+  sums them, and the shares are all-gathered into the whole block output (tokens not divisible by p: the
+  summing path for that batch).
 * `expert_parallel` (what DistributedConfig(enable_expert_parallel=True) plans): whichever of the two sends fewer
   bytes per rank. With T tokens of H features, k experts per token and p ranks, the all-reduce sends
   2 (p-1)/p T H, the all-to-all path (p-1)/p T H (2k/p + 1): all-to-all from p >= 2k on.
@@ -59,7 +60,7 @@ class _ExpertStyle(ParallelStyle):
         raise NotImplementedError
 
 
-def _summed_partials(module: nn.Module, ctx: TPContext) -> None:
+def _summed_partials(module: nn.Module, ctx: TPContext):
     """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce)."""
     local_forward = type(module).forward
 
@@ -67,7 +68,7 @@ def _summed_partials(module: nn.Module, ctx: TPContext) -> None:
         x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group)
         return ctx.exit(local_forward(self, x, expert_ids, weights))
 
-    _replace_forward(module, forward)
+    return forward
 
 
 @register_style
@@ -80,7 +81,7 @@ class ExpertTensorParallel(_ExpertStyle):
         return {"gate_proj": ShardSpec(1), "up_proj": ShardSpec(1), "down_proj": ShardSpec(2)}
 
     def install(self, module, ctx):
-        _summed_partials(module, ctx)
+        _replace_forward(module, _summed_partials(module, ctx))
 
 
 @register_style
@@ -94,20 +95,25 @@ class ExpertParallelAllReduce(_ExpertStyle):
 
     def install(self, module, ctx):
         module.expert_offset = ctx.rank * module.gate_proj.shape[0]
-        _summed_partials(module, ctx)
+        _replace_forward(module, _summed_partials(module, ctx))
 
 
 @register_style
 class ExpertParallelAllToAll(ExpertParallelAllReduce):
     """Experts split by expert (dim 0); each rank's share of the tokens dispatched to the experts' owners and
-    combined back by all-to-all, then the shares all-gathered."""
+    combined back by all-to-all, then the shares all-gathered. A batch whose tokens do not split into equal shares
+    (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds the same
+    tokens, so every rank takes the same path."""
 
     name = "expert_parallel_all_to_all"
 
     def install(self, module, ctx):
         module.expert_offset = ctx.rank * module.gate_proj.shape[0]
+        summed = _summed_partials(module, ctx)
 
         def forward(self, x, expert_ids, weights):
+            if x.shape[0] % ctx.size:
+                return summed(self, x, expert_ids, weights)
             return dispatch_and_combine(self, x, expert_ids, weights, ctx)
 
         _replace_forward(module, forward)
@@ -138,10 +144,7 @@ def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.
     still take part, with empty splits.
     """
     p, group = ctx.size, ctx.group
-    if x.shape[0] % p:
-        raise ValueError(f"expert parallelism by all-to-all splits the {x.shape[0]} tokens of a batch (batch x seq) "
-                         f"into {p} equal shares, one per rank; use a batch x seq divisible by {p}, or the "
-                         f"'expert_parallel_all_reduce' style")
+    assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
     x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
     expert_ids = expert_ids.chunk(p)[ctx.rank]
     k, held = expert_ids.shape[1], experts.gate_proj.shape[0]
