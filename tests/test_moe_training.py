@@ -85,3 +85,25 @@ def test_tptrain_train_expert_parallel_cli(tmp_path):
     dense = tptrain_train("--expert-parallel", "--output-dir", str(tmp_path / "dense"))
     assert dense.returncode != 0 and "--expert-parallel" in dense.stderr, dense.stderr
     assert "mixture-of-experts" in dense.stderr and "Traceback" not in dense.stderr, dense.stderr
+
+
+def _fsdp_worker(tmp: str) -> None:
+    """ep 2 x dp_shard 2 (FSDP2 over every parameter, experts included: each expert's shard over its 2 replicas)
+    and ep 2 with activation checkpointing: the single-device losses at the doubled batch. The aux loss is off
+    here: under data parallelism each rank's aux loss sees only its own tokens (a different objective)."""
+    def moe():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model("qwen3_moe", **{**TINY, "output_router_logits": False})
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+
+    for i, kw in enumerate([{}, {"gradient_checkpointing": True}]):
+        model = moe().parallelize(DistributedConfig(tp_size=2, enable_expert_parallel=True))  # dp_shard 2 left over
+        args = training_args(f"{tmp}/run{i}", max_steps=6, parallelism_config=ParallelismConfig(2, dp_shard_size=2),
+                             **kw)
+        out = Trainer(model=model, args=args, train_dataset=tiny_dataset()).train()
+        expected = reference_losses(moe(), tiny_dataset(), args, global_batch=8)
+        torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), rtol=1e-9, atol=1e-9)
+
+
+def test_ep2_with_fsdp2_and_activation_checkpointing_match_one_device(tmp_path):
+    run_distributed(_fsdp_worker, 4, str(tmp_path), timeout=500)

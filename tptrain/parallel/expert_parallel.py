@@ -63,6 +63,7 @@ class _ExpertStyle(ParallelStyle):
 def _summed_partials(module: nn.Module, ctx: TPContext):
     """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce)."""
     local_forward = type(module).forward
+    module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
 
     def forward(self, x, expert_ids, weights):
         x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group)
@@ -110,6 +111,7 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
     def install(self, module, ctx):
         module.expert_offset = ctx.rank * module.gate_proj.shape[0]
         summed = _summed_partials(module, ctx)
+        module.tp_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
             if x.shape[0] % ctx.size:
