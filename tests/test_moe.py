@@ -98,6 +98,19 @@ def test_tp1_logits_loss_aux_loss_and_grads_match_transformers(checkpoints, mode
         torch.testing.assert_close(p.grad, want, **HF_TOL, msg=lambda m: f"grad of {name}: {m}")
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_bf16_arithmetic_is_transformers(checkpoints, model_type):
+    """Routing (fp32 softmax, weights cast back, or kept fp32 for Mixtral) and expert sums, bit for bit in bf16."""
+    path, _ = checkpoints[model_type]
+    import transformers
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf.set_experts_implementation("eager")
+    ids, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=0, atol=0)
+
+
 def test_layers_follow_decoder_sparse_step_and_mlp_only_layers(checkpoints):
     model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"][0], dtype=F64)
     assert hasattr(model.model.layers[0].mlp, "experts") and hasattr(model.model.layers[1].mlp, "gate_proj")

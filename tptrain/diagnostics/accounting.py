@@ -150,8 +150,9 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     if layout.vocab_parallel_loss:
         add(("forward", "all_reduce"), 3, 3 * token_bytes)  # vocab-parallel loss: max, target, sum-exp
     if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
-        top_k = model.config.num_experts_per_tok
-        add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * dtype.itemsize)
+        top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
+        size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
+        add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * size)
     norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)

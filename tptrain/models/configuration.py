@@ -769,6 +769,9 @@ class MoeConfig(PretrainedConfig):
     expert_checkpoint_module: ClassVar[str] = "mlp"
     expert_checkpoint_names: ClassVar[dict[str, str]] = {"gate_proj": "gate_proj", "up_proj": "up_proj",
                                                          "down_proj": "down_proj"}
+    # The routing weights stay in (at least) fp32 (Mixtral: the expert outputs are weighted in fp32, then cast);
+    # False: cast to the activations' dtype first (Qwen-MoE, OLMoE).
+    router_weights_in_float32: ClassVar[bool] = False
     # Rules added to the plan under expert parallelism (DistributedConfig(enable_expert_parallel=True)).
     base_model_ep_plan: ClassVar[dict[str, str]] = {"layers.*.mlp.experts": "expert_parallel"}
 
@@ -874,6 +877,7 @@ class MixtralConfig(MoeConfig, MistralConfig):
     experts_key: ClassVar[str] = "num_local_experts"
     expert_checkpoint_module: ClassVar[str] = "block_sparse_moe"
     expert_checkpoint_names: ClassVar[dict[str, str]] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    router_weights_in_float32: ClassVar[bool] = True
 
     num_experts: int = 8
     norm_topk_prob: bool = True  # Mixtral always renormalises; transformers' Mixtral has no such key

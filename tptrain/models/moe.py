@@ -64,6 +64,7 @@ class SparseMoeBlock(nn.Module):
         hidden = config.hidden_size
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.weights_in_float32 = config.router_weights_in_float32
         self.gate = nn.Linear(hidden, config.num_experts, bias=False)
         self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, top_k=self.top_k)
         if config.shared_expert_intermediate_size:
@@ -73,13 +74,15 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits (tokens, experts), top-k weights, top-k expert ids (tokens, k)). Softmax in fp32,
-        top-k, optional renormalisation, weights cast back: transformers' TopKRouter."""
+        top-k, optional renormalisation, weights cast back (or kept fp32: Mixtral): transformers' TopKRouter."""
         logits = self.gate(x)
         probs = logits.softmax(-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(logits.dtype), ids
+        # Kept in (at least) fp32 for Mixtral, fp64 staying fp64 (exact tests); else cast to the activations' dtype.
+        dtype = torch.promote_types(logits.dtype, torch.float32) if self.weights_in_float32 else logits.dtype
+        return logits, weights.to(dtype), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
