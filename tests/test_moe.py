@@ -258,3 +258,17 @@ def test_experts_over_tp_match_transformers_and_a_single_device(checkpoints, tp,
         for layout in ("etp", "ep"):
             got = hf_reference(_hf(tmp_path / f"{model_type}-{layout}"))
             torch.testing.assert_close(got["logits"], checkpoints[model_type][1]["logits"], rtol=0, atol=0)
+
+
+def test_plan_shows_experts_per_rank_their_bytes_and_the_dispatch():
+    from tptrain.diagnostics.plan_report import plan_report
+    config = AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 8, "moe_intermediate_size": 16})
+    ep2 = plan_report(config, 2, expert_parallel=True).text
+    assert "style expert_parallel_all_reduce: 4 whole expert(s) per rank" in ep2, ep2
+    assert "expert bytes per rank: 98.30 KB of 196.61 KB" in ep2, ep2  # 2 layers x 4 of 8 experts x 3 x 16 x 64 fp32
+    ep4 = plan_report(config, 4, expert_parallel=True).text
+    assert "style expert_parallel_all_to_all: 2 whole expert(s) per rank" in ep4 and "3 all-to-alls" in ep4, ep4
+    etp = plan_report(config, 4).text
+    assert "each split 1/4 along moe_intermediate_size" in etp and "49.15 KB of 196.61 KB" in etp, etp
+    bad = plan_report(AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 6}), 4, expert_parallel=True)
+    assert any("num_experts=6 must be a multiple of 4" in p for p in bad.problems), bad.problems
