@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from tests import test_families_simple, test_family_gemma, test_family_olmo2, test_family_olmo3, test_family_phi3
+from tests import (test_families_simple, test_family_gemma, test_family_olmo2, test_family_olmo3, test_family_phi3,
+                   test_moe)
 from tests.family_utils import randomize
 from tests.test_train_cli import read_metrics, tptrain_train
 from tptrain import AutoModelForCausalLM
@@ -27,6 +28,8 @@ FAMILIES = {
     "olmo3": dict(test_family_olmo3.TINY, rope_parameters=test_family_olmo3.ROPE),
     **test_family_gemma.FAMILIES,
     "phi3": test_family_phi3.TINY,
+    # mixture of experts, at tp 2 with the experts tensor-parallel (the default)
+    **{name: {**test_moe.TINY, **keys} for name, (_, _, keys) in test_moe.FAMILIES.items()},
 }
 
 

@@ -188,7 +188,7 @@ def test_transformers5_rope_parameters_and_dtype():
 
 def test_unknown_model_type_and_unsupported_features(tmp_path):
     supported = ", ".join(sorted(MODEL_REGISTRY))
-    assert {"llama", "qwen3", "ministral3", "olmo3", "phi3"} <= set(MODEL_REGISTRY)
+    assert {"llama", "qwen3", "ministral3", "olmo3", "phi3", "qwen3_moe", "mixtral"} <= set(MODEL_REGISTRY)
     with pytest.raises(ValueError, match=f"'gpt2' is not supported.*{supported}"):
         AutoConfig.for_model("gpt2")
     # Unknown to transformers too (a type only transformers knows runs on the transformers backend: test_hf_*).

@@ -44,6 +44,8 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("model", help="checkpoint directory or hub id (only config.json is read)")
     plan.add_argument("--tp-size", type=int, required=True, help="tensor-parallel degree")
     plan.add_argument("--sequence-parallel", action="store_true", help="shard norms along the sequence too")
+    plan.add_argument("--expert-parallel", action="store_true",
+                      help="split a mixture-of-experts model's experts by expert over the TP ranks (ep_size = tp_size)")
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
@@ -76,7 +78,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     try:
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
-                             sequence_parallel=args.sequence_parallel, dtype=args.dtype)
+                             sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
+                             dtype=args.dtype)
     except (OSError, ValueError, TypeError) as exc:
         return _fail("plan", str(exc))
     print(report.text, end="")

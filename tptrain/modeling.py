@@ -172,27 +172,46 @@ class PreTrainedModel(nn.Module):
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
         """The plan resolved at this TP degree; every problem raised (no process group needed)."""
         resolved = check_plan(self, distributed_config.tp_plan, distributed_config.sizes()["tp"],
-                              sequence_parallel=distributed_config.enable_sequence_parallel)
+                              sequence_parallel=distributed_config.enable_sequence_parallel,
+                              expert_parallel=distributed_config.enable_expert_parallel)
         resolved.raise_problems(self)
         return resolved
+
+    def checkpoint_keys(self) -> dict[str, str | list[str]]:
+        """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor} for parameters
+        stored under another name; a model whose parameters are all stored under their own names has none."""
+        return {}
 
     def _check_checkpoint(self, reader) -> None:
         """Every tensor this (unsharded, meta) model needs is in the checkpoint, at its global shape."""
         params = dict(self.named_parameters())  # tied aliases dedup'd: lm_head reads embed_tokens
-        missing = [n for n in params if n not in reader]
+        keys = self.checkpoint_keys()
+        wanted = {}  # checkpoint name -> shape it must have
+        for name, p in params.items():
+            key = keys.get(name, name)
+            if isinstance(key, list):  # a stacked tensor: one checkpoint tensor per expert, the stack's rows
+                wanted.update({k: tuple(p.shape[1:]) for k in key})
+            else:
+                wanted[key] = tuple(p.shape)
+        missing = [n for n in wanted if n not in reader]
         if missing:
             raise ValueError(f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) the model needs, "
                              f"e.g. {missing[:3]}; it was not saved for this architecture/config")
-        for name, p in params.items():  # every shape checked before any byte is read
-            check_tensor_shape(name, tuple(p.shape), tuple(reader.shape(name)), reader.file_of(name))
+        for name, shape in wanted.items():  # every shape checked before any byte is read
+            check_tensor_shape(name, shape, tuple(reader.shape(name)), reader.file_of(name))
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
         """Fill every (meta) parameter with this rank's slice of the (checked) checkpoint tensor."""
         layout = self.tp_layout
+        keys = self.checkpoint_keys()
         loaded: dict[int, nn.Parameter] = {}
         for name, p in self.named_parameters():  # tied aliases dedup'd: lm_head reads embed_tokens
             spec = layout.spec(name) if layout else ShardSpec()
-            t = read_shard(reader, name, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
+            key = keys.get(name, name)
+            if isinstance(key, list):
+                t = _read_stacked(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
+            else:
+                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, p in list(self.named_parameters(remove_duplicate=False)):
             mod_name, _, pname = name.rpartition(".")
@@ -219,10 +238,40 @@ class PreTrainedModel(nn.Module):
         writer is raised on every rank.
         """
         def write(state: dict[str, torch.Tensor]) -> None:
+            state = to_checkpoint_names(state, self.checkpoint_keys())
             save_checkpoint(state, save_directory, max_shard_size=max_shard_size,
                             extra_files={"config.json": self.config_json(next(iter(state.values())).dtype)})
 
         save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
+
+
+def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, **kwargs) -> torch.Tensor:
+    """This rank's piece of a stacked (experts, ...) tensor stored as one checkpoint tensor per expert: split along
+    dim 0, only its experts are read; split along another dim, that dim's slice of every expert."""
+    if spec.dim == 0:
+        per_rank = len(keys) // spec.num_chunks(tp_size)
+        first = spec.chunk_index(tp_rank) * per_rank
+        keys, inner = keys[first:first + per_rank], ShardSpec()
+    else:
+        inner = ShardSpec() if spec.dim is None else ShardSpec(spec.dim - 1, spec.replicas)
+    out = None
+    for i, key in enumerate(keys):  # one expert at a time: the peak is the stack plus one expert's slice
+        t = read_shard(reader, key, inner, tp_size=tp_size, tp_rank=tp_rank, **kwargs)
+        out = t.new_empty((len(keys), *t.shape)) if out is None else out
+        out[i] = t
+    return out
+
+
+def to_checkpoint_names(state: dict[str, torch.Tensor], keys: dict[str, str | list[str]]) -> dict[str, torch.Tensor]:
+    """A full state dict under the checkpoint's names: stacked tensors split into their per-expert tensors."""
+    out = {}
+    for name, t in state.items():
+        key = keys.get(name, name)
+        if isinstance(key, list):
+            out.update({k: row.clone() for k, row in zip(key, t.unbind(0))})
+        else:
+            out[key] = t
+    return out
 
 
 def _check_has_weights(directory: Path) -> None:

@@ -106,10 +106,19 @@ class CommReport:
         return "\n".join(lines)
 
 
-def _boundaries(plan: dict[str, str]) -> tuple[int, int]:
-    """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary."""
+def _summed_experts(model: nn.Module, plan: dict[str, str]) -> set[str]:
+    """MoE blocks whose experts' partial outputs are summed (expert TP, or expert parallelism by all-reduce): a
+    column-parallel boundary (shared with a shared expert's gate/up) and one row-parallel sum each."""
+    return {name.rpartition(".")[0] for name in plan
+            if getattr(model.get_submodule(name), "tp_dispatch", None) == "all_reduce"}
+
+
+def _boundaries(plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[int, int]:
+    """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary, and a shared
+    expert's gate/up share their MoE block's."""
     enters = {name.rpartition(".")[0] for name, style in plan.items() if issubclass(STYLES[style], ColwiseParallel)}
-    exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values())
+    enters = {e.rpartition(".")[0] if e.rpartition(".")[0] in summed else e for e in enters} | set(summed)
+    exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values()) + len(summed)
     return len(enters), exits
 
 
@@ -122,7 +131,8 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     dtype = next(model.parameters()).dtype
     act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
     token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
-    enters, exits = _boundaries(layout.plan)
+    summed = _summed_experts(model, layout.plan)
+    enters, exits = _boundaries(layout.plan, summed)
     out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
 
     def add(key, count, nbytes):
@@ -139,6 +149,10 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         add(("backward", "all_reduce"), enters, enters * act)
     if layout.vocab_parallel_loss:
         add(("forward", "all_reduce"), 3, 3 * token_bytes)  # vocab-parallel loss: max, target, sum-exp
+    if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
+        top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
+        size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
+        add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * size)
     norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)

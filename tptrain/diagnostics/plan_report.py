@@ -17,6 +17,7 @@ import torch
 
 from tptrain.modeling import resolve_dtype
 from tptrain.models import AutoModelForCausalLM
+from tptrain.parallel.expert_parallel import all_to_all_wins
 from tptrain.parallel.plan import kv_replicas
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.plan import check_plan
@@ -36,13 +37,15 @@ class PlanReport:
 
 
 def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] = "auto",
-                sequence_parallel: bool = False, dtype: torch.dtype | str | None = None) -> PlanReport:
+                sequence_parallel: bool = False, expert_parallel: bool = False,
+                dtype: torch.dtype | str | None = None) -> PlanReport:
     """Resolve `tp_plan` for `config` at `tp_size` and describe every module's shards."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
-    resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel)
+    resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel,
+                          expert_parallel=expert_parallel)
     problems = resolved.problems
     rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize)
     name = type(getattr(model, "hf_model", model)).__name__
@@ -50,7 +53,8 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
              f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
              f"backend: {model.backend}" + (" (transformers' modeling code on tptrain's engine)"
                                             if model.backend == "transformers" else " (tptrain's own model code)"),
-             *_head_lines(config, tp_size), "", *_table(rows), "",
+             *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize), "",
+             *_table(rows), "",
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
              f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
     if problems:
@@ -73,6 +77,39 @@ def _head_lines(config: Any, tp_size: int) -> list[str]:
         out.append(f"KV heads replicated: tp_size={tp_size} > num_key_value_heads={n_kv}, so each KV head is held by "
                    f"{replicas} consecutive ranks (rank r holds KV head r // {replicas})")
     return out
+
+
+def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int) -> list[str]:
+    """Experts per rank, their bytes per rank, and the collectives that move their tokens (MoE models only)."""
+    config = model.config
+    layers = [name for name, style in resolved.styles.items() if style.startswith("expert_")]
+    if not getattr(config, "num_experts", None) or not any(config.layer_is_moe):
+        return []
+    moe_layers, experts, k = sum(config.layer_is_moe), config.num_experts, config.num_experts_per_tok
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for n, p in params.items() if ".experts." in n) * itemsize
+    local = sum(math.prod(resolved.specs.get(n, ShardSpec()).local_shape(tuple(p.shape), tp_size))
+                for n, p in params.items() if ".experts." in n) * itemsize
+    style = resolved.styles.get(layers[0]) if layers else "replicated"
+    if style == "expert_parallel":
+        style = "expert_parallel_all_to_all" if all_to_all_wins(tp_size, k) else "expert_parallel_all_reduce"
+    if style.startswith("expert_parallel") and experts % tp_size == 0:
+        held = experts // tp_size
+        where = f"{held} whole expert(s) per rank (rank r holds experts r*{held} .. r*{held}+{held - 1})"
+    elif style == "expert_tensor_parallel":
+        where = f"all {experts} experts per rank, each split 1/{tp_size} along moe_intermediate_size"
+    else:
+        where = f"{experts} experts per rank"
+    moves = {"expert_parallel_all_to_all": "per MoE layer: forward 3 all-to-alls (counts, rows out, results back) "
+                                           "+ 1 all-gather of the token shares; backward 2 all-to-alls + 2 "
+                                           "all-gathers (token share, routing weights)",
+             "expert_tensor_parallel": "per MoE layer: the partial outputs summed by the layer's one all-reduce "
+                                       "(+ 1 (tokens, top_k) all-reduce in backward for the router)",
+             "expert_parallel_all_reduce": "per MoE layer: no token moves; partial outputs summed by the layer's "
+                                           "one all-reduce (+ 1 (tokens, top_k) all-reduce in backward)"}
+    return [f"experts: {moe_layers} MoE layer(s) x {experts} experts, top-{k}, style {style}: {where}",
+            f"expert bytes per rank: {_size(local)} of {_size(total)}",
+            f"dispatch: {moves.get(style, 'replicated experts: no communication')}"]
 
 
 def _rows(model: torch.nn.Module, resolved: Mapping[str, str], specs: Mapping[str, ShardSpec], tp_size: int,

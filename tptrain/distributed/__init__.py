@@ -60,6 +60,8 @@ class DistributedConfig:
     tp_plan: "auto" (the model's own `base_model_tp_plan`) or a dict of {module-glob: style}
         overrides of it (a value of None removes a rule). A rule that matches no module is an error.
     enable_sequence_parallel: shard norms and the residual stream along the sequence between TP regions.
+    enable_expert_parallel: a mixture-of-experts model's experts are split by expert over the TP group
+        (ep_size = tp_size, transformers' spelling); False: each expert is split like a dense MLP.
     dp_replicate_size: replicated data-parallel degree (DDP, or the replica axis of HSDP).
     dp_shard_size: sharded data-parallel degree (FSDP2); None: whatever WORLD_SIZE leaves over.
     backend: "auto" (tptrain's own model code for its model types, transformers' otherwise), "native", or
@@ -70,6 +72,7 @@ class DistributedConfig:
     tp_size: int | None = None
     tp_plan: str | Mapping[str, Any] = "auto"
     enable_sequence_parallel: bool = False
+    enable_expert_parallel: bool = False
     dp_replicate_size: int = 1
     dp_shard_size: int | None = None
     backend: str = "auto"

@@ -122,6 +122,18 @@ def split(t: torch.Tensor, group: ProcessGroup, *, dim: int) -> torch.Tensor:
     return t.chunk(world, dim=dim)[rank].contiguous()
 
 
+def all_to_all(t: torch.Tensor, group: ProcessGroup, *, send_splits: list[int], recv_splits: list[int],
+               phase: str | None = None) -> torch.Tensor:
+    """Rows `t[sum(send_splits[:r]):][:send_splits[r]]` go to rank r; returns the rows every rank sent here,
+    concatenated by source rank (`recv_splits[r]` from rank r). Splits may be 0 (a rank that sends or
+    receives nothing still takes part)."""
+    t = t.contiguous()
+    out = t.new_empty((sum(recv_splits), *t.shape[1:]))
+    _record("all_to_all", t, phase or _phase(), group)
+    dist.all_to_all_single(out, t, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
+    return out
+
+
 def group_name(group: ProcessGroup) -> str:
     """What to keep of a process group: its name. Objects that outlive the group (a model, an autograd graph the
     user still holds) must not keep the group itself alive: it would then be destroyed only during interpreter
@@ -186,6 +198,34 @@ class _AlongDim(Function):
         return ctx.bwd(grad, resolve_group(ctx.group_name), dim=ctx.dim), None, None, None, None
 
 
+class _AllToAll(Function):
+    """all-to-all fwd (send_splits -> recv_splits) / all-to-all bwd (the same exchange reversed)."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_splits, recv_splits):
+        ctx.group_name, ctx.splits = group_name(group), (send_splits, recv_splits)
+        return all_to_all(x, group, send_splits=send_splits, recv_splits=recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv = ctx.splits
+        return all_to_all(grad, resolve_group(ctx.group_name), send_splits=recv, recv_splits=send), None, None, None
+
+
+def dispatch_to_ranks(x: torch.Tensor, group: ProcessGroup, send_splits: list[int],
+                      recv_splits: list[int]) -> torch.Tensor:
+    """all-to-all fwd / the reverse all-to-all bwd (expert parallelism: rows to the ranks owning their experts,
+    and, with the splits swapped, the results back)."""
+    return _AllToAll.apply(x, group, list(send_splits), list(recv_splits))
+
+
+def exchange_counts(counts: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """(ranks * n,) int64 counts, n for each rank -> the (ranks * n,) counts every rank sent here (no gradient)."""
+    n = counts.numel() // dist.get_world_size(group)
+    return all_to_all(counts, group, send_splits=[n] * dist.get_world_size(group),
+                      recv_splits=[n] * dist.get_world_size(group))
+
+
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
@@ -203,6 +243,11 @@ def sum_over_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """all-gather fwd / split bwd (un-shard an output, e.g. logits along the vocabulary)."""
     return _AlongDim.apply(x, group, dim % x.dim(), all_gather, split)
+
+
+def split_to_tp(x: torch.Tensor, group: ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """split fwd / all-gather bwd (a replicated tensor's share for this rank to work on alone)."""
+    return _AlongDim.apply(x, group, dim % x.dim(), split, all_gather)
 
 
 def gather_to_sp(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> torch.Tensor:

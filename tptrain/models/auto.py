@@ -10,13 +10,15 @@ import os
 from typing import Any
 
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
-                                          MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config,
-                                          absorb_rope_parameters, load_config_dict)
+                                          MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                                          OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
+                                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config, absorb_rope_parameters,
+                                          load_config_dict)
 from tptrain.models.decoder import (DecoderForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM,
                                     LlamaForCausalLM, Ministral3ForCausalLM, MinistralForCausalLM, MistralForCausalLM,
-                                    Olmo2ForCausalLM, Olmo3ForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                    Qwen3ForCausalLM, SmolLM3ForCausalLM)
+                                    MixtralForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM,
+                                    Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
+                                    Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -32,6 +34,10 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "olmoe": (OlmoeConfig, OlmoeForCausalLM),
 }
 
 

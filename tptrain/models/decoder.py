@@ -1,5 +1,6 @@
 """The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral/Ministral 3, Granite, SmolLM3, OLMo 2/3,
-Gemma 2/3 and Phi-3 differ only by config flags.
+Gemma 2/3, Phi-3 and the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE; their block is in
+moe.py) differ only by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -20,8 +21,10 @@ from torch.utils.checkpoint import checkpoint
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
-                                          MinistralConfig, MistralConfig, Olmo2Config, Olmo3Config, Phi3Config,
-                                          PretrainedConfig, Qwen2Config, Qwen3Config, SmolLM3Config)
+                                          MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
+                                          OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
+                                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+from tptrain.models.moe import Experts, SparseMoeBlock, load_balancing_loss
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -29,6 +32,7 @@ from tptrain.models.rope import RotaryEmbedding, apply_rotary
 class CausalLMOutput:
     loss: torch.Tensor | None  # scalar, None without labels
     logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
 
 
 def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -215,9 +219,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     tp_pairs = {"down_proj": ("gate_proj", "up_proj")}  # see Attention
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, *, inner: int | None = None) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, inner or config.intermediate_size
         self.fused = config.fused_projections
         if self.fused:  # one gate_up_proj: gate rows, then up rows
             self.gate_up_proj = PackedLinear(hidden, ((inner, False), (inner, False)), bias=config.mlp_bias)
@@ -240,7 +244,7 @@ class DecoderLayer(nn.Module):
         self.sliding_window = config.layer_sliding_windows[layer_idx]  # read by DecoderModel for the mask
         self.residual_scale = config.residual_scale
         self.self_attn = Attention(config, use_rope=config.layer_uses_rope[layer_idx])
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config, MLP) if config.layer_is_moe[layer_idx] else MLP(config)
         # transformers' names of (attention input, attention output, MLP input, MLP output) norms; None: no norm there
         names = _sublayer_norm_names(config.norm_sublayer_input, config.norm_sublayer_output)
         self.attn_norms, self.mlp_norms = names[:2], names[2:]
@@ -356,6 +360,19 @@ class DecoderForCausalLM(PreTrainedModel):
                 nn.init.zeros_(module.bias)
             if isinstance(module, RMSNorm):  # scale 1: weight 1, or 0 for an offset of 1
                 nn.init.constant_(module.weight, 1.0 - module.weight_offset)
+            if isinstance(module, Experts):
+                for p in module.parameters(recurse=False):
+                    nn.init.normal_(p, mean=0.0, std=std)
+
+    def checkpoint_keys(self) -> dict[str, str | list[str]]:
+        """{parameter name: its name in the checkpoint, or the per-expert names a stacked tensor is made of} for
+        every parameter not stored under its own name (MoE experts and routers); the loader and save_pretrained
+        convert at this boundary only."""
+        keys: dict[str, str | list[str]] = {}
+        for name, module in self.named_modules():
+            if isinstance(module, SparseMoeBlock):
+                keys.update(module.checkpoint_keys(name, self.config))
+        return {k: v for k, v in keys.items() if v != k}
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
@@ -378,12 +395,20 @@ class DecoderForCausalLM(PreTrainedModel):
         h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         # A head wrapped by an adapter is not a plain weight: it goes the unfused way.
         if labels is not None and self.training and not return_logits and type(self.lm_head) is nn.Linear:
+            logits = None
             loss = self.head_loss_function(h, self.lm_head.weight, labels, num_items_in_batch,
                                            transform=self._transform_logits)
-            return CausalLMOutput(loss=loss, logits=None)
-        logits = self._transform_logits(self.lm_head(h))  # (batch, seq, vocab)
-        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+        else:
+            logits = self._transform_logits(self.lm_head(h))  # (batch, seq, vocab)
+            loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
+        aux_loss = None
+        if getattr(self.config, "output_router_logits", False):  # as transformers: the coefficient only in `loss`
+            blocks = [m for m in self.model.layers.modules() if isinstance(m, SparseMoeBlock)]
+            aux_loss = load_balancing_loss([b.router_logits for b in blocks], self.config.num_experts,
+                                           self.config.num_experts_per_tok, attention_mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.dtype)
+        return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -436,3 +461,19 @@ class Ministral3ForCausalLM(DecoderForCausalLM):
 
 class Olmo3ForCausalLM(DecoderForCausalLM):
     config_class = Olmo3Config
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    config_class = Qwen3MoeConfig
+
+
+class MixtralForCausalLM(DecoderForCausalLM):
+    config_class = MixtralConfig
+
+
+class Qwen2MoeForCausalLM(DecoderForCausalLM):
+    config_class = Qwen2MoeConfig
+
+
+class OlmoeForCausalLM(DecoderForCausalLM):
+    config_class = OlmoeConfig

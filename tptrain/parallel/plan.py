@@ -13,16 +13,22 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from tptrain.parallel import expert_parallel as _expert_styles
 from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, make_style
 
-def model_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str]:
+assert _expert_styles.ExpertParallel.name in STYLES  # importing expert_parallel registers the expert styles
+
+
+def model_plan(model: nn.Module, *, sequence_parallel: bool = False, expert_parallel: bool = False) -> dict[str, str]:
     """The model's own plan in full module names: the config's base plan (plus its
-    `base_model_sp_plan` under sequence parallelism) under the base-model prefix, plus the head's
-    class-level `_tp_plan`."""
+    `base_model_sp_plan` under sequence parallelism, its `base_model_ep_plan` under expert parallelism)
+    under the base-model prefix, plus the head's class-level `_tp_plan`."""
     prefix = getattr(model, "base_model_prefix", "model")
     base = dict(base_plan(model))
     if sequence_parallel and base:  # the config's own SP rules (norms on the residual stream)
         base.update(getattr(model.config, "base_model_sp_plan", None) or {})
+    if expert_parallel:  # the config's own EP rules (experts split by expert)
+        base.update(getattr(model.config, "base_model_ep_plan", None) or {})
     plan = {f"{prefix}.{glob}": style for glob, style in base.items()}
     plan.update(getattr(model, "_tp_plan", {}) or {})
     return plan
@@ -56,9 +62,9 @@ def _glob_regex(glob: str) -> re.Pattern:
 
 
 def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
-                 sequence_parallel: bool = False) -> tuple[dict[str, str], list[str]]:
+                 sequence_parallel: bool = False, expert_parallel: bool = False) -> tuple[dict[str, str], list[str]]:
     """Return ({module name: style name}, problems). Later rules win over earlier ones."""
-    plan = model_plan(model, sequence_parallel=sequence_parallel)
+    plan = model_plan(model, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     if isinstance(tp_plan, Mapping):
         plan = merge_overrides(model, plan, tp_plan)
     elif tp_plan not in (None, "auto"):
@@ -159,9 +165,15 @@ class ResolvedPlan:
 
 
 def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_size: int, *,
-               sequence_parallel: bool = False) -> ResolvedPlan:
-    """Resolve and validate `tp_plan` for `model` without touching the model or any process group."""
-    styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel)
+               sequence_parallel: bool = False, expert_parallel: bool = False) -> ResolvedPlan:
+    """Resolve and validate `tp_plan` for `model` without touching the model or any process group.
+    `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size)."""
+    if expert_parallel and not getattr(model.config, "base_model_ep_plan", None):
+        raise ValueError(f"enable_expert_parallel=True, but {type(model).__name__} ({model.config.model_type!r}) has "
+                         f"no experts to split: expert parallelism is for mixture-of-experts models; drop "
+                         f"enable_expert_parallel")
+    styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel,
+                                    expert_parallel=expert_parallel)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
     if tp_size > 1 and not problems and not base_plan(model) and not user_rules:
         # The head's own plan alone would split only the output head: that is not tensor parallelism of the model.
@@ -177,6 +189,10 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     specs, layout_problems = _layout_specs(model, objects, tp_size)
     if hasattr(model, "tp_plan_problems"):  # what only the model can see (tptrain.hf: unplanned weights)
         layout_problems += model.tp_plan_problems(styles, tp_size)
+    if sequence_parallel and tp_size > 1:
+        layout_problems += sorted({f"{_generic(n)} ({s.name!r}) does not work under sequence parallelism yet (the "
+                                   f"router would route a sequence shard); disable enable_sequence_parallel"
+                                   for n, s in objects.items() if not s.sequence_parallel_ok})
     if tp_size > 1:
         layout_problems += _pair_problems(model, objects, sequence_parallel)
     head = _output_head(model)

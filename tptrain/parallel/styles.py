@@ -163,6 +163,8 @@ class ParallelStyle:
     token_all_reduces: ClassVar[int] = 0
     # Splits each of a packed module's segments (`tp_segments`) on its own.
     packed: ClassVar[bool] = False
+    # Works under sequence parallelism (False: the plan check refuses the combination).
+    sequence_parallel_ok: ClassVar[bool] = True
 
     def __init__(self, *, kv_replicas: int = 1) -> None:
         self.kv_replicas = kv_replicas

@@ -57,6 +57,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} per line "
                         "(default: the bundled Shakespeare corpus)")
     p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="split a mixture-of-experts model's experts by expert over the --tp-size ranks (ep = tp)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="worker processes to start (default: --tp-size); extra ranks become FSDP2 data-parallel")
     p.add_argument("--output-dir", default="runs/default", help="checkpoints, metrics.jsonl, loss.png, final/")
@@ -130,7 +132,7 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
                          f"tensor-parallel group needs --tp-size processes (use {args.tp_size} or a multiple)")
     model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
     config = AutoConfig.from_pretrained(model_dir)
-    _check_tp_plan(config, args.tp_size, args.model)
+    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     finetune_cli.preflight(args, model_dir, nproc, max_steps_given=args.max_steps_given)  # data, eval, LoRA
@@ -143,17 +145,21 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     resolve_resume(args.resume, args.output_dir)
 
 
-def _check_tp_plan(config, tp_size: int, model: str) -> None:
+def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False) -> None:
     """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem."""
     from tptrain.models import AutoModelForCausalLM
     from tptrain.parallel.plan import check_plan
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
-    problems = check_plan(meta, "auto", tp_size).problems
+    try:
+        problems = check_plan(meta, "auto", tp_size, expert_parallel=expert_parallel).problems
+    except ValueError as exc:  # --expert-parallel on a dense model
+        raise ValueError(f"--expert-parallel: {exc}") from None
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ValueError(f"--tp-size {tp_size} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
-                         f"`tptrain plan {model} --tp-size {tp_size}` shows the layout")
+        ep = " --expert-parallel" if expert_parallel else ""
+        raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
+                         f"`tptrain plan {model} --tp-size {tp_size}{ep}` shows the layout")
 
 
 def _config_only(model_dir: Path) -> bool:
@@ -290,7 +296,7 @@ def _train(args: argparse.Namespace) -> None:
     init_distributed()
     raise_on_any_rank(error)
     dtype = resolve_dtype(args.dtype, inputs.config)
-    distributed = DistributedConfig(tp_size=args.tp_size)
+    distributed = DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel)
     if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)

@@ -1,0 +1,181 @@
+"""tptrain's experts over 2 ranks against the peer (transformers' tp_plan="auto" with its expert parallelism) on
+CPU: one table.
+
+    .venv/bin/python benchmarks/bench_moe.py                      # everything (a few minutes on an idle machine)
+    .venv/bin/python benchmarks/bench_moe.py --steps 2 --warmup 1 # quick look
+
+A Qwen3-MoE-shaped model (8 experts, top-2, 4 layers, hidden 512) written once by transformers under --cache.
+Every run is 2 fresh ranks (`python -m torch.distributed.run --standalone --nproc-per-node 2`), one thread each,
+gloo, fp32, the AdamW step included; all implementations load the same files and train on the same batches.
+Rows: tptrain tp 2 (experts split inside, `expert_tensor_parallel`), tptrain ep 2
+(`enable_expert_parallel=True`; at 2 ranks and top-2 it sums partial outputs in the layer's one all-reduce, which
+sends fewer bytes than dispatching), tptrain ep 2 forced to dispatch by all-to-all, and the peer at tp 2 with
+`DistributedConfig(enable_expert_parallel=True)`. Bytes sent = the input bytes of every collective one rank issues
+in one training step (forward + backward), counted the same way for both. Memory is peak anonymous RSS minus the
+value right after the imports (as in bench_tp.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tp import MB, PeakSampler, PeerCollectives, _batches  # noqa: E402 - the sibling benchmark's tools
+
+QWEN3_MOE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
+                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
+BATCH, SEQ = 4, 256
+RUNS = {  # name: (impl, tptrain DistributedConfig keywords)
+    "tptrain tp 2 (expert TP)": ("tptrain", {}),
+    "tptrain ep 2 (auto: all-reduce)": ("tptrain", {"enable_expert_parallel": True}),
+    "tptrain ep 2 (all-to-all)": ("tptrain", {"tp_plan": {"layers.*.mlp.experts": "expert_parallel_all_to_all"}}),
+    "peer tp 2 + expert parallel": ("peer", {}),
+}
+
+
+class PeerCollectivesA2A(PeerCollectives):
+    FUNCTIONS = PeerCollectives.FUNCTIONS + [("dist", "all_to_all_single", "all_to_all", 1),
+                                             ("funcol", "all_to_all_single", "all_to_all", 0),
+                                             ("funcol", "all_to_all_single_autograd", "all_to_all", 0)]
+
+
+def _load(impl: str, ckpt: str, kwargs: dict):
+    import torch
+    if impl == "tptrain":
+        from tptrain import AutoModelForCausalLM, DistributedConfig
+        return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
+                                                    distributed_config=DistributedConfig(tp_size=2, **kwargs))
+    import transformers
+    dc = transformers.DistributedConfig(tp_size=2, tp_plan="auto", enable_expert_parallel=True)
+    return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
+
+
+def _step_bytes(impl: str, model, ids, labels) -> int:
+    """Input bytes of every collective of one forward + backward on this rank."""
+    if impl == "tptrain":
+        from tptrain.distributed.comm import CommTracker
+        with CommTracker() as tracker:
+            model(ids, labels=labels).loss.backward()
+        total = tracker.total_bytes("forward") + tracker.total_bytes("backward")
+    else:
+        counter = PeerCollectivesA2A()
+        try:
+            model(input_ids=ids, labels=labels).loss.backward()
+        finally:
+            counter.close()
+        total = sum(r[2] for r in counter.records)
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    import tptrain
+    import transformers
+    assert tptrain and transformers  # imported here so both count in the baseline, for both implementations
+    torch.set_num_threads(1)
+    sampler = PeakSampler()
+    baseline = sampler.reset()
+    impl, kwargs = RUNS[spec["run"]]
+    model = _load(impl, spec["ckpt"], kwargs)
+    model.train()
+    batches = _batches(QWEN3_MOE["vocab_size"], BATCH, SEQ, spec["warmup"] + spec["steps"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times, losses = [], []
+    for ids, labels in batches:
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    result = {"times": times[spec["warmup"]:], "loss0": losses[0], "peak": sampler.peak - baseline,
+              "bytes": _step_bytes(impl, model, *batches[0])}
+    Path(spec["out"], f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _checkpoint(cache: Path) -> Path:
+    path = cache / "qwen3-moe-8x-top2"
+    if (path / "config.json").exists():
+        return path
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".qwen3-moe-"))
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _launch(spec: dict, timeout: float) -> list[dict] | str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               "--worker", json.dumps(dict(spec, out=out))]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f}s"
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.splitlines() or ["?"]
+            return "failed: " + lines[-1][:200]
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(json.loads(args.worker))
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    ckpt = _checkpoint(cache)
+    results = {}
+    for run in RUNS:
+        ranks = _launch(dict(run=run, ckpt=str(ckpt), steps=args.steps, warmup=args.warmup), args.timeout)
+        results[run] = ranks if isinstance(ranks, str) else {
+            "step": statistics.median(max(t) for t in zip(*(r["times"] for r in ranks))),
+            "peak": max(r["peak"] for r in ranks), "bytes": max(r["bytes"] for r in ranks), "loss0": ranks[0]["loss0"]}
+        print(f"# {run}: {results[run]}", file=sys.stderr, flush=True)
+    print(_table(results, args))
+
+
+def _table(results: dict, args) -> str:
+    rows = [f"bench_moe.py --steps {args.steps} --warmup {args.warmup}: Qwen3-MoE shape (8 experts, top-2, "
+            f"{QWEN3_MOE['num_hidden_layers']} layers, hidden {QWEN3_MOE['hidden_size']}), batch {BATCH} x {SEQ}, "
+            "fp32, gloo, 2 ranks x 1 thread", "",
+            "| run | step s | vs peer | bytes sent/step/rank | vs peer | peak anon MB/rank | loss step 0 |",
+            "|---|---|---|---|---|---|---|"]
+    peer = results.get("peer tp 2 + expert parallel")
+    peer = peer if isinstance(peer, dict) else None
+    for run, r in results.items():
+        if isinstance(r, str):
+            rows.append(f"| {run} | {r} | | | | | |")
+            continue
+        vs_t = f"{r['step'] / peer['step']:.2f}x" if peer else "-"
+        vs_b = f"{r['bytes'] / peer['bytes']:.2f}x" if peer and peer["bytes"] else "-"
+        rows.append(f"| {run} | {r['step']:.2f} | {vs_t} | {r['bytes'] / MB:.1f} MB | {vs_b} | {r['peak'] / MB:.0f} | "
+                    f"{r['loss0']:.4f} |")
+    rows.append("\ntarget: ep 2 at most 0.7x the peer's step time and strictly fewer bytes sent")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Loading an MoE checkpoint at ep 2 costs each rank its own experts and its share of the dense part, never the
+whole expert set: the loader reads only this rank's experts' per-expert tensors into the stacked parameter.
+
+    .venv/bin/python -m pytest tests/test_moe_load_memory.py -q -s   # -s prints the measured numbers
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.test_load_memory import CONSTANT, MB, PeakSampler, _rss_anon
+from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
+from tptrain.checkpoint import save_checkpoint
+from tptrain.modeling import to_checkpoint_names
+
+# 8 experts of 3 x 1024 x 768 fp32 (9.4 MiB each) in 2 layers: 151 MiB of experts, ~45 MiB dense.
+CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=768,
+              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=8,
+              num_experts_per_tok=2)
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(
+        tp_size=2, enable_expert_parallel=True))
+
+
+def _worker(path: str, tiny: str) -> None:
+    _load(tiny)  # one-time costs (lazy imports, process groups)
+    before = _rss_anon()
+    with PeakSampler() as sampler:
+        model = _load(path)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    Path(path, f"rank{torch.distributed.get_rank()}.txt").write_text(f"{sampler.peak - before} {local} {experts}")
+
+
+def _save(config, path) -> dict[str, int]:
+    """Random weights in the hub's per-expert layout; returns {"total", "experts", "largest"} bytes."""
+    meta = AutoModelForCausalLM.from_config(config, device="meta")
+    g = torch.Generator().manual_seed(0)
+    state = to_checkpoint_names({n: torch.randn(p.shape, generator=g) for n, p in meta.state_dict().items()},
+                                meta.checkpoint_keys())
+    save_checkpoint(state, path, max_shard_size="100MB", extra_files={"config.json": json.dumps(config.to_dict())})
+    sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
+    return {"total": sum(sizes.values()), "experts": sum(v for n, v in sizes.items() if ".experts." in n),
+            "largest": max(sizes.values())}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_each_rank_loads_only_its_experts(tmp_path):
+    sizes = _save(AutoConfig.for_model("qwen3_moe", **CONFIG), tmp_path / "big")
+    _save(AutoConfig.for_model("qwen3_moe", **{**CONFIG, "hidden_size": 64, "intermediate_size": 64,
+                                                "moe_intermediate_size": 32, "vocab_size": 64}), tmp_path / "tiny")
+    run_distributed(_worker, 2, str(tmp_path / "big"), str(tmp_path / "tiny"), timeout=240)
+    dense = sizes["total"] - sizes["experts"]
+    bound = 1.1 * (sizes["experts"] / 2 + dense) + CONSTANT  # its own experts + the dense part + 10%
+    for rank in range(2):
+        rise, local, experts = map(int, (tmp_path / "big" / f"rank{rank}.txt").read_text().split())
+        print(f"rank {rank}: checkpoint {sizes['total'] / MB:.0f} MiB ({sizes['experts'] / MB:.0f} MiB experts), "
+              f"local params {local / MB:.0f} MiB ({experts / MB:.0f} MiB experts), peak private rise while loading "
+              f"{rise / MB:.0f} MiB (bound {bound / MB:.0f} MiB)")
+        assert experts == sizes["experts"] // 2  # half the experts, whole
+        assert rise < bound, f"rank {rank}: loading raised private memory by {rise / MB:.0f} MiB"
+        assert rise < 1.1 * local + sizes["largest"] + CONSTANT  # no more than what it keeps, plus one tensor

@@ -1,0 +1,124 @@
+"""The mixture-of-experts block: a softmax top-k router over stacked SwiGLU experts (and an optional shared
+expert), and the load-balancing aux loss, as transformers computes them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE).
+
+Single-device code. Experts are held stacked, `experts.gate_proj` / `up_proj` (experts, inner, hidden) and
+`experts.down_proj` (experts, hidden, inner); the hub's per-expert tensors (`mlp.experts.{i}.gate_proj.weight`,
+Mixtral's `block_sparse_moe.experts.{i}.w1.weight`) are converted at the checkpoint boundary only
+(`checkpoint_keys`). Under tensor or expert parallelism the same code runs on this rank's share: the inner width
+is read from the tensors, and `experts.expert_offset` (set by the expert-parallel style) is the global index of
+the first expert held here.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLU experts as stacked weights, applied to the tokens routed to each."""
+
+    def __init__(self, num_experts: int, hidden: int, inner: int, *, top_k: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts  # global count; this module may hold a contiguous share of them
+        self.top_k = top_k  # experts per token (the router's k): what the expert-parallel style sizes its choice by
+        self.expert_offset = 0  # global index of gate_proj[0]
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (tokens, hidden); expert_ids, weights (tokens, k): each token's global experts and their weights.
+        Returns (tokens, hidden): the weighted sum over the experts held here (zero rows for other tokens)."""
+        counts, order = sort_by_expert(expert_ids, self.num_experts)
+        held = slice(self.expert_offset, self.expert_offset + self.gate_proj.shape[0])
+        first, last = sum(counts[:held.start]), sum(counts[:held.stop])
+        mine = order[first:last]  # this module's assignments (flat token * k + slot), grouped by expert
+        tokens = mine // expert_ids.shape[1]
+        ys = self.grouped(x[tokens], counts[held])  # (assignments, hidden)
+        w = weights.flatten()[mine, None]
+        return x.new_zeros(x.shape).index_add_(0, tokens, (ys * w).to(x.dtype))
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here.
+        Every held expert runs, with no row too, so each weight has a gradient (zero when it got no token)."""
+        outs = []
+        for i, chunk in enumerate(rows.split(counts)):
+            h = F.silu(chunk @ self.gate_proj[i].T) * (chunk @ self.up_proj[i].T)  # (n_i, inner)
+            outs.append(h @ self.down_proj[i].T)
+        return torch.cat(outs)
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[list[int], torch.Tensor]:
+    """(assignments per global expert, as a list; the flat (tokens * k) assignment indices sorted by expert)."""
+    flat = expert_ids.flatten()
+    return torch.bincount(flat, minlength=num_experts).tolist(), torch.sort(flat, stable=True).indices
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`) + experts (+ a sigmoid-gated `shared_expert`). Keeps its router logits of the last forward
+    in `router_logits` for the aux loss."""
+
+    def __init__(self, config, dense_mlp: type[nn.Module]) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weights_in_float32 = config.router_weights_in_float32
+        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, top_k=self.top_k)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = dense_mlp(config, inner=config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.router_logits: torch.Tensor | None = None  # (tokens, num_experts) of the last forward
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits (tokens, experts), top-k weights, top-k expert ids (tokens, k)). Softmax in fp32,
+        top-k, optional renormalisation, weights cast back (or kept fp32: Mixtral): transformers' TopKRouter."""
+        logits = self.gate(x)
+        probs = logits.softmax(-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        # Kept in (at least) fp32 for Mixtral, fp64 staying fp64 (exact tests); else cast to the activations' dtype.
+        dtype = torch.promote_types(logits.dtype, torch.float32) if self.weights_in_float32 else logits.dtype
+        return logits, weights.to(dtype), ids
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])  # (tokens, hidden)
+        self.router_logits, weights, ids = self.route(x)
+        out = self.experts(x, ids, weights)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+    def checkpoint_keys(self, prefix: str, config) -> dict[str, str | list[str]]:
+        """{in-memory parameter name: checkpoint name, or the per-expert names of a stacked tensor} of this block
+        at module name `prefix` (`model.layers.0.mlp`), in the hub's layout."""
+        disk = prefix.rpartition(".")[0] + "." + config.expert_checkpoint_module
+        keys: dict[str, str | list[str]] = {f"{prefix}.gate.weight": f"{disk}.gate.weight"}
+        for name, hub_name in config.expert_checkpoint_names.items():
+            keys[f"{prefix}.experts.{name}"] = [f"{disk}.experts.{i}.{hub_name}.weight"
+                                                for i in range(self.experts.num_experts)]
+        return keys
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (Switch Transformer eqs. 4-6) over every MoE layer's logits
+    (tokens, experts): num_experts * sum_e (fraction of top-k assignments to e) * (mean router probability of e),
+    both over all layers' (unpadded) tokens."""
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    prob_sum = torch.zeros_like(counts)
+    rows = 0.0
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(counts)
+    for logits in router_logits:
+        probs = logits.softmax(-1)
+        selected = torch.topk(probs, top_k, dim=-1).indices
+        token_weight = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask
+        counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1),
+                                                                token_weight.repeat_interleave(top_k))
+        prob_sum = prob_sum + (probs.float() * token_weight[:, None]).sum(0)
+        rows = rows + token_weight.sum()
+    return (counts / rows * (prob_sum / rows)).sum() * num_experts

@@ -1,0 +1,165 @@
+"""Experts over the TP group: split inside each expert (expert tensor parallelism) or split by expert (expert
+parallelism), and the token dispatch / combine by all-to-all.
+
+The experts module (tptrain.models.moe.Experts, named here only through its interface: stacked `gate_proj`,
+`up_proj` (experts, inner, hidden), `down_proj` (experts, hidden, inner), `num_experts`, `expert_offset`,
+`grouped(rows, counts)`, and forward(x, expert_ids, weights)) is called on the MoE block's input, which under plain
+TP every rank of the group holds whole (attention's all-reduce made it so). The router is replicated and computed
+on every rank, identically.
+
+* `expert_tensor_parallel` (the default): each expert's gate/up split along the inner dim, down along its input
+  dim. Every rank runs every token through its slice of its experts; the partial outputs are summed by the one
+  all-reduce that closes the block (the Megatron MLP, once per layer).
+* `expert_parallel_all_reduce`: rank r holds experts [r E/p, (r+1) E/p) whole and runs every token routed to them;
+  the partial outputs (zero for tokens routed elsewhere) ride the same one all-reduce. No token moves: the tokens
+  are already on every rank.
+* `expert_parallel_all_to_all`: rank r routes only its 1/p share of the tokens, sends each (token, expert) row to
+  the expert's owner (all-to-all, variable splits), gets the results back (the reverse all-to-all), weights and
+  sums them, and the shares are all-gathered into the whole block output (tokens not divisible by p: the
+  summing path for that batch).
+* `expert_parallel` (what DistributedConfig(enable_expert_parallel=True) plans): whichever of the two sends fewer
+  bytes per rank. With T tokens of H features, k experts per token and p ranks, the all-reduce sends
+  2 (p-1)/p T H, the all-to-all path (p-1)/p T H (2k/p + 1): all-to-all from p >= 2k on.
+
+In all of them the routing weights enter through `copy_to_tp` (or the share's split), so the router's gradient,
+whose expert-path part each rank computes only for its own experts (or tokens), is summed to the whole on every
+rank: (tokens, k) floats in backward, k/H of the activation all-reduce. The aux loss needs nothing (the router is
+replicated).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tptrain.distributed import comm
+from tptrain.parallel.styles import ParallelStyle, ShardSpec, TPContext, _replace_forward, register_style
+
+__all__ = ["ExpertTensorParallel", "ExpertParallelAllReduce", "ExpertParallelAllToAll", "ExpertParallel",
+           "all_to_all_wins"]
+
+
+def all_to_all_wins(ranks: int, top_k: int) -> bool:
+    """Whether dispatching by all-to-all sends no more bytes than summing partial outputs (see the module doc)."""
+    return ranks >= 2 * top_k
+
+
+class _ExpertStyle(ParallelStyle):
+    """Shared by the expert styles: the module must be a stacked-experts module; no sequence parallelism (the
+    router would see a sequence shard while the experts see the gathered sequence)."""
+
+    sequence_parallel_ok = False
+
+    def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
+        missing = [n for n in ("gate_proj", "up_proj", "down_proj", "grouped") if not hasattr(module, n)]
+        if missing:
+            raise TypeError(f"style {self.name!r} needs a stacked-experts module (gate_proj, up_proj, down_proj, "
+                            f"grouped), got a {type(module).__name__} without {missing}")
+        return self.specs()
+
+    def specs(self) -> dict[str, ShardSpec]:
+        raise NotImplementedError
+
+
+def _summed_partials(module: nn.Module, ctx: TPContext):
+    """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce)."""
+    local_forward = type(module).forward
+    module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
+
+    def forward(self, x, expert_ids, weights):
+        x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group)
+        return ctx.exit(local_forward(self, x, expert_ids, weights))
+
+    return forward
+
+
+@register_style
+class ExpertTensorParallel(_ExpertStyle):
+    """Every expert split like a dense MLP: gate/up colwise along the inner dim (dim 1), down rowwise (dim 2)."""
+
+    name = "expert_tensor_parallel"
+
+    def specs(self):
+        return {"gate_proj": ShardSpec(1), "up_proj": ShardSpec(1), "down_proj": ShardSpec(2)}
+
+    def install(self, module, ctx):
+        _replace_forward(module, _summed_partials(module, ctx))
+
+
+@register_style
+class ExpertParallelAllReduce(_ExpertStyle):
+    """Experts split by expert (dim 0); every rank runs all tokens routed to its experts, outputs summed."""
+
+    name = "expert_parallel_all_reduce"
+
+    def specs(self):
+        return {"gate_proj": ShardSpec(0), "up_proj": ShardSpec(0), "down_proj": ShardSpec(0)}
+
+    def install(self, module, ctx):
+        module.expert_offset = ctx.rank * module.gate_proj.shape[0]
+        _replace_forward(module, _summed_partials(module, ctx))
+
+
+@register_style
+class ExpertParallelAllToAll(ExpertParallelAllReduce):
+    """Experts split by expert (dim 0); each rank's share of the tokens dispatched to the experts' owners and
+    combined back by all-to-all, then the shares all-gathered. A batch whose tokens do not split into equal shares
+    (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds the same
+    tokens, so every rank takes the same path."""
+
+    name = "expert_parallel_all_to_all"
+
+    def install(self, module, ctx):
+        module.expert_offset = ctx.rank * module.gate_proj.shape[0]
+        summed = _summed_partials(module, ctx)
+        module.tp_dispatch = "all_to_all"
+
+        def forward(self, x, expert_ids, weights):
+            if x.shape[0] % ctx.size:
+                return summed(self, x, expert_ids, weights)
+            return dispatch_and_combine(self, x, expert_ids, weights, ctx)
+
+        _replace_forward(module, forward)
+
+
+@register_style
+class ExpertParallel(ExpertParallelAllToAll):
+    """Experts split by expert; dispatched by all-to-all or summed by all-reduce, whichever sends fewer bytes."""
+
+    name = "expert_parallel"
+
+    def install(self, module, ctx):
+        top_k = getattr(module, "top_k", None)
+        assert top_k is not None, "the MoE block sets experts.top_k (the router's k) before parallelising"
+        if all_to_all_wins(ctx.size, top_k):
+            super().install(module, ctx)
+        else:
+            ExpertParallelAllReduce.install(self, module, ctx)
+
+
+def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                         ctx: TPContext) -> torch.Tensor:
+    """The block output (tokens, hidden) on every rank, each rank routing only its share of the tokens.
+
+    x (tokens, hidden) whole on every rank; expert_ids, weights (tokens, k). Forward: one all-to-all of per-expert
+    counts, one of the rows (to the owners), one of the results (back), one all-gather of the shares; backward:
+    the reverse all-to-alls and the all-gather of the input share's gradient. Ranks whose experts get no row
+    still take part, with empty splits.
+    """
+    p, group = ctx.size, ctx.group
+    assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
+    x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
+    expert_ids = expert_ids.chunk(p)[ctx.rank]
+    k, held = expert_ids.shape[1], experts.gate_proj.shape[0]
+    flat = expert_ids.flatten()
+    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, so by owner rank
+    sent = torch.bincount(flat, minlength=experts.num_experts)  # (experts,) rows to each expert
+    got = comm.exchange_counts(sent, group).view(p, held)  # rows each source sends to each expert held here
+    send_splits = sent.view(p, held).sum(1).tolist()
+    recv_splits = got.sum(1).tolist()
+    rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
+    by_expert = torch.sort(torch.repeat_interleave(torch.arange(held).repeat(p), got.flatten()), stable=True).indices
+    out = torch.empty_like(rows)
+    out[by_expert] = experts.grouped(rows[by_expert], got.sum(0).tolist())
+    back = comm.dispatch_to_ranks(out, group, recv_splits, send_splits)  # in `order`
+    combined = x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))
+    return comm.gather_from_tp(combined, group, dim=0)
