@@ -4,12 +4,18 @@
                                     trainer_state.json (step, run id, data order), rng_state_<rank>.pth,
                                     complete (marker and manifest: world size, each file's size and crc32)
 
-Every parameter and optimizer-state tensor is saved by its GLOBAL shape: FSDP's data-parallel shards
-are gathered to the rank's TP shard, which becomes a DTensor sharded over the TP sub-mesh (KV
-projections that several TP ranks share are gathered to the full tensor). DCP's metadata then holds
-global shapes, and loading into a different tp/dp layout reads exactly the slices each rank needs.
-Peak memory while saving: this rank's TP shard of the parameters and both AdamW moments, unsharded
-over data parallelism (FSDP's shards are gathered per tensor view, all held until DCP has written).
+Every parameter and optimizer-state tensor is saved by its GLOBAL shape, from each rank's own shard:
+the tensor FSDP keeps (its dp shard of the rank's TP shard) is viewed as a DTensor with 2-D placements,
+torchtitan's: FSDP's Shard(0) over dp_shard on top of TP's Shard over tp (a _StridedShard where both
+split dim 0), Replicate over dp_replicate and over ranks sharing KV heads (DCP then writes such a chunk
+once, from one rank). Nothing is gathered over data parallelism and nothing is copied, so the save
+costs what DCP's writer holds (one tensor's bytes at a time) beyond training's memory; loading reads
+each rank's slices of any saved layout straight into its training tensors (reshard on resume). The
+exception is a packed tensor (fused q/k/v or gate/up rows): a rank holds a piece of each segment, cut
+again by FSDP, which no placement describes, so it alone is gathered whole (see `gather_packed`).
+
+Checkpoints of the earlier format (every tensor gathered to its TP shard or whole) hold the same keys and
+global shapes: DCP reads them into this layout as they are.
 
 The directory protocol (atomic publishing, pruning, the manifest, the fall-back on resume) is in
 checkpoint_dirs.py.
@@ -26,7 +32,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import raise_on_any_rank
 from tptrain.training.checkpoint_dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
@@ -34,56 +42,83 @@ from tptrain.training.checkpoint_dirs import (PREFIX, STATE_FILE, prune, publish
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.tensor_parallel import gather_full
 
-class StateConverter:
-    """Converts between the tensors a rank trains with and the global-shape views DCP saves."""
+# The view mesh of a checkpoint tensor: the run's mesh with its TP axis split into (chunks, KV replicas).
+VIEW_AXES = ("dp_replicate", "dp_shard", "tp_shard", "tp_replica")
 
-    def __init__(self, model: nn.Module) -> None:
+
+class StateConverter:
+    """Views of the tensors a rank trains with as DTensors of their GLOBAL shape, for DCP to save and load.
+
+    A view aliases the rank's own storage (FSDP's shard of its TP shard): nothing is gathered or copied.
+    Its mesh is the run's mesh with the TP axis split in two, (dp_replicate, dp_shard, tp_shard, tp_replica),
+    built without process groups (DCP only reads a rank's coordinates from it); tp_replica has the size of
+    the spec's KV replicas, so ranks that share a KV chunk are Replicate there and DCP writes it once."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
         layout = getattr(model, "tp_layout", None)
         self.specs: dict[str, ShardSpec] = layout.specs if layout else {}
         self.global_shapes = layout.global_shapes if layout else {}
         self.ctx = layout.ctx if layout else None
-        self.tp_mesh = model.device_mesh["tp"] if layout else None
+        self.mesh = mesh if mesh is not None else getattr(model, "device_mesh", None)
+        self._meshes: dict[int, DeviceMesh] = {}  # KV replicas -> view mesh
 
     def _spec(self, name: str) -> ShardSpec:
         return self.specs.get(name, ShardSpec())
 
-    def to_global(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """`t` (shaped like parameter `name`) as a tensor DCP can save by its global shape. Collective."""
-        local = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # (TP-local shape)
+    def _view_mesh(self, replicas: int) -> DeviceMesh:
+        if replicas not in self._meshes:
+            ranks = self.mesh.mesh  # (dp_replicate, dp_shard, tp)
+            rep, shard, tp = ranks.shape
+            self._meshes[replicas] = DeviceMesh(
+                self.mesh.device_type, ranks.reshape(rep, shard, tp // replicas, replicas),
+                mesh_dim_names=VIEW_AXES, _init_backend=False)
+        return self._meshes[replicas]
+
+    def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` (parameter `name` or a tensor laid out like it: an AdamW moment) as a tensor of the global
+        shape that DCP saves from, and loads into, in place. No communication, except for a packed tensor."""
         spec = self._spec(name)
-        if spec.dim is None or self.ctx is None or self.ctx.size == 1:
+        if spec.segments:
+            raise AssertionError(f"{name} is packed: use gather_packed / packed_target")
+        local = t.to_local() if isinstance(t, DTensor) else t.detach()  # FSDP's shard of the TP shard
+        if self.mesh is None:
             return local
-        if not spec.single_placement:  # KV replicas or packed segments: no TP Shard placement; save the full tensor
-            return gather_full(local, spec, self.ctx)
-        return self._tp_dtensor(name, local, spec.dim)
-
-    def load_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """An empty global view of parameter `name` for DCP to load into (no communication)."""
-        spec = self._spec(name)  # like.shape: the TP-local shape (a DTensor reports its unsharded shape)
-        local = torch.empty(like.shape, dtype=like.dtype, device=local_device_of(like))
-        if spec.dim is None or self.ctx is None or self.ctx.size == 1:
-            return local
-        if not spec.single_placement:
-            return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local.device)
-        return self._tp_dtensor(name, local, spec.dim)
-
-    def _tp_dtensor(self, name: str, local: torch.Tensor, dim: int) -> DTensor:
-        shape = torch.Size(self.global_shapes[name])
+        shape = torch.Size(self.global_shapes.get(name, t.shape))
+        tp_chunks = spec.num_chunks(self.mesh["tp"].size())
+        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        placements: list[Placement] = [dp.get(axis, Replicate()) for axis in ("dp_replicate", "dp_shard")]
+        if spec.dim is not None and tp_chunks > 1:
+            # FSDP splits the TP shard again: on the TP dim that is a strided split of the global dim.
+            placements = [_StridedShard(spec.dim, split_factor=tp_chunks) if p == Shard(spec.dim) else p
+                          for p in placements]
+            placements += [Shard(spec.dim), Replicate()]
+        else:
+            placements += [Replicate(), Replicate()]
         stride = torch.empty(shape, device="meta").stride()  # contiguous
-        return DTensor.from_local(local.contiguous(), self.tp_mesh, [Shard(dim)], run_check=False,
-                                  shape=shape, stride=stride)
+        return DTensor.from_local(local, self._view_mesh(spec.replicas if tp_chunks > 1 else 1), placements,
+                                  run_check=False, shape=shape, stride=stride)
 
-    def copy_from_global(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
-        """Write a loaded global view back into this rank's training tensor `dest` (in place)."""
-        spec = self._spec(name)
-        local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
-        if not spec.single_placement and self.ctx is not None:
-            local = spec.local_chunk(local, self.ctx.size, self.ctx.rank)
+    def gather_packed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A packed tensor (fused q/k/v, gate/up): a rank's rows are one piece of every segment, cut again by
+        FSDP, which no DTensor placement describes; it is saved whole (gathered: collective) and loaded into
+        an empty global tensor that `copy_packed` cuts this rank's shard from."""
+        local = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # (TP-local shape)
+        return gather_full(local, self._spec(name), self.ctx)
+
+    def packed_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local_device_of(like))
+
+    def copy_packed(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
+        """Write this rank's shard of a loaded packed global tensor into its training tensor `dest`."""
+        local = self._spec(name).local_chunk(loaded, self.ctx.size, self.ctx.rank)
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()
             dest = dest.to_local()
         with torch.no_grad():
             dest.copy_(local)
+
+    def is_packed(self, name: str) -> bool:
+        return bool(self._spec(name).segments) and self.ctx is not None
 
 
 def local_device_of(t: torch.Tensor) -> torch.device:
@@ -99,16 +134,24 @@ def _optimizer_items(model: nn.Module, optimizer: torch.optim.Optimizer):
 
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateConverter, *,
                 for_load: bool) -> dict[str, Any]:
-    """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}."""
-    view = (lambda name, t: conv.load_target(name, t)) if for_load else conv.to_global
+    """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}: views
+    of the training tensors themselves (DCP loads into them in place; missing AdamW moments are created as
+    zeros first), except packed tensors (`StateConverter.gather_packed`)."""
+    def view(name: str, t: torch.Tensor) -> torch.Tensor:
+        if conv.is_packed(name):
+            return conv.packed_target(name, t) if for_load else conv.gather_packed(name, t)
+        return conv.view(name, t)
+
     state: dict[str, Any] = {"model": {}, "optim": {}}
     for name, p in model.named_parameters():
         state["model"][name] = view(name, p)
     for name, p, st in _optimizer_items(model, optimizer):
-        if not for_load and "exp_avg" not in st:
-            raise ValueError(f"no optimizer state for {name}: checkpoints are written after an optimizer step")
-        state["optim"][name] = {"exp_avg": view(name, st.get("exp_avg", p)),
-                                "exp_avg_sq": view(name, st.get("exp_avg_sq", p)),
+        if "exp_avg" not in st:
+            if not for_load:
+                raise ValueError(f"no optimizer state for {name}: checkpoints are written after an optimizer step")
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["optim"][name] = {"exp_avg": view(name, st["exp_avg"]), "exp_avg_sq": view(name, st["exp_avg_sq"]),
                                 "step": st["step"].clone() if "step" in st else torch.zeros((), dtype=torch.float32)}
     return state
 
@@ -216,14 +259,14 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     state = build_state(model, optimizer, conv, for_load=True)
     check_compatible(path, state)
     _dcp(dcp.load, state, path, f"cannot read checkpoint {path}")
-    for name, p in model.named_parameters():
-        conv.copy_from_global(name, state["model"][name], p)
+    for name, p in model.named_parameters():  # all but packed tensors were loaded in place
+        if conv.is_packed(name):
+            conv.copy_packed(name, state["model"][name], p)
     for name, p, st in _optimizer_items(model, optimizer):
         loaded = state["optim"][name]
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in st:
-                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            conv.copy_from_global(name, loaded[key], st[key])
+        if conv.is_packed(name):
+            for key in ("exp_avg", "exp_avg_sq"):
+                conv.copy_packed(name, loaded[key], st[key])
         st["step"] = loaded["step"].clone()
     rank, _ = rank_world()
     saved_ranks = read_manifest(path)["world_size"]

@@ -80,7 +80,7 @@ class Trainer:
                                              bf16=args.bf16)
         self.optimizer = build_optimizer(model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
-        self.converter = ckpt.StateConverter(model)
+        self.converter = ckpt.StateConverter(model, self.mesh)
         layout = getattr(model, "tp_layout", None)
         self.specs = layout.specs if layout else {}
         self.grad_sync = layout.grad_sync if layout else None
