@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+from collections.abc import Iterator
 import warnings
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -19,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint, save_checkpoint,
+from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
                                 writable_error)
-from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
+from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.plan import ResolvedPlan
@@ -207,17 +209,22 @@ class PreTrainedModel(nn.Module):
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
         """Write one consolidated HF checkpoint (config.json + safetensors), whatever tp_size was.
 
-        Collective: every rank must call it. Global rank 0 writes, atomically; a failure on the
-        writer is raised on every rank.
+        Collective: every rank must call it. Streamed: the parameters are gathered one at a time, and
+        global rank 0 writes each shard file (`max_shard_size`) as soon as its tensors are in, so it
+        holds at most one shard plus one tensor, never the model; the index and config.json come last
+        and the directory is renamed into place. A failure on the writer is raised on every rank.
         """
-        def write(state: dict[str, torch.Tensor]) -> None:
-            config = self.config.to_dict()
-            config["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
-            config["architectures"] = config.get("architectures") or [type(self).__name__]
-            save_checkpoint(state, save_directory, max_shard_size=max_shard_size,
-                            extra_files={"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
-
-        save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
+        layout = getattr(self, "tp_layout", None)
+        params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
+        sizes = {name: math.prod(layout.global_shapes[name] if layout else p.shape) * p.element_size()
+                 for name, p in params.items()}
+        config = self.config.to_dict()
+        config["torch_dtype"] = str(next(iter(params.values())).dtype).replace("torch.", "")
+        config["architectures"] = config.get("architectures") or [type(self).__name__]
+        config_json = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        save_once(save_directory, collective=is_sharded(self), gather=lambda: gathered_parameters(self, list(params)),
+                  write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
+                                                      extra_files={"config.json": config_json}))
 
 
 def _check_has_weights(directory: Path) -> None:
@@ -229,17 +236,24 @@ def _check_has_weights(directory: Path) -> None:
             f"AutoConfig.from_pretrained({str(directory)!r})) (what `tptrain train --model {directory}` does)")
 
 
-def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
-    """The parameters `names` of `model` at full shape, on the CPU: FSDP2 shards gathered first, then TP shards.
-    Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
+def gathered_parameters(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the parameter at full shape on the CPU) for each of `names`, gathered when the caller asks for
+    it: FSDP2 shards first, then TP shards. Collective (each step) over the TP group and FSDP's; the
+    tensors are complete on TP rank 0."""
     layout = getattr(model, "tp_layout", None)
     params = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, torch.Tensor] = {}
     for name in names:
         t = params[name].detach()
         if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: gather this rank's TP shard
             t = t.full_tensor()
-        out[name] = (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
+        yield name, (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
+
+
+def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """The parameters `names` of `model` at full shape, on the CPU, all at once (`gathered_parameters`).
+    Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
+    layout = getattr(model, "tp_layout", None)
+    out = dict(gathered_parameters(model, names))
     return out if layout is None or layout.ctx.rank == 0 else None
 
 
@@ -252,7 +266,9 @@ def is_sharded(model: nn.Module) -> bool:
 def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[], Any],
               write: Callable[[Any], None]) -> None:
     """The save protocol: global rank 0 checks `target`, every rank takes part in `gather()`, rank 0
-    calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective."""
+    calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective.
+    `gather()` may return an iterator that gathers as it is consumed (streaming): every rank then runs
+    it to the end after `write` (the writer too, should its write fail half-way)."""
     # Global rank 0 writes even for an unsharded model that every rank saves: one writer per directory.
     writer = not dist.is_initialized() or dist.get_rank() == 0
     raise_on_any_rank(writable_error(Path(target)) if writer else None, collective=collective)
@@ -263,4 +279,7 @@ def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[
             write(gathered)
         except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
             error = f"saving to {target} failed: {type(exc).__name__}: {exc}"
+    if isinstance(gathered, Iterator):
+        for _ in gathered:  # the gathers the writer did not consume: every rank takes part in each
+            pass
     raise_on_any_rank(error, collective=collective)
