@@ -25,12 +25,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -158,29 +161,85 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateC
 
 def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model: nn.Module,
                     optimizer: torch.optim.Optimizer, conv: StateConverter, trainer_state: dict[str, Any],
-                    save_total_limit: int | None) -> Path:
+                    save_total_limit: int | None, async_group: ProcessGroup | None = None) -> "PendingSave":
     """Write checkpoint-<step> atomically (collective), then prune this run's oldest beyond the limit.
-    A failed write removes its temporary directory and leaves every earlier checkpoint as it was."""
+    A failed write removes its temporary directory and leaves every earlier checkpoint as it was.
+
+    Returns the save, finished (`.final` is in place) or, with `async_group` (a process group of its own
+    for DCP's collectives, off the main thread), still being written by DCP's `async_save` from a copy of
+    this rank's shards: training goes on, and `PendingSave.finish()` (collective) waits for it, then
+    writes the manifest and publishes. Until then the directory is a hidden .tmp, never a checkpoint."""
     rank, _ = rank_world()
     final = Path(output_dir) / f"{PREFIX}{step}"
-    tmp = Path(output_dir) / f".{PREFIX}{step}.tmp"
-    raise_on_any_rank(_prepare(tmp, final, trainer_state["run_id"]) if rank == 0 else None)
+    pending = PendingSave(Path(output_dir) / f".{PREFIX}{step}.tmp", final, trainer_state, save_total_limit)
+    raise_on_any_rank(_prepare(pending.tmp, final, trainer_state["run_id"]) if rank == 0 else None)
+    what = f"cannot write checkpoint {final}"
     try:
-        _write(tmp, final, model=model, optimizer=optimizer, conv=conv, trainer_state=trainer_state)
+        _write_rng(pending.tmp, final)  # the RNG of this step, whenever the tensors are written
+        state = build_state(model, optimizer, conv, for_load=False)
+        if async_group is None:
+            _dcp(dcp.save, state, pending.tmp, what)
+        else:  # staged (copied) now, written by a background thread
+            error = None
+            try:
+                pending.future = dcp.async_save(state, checkpoint_id=str(pending.tmp), process_group=async_group)
+            except (CheckpointException, OSError, RuntimeError) as exc:
+                error = _dcp_error(exc, what)
+            raise_on_any_rank(error)
+            return pending
     except BaseException:
-        if rank == 0:  # a full disk must not stay full of a checkpoint that will never be used
-            shutil.rmtree(tmp, ignore_errors=True)
+        pending.abandon()
         raise
-    error = None
-    if rank == 0:  # on failure the complete tmp stays: resolve_resume(True) puts it in place
+    return pending.finish()
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose tensors are being (or have been) written to `tmp`; `finish()` completes it."""
+
+    tmp: Path
+    final: Path
+    trainer_state: dict[str, Any]
+    save_total_limit: int | None
+    future: Future | None = None
+
+    def abandon(self) -> None:
+        if rank_world()[0] == 0:  # a full disk must not stay full of a checkpoint that will never be used
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def finish(self) -> "PendingSave":
+        """Wait for the tensors (async), then rank 0 writes the trainer state and the manifest (once every
+        rank's files exist) and renames the directory into place. Collective; a failure on any rank is
+        raised on all, with the temporary directory removed."""
+        rank, world = rank_world()
+        error = None
+        if self.future is not None:
+            try:
+                self.future.result()
+            except (CheckpointException, OSError, RuntimeError) as exc:
+                error = _dcp_error(exc, f"cannot write checkpoint {self.final}")
+            self.future = None
         try:
-            publish(tmp, final)
-            if save_total_limit is not None:
-                prune(output_dir, trainer_state["run_id"], save_total_limit)
-        except OSError as exc:
-            error = f"cannot finish checkpoint {final}: {exc}"
-    raise_on_any_rank(error)
-    return final
+            raise_on_any_rank(error)
+            if rank == 0:
+                try:
+                    (self.tmp / STATE_FILE).write_text(json.dumps(self.trainer_state, indent=2) + "\n")
+                    write_manifest(self.tmp, world_size=world)
+                except OSError as exc:
+                    error = f"cannot write checkpoint {self.final}: {exc}"
+            raise_on_any_rank(error)
+        except BaseException:
+            self.abandon()
+            raise
+        if rank == 0:  # on failure the complete tmp stays: resolve_resume(True) puts it in place
+            try:
+                publish(self.tmp, self.final)
+                if self.save_total_limit is not None:
+                    prune(self.final.parent, self.trainer_state["run_id"], self.save_total_limit)
+            except OSError as exc:
+                error = f"cannot finish checkpoint {self.final}: {exc}"
+        raise_on_any_rank(error)
+        return self
 
 
 def _prepare(tmp: Path, final: Path, run_id: str) -> str | None:
@@ -196,11 +255,9 @@ def _prepare(tmp: Path, final: Path, run_id: str) -> str | None:
     return None
 
 
-def _write(tmp: Path, final: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateConverter,
-           trainer_state: dict[str, Any]) -> None:
-    """Every rank's files, then (rank 0, once all exist) the trainer state and the manifest. Collective."""
-    rank, world = rank_world()
-    _dcp(dcp.save, build_state(model, optimizer, conv, for_load=False), tmp, f"cannot write checkpoint {final}")
+def _write_rng(tmp: Path, final: Path) -> None:
+    """This rank's RNG state into `tmp`. Collective (a failure is raised on every rank)."""
+    rank, _ = rank_world()
     error = None
     try:
         rng = {"cpu": torch.get_rng_state()}
@@ -210,27 +267,27 @@ def _write(tmp: Path, final: Path, *, model: nn.Module, optimizer: torch.optim.O
     except OSError as exc:
         error = f"cannot write checkpoint {final} (the RNG state of rank {rank}): {exc}"
     raise_on_any_rank(error)
-    if rank == 0:
-        try:
-            (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-            write_manifest(tmp, world_size=world)
-        except OSError as exc:
-            error = f"cannot write checkpoint {final}: {exc}"
-    raise_on_any_rank(error)
 
 
 def _dcp(call: Callable[..., Any], state: dict[str, Any], path: Path, what: str) -> None:
-    """dcp.save / dcp.load. Their CheckpointException is a BaseException (it would escape `except
-    Exception` handlers): it becomes an OSError naming `what` and the first failing rank's own error
-    (e.g. "No space left on device"; its first line), raised on every rank."""
+    """dcp.save / dcp.load, any failure raised on every rank (`_dcp_error`)."""
     error = None
     try:
         call(state, checkpoint_id=str(path))
     except CheckpointException as exc:
-        rank, (cause, _) = min(exc.failures.items())
-        first_line = (str(cause).splitlines() or [""])[0]
-        error = f"{what}: {type(cause).__name__}: {first_line} (rank {rank})"
+        error = _dcp_error(exc, what)
     raise_on_any_rank(error)
+
+
+def _dcp_error(exc: BaseException, what: str) -> str:
+    """DCP's CheckpointException is a BaseException (it would escape `except Exception` handlers): it
+    becomes a message naming `what` and the first failing rank's own error (e.g. "No space left on
+    device"; its first line), for `raise_on_any_rank`."""
+    rank, cause = None, exc
+    if isinstance(exc, CheckpointException):
+        rank, (cause, _) = min(exc.failures.items())
+    first_line = (str(cause).splitlines() or [""])[0]
+    return f"{what}: {type(cause).__name__}: {first_line}" + (f" (rank {rank})" if rank is not None else "")
 
 
 def check_compatible(path: Path, state: dict[str, Any]) -> None:
