@@ -104,3 +104,13 @@ def test_crash_during_async_save_keeps_last_checkpoint(tmp_path):
     run_distributed(_reference_worker, 2, str(tmp_path / "ref"), timeout=300)
     expected = json.loads((tmp_path / "ref" / "losses.json").read_text())
     run_distributed(_resume_worker, 2, str(run), expected[2:], timeout=300)
+
+
+def test_cli_async_checkpoint_flag(tmp_path):
+    from tests.test_train_cli import tptrain_train
+
+    run = tptrain_train("--output-dir", str(tmp_path / "run"), "--async-checkpoint")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert all((p / MARKER).is_file() for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.dist_utils import run_distributed
 from tests.test_trainer import tiny_dataset, tiny_model, training_args
-from tptrain import DistributedConfig
+from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
@@ -27,9 +27,20 @@ DATA = Path(__file__).parent / "data"
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 
-def _run(output_dir, tp: int, shard: int, batch: int, *, rep: int = 1, **kw):
+# Phi-3: fused qkv_proj (rows q 64, k 32, v 32) and gate_up_proj, the packed tensors.
+PHI3 = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, partial_rotary_factor=0.5, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+
+
+def phi3_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("phi3", **PHI3), dtype=torch.float64)
+
+
+def _run(output_dir, tp: int, shard: int, batch: int, *, rep: int = 1, make=tiny_model, **kw):
     """Train the tiny model at tp x dp_shard x dp_replicate (global batch 4) to max_steps (default 6)."""
-    model = tiny_model()
+    model = make()
     if tp > 1:
         model = model.parallelize(DistributedConfig(tp_size=tp))
     args = training_args(output_dir, **{"max_steps": 6, **kw}, save_steps=2, save_total_limit=2,
@@ -92,6 +103,27 @@ def _reshard_worker(tmp: str) -> None:
 
 def test_reshard_from_2d_shards(tmp_path):
     run_distributed(_reshard_worker, 4, str(tmp_path), timeout=600)
+
+
+def _packed_worker(tmp: str) -> None:
+    full = _run(f"{tmp}/a", 2, 2, 2, make=phi3_model)
+    ck = Path(f"{tmp}/a/checkpoint-4")
+    # TP rank 0 holds q rows 0-31, k 64-79, v 96-111; FSDP gives its dp rank 0 the q rows, dp rank 1 k and v.
+    assert _chunks(ck, "model.model.layers.0.self_attn.qkv_proj.weight") == [
+        ((0, 0), (32, 64)), ((32, 0), (32, 64)), ((64, 0), (16, 64)), ((80, 0), (16, 64)), ((96, 0), (16, 64)),
+        ((112, 0), (16, 64))]
+    same = _run(f"{tmp}/b", 2, 2, 2, make=phi3_model, resume_from_checkpoint=ck)
+    assert same.losses == full.losses[4:], (same.losses, full.losses)
+    for tp, shard, batch in ((4, 1, 4), (1, 4, 1)):
+        other = _run(f"{tmp}/c{tp}", tp, shard, batch, make=phi3_model, resume_from_checkpoint=ck)
+        torch.testing.assert_close(torch.tensor(other.losses), torch.tensor(full.losses[4:]), **TOL)
+    # TP 4: the KV segments' chunks are each held by 2 ranks and written once (with FSDP off: dp 1).
+    tp4 = _chunks(Path(f"{tmp}/c4/checkpoint-6"), "optim.model.layers.1.self_attn.qkv_proj.weight.exp_avg")
+    assert tp4 == [((r, 0), (16, 64)) for r in range(0, 64, 16)] + [((r, 0), (16, 64)) for r in range(64, 128, 16)]
+
+
+def test_packed_tensors_saved_from_their_pieces(tmp_path):
+    run_distributed(_packed_worker, 4, str(tmp_path), timeout=600)
 
 
 def _old_format_worker(tmp: str) -> None:

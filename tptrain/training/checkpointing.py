@@ -8,11 +8,11 @@ Every parameter and optimizer-state tensor is saved by its GLOBAL shape, from ea
 the tensor FSDP keeps (its dp shard of the rank's TP shard) is viewed as a DTensor with 2-D placements,
 torchtitan's: FSDP's Shard(0) over dp_shard on top of TP's Shard over tp (a _StridedShard where both
 split dim 0), Replicate over dp_replicate and over ranks sharing KV heads (DCP then writes such a chunk
-once, from one rank). Nothing is gathered over data parallelism and nothing is copied, so the save
-costs what DCP's writer holds (one tensor's bytes at a time) beyond training's memory; loading reads
-each rank's slices of any saved layout straight into its training tensors (reshard on resume). The
-exception is a packed tensor (fused q/k/v or gate/up rows): a rank holds a piece of each segment, cut
-again by FSDP, which no placement describes, so it alone is gathered whole (see `gather_packed`).
+once, from one rank). A packed tensor (fused q/k/v or gate/up rows), whose pieces no placement
+describes, is saved as a ShardedTensor of its boxes (packed_shards.py). Nothing is gathered over data
+parallelism or TP and nothing is copied, so the save costs what DCP's writer holds (one tensor's bytes
+at a time) beyond training's memory; loading reads each rank's slices of any saved layout straight into
+its training tensors (reshard on resume); a packed tensor is read whole, then cut (`copy_packed`).
 
 Checkpoints of the earlier format (every tensor gathered to its TP shard or whole) hold the same keys and
 global shapes: DCP reads them into this layout as they are.
@@ -43,7 +43,7 @@ from tptrain.distributed import raise_on_any_rank
 from tptrain.training.checkpoint_dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
-from tptrain.parallel.tensor_parallel import gather_full
+from tptrain.training.packed_shards import packed_sharded_tensor
 
 # The view mesh of a checkpoint tensor: the run's mesh with its TP axis split into (chunks, KV replicas).
 VIEW_AXES = ("dp_replicate", "dp_shard", "tp_shard", "tp_replica")
@@ -82,7 +82,7 @@ class StateConverter:
         shape that DCP saves from, and loads into, in place. No communication, except for a packed tensor."""
         spec = self._spec(name)
         if spec.segments:
-            raise AssertionError(f"{name} is packed: use gather_packed / packed_target")
+            raise AssertionError(f"{name} is packed: use packed_view / packed_target")
         local = t.to_local() if isinstance(t, DTensor) else t.detach()  # FSDP's shard of the TP shard
         if self.mesh is None:
             return local
@@ -101,12 +101,15 @@ class StateConverter:
         return DTensor.from_local(local, self._view_mesh(spec.replicas if tp_chunks > 1 else 1), placements,
                                   run_check=False, shape=shape, stride=stride)
 
-    def gather_packed(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A packed tensor (fused q/k/v, gate/up): a rank's rows are one piece of every segment, cut again by
-        FSDP, which no DTensor placement describes; it is saved whole (gathered: collective) and loaded into
-        an empty global tensor that `copy_packed` cuts this rank's shard from."""
-        local = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # (TP-local shape)
-        return gather_full(local, self._spec(name), self.ctx)
+    def packed_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A packed tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
+        FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (packed_shards.py)
+        does, still without a gather or a copy. Loaded into an empty global tensor (`packed_target`)."""
+        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        assert dp.get("dp_shard", Shard(0)) == Shard(0), (name, dp)  # FSDP2 shards dim 0
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        return packed_sharded_tensor(local, self._spec(name), self.global_shapes[name], self.mesh,
+                                     fsdp="dp_shard" in dp)
 
     def packed_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local_device_of(like))
@@ -139,10 +142,10 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateC
                 for_load: bool) -> dict[str, Any]:
     """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}: views
     of the training tensors themselves (DCP loads into them in place; missing AdamW moments are created as
-    zeros first), except packed tensors (`StateConverter.gather_packed`)."""
+    zeros first), except packed tensors (`StateConverter.packed_view`)."""
     def view(name: str, t: torch.Tensor) -> torch.Tensor:
         if conv.is_packed(name):
-            return conv.packed_target(name, t) if for_load else conv.gather_packed(name, t)
+            return conv.packed_target(name, t) if for_load else conv.packed_view(name, t)
         return conv.view(name, t)
 
     state: dict[str, Any] = {"model": {}, "optim": {}}
@@ -175,7 +178,6 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model: nn.Modul
     raise_on_any_rank(_prepare(pending.tmp, final, trainer_state["run_id"]) if rank == 0 else None)
     what = f"cannot write checkpoint {final}"
     try:
-        _write_rng(pending.tmp, final)  # the RNG of this step, whenever the tensors are written
         state = build_state(model, optimizer, conv, for_load=False)
         if async_group is None:
             _dcp(dcp.save, state, pending.tmp, what)
@@ -186,11 +188,11 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model: nn.Modul
             except (CheckpointException, OSError, RuntimeError) as exc:
                 error = _dcp_error(exc, what)
             raise_on_any_rank(error)
-            return pending
+        _write_rng(pending.tmp, final)  # the RNG of this step, whenever the tensors are written
     except BaseException:
         pending.abandon()
         raise
-    return pending.finish()
+    return pending if pending.future is not None else pending.finish()
 
 
 @dataclass
@@ -204,6 +206,9 @@ class PendingSave:
     future: Future | None = None
 
     def abandon(self) -> None:
+        if self.future is not None:  # let the background write end before its directory goes
+            self.future.exception()
+            self.future = None
         if rank_world()[0] == 0:  # a full disk must not stay full of a checkpoint that will never be used
             shutil.rmtree(self.tmp, ignore_errors=True)
 
