@@ -92,6 +92,9 @@ def _reshard_worker(tmp: str) -> None:
     for tp, shard, rep, batch in ((1, 4, 1, 1), (4, 1, 1, 4), (2, 1, 2, 2)):  # (2, 1, 2): HSDP's replicas
         other = _run(f"{tmp}/c{tp}{shard}{rep}", tp, shard, batch, rep=rep, resume_from_checkpoint=ck)
         torch.testing.assert_close(torch.tensor(other.losses), torch.tensor(full.losses[4:]), **TOL)
+    # HSDP: the two dp_replicate copies of each shard are written once.
+    assert _chunks(Path(f"{tmp}/c212/checkpoint-6"), "model.model.layers.0.self_attn.k_proj.weight") == [
+        ((0, 0), (8, 32)), ((8, 0), (8, 32))]
     # TP 4 over 2 KV heads: each KV chunk is held by 2 ranks and written once.
     tp4 = Path(f"{tmp}/c411/checkpoint-6")
     assert _chunks(tp4, "model.model.layers.0.self_attn.k_proj.weight") == [((0, 0), (8, 32)), ((8, 0), (8, 32))]
