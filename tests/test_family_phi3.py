@@ -263,7 +263,8 @@ def _lora_crossing(path, tp, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
 
 def _trainer_resume(path, tp: int, tmp) -> list[float]:
     """Trainer at tp: 4 steps (clipped gradient norm) equal single-device training, and resuming from the DCP
-    checkpoint of step 2 (the packed tensors saved whole, sliced again on load) gives the same losses."""
+    checkpoint of step 2 (the packed tensors saved from each rank's boxes, read whole and cut on load)
+    gives the same losses."""
     from tests.test_trainer import reference_losses, tiny_dataset, training_args
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+from collections.abc import Iterator
 import warnings
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -19,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint, save_checkpoint,
+from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
                                 writable_error)
-from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
+from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.plan import ResolvedPlan
@@ -234,15 +236,28 @@ class PreTrainedModel(nn.Module):
     def save_pretrained(self, save_directory: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> None:
         """Write one consolidated HF checkpoint (config.json + safetensors), whatever tp_size was.
 
-        Collective: every rank must call it. Global rank 0 writes, atomically; a failure on the
-        writer is raised on every rank.
+        Collective: every rank must call it. Streamed: the parameters are gathered one at a time, and
+        global rank 0 writes each shard file (`max_shard_size`) as soon as its tensors are in, so it
+        holds at most one shard plus one tensor, never the model; the index and config.json come last
+        and the directory is renamed into place. A failure on the writer is raised on every rank.
         """
-        def write(state: dict[str, torch.Tensor]) -> None:
-            state = to_checkpoint_names(state, self.checkpoint_keys())
-            save_checkpoint(state, save_directory, max_shard_size=max_shard_size,
-                            extra_files={"config.json": self.config_json(next(iter(state.values())).dtype)})
+        layout = getattr(self, "tp_layout", None)
+        params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
+        keys = self.checkpoint_keys()  # stacked experts are written as the hub's per-expert tensors
+        sizes = {}
+        for name, p in params.items():
+            nbytes = math.prod(layout.global_shapes[name] if layout else p.shape) * p.element_size()
+            key = keys.get(name, name)
+            sizes.update({k: nbytes // len(key) for k in key} if isinstance(key, list) else {key: nbytes})
+        config_json = self.config_json(next(iter(params.values())).dtype)
 
-        save_once(save_directory, collective=is_sharded(self), gather=self.full_state_dict, write=write)
+        def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in gathered_parameters(self, list(params)):
+                yield from checkpoint_items(name, t, keys)
+
+        save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
+                  write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
+                                                      extra_files={"config.json": config_json}))
 
 
 def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, **kwargs) -> torch.Tensor:
@@ -262,16 +277,19 @@ def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_
     return out
 
 
+def checkpoint_items(name: str, t: torch.Tensor,
+                     keys: dict[str, str | list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameter `name` at full shape under the checkpoint's names: a stacked tensor as its per-expert tensors."""
+    key = keys.get(name, name)
+    if isinstance(key, list):
+        yield from ((k, row.clone()) for k, row in zip(key, t.unbind(0)))
+    else:
+        yield key, t
+
+
 def to_checkpoint_names(state: dict[str, torch.Tensor], keys: dict[str, str | list[str]]) -> dict[str, torch.Tensor]:
-    """A full state dict under the checkpoint's names: stacked tensors split into their per-expert tensors."""
-    out = {}
-    for name, t in state.items():
-        key = keys.get(name, name)
-        if isinstance(key, list):
-            out.update({k: row.clone() for k, row in zip(key, t.unbind(0))})
-        else:
-            out[key] = t
-    return out
+    """A full state dict under the checkpoint's names (`checkpoint_items`)."""
+    return {k: v for name, t in state.items() for k, v in checkpoint_items(name, t, keys)}
 
 
 def _check_has_weights(directory: Path) -> None:
@@ -283,17 +301,24 @@ def _check_has_weights(directory: Path) -> None:
             f"AutoConfig.from_pretrained({str(directory)!r})) (what `tptrain train --model {directory}` does)")
 
 
-def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
-    """The parameters `names` of `model` at full shape, on the CPU: FSDP2 shards gathered first, then TP shards.
-    Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
+def gathered_parameters(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, the parameter at full shape on the CPU) for each of `names`, gathered when the caller asks for
+    it: FSDP2 shards first, then TP shards. Collective (each step) over the TP group and FSDP's; the
+    tensors are complete on TP rank 0."""
     layout = getattr(model, "tp_layout", None)
     params = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, torch.Tensor] = {}
     for name in names:
         t = params[name].detach()
         if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: gather this rank's TP shard
             t = t.full_tensor()
-        out[name] = (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
+        yield name, (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
+
+
+def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """The parameters `names` of `model` at full shape, on the CPU, all at once (`gathered_parameters`).
+    Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
+    layout = getattr(model, "tp_layout", None)
+    out = dict(gathered_parameters(model, names))
     return out if layout is None or layout.ctx.rank == 0 else None
 
 
@@ -306,7 +331,9 @@ def is_sharded(model: nn.Module) -> bool:
 def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[], Any],
               write: Callable[[Any], None]) -> None:
     """The save protocol: global rank 0 checks `target`, every rank takes part in `gather()`, rank 0
-    calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective."""
+    calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective.
+    `gather()` may return an iterator that gathers as it is consumed (streaming): every rank then runs
+    it to the end after `write` (the writer too, should its write fail half-way)."""
     # Global rank 0 writes even for an unsharded model that every rank saves: one writer per directory.
     writer = not dist.is_initialized() or dist.get_rank() == 0
     raise_on_any_rank(writable_error(Path(target)) if writer else None, collective=collective)
@@ -317,4 +344,7 @@ def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[
             write(gathered)
         except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
             error = f"saving to {target} failed: {type(exc).__name__}: {exc}"
+    if isinstance(gathered, Iterator):
+        for _ in gathered:  # the gathers the writer did not consume: every rank takes part in each
+            pass
     raise_on_any_rank(error, collective=collective)

@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints: read one rank's slice of a tensor, write atomically and sharded.
+"""Hugging Face safetensors checkpoints: read one rank's slice of a tensor, write atomically and sharded
+(also streamed: shard file by shard file as the tensors arrive).
 
 Layout (what transformers' save_pretrained writes and from_pretrained reads):
   model.safetensors                                   when everything fits in one shard, else
@@ -248,13 +249,44 @@ def save_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | os.Pat
     or the new checkpoint at `directory`, or, between the two renames of the swap, neither there but the
     old one intact at `.{name}.bak-<pid>` and the new one complete at `.{name}.tmp-<pid>`.
     """
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
+        if tensor.is_meta:
+            raise ValueError(f"state_dict[{name!r}] is on the meta device; materialise it before saving")
+    sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
+    save_streamed(sizes, iter(state_dict.items()), directory, max_shard_size=max_shard_size, metadata=metadata,
+                  extra_files=extra_files)
+
+
+def save_streamed(sizes: dict[str, int], tensors: Iterator[tuple[str, torch.Tensor]], directory: str | os.PathLike,
+                  *, max_shard_size: int | str = "5GB", metadata: dict[str, str] | None = None,
+                  extra_files: dict[str, bytes | str] | None = None) -> None:
+    """`save_checkpoint` for tensors that arrive one at a time (e.g. gathered from shards): `tensors` yields
+    (name, tensor) in the order of `sizes` ({name: bytes}, which plans the shard files up front). Each file
+    is written as soon as its tensors are in, so at most one shard plus one tensor is held; the index and
+    `extra_files` are written last, then the directory is swapped into place (atomic as save_checkpoint)."""
     header_meta = _header_metadata(metadata)
-    shards = _plan_shards(state_dict, parse_size(max_shard_size))
+    shards = _plan_shards(sizes, parse_size(max_shard_size))
     files = _shard_file_names(len(shards))
     extra = extra_files or {}
     _check_extra_files(extra, files)
     with atomic_directory(directory) as tmp:
-        _write_shards(tmp, state_dict, dict(zip(files, shards)), header_meta)
+        total = 0
+        for file_name, names in zip(files, shards):
+            shard = {}
+            for expected in names:
+                name, tensor = next(tensors)
+                assert name == expected, (name, expected)  # `tensors` follows `sizes`
+                shard[name] = tensor
+            shard = _shard_tensors(shard, names)
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            save_file(shard, os.fspath(tmp / file_name), metadata=header_meta)
+            del shard
+        if len(shards) > 1:
+            weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_file(tmp / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
         for name, content in extra.items():
             _write_file(tmp / name, content.encode() if isinstance(content, str) else content)
 
@@ -313,17 +345,12 @@ def _header_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
     return header
 
 
-def _plan_shards(state_dict: dict[str, torch.Tensor], max_size: int) -> list[list[str]]:
-    """Tensor names per shard, in state-dict order, starting a new shard when one would exceed max_size
+def _plan_shards(sizes: dict[str, int], max_size: int) -> list[list[str]]:
+    """Tensor names per shard, in order, starting a new shard when one would exceed max_size
     (a single tensor larger than max_size gets a shard of its own, as in transformers)."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        if tensor.is_meta:
-            raise ValueError(f"state_dict[{name!r}] is on the meta device; materialise it before saving")
-        nbytes = tensor.numel() * tensor.element_size()
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_size:
             shards.append([])
             size = 0
@@ -342,19 +369,6 @@ def _check_extra_files(extra: dict[str, bytes | str], weight_files: list[str]) -
     for name in extra:
         if Path(name).name != name or name in ("", ".", "..") or name in (*weight_files, INDEX_FILE):
             raise ValueError(f"extra file name {name!r} must be a plain file name that is not a weight file")
-
-
-def _write_shards(tmp: Path, state_dict: dict[str, torch.Tensor], shards: dict[str, list[str]],
-                  header_meta: dict[str, str]) -> None:
-    total = 0
-    for file_name, names in shards.items():
-        tensors = _shard_tensors(state_dict, names)
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        save_file(tensors, os.fspath(tmp / file_name), metadata=header_meta)
-    if len(shards) > 1:
-        weight_map = {name: file_name for file_name, names in shards.items() for name in names}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_file(tmp / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _shard_tensors(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:

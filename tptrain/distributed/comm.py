@@ -338,6 +338,12 @@ def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
     return out
 
 
+def side_group() -> ProcessGroup:
+    """A gloo group over every rank for collectives that run off the main thread (DCP's async save), so
+    they never interleave with the training step's on the same group. Collective: every rank, once."""
+    return dist.new_group(backend="gloo")
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here."""
     _record_object("barrier", None, group)

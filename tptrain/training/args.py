@@ -75,6 +75,9 @@ class TrainingArguments:
     save_steps: write a resumable checkpoint every this many steps; 0 disables.
     save_total_limit: keep at most this many checkpoints (oldest pruned after a new one is complete);
         None keeps all.
+    async_checkpoint: write checkpoints in the background (DCP async_save from a copy of each rank's
+        shards, so a save costs training a copy, not the write): the next save, and the end of train(),
+        wait for it; until it is complete it is a hidden .tmp and resume uses the previous checkpoint.
     overwrite_output_dir: start fresh in an output_dir that holds an earlier run, deleting its checkpoints
         and metrics (its final/ is replaced when this run ends). Without it (or resume_from_checkpoint)
         such an output_dir is refused.
@@ -116,6 +119,7 @@ class TrainingArguments:
     logging_steps: int = 1
     save_steps: int = 0
     save_total_limit: int | None = None
+    async_checkpoint: bool = False
     overwrite_output_dir: bool = False
     resume_from_checkpoint: bool | str | os.PathLike | None = None
     parallelism_config: ParallelismConfig | None = None

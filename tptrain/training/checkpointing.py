@@ -4,12 +4,18 @@
                                     trainer_state.json (step, run id, data order), rng_state_<rank>.pth,
                                     complete (marker and manifest: world size, each file's size and crc32)
 
-Every parameter and optimizer-state tensor is saved by its GLOBAL shape: FSDP's data-parallel shards
-are gathered to the rank's TP shard, which becomes a DTensor sharded over the TP sub-mesh (KV
-projections that several TP ranks share are gathered to the full tensor). DCP's metadata then holds
-global shapes, and loading into a different tp/dp layout reads exactly the slices each rank needs.
-Peak memory while saving: this rank's TP shard of the parameters and both AdamW moments, unsharded
-over data parallelism (FSDP's shards are gathered per tensor view, all held until DCP has written).
+Every parameter and optimizer-state tensor is saved by its GLOBAL shape, from each rank's own shard:
+the tensor FSDP keeps (its dp shard of the rank's TP shard) is viewed as a DTensor with 2-D placements,
+torchtitan's: FSDP's Shard(0) over dp_shard on top of TP's Shard over tp (a _StridedShard where both
+split dim 0), Replicate over dp_replicate and over ranks sharing KV heads (DCP then writes such a chunk
+once, from one rank). A packed tensor (fused q/k/v or gate/up rows), whose pieces no placement
+describes, is saved as a ShardedTensor of its boxes (packed_shards.py). Nothing is gathered over data
+parallelism or TP and nothing is copied, so the save costs what DCP's writer holds (one tensor's bytes
+at a time) beyond training's memory; loading reads each rank's slices of any saved layout straight into
+its training tensors (reshard on resume); a packed tensor is read whole, then cut (`copy_packed`).
+
+Checkpoints of the earlier format (every tensor gathered to its TP shard or whole) hold the same keys and
+global shapes: DCP reads them into this layout as they are.
 
 The directory protocol (atomic publishing, pruning, the manifest, the fall-back on resume) is in
 checkpoint_dirs.py.
@@ -19,71 +25,106 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import raise_on_any_rank
 from tptrain.training.checkpoint_dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
-from tptrain.parallel.tensor_parallel import gather_full
+from tptrain.training.packed_shards import packed_sharded_tensor
+
+# The view mesh of a checkpoint tensor: the run's mesh with its TP axis split into (chunks, KV replicas).
+VIEW_AXES = ("dp_replicate", "dp_shard", "tp_shard", "tp_replica")
+
 
 class StateConverter:
-    """Converts between the tensors a rank trains with and the global-shape views DCP saves."""
+    """Views of the tensors a rank trains with as DTensors of their GLOBAL shape, for DCP to save and load.
 
-    def __init__(self, model: nn.Module) -> None:
+    A view aliases the rank's own storage (FSDP's shard of its TP shard): nothing is gathered or copied.
+    Its mesh is the run's mesh with the TP axis split in two, (dp_replicate, dp_shard, tp_shard, tp_replica),
+    built without process groups (DCP only reads a rank's coordinates from it); tp_replica has the size of
+    the spec's KV replicas, so ranks that share a KV chunk are Replicate there and DCP writes it once."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
         layout = getattr(model, "tp_layout", None)
         self.specs: dict[str, ShardSpec] = layout.specs if layout else {}
         self.global_shapes = layout.global_shapes if layout else {}
         self.ctx = layout.ctx if layout else None
-        self.tp_mesh = model.device_mesh["tp"] if layout else None
+        self.mesh = mesh if mesh is not None else getattr(model, "device_mesh", None)
+        self._meshes: dict[int, DeviceMesh] = {}  # KV replicas -> view mesh
 
     def _spec(self, name: str) -> ShardSpec:
         return self.specs.get(name, ShardSpec())
 
-    def to_global(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """`t` (shaped like parameter `name`) as a tensor DCP can save by its global shape. Collective."""
-        local = t.full_tensor() if isinstance(t, DTensor) else t.detach()  # (TP-local shape)
+    def _view_mesh(self, replicas: int) -> DeviceMesh:
+        if replicas not in self._meshes:
+            ranks = self.mesh.mesh  # (dp_replicate, dp_shard, tp)
+            rep, shard, tp = ranks.shape
+            self._meshes[replicas] = DeviceMesh(
+                self.mesh.device_type, ranks.reshape(rep, shard, tp // replicas, replicas),
+                mesh_dim_names=VIEW_AXES, _init_backend=False)
+        return self._meshes[replicas]
+
+    def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` (parameter `name` or a tensor laid out like it: an AdamW moment) as a tensor of the global
+        shape that DCP saves from, and loads into, in place. No communication, except for a packed tensor."""
         spec = self._spec(name)
-        if spec.dim is None or self.ctx is None or self.ctx.size == 1:
+        if spec.segments:
+            raise AssertionError(f"{name} is packed: use packed_view / packed_target")
+        local = t.to_local() if isinstance(t, DTensor) else t.detach()  # FSDP's shard of the TP shard
+        if self.mesh is None:
             return local
-        if not spec.single_placement:  # KV replicas or packed segments: no TP Shard placement; save the full tensor
-            return gather_full(local, spec, self.ctx)
-        return self._tp_dtensor(name, local, spec.dim)
-
-    def load_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """An empty global view of parameter `name` for DCP to load into (no communication)."""
-        spec = self._spec(name)  # like.shape: the TP-local shape (a DTensor reports its unsharded shape)
-        local = torch.empty(like.shape, dtype=like.dtype, device=local_device_of(like))
-        if spec.dim is None or self.ctx is None or self.ctx.size == 1:
-            return local
-        if not spec.single_placement:
-            return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local.device)
-        return self._tp_dtensor(name, local, spec.dim)
-
-    def _tp_dtensor(self, name: str, local: torch.Tensor, dim: int) -> DTensor:
-        shape = torch.Size(self.global_shapes[name])
+        shape = torch.Size(self.global_shapes.get(name, t.shape))
+        tp_chunks = spec.num_chunks(self.mesh["tp"].size())
+        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        placements: list[Placement] = [dp.get(axis, Replicate()) for axis in ("dp_replicate", "dp_shard")]
+        if spec.dim is not None and tp_chunks > 1:
+            # FSDP splits the TP shard again: on the TP dim that is a strided split of the global dim.
+            placements = [_StridedShard(spec.dim, split_factor=tp_chunks) if p == Shard(spec.dim) else p
+                          for p in placements]
+            placements += [Shard(spec.dim), Replicate()]
+        else:
+            placements += [Replicate(), Replicate()]
         stride = torch.empty(shape, device="meta").stride()  # contiguous
-        return DTensor.from_local(local.contiguous(), self.tp_mesh, [Shard(dim)], run_check=False,
-                                  shape=shape, stride=stride)
+        return DTensor.from_local(local, self._view_mesh(spec.replicas if tp_chunks > 1 else 1), placements,
+                                  run_check=False, shape=shape, stride=stride)
 
-    def copy_from_global(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
-        """Write a loaded global view back into this rank's training tensor `dest` (in place)."""
-        spec = self._spec(name)
-        local = loaded.to_local() if isinstance(loaded, DTensor) else loaded
-        if not spec.single_placement and self.ctx is not None:
-            local = spec.local_chunk(local, self.ctx.size, self.ctx.rank)
+    def packed_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A packed tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
+        FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (packed_shards.py)
+        does, still without a gather or a copy. Loaded into an empty global tensor (`packed_target`)."""
+        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        assert dp.get("dp_shard", Shard(0)) == Shard(0), (name, dp)  # FSDP2 shards dim 0
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        return packed_sharded_tensor(local, self._spec(name), self.global_shapes[name], self.mesh,
+                                     fsdp="dp_shard" in dp)
+
+    def packed_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local_device_of(like))
+
+    def copy_packed(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
+        """Write this rank's shard of a loaded packed global tensor into its training tensor `dest`."""
+        local = self._spec(name).local_chunk(loaded, self.ctx.size, self.ctx.rank)
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()
             dest = dest.to_local()
         with torch.no_grad():
             dest.copy_(local)
+
+    def is_packed(self, name: str) -> bool:
+        return bool(self._spec(name).segments) and self.ctx is not None
 
 
 def local_device_of(t: torch.Tensor) -> torch.device:
@@ -99,47 +140,113 @@ def _optimizer_items(model: nn.Module, optimizer: torch.optim.Optimizer):
 
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateConverter, *,
                 for_load: bool) -> dict[str, Any]:
-    """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}.
-    Only trained parameters are in it: frozen ones (a LoRA run's base weights) come from the model as loaded."""
-    view = (lambda name, t: conv.load_target(name, t)) if for_load else conv.to_global
+    """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}: views
+    of the training tensors themselves (DCP loads into them in place; missing AdamW moments are created as
+    zeros first), except packed tensors (`StateConverter.packed_view`). Only trained parameters are in it:
+    frozen ones (a LoRA run's base weights) come from the model as loaded."""
+    def view(name: str, t: torch.Tensor) -> torch.Tensor:
+        if conv.is_packed(name):
+            return conv.packed_target(name, t) if for_load else conv.packed_view(name, t)
+        return conv.view(name, t)
+
     state: dict[str, Any] = {"model": {}, "optim": {}}
     for name, p in model.named_parameters():
         if p.requires_grad:
             state["model"][name] = view(name, p)
     for name, p, st in _optimizer_items(model, optimizer):
-        if not for_load and "exp_avg" not in st:
-            raise ValueError(f"no optimizer state for {name}: checkpoints are written after an optimizer step")
-        state["optim"][name] = {"exp_avg": view(name, st.get("exp_avg", p)),
-                                "exp_avg_sq": view(name, st.get("exp_avg_sq", p)),
+        if "exp_avg" not in st:
+            if not for_load:
+                raise ValueError(f"no optimizer state for {name}: checkpoints are written after an optimizer step")
+            for key in ("exp_avg", "exp_avg_sq"):
+                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["optim"][name] = {"exp_avg": view(name, st["exp_avg"]), "exp_avg_sq": view(name, st["exp_avg_sq"]),
                                 "step": st["step"].clone() if "step" in st else torch.zeros((), dtype=torch.float32)}
     return state
 
 
 def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model: nn.Module,
                     optimizer: torch.optim.Optimizer, conv: StateConverter, trainer_state: dict[str, Any],
-                    save_total_limit: int | None) -> Path:
+                    save_total_limit: int | None, async_group: ProcessGroup | None = None) -> "PendingSave":
     """Write checkpoint-<step> atomically (collective), then prune this run's oldest beyond the limit.
-    A failed write removes its temporary directory and leaves every earlier checkpoint as it was."""
+    A failed write removes its temporary directory and leaves every earlier checkpoint as it was.
+
+    Returns the save, finished (`.final` is in place) or, with `async_group` (a process group of its own
+    for DCP's collectives, off the main thread), still being written by DCP's `async_save` from a copy of
+    this rank's shards: training goes on, and `PendingSave.finish()` (collective) waits for it, then
+    writes the manifest and publishes. Until then the directory is a hidden .tmp, never a checkpoint."""
     rank, _ = rank_world()
     final = Path(output_dir) / f"{PREFIX}{step}"
-    tmp = Path(output_dir) / f".{PREFIX}{step}.tmp"
-    raise_on_any_rank(_prepare(tmp, final, trainer_state["run_id"]) if rank == 0 else None)
+    pending = PendingSave(Path(output_dir) / f".{PREFIX}{step}.tmp", final, trainer_state, save_total_limit)
+    raise_on_any_rank(_prepare(pending.tmp, final, trainer_state["run_id"]) if rank == 0 else None)
+    what = f"cannot write checkpoint {final}"
     try:
-        _write(tmp, final, model=model, optimizer=optimizer, conv=conv, trainer_state=trainer_state)
+        state = build_state(model, optimizer, conv, for_load=False)
+        if async_group is None:
+            _dcp(dcp.save, state, pending.tmp, what)
+        else:  # staged (copied) now, written by a background thread
+            error = None
+            try:
+                pending.future = dcp.async_save(state, checkpoint_id=str(pending.tmp), process_group=async_group)
+            except (CheckpointException, OSError, RuntimeError) as exc:
+                error = _dcp_error(exc, what)
+            raise_on_any_rank(error)
+        _write_rng(pending.tmp, final)  # the RNG of this step, whenever the tensors are written
     except BaseException:
-        if rank == 0:  # a full disk must not stay full of a checkpoint that will never be used
-            shutil.rmtree(tmp, ignore_errors=True)
+        pending.abandon()
         raise
-    error = None
-    if rank == 0:  # on failure the complete tmp stays: resolve_resume(True) puts it in place
+    return pending if pending.future is not None else pending.finish()
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose tensors are being (or have been) written to `tmp`; `finish()` completes it."""
+
+    tmp: Path
+    final: Path
+    trainer_state: dict[str, Any]
+    save_total_limit: int | None
+    future: Future | None = None
+
+    def abandon(self) -> None:
+        if self.future is not None:  # let the background write end before its directory goes
+            self.future.exception()
+            self.future = None
+        if rank_world()[0] == 0:  # a full disk must not stay full of a checkpoint that will never be used
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def finish(self) -> "PendingSave":
+        """Wait for the tensors (async), then rank 0 writes the trainer state and the manifest (once every
+        rank's files exist) and renames the directory into place. Collective; a failure on any rank is
+        raised on all, with the temporary directory removed."""
+        rank, world = rank_world()
+        error = None
+        if self.future is not None:
+            try:
+                self.future.result()
+            except (CheckpointException, OSError, RuntimeError) as exc:
+                error = _dcp_error(exc, f"cannot write checkpoint {self.final}")
+            self.future = None
         try:
-            publish(tmp, final)
-            if save_total_limit is not None:
-                prune(output_dir, trainer_state["run_id"], save_total_limit)
-        except OSError as exc:
-            error = f"cannot finish checkpoint {final}: {exc}"
-    raise_on_any_rank(error)
-    return final
+            raise_on_any_rank(error)
+            if rank == 0:
+                try:
+                    (self.tmp / STATE_FILE).write_text(json.dumps(self.trainer_state, indent=2) + "\n")
+                    write_manifest(self.tmp, world_size=world)
+                except OSError as exc:
+                    error = f"cannot write checkpoint {self.final}: {exc}"
+            raise_on_any_rank(error)
+        except BaseException:
+            self.abandon()
+            raise
+        if rank == 0:  # on failure the complete tmp stays: resolve_resume(True) puts it in place
+            try:
+                publish(self.tmp, self.final)
+                if self.save_total_limit is not None:
+                    prune(self.final.parent, self.trainer_state["run_id"], self.save_total_limit)
+            except OSError as exc:
+                error = f"cannot finish checkpoint {self.final}: {exc}"
+        raise_on_any_rank(error)
+        return self
 
 
 def _prepare(tmp: Path, final: Path, run_id: str) -> str | None:
@@ -155,11 +262,9 @@ def _prepare(tmp: Path, final: Path, run_id: str) -> str | None:
     return None
 
 
-def _write(tmp: Path, final: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateConverter,
-           trainer_state: dict[str, Any]) -> None:
-    """Every rank's files, then (rank 0, once all exist) the trainer state and the manifest. Collective."""
-    rank, world = rank_world()
-    _dcp(dcp.save, build_state(model, optimizer, conv, for_load=False), tmp, f"cannot write checkpoint {final}")
+def _write_rng(tmp: Path, final: Path) -> None:
+    """This rank's RNG state into `tmp`. Collective (a failure is raised on every rank)."""
+    rank, _ = rank_world()
     error = None
     try:
         rng = {"cpu": torch.get_rng_state()}
@@ -169,27 +274,27 @@ def _write(tmp: Path, final: Path, *, model: nn.Module, optimizer: torch.optim.O
     except OSError as exc:
         error = f"cannot write checkpoint {final} (the RNG state of rank {rank}): {exc}"
     raise_on_any_rank(error)
-    if rank == 0:
-        try:
-            (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-            write_manifest(tmp, world_size=world)
-        except OSError as exc:
-            error = f"cannot write checkpoint {final}: {exc}"
-    raise_on_any_rank(error)
 
 
 def _dcp(call: Callable[..., Any], state: dict[str, Any], path: Path, what: str) -> None:
-    """dcp.save / dcp.load. Their CheckpointException is a BaseException (it would escape `except
-    Exception` handlers): it becomes an OSError naming `what` and the first failing rank's own error
-    (e.g. "No space left on device"; its first line), raised on every rank."""
+    """dcp.save / dcp.load, any failure raised on every rank (`_dcp_error`)."""
     error = None
     try:
         call(state, checkpoint_id=str(path))
     except CheckpointException as exc:
-        rank, (cause, _) = min(exc.failures.items())
-        first_line = (str(cause).splitlines() or [""])[0]
-        error = f"{what}: {type(cause).__name__}: {first_line} (rank {rank})"
+        error = _dcp_error(exc, what)
     raise_on_any_rank(error)
+
+
+def _dcp_error(exc: BaseException, what: str) -> str:
+    """DCP's CheckpointException is a BaseException (it would escape `except Exception` handlers): it
+    becomes a message naming `what` and the first failing rank's own error (e.g. "No space left on
+    device"; its first line), for `raise_on_any_rank`."""
+    rank, cause = None, exc
+    if isinstance(exc, CheckpointException):
+        rank, (cause, _) = min(exc.failures.items())
+    first_line = (str(cause).splitlines() or [""])[0]
+    return f"{what}: {type(cause).__name__}: {first_line}" + (f" (rank {rank})" if rank is not None else "")
 
 
 def check_compatible(path: Path, state: dict[str, Any]) -> None:
@@ -218,15 +323,14 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     state = build_state(model, optimizer, conv, for_load=True)
     check_compatible(path, state)
     _dcp(dcp.load, state, path, f"cannot read checkpoint {path}")
-    for name, p in model.named_parameters():
-        if name in state["model"]:
-            conv.copy_from_global(name, state["model"][name], p)
+    for name, p in model.named_parameters():  # all but packed tensors were loaded in place
+        if conv.is_packed(name) and name in state["model"]:
+            conv.copy_packed(name, state["model"][name], p)
     for name, p, st in _optimizer_items(model, optimizer):
         loaded = state["optim"][name]
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key not in st:
-                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            conv.copy_from_global(name, loaded[key], st[key])
+        if conv.is_packed(name):
+            for key in ("exp_avg", "exp_avg_sq"):
+                conv.copy_packed(name, loaded[key], st[key])
         st["step"] = loaded["step"].clone()
     rank, _ = rank_world()
     saved_ranks = read_manifest(path)["world_size"]

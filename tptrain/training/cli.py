@@ -73,6 +73,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--save-steps", type=int, help=f"resumable checkpoint every N steps, 0: never "
                                                   f"(default: {FULL.save_steps})")
     p.add_argument("--save-total-limit", type=int, default=2, help="resumable checkpoints kept (default: 2)")
+    p.add_argument("--async-checkpoint", action="store_true",
+                   help="write checkpoints in the background while training continues (costs a copy of each "
+                        "rank's shards in memory until written)")
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order (default: 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (default: float32)")
@@ -177,7 +180,8 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
-        overwrite_output_dir=args.overwrite_output_dir, **training_kwargs(args))
+        overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
+        **training_kwargs(args))
 
 
 # ------------------------------------------------------------------ launcher

@@ -14,11 +14,13 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from tptrain.distributed import comm
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.styles import ShardSpec
 from tptrain.training.args import TrainingArguments
+from tptrain.training.packed_shards import fsdp_segment_pieces
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -77,7 +79,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
             continue
         g = local_tensor(p.grad)
         grads.append(g)
-        for part, piece in specs.get(name, ShardSpec()).local_parts(g, tp_size):  # a packed tensor part by part
+        spec = specs.get(name, ShardSpec())
+        if spec.segments and isinstance(p.grad, DTensor):  # FSDP's piece of a packed TP shard
+            dp = dict(zip(p.grad.device_mesh.mesh_dim_names, p.grad.placements))
+            fsdp = "dp_shard" in dp
+            parts = fsdp_segment_pieces(g, spec, tp_size, tp_rank, mesh["dp_shard"].get_local_rank() if fsdp else 0,
+                                        mesh["dp_shard"].size() if fsdp else 1)
+        else:
+            parts = spec.local_parts(g, tp_size)
+        for part, piece in parts:  # a packed tensor part by part
             if part.dim is None:
                 whole.append(piece)
             elif tp_rank % part.replicas == 0:

@@ -92,7 +92,10 @@ class Trainer:
                                              bf16=args.bf16)
         self.optimizer = build_optimizer(model, args)
         self.scheduler = build_scheduler(self.optimizer, self.args)  # max_steps may come from num_train_epochs
-        self.converter = ckpt.StateConverter(model)
+        self.converter = ckpt.StateConverter(model, self.mesh)
+        # --async-checkpoint: DCP's background writes run their collectives on a group of their own.
+        self.async_group = comm.side_group() if args.async_checkpoint else None
+        self._pending_save: ckpt.PendingSave | None = None
         layout = getattr(model, "tp_layout", None)
         self.specs = layout.specs if layout else {}
         self.grad_sync = layout.grad_sync if layout else None
@@ -162,6 +165,7 @@ class Trainer:
                     reporter.message(f"saved {saved}")
         if self.eval_dataset is not None and not (args.eval_steps and self.global_step % args.eval_steps == 0):
             self._evaluate_and_log(reporter)  # the final evaluation
+        self.finish_checkpoint()
         if reporter is not None:
             reporter.close()
         final = self.save_model()
@@ -288,15 +292,25 @@ class Trainer:
             raise_on_any_rank(error)
 
     def save_checkpoint(self) -> Path:
-        """Write output_dir/checkpoint-<step> (collective); returns its path."""
+        """Write output_dir/checkpoint-<step> (collective); returns its path. With async_checkpoint the
+        tensors are still being written when it returns (the previous save is finished first)."""
+        self.finish_checkpoint()
         state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
                  "layout": self.dims.sizes(), "best_eval_loss": self.best_eval_loss}
         runtime = getattr(self.model, "runtime", None)  # a PeftModel's dropout-mask stream (seed, forward count)
         if runtime is not None:
             state["lora_runtime"] = {"seed": runtime.seed, "step": runtime.step}
-        return ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
-                                    optimizer=self.optimizer, conv=self.converter, trainer_state=state,
-                                    save_total_limit=self.args.save_total_limit)
+        saved = ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
+                                     optimizer=self.optimizer, conv=self.converter, trainer_state=state,
+                                     save_total_limit=self.args.save_total_limit, async_group=self.async_group)
+        self._pending_save = saved if saved.future is not None else None
+        return saved.final
+
+    def finish_checkpoint(self) -> None:
+        """Wait for an async checkpoint still being written and publish it (collective; no-op if none)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
 
     def _load(self, path: Path) -> None:
         step = dirs.read_trainer_state(path)["global_step"]  # the same file on every rank: raised on all

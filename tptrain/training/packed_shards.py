@@ -1,0 +1,70 @@
+"""A packed tensor's shards (fused q/k/v or gate/up rows) as a ShardedTensor, so DCP saves them ungathered.
+
+A rank's TP shard of a packed tensor is its chunk of every segment, concatenated (`ShardSpec.segments`);
+FSDP then cuts that along dim 0 into dp_shard pieces, which may straddle segments. A rank so holds up to
+one row range per segment of the global tensor: several boxes, which no DTensor placement describes but
+a ShardedTensor's local shards do (DCP writes each as it is). Replicated copies (KV segments shared by
+several TP ranks, HSDP's dp_replicate) are listed once, by their first holder, so the boxes tile the
+tensor exactly, and every rank computes every rank's boxes alike (no communication).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed.device_mesh import DeviceMesh
+
+from tptrain.parallel.styles import ShardSpec
+
+
+def packed_sharded_tensor(local: torch.Tensor, spec: ShardSpec, shape: tuple[int, ...], mesh: DeviceMesh, *,
+                          fsdp: bool) -> ShardedTensor:
+    """This rank's `local` (its FSDP piece of its TP shard when `fsdp`, else the TP shard) of the packed
+    tensor of global `shape`, laid out over `mesh` (dp_replicate, dp_shard, tp), as a ShardedTensor."""
+    assert spec.segments and spec.dim == 0, spec
+    rep, dp_shard, tp = mesh.mesh.shape
+    me, shards, metas = dist.get_rank(), [], []
+    for r, d, k in itertools.product(range(rep), range(dp_shard), range(tp)):
+        rank = int(mesh.mesh[r, d, k])
+        writer_dp = r == 0 and (fsdp or d == 0)  # FSDP's pieces differ over dp_shard; otherwise all alike
+        for start, rows, at, replicas in _boxes(spec, shape, tp, k, d if fsdp else 0, dp_shard if fsdp else 1):
+            if not writer_dp or k % replicas:
+                continue
+            metas.append(ShardMetadata([start] + [0] * (len(shape) - 1), [rows, *shape[1:]],
+                                       f"rank:{rank}/{local.device}"))
+            if rank == me:
+                shards.append(Shard(local.narrow(0, at, rows), metas[-1]))
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    meta = ShardedTensorMetadata(metas, torch.Size(shape), props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+
+
+def fsdp_segment_pieces(piece: torch.Tensor, spec: ShardSpec, tp: int, tp_rank: int, dp_rank: int,
+                        dp_size: int) -> list[tuple[ShardSpec, torch.Tensor]]:
+    """`ShardSpec.local_parts` for FSDP's piece `dp_rank` (of `dp_size`) of a packed TP shard: (the
+    segment's plain spec, view of its rows in `piece`), for the segments the piece reaches."""
+    subs = [sub for _, _, sub in spec.parts()]
+    by_replicas = {sub.replicas: sub for sub in subs}
+    return [(by_replicas[replicas], piece.narrow(0, at, rows))
+            for _, rows, at, replicas in _boxes(spec, tuple(piece.shape), tp, tp_rank, dp_rank, dp_size)]
+
+
+def _boxes(spec: ShardSpec, shape: tuple[int, ...], tp: int, tp_rank: int, dp_rank: int, dp_size: int):
+    """(global start row, rows, start in the FSDP piece, segment replicas) of each segment's rows that
+    FSDP piece `dp_rank` of TP rank `tp_rank`'s shard holds (`shape` matters only past dim 0)."""
+    ranges = spec.local_ranges(shape, tp, tp_rank)  # global [start, stop) per segment, in local order
+    total = sum(stop - start for start, stop in ranges)
+    size = math.ceil(total / dp_size)  # torch.chunk's split, as FSDP2's
+    first, last = dp_rank * size, min(total, (dp_rank + 1) * size)
+    offset = 0
+    for (start, stop), (_, _, sub) in zip(ranges, spec.parts()):
+        lo, hi = max(first, offset), min(last, offset + stop - start)
+        if lo < hi:
+            yield start + lo - offset, hi - lo, lo - first, sub.replicas
+        offset += stop - start
