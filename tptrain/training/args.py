@@ -80,6 +80,10 @@ class TrainingArguments:
     resume_from_checkpoint: True resumes from the latest complete checkpoint in output_dir, a path
         from that checkpoint; None/False starts fresh.
     parallelism_config: the rank layout; None: the model's tp_size, remaining ranks FSDP2 dp_shard.
+    preemption_grace: seconds allowed from a SIGTERM / SIGINT (Ctrl-C) to the end of training: the ranks
+        finish the current step, agree to stop (one all-reduce of an int per step), write a checkpoint and
+        return (`TrainOutput.stopped`); a rank still running after this long exits 1. None (the
+        default): the signals keep their usual effect and no per-step agreement runs. `tptrain train`: 60.
     """
 
     output_dir: str
@@ -104,6 +108,7 @@ class TrainingArguments:
     overwrite_output_dir: bool = False
     resume_from_checkpoint: bool | str | os.PathLike | None = None
     parallelism_config: ParallelismConfig | None = None
+    preemption_grace: float | None = None
 
     def __post_init__(self) -> None:
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
@@ -126,6 +131,10 @@ class TrainingArguments:
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ValueError(f"TrainingArguments.lr_scheduler_type={self.lr_scheduler_type!r} is not one of "
                              f"{SCHEDULERS}")
+        grace = self.preemption_grace
+        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0):
+            raise ValueError(f"TrainingArguments.preemption_grace must be None or a positive number of seconds, "
+                             f"got {grace!r}")
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")

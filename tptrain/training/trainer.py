@@ -37,13 +37,15 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import DataOrder, PackedDataset, build_dataset, load_tokenizer
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from tptrain.training.parallelize import parallelize_for_training, resolve_parallelism, training_mesh
+from tptrain.training.preemption import StopOnSignal
 
 
 @dataclass
 class TrainOutput:
     global_step: int
     losses: list[float]  # the global-batch loss of every step this call ran
-    final_dir: Path  # the consolidated HF checkpoint
+    final_dir: Path | None  # the consolidated HF checkpoint; None when stopped
+    stopped: str | None = None  # the signal that stopped training early, with a checkpoint (preemption_grace)
 
 
 class Trainer:
@@ -117,10 +119,18 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = None) -> TrainOutput:
-        """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model."""
+        """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model.
+        With `args.preemption_grace`, a SIGTERM / SIGINT stops it after the current step with a checkpoint
+        instead (`TrainOutput.stopped`, no final model). Restarted by torchrun's elastic agent, it continues
+        from the latest complete checkpoint in output_dir (`checkpoint_dirs.resume_after_restart`)."""
+        with StopOnSignal(self.args.preemption_grace) as stop:
+            return self._train(resume_from_checkpoint, stop)
+
+    def _train(self, resume_from_checkpoint: bool | str | os.PathLike | None, stop: StopOnSignal) -> TrainOutput:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        self._claim_output_dir(resume)
+        resume, overwrite = dirs.resume_after_restart(resume, args.overwrite_output_dir, args.output_dir)
+        self._claim_output_dir(resume, overwrite)
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
@@ -137,14 +147,25 @@ class Trainer:
                 reporter.log(self.global_step, {
                     "loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
                     "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start})
-            if args.save_steps and self.global_step % args.save_steps == 0:
-                saved = self.save_checkpoint()
+            saved = bool(args.save_steps) and self.global_step % args.save_steps == 0
+            if saved:
+                self._saved(self.save_checkpoint(), reporter)
+            if stop.agreed():  # every rank stops after this same step, with a checkpoint of it
+                if not saved:
+                    self._saved(self.save_checkpoint(), reporter)
                 if reporter is not None:
-                    reporter.message(f"saved {saved}")
+                    reporter.close()
+                return TrainOutput(self.global_step, losses, None, stopped=stop.signal.name if stop.signal
+                                   else "a signal on another rank")
         if reporter is not None:
             reporter.close()
         final = self.save_model()
         return TrainOutput(self.global_step, losses, final)
+
+    @staticmethod
+    def _saved(path: Path, reporter) -> None:
+        if reporter is not None:
+            reporter.message(f"saved {path}")
 
     def training_step(self, indices: list[int]) -> tuple[float, float]:
         """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
@@ -189,10 +210,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _claim_output_dir(self, resume: bool | str | os.PathLike | None) -> None:
+    def _claim_output_dir(self, resume: bool | str | os.PathLike | None, overwrite: bool) -> None:
         """Refuse an output_dir holding an earlier run unless told to resume it or overwrite it (then its
         checkpoints and metrics are deleted). Checked on rank 0, raised on every rank."""
-        output_dir, overwrite = self.args.output_dir, self.args.overwrite_output_dir
+        output_dir = self.args.output_dir
         raise_on_any_rank(dirs.earlier_run_error(output_dir, resume=resume, overwrite=overwrite)
                           if self.is_rank0 else None, exc_type=ValueError)
         if overwrite:
