@@ -145,7 +145,8 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
                         ("--preemption-grace", args.preemption_grace)):
         if not value > 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
+            raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
+                             f"got {value}")
     if args.max_restarts < 0 or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--max-restarts must be >= 0 (got {args.max_restarts}) and --node-rank in "
                          f"[0, --nnodes {args.nnodes}) (got {args.node_rank})")
@@ -154,9 +155,10 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
                          "(HOST: a machine every node can reach, e.g. node 0)")
     world = nproc * args.nnodes
     if world % args.tp_size:
-        raise ValueError(f"--nproc-per-node {nproc} x --nnodes {args.nnodes} = {world} processes is not a multiple "
-                         f"of --tp-size {args.tp_size}; each tensor-parallel group needs --tp-size processes "
-                         f"(use {args.tp_size} or a multiple)")
+        procs = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
+                                               else "")
+        raise ValueError(f"{procs} is not a multiple of --tp-size {args.tp_size}; each tensor-parallel group needs "
+                         f"--tp-size processes (use {args.tp_size} or a multiple)")
     model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
     config = AutoConfig.from_pretrained(model_dir)
     _check_tp_plan(config, args.tp_size, args.model)

@@ -1,17 +1,22 @@
-"""Preemption: SIGTERM / SIGINT ends training after the current step with a checkpoint, on every rank.
+"""Faults: preemption (SIGTERM / SIGINT ends training after the current step with a checkpoint, on every
+rank), a hung rank (collectives time out), a dead rank (the elastic agent restarts the group, which resumes).
 
 * in the Trainer (2 and 4 ranks): a signal that reaches ONE rank during some step stops every rank after
   that same step (no hang), the checkpoint of that step is written, and resuming it gives the
   uninterrupted run's losses exactly;
 * `tptrain train`: SIGTERM to the launcher, or to every rank, exits 0 well within --preemption-grace with a
   checkpoint; `--resume` then continues bit for bit (metrics.jsonl equals an uninterrupted run's);
-* a stop that outlives the grace exits 1 saying so; bad grace values are refused.
+* a stop that outlives the grace exits 1 saying so; bad grace values are refused;
+* a rank that hangs makes the others' collective fail after TPTRAIN_PG_TIMEOUT, not torch's 30 minutes;
+* `tptrain train --max-restarts 1`: kill -9 one rank at a random step; the group restarts, resumes from the
+  latest checkpoint, and metrics.jsonl equals the uninterrupted run's, bit for bit.
 
-    PYTHONPATH=. .venv/bin/python -m pytest tests/test_preemption.py -q
+    PYTHONPATH=. .venv/bin/python -m pytest tests/test_faults.py -q
 """
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -19,12 +24,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 from tests.test_train_cli import ROOT
 from tests.test_trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
+from tptrain.distributed import comm, init_distributed
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.preemption import StopOnSignal
 from tptrain.training.reporting import read_metrics
@@ -107,6 +114,29 @@ def test_a_stop_that_outlives_the_grace_exits_1_saying_so():
     assert "still running 1.5 s after SIGTERM (the preemption grace" in run.stderr, run.stderr
 
 
+def _hung_peer_worker() -> None:
+    init_distributed()
+    if dist.get_rank() == 1:
+        time.sleep(8)  # alive, connected, but not joining the collective (a stuck disk, a stopped process)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1), None, phase="setup")
+        error = None
+    except RuntimeError as exc:
+        error = exc
+    if dist.get_rank() == 0:
+        assert error is not None and time.monotonic() - start < 6, (error, time.monotonic() - start)
+        assert "timed out" in str(error).lower() or "timeout" in str(error).lower(), error
+
+
+def test_a_hung_rank_fails_the_others_collective_after_the_pg_timeout(monkeypatch):
+    monkeypatch.setenv(comm.PG_TIMEOUT_ENV, "2")
+    run_distributed(_hung_peer_worker, 2, timeout=120)
+    monkeypatch.setenv(comm.PG_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="TPTRAIN_PG_TIMEOUT='soon' must be a positive number of seconds"):
+        comm.process_group_timeout()
+
+
 # ------------------------------------------------------------------ `tptrain train` end to end
 
 STEPS = 30
@@ -152,7 +182,7 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict]:
-    """metrics.jsonl of the run the interrupted ones must reproduce (this module and test_elastic.py's)."""
+    """metrics.jsonl of the run the interrupted ones must reproduce."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     code, stdout, stderr = finish(_start(out))
     assert code == 0, stdout + stderr
@@ -179,3 +209,33 @@ def test_sigterm_checkpoints_exits_0_and_resume_continues_exactly(tmp_path, unin
     code, stdout, stderr = finish(_start(out, "--resume"))
     assert code == 0, stdout + stderr
     assert metrics(out) == uninterrupted  # bit for bit: JSON floats round-trip exactly
+
+
+def test_kill_9_one_rank_the_group_restarts_and_reproduces_the_uninterrupted_run(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    step = random.randint(11, 19)  # after checkpoint-10 is written, before checkpoint-20
+    proc = _start(out, "--max-restarts", "1", "--pg-timeout", "60")
+    wait_for_step(proc, out, step)
+    victim = random.choice(workers(proc))
+    victim.kill()  # SIGKILL, as the OOM killer does
+    code, stdout, stderr = finish(proc)
+    assert code == 0, (step, stdout, stderr)
+    assert "restart 1 of 1 after a worker failure" in stdout, stdout
+    assert metrics(out) == uninterrupted, step  # the steps redone after checkpoint-10 equal the first run's
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_restarted_attempt_resumes_the_latest_checkpoint_or_starts_over(tmp_path, monkeypatch):
+    from tptrain.training.checkpoint_dirs import RESTART_COUNT_ENV, resume_after_restart
+
+    out = tmp_path / "run"
+    (out / ".checkpoint-4.tmp").mkdir(parents=True)  # a save the kill cut short: no marker
+    (out / "metrics.jsonl").write_text("")
+    assert resume_after_restart(None, False, out) == (None, False)  # the first attempt: as told
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")  # what torchrun's agent sets in a restarted group
+    assert resume_after_restart(None, False, out) == (None, True)  # nothing saved yet: start over, replacing it
+    assert resume_after_restart("elsewhere/checkpoint-8", False, out) == ("elsewhere/checkpoint-8", False)
+    (out / ".checkpoint-4.tmp" / "complete").write_text("{}")  # complete, not yet renamed into place
+    assert resume_after_restart(None, False, out) == (True, False)
+    (out / ".checkpoint-4.tmp").rename(out / "checkpoint-4")
+    assert resume_after_restart("elsewhere/checkpoint-8", True, out) == (True, False)
