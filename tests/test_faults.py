@@ -239,3 +239,28 @@ def test_a_restarted_attempt_resumes_the_latest_checkpoint_or_starts_over(tmp_pa
     assert resume_after_restart(None, False, out) == (True, False)
     (out / ".checkpoint-4.tmp").rename(out / "checkpoint-4")
     assert resume_after_restart("elsewhere/checkpoint-8", True, out) == (True, False)
+
+
+def test_bad_fault_and_node_flags_are_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    from tptrain.cli import main
+    from tptrain.training import cli as train_cli
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(train_cli, "_launch", no_workers)
+    monkeypatch.setattr(train_cli, "_worker", no_workers)
+    cases = [
+        (["--preemption-grace", "0"], "--preemption-grace must be a positive number, got 0.0"),
+        (["--max-restarts", "-1"], "--max-restarts must be >= 0 (got -1)"),
+        (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT, the same on every node"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank in [0, --nnodes 2) (got 2)"),
+        (["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", "h:1"],
+         "--nproc-per-node 1 x --nnodes 3 = 3 processes is not a multiple of --tp-size 2"),
+        (["--pg-timeout", "-5"], "TPTRAIN_PG_TIMEOUT='-5.0' must be a positive number of seconds"),
+    ]
+    for flags, expected in cases:
+        monkeypatch.delenv(comm.PG_TIMEOUT_ENV, raising=False)
+        code = main(["train", "--smoke-test", "--output-dir", str(tmp_path / "run"), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err and err.startswith("tptrain train: error: "), (flags, code, err)
