@@ -33,6 +33,7 @@ class StopOnSignal:
     def __init__(self, grace: float | None) -> None:
         self.grace = grace
         self.signal: signal.Signals | None = None  # the first one received (on this rank)
+        self.stopped: str | None = None  # once agreed: that signal's name, or "a signal on another rank"
         self.received_at: float | None = None
         self._previous: dict[int, object] = {}
         self._watchdog: threading.Timer | None = None
@@ -74,4 +75,6 @@ class StopOnSignal:
         enabled (every rank calls it once per step), False without a collective otherwise."""
         if not self.enabled:
             return False
-        return comm.any_rank(self.signal is not None, phase="stop")
+        if comm.any_rank(self.signal is not None, phase="stop"):
+            self.stopped = self.signal.name if self.signal is not None else "a signal on another rank"
+        return self.stopped is not None

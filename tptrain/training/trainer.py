@@ -147,25 +147,19 @@ class Trainer:
                 reporter.log(self.global_step, {
                     "loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
                     "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start})
-            saved = bool(args.save_steps) and self.global_step % args.save_steps == 0
-            if saved:
-                self._saved(self.save_checkpoint(), reporter)
-            if stop.agreed():  # every rank stops after this same step, with a checkpoint of it
-                if not saved:
-                    self._saved(self.save_checkpoint(), reporter)
+            stopping = stop.agreed()  # every rank stops after this same step, with a checkpoint of it
+            if (args.save_steps and self.global_step % args.save_steps == 0) or stopping:
+                saved = self.save_checkpoint()
                 if reporter is not None:
-                    reporter.close()
-                return TrainOutput(self.global_step, losses, None, stopped=stop.signal.name if stop.signal
-                                   else "a signal on another rank")
+                    reporter.message(f"saved {saved}")
+            if stopping:
+                break
         if reporter is not None:
             reporter.close()
+        if stop.stopped:
+            return TrainOutput(self.global_step, losses, None, stopped=stop.stopped)
         final = self.save_model()
         return TrainOutput(self.global_step, losses, final)
-
-    @staticmethod
-    def _saved(path: Path, reporter) -> None:
-        if reporter is not None:
-            reporter.message(f"saved {path}")
 
     def training_step(self, indices: list[int]) -> tuple[float, float]:
         """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
