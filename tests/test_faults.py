@@ -189,19 +189,31 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     return metrics(out)
 
 
-@pytest.mark.parametrize("target", ["launcher", "ranks"])
+def _wait_for_workers(proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not workers(proc):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("target", ["launcher", "ranks", "launcher while the workers start"])
 def test_sigterm_checkpoints_exits_0_and_resume_continues_exactly(tmp_path, uninterrupted, target):
     out = tmp_path / "run"
     proc = _start(out, "--preemption-grace", "60")
-    wait_for_step(proc, out, 3)
+    if target.endswith("start"):  # spawned, still importing: the signal waits for them, they stop after step 1
+        _wait_for_workers(proc)
+        assert not (out / "metrics.jsonl").exists()
+    else:
+        wait_for_step(proc, out, 3)
     sent = time.monotonic()
-    for p in [proc] if target == "launcher" else workers(proc):
+    for p in workers(proc) if target == "ranks" else [proc]:
         p.send_signal(signal.SIGTERM)
     code, stdout, stderr = finish(proc)
     elapsed = time.monotonic() - sent
     assert code == 0 and elapsed < 60, (code, elapsed, stdout, stderr)
     step = len(metrics(out))  # the step it stopped after: its checkpoint is there, no final model
     assert step < STEPS and (out / f"checkpoint-{step}" / "complete").is_file(), sorted(os.listdir(out))
+    assert step == 1 if target.endswith("start") else step >= 3, step
     assert f"stopped by SIGTERM after step {step}: checkpoint-{step} written" in stdout, stdout
     assert not (out / "final").exists() and not [p for p in os.listdir(out) if p.startswith(".")]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr

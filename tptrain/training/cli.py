@@ -219,10 +219,13 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
 def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
     """One rank's run. User errors (bad flags, data, sizes) print one line; anything else its traceback."""
     from tptrain.training.launcher import worker_started
+    from tptrain.training.preemption import StopOnSignal
 
-    rank = worker_started(error_dir)
+    rank = os.environ.get("RANK", "0")
     try:
-        _train(args)
+        with StopOnSignal(args.preemption_grace):  # a signal while starting up: the Trainer stops after step 1
+            worker_started(error_dir)
+            _train(args)
         return 0
     except Exception as exc:  # noqa: BLE001 - reported below, once per distinct message
         user_error = isinstance(exc, (ValueError, TypeError, OSError))
@@ -306,7 +309,8 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
         print(f"tptrain train: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a "
-              f"worker failure: resuming from the latest complete checkpoint in {args.output_dir}", flush=True)
+              f"worker failure: resuming from the latest complete checkpoint in {args.output_dir} (if none, "
+              "starting over)", flush=True)
     source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
               if inputs.from_scratch else f"loaded from {args.model}")
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "

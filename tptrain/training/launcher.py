@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+STOP_FILE = "stop"  # the signal the launcher received, for workers that start after it
 
 
 def launch(args: argparse.Namespace, nproc: int, worker: Callable[[argparse.Namespace, str], int]) -> int:
@@ -88,6 +89,9 @@ class _Forwarder:
         if self.received:
             raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
         self.received = True
+        # For workers not started yet: written before the pids are read, and read by a worker after it
+        # wrote its pid, so every worker gets the signal once at least (a second one is ignored).
+        (self.error_dir / STOP_FILE).write_text(str(signum))
         for path in self.error_dir.glob("rank*.pid"):
             try:
                 os.kill(int(path.read_text()), signum)
@@ -95,14 +99,17 @@ class _Forwarder:
                 pass
 
 
-def worker_started(error_dir: str | None) -> str:
-    """In a worker: drop what an earlier attempt of this rank left (a restart), record this pid; the rank."""
+def worker_started(error_dir: str | None) -> None:
+    """In a worker, once it handles stop signals: drop what an earlier attempt of this rank left (a
+    restart), record this pid, and take a signal the launcher received before."""
     rank = os.environ.get("RANK", "0")
     if error_dir is not None:
         for stale in Path(error_dir).glob(f"rank{rank}.*"):
             stale.unlink()
         Path(error_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
-    return rank
+        stop = Path(error_dir, STOP_FILE)
+        if stop.is_file():
+            os.kill(os.getpid(), int(stop.read_text() or signal.SIGTERM))
 
 
 def cores() -> int:

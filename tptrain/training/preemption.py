@@ -41,7 +41,12 @@ class StopOnSignal:
     def __enter__(self) -> "StopOnSignal":
         # Python delivers signals to the main thread only: elsewhere (a trainer in a thread) they stay as they are.
         if self.grace is not None and threading.current_thread() is threading.main_thread():
+            outer = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
             self._previous = {sig: signal.signal(sig, self._record) for sig in SIGNALS}
+            if isinstance(outer, StopOnSignal) and outer.signal is not None:
+                # Received while the run was starting (`tptrain train` guards its whole worker): this guard
+                # stops after the first step; the outer one's watchdog keeps counting from the signal.
+                self.signal, self.received_at = outer.signal, outer.received_at
         return self
 
     def __exit__(self, *exc) -> None:
