@@ -231,7 +231,7 @@ def test_kill_9_one_rank_the_group_restarts_and_reproduces_the_uninterrupted_run
     victim = random.choice(workers(proc))
     victim.kill()  # SIGKILL, as the OOM killer does
     code, stdout, stderr = finish(proc)
-    assert code == 0, (step, stdout, stderr)
+    assert code == 0, (step, stdout[-3000:], stderr[-6000:])
     assert "restart 1 of 1 after a worker failure" in stdout, stdout
     assert metrics(out) == uninterrupted, step  # the steps redone after checkpoint-10 equal the first run's
     assert (out / "final" / "model.safetensors").is_file()
@@ -272,7 +272,7 @@ def test_bad_fault_and_node_flags_are_refused_before_any_worker_starts(tmp_path,
         (["--pg-timeout", "-5"], "TPTRAIN_PG_TIMEOUT='-5.0' must be a positive number of seconds"),
     ]
     for flags, expected in cases:
-        monkeypatch.delenv(comm.PG_TIMEOUT_ENV, raising=False)
+        monkeypatch.setenv(comm.PG_TIMEOUT_ENV, "600")  # restored at the end: --pg-timeout sets it for the workers
         code = main(["train", "--smoke-test", "--output-dir", str(tmp_path / "run"), *flags])
         err = capsys.readouterr().err
         assert code == 2 and expected in err and err.startswith("tptrain train: error: "), (flags, code, err)

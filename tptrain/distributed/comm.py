@@ -267,7 +267,11 @@ def _rendezvous() -> tuple[dist.Store, int, int]:
     process_group_timeout()."""
     rank, world, seconds = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1")), rendezvous_timeout()
     try:
-        return next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
+        # The elastic agent's store outlives a restart (torch shares one TCPStore server across rounds): without
+        # a prefix per attempt, a restarted rank can read a dead peer's address and fail to connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"tptrain/attempt_{attempt}", store), rank, world
     except (dist.DistStoreError, dist.DistNetworkError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise TimeoutError(
