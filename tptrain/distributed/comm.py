@@ -21,13 +21,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
-from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 ProcessGroup = dist.ProcessGroup
 RENDEZVOUS_TIMEOUT_ENV = "TPTRAIN_RENDEZVOUS_TIMEOUT"
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0  # seconds every rank waits for the others to join
+PG_TIMEOUT_ENV = "TPTRAIN_PG_TIMEOUT"
+DEFAULT_PG_TIMEOUT = 600.0  # seconds a collective waits for a rank that is alive but does not join it (torch: 1800)
 
 # torch >= 2.13 renamed the single-tensor collectives; older releases still have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -272,8 +273,9 @@ def init_process_group(backend: str, **kwargs) -> None:
     emptied of their groups at exit (`track_mesh`), so closing frees every group while Python still runs."""
     if "RANK" in os.environ:
         store, rank, world = _rendezvous()
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
-        store.set_timeout(default_pg_timeout)  # bounded only while joining: a later long save must not time out
+        timeout = timedelta(seconds=process_group_timeout())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        store.set_timeout(timeout)  # the rendezvous bound held only while joining
     else:  # a plain `python script.py`: no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     atexit.register(destroy_process_group)
@@ -281,23 +283,40 @@ def init_process_group(backend: str, **kwargs) -> None:
 
 def rendezvous_timeout() -> float:
     """Seconds a rank waits for all WORLD_SIZE ranks to join: $TPTRAIN_RENDEZVOUS_TIMEOUT, default 300."""
-    value = os.environ.get(RENDEZVOUS_TIMEOUT_ENV, str(DEFAULT_RENDEZVOUS_TIMEOUT))
+    return _seconds(RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT)
+
+
+def process_group_timeout() -> float:
+    """Seconds any collective (a checkpoint's barrier included) waits for the other ranks before it raises:
+    $TPTRAIN_PG_TIMEOUT, default 600. A rank that dies closes its connections and the others fail at once;
+    this bounds the wait for one that hangs (a stuck disk, a stopped process), so no rank sits in a
+    collective for torch's default 30 minutes and the elastic agent can restart the group."""
+    return _seconds(PG_TIMEOUT_ENV, DEFAULT_PG_TIMEOUT)
+
+
+def _seconds(env: str, default: float) -> float:
+    value = os.environ.get(env, str(default))
     try:
         seconds = float(value)
     except ValueError:
         seconds = 0.0
     if not seconds > 0:
-        raise ValueError(f"{RENDEZVOUS_TIMEOUT_ENV}={value!r} must be a positive number of seconds")
+        raise ValueError(f"{env}={value!r} must be a positive number of seconds")
     return seconds
 
 
 def _rendezvous() -> tuple[dist.Store, int, int]:
     """torchrun's env:// rendezvous, bounded by rendezvous_timeout(): a rank that is never started (or dies
     before joining) makes the others fail with a TimeoutError naming the world, instead of a 30-minute wait.
-    The bound also covers the process group's own connection set-up; collectives keep torch's default timeout."""
+    The bound also covers the process group's own connection set-up; later collectives are bounded by
+    process_group_timeout()."""
     rank, world, seconds = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1")), rendezvous_timeout()
     try:
-        return next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timedelta(seconds=seconds)))
+        # The elastic agent's store outlives a restart (torch shares one TCPStore server across rounds): without
+        # a prefix per attempt, a restarted rank can read a dead peer's address and fail to connect.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"tptrain/attempt_{attempt}", store), rank, world
     except (dist.DistStoreError, dist.DistNetworkError) as exc:
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise TimeoutError(
@@ -348,6 +367,15 @@ def barrier(group: ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here."""
     _record_object("barrier", None, group)
     dist.barrier(group=group)
+
+
+def any_rank(flag: bool, group: ProcessGroup | None = None, *, phase: str) -> bool:
+    """True on every rank if `flag` is True on any rank of `group` (default: the world): one all-reduce
+    of one int."""
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    return bool(all_reduce(t, group, op=dist.ReduceOp.MAX, phase=phase).item())
 
 
 def raise_on_any_rank(error: str | Exception | None, *, exc_type: type[Exception] = OSError,

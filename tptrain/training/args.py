@@ -98,6 +98,12 @@ class TrainingArguments:
     save_best: after each evaluation with the lowest eval loss so far, write output_dir/best (the model,
         or the adapter) and best/eval_results.json.
     report_to: None, or "tensorboard" (scalars also written to output_dir/runs; needs `tensorboard`).
+
+    Faults (tptrain/training/preemption.py):
+    preemption_grace: seconds allowed from a SIGTERM / SIGINT (Ctrl-C) to the end of training: the ranks
+        finish the current step, agree to stop (one all-reduce of an int per step), write a checkpoint and
+        return (`TrainOutput.stopped`); a rank still running after this long exits 1. None (the
+        default): the signals keep their usual effect and no per-step agreement runs. `tptrain train`: 60.
     """
 
     output_dir: str
@@ -134,6 +140,7 @@ class TrainingArguments:
     per_device_eval_batch_size: int | None = None
     save_best: bool = False
     report_to: str | None = None
+    preemption_grace: float | None = None
 
     def __post_init__(self) -> None:
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
@@ -157,6 +164,10 @@ class TrainingArguments:
             raise ValueError(f"TrainingArguments.lr_scheduler_type={self.lr_scheduler_type!r} is not one of "
                              f"{SCHEDULERS}")
         self._check_finetuning()
+        grace = self.preemption_grace
+        if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0):
+            raise ValueError(f"TrainingArguments.preemption_grace must be None or a positive number of seconds, "
+                             f"got {grace!r}")
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")

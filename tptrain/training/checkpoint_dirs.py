@@ -228,6 +228,26 @@ def resolve_resume(resume: bool | str | os.PathLike | None, output_dir: str | os
     return path
 
 
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun's elastic agent in every worker
+
+
+def resume_after_restart(resume: bool | str | os.PathLike | None, overwrite: bool,
+                         output_dir: str | os.PathLike) -> tuple[bool | str | os.PathLike | None, bool]:
+    """(resume, overwrite) for this attempt. A group the elastic agent restarted (after a rank died)
+    continues from the latest complete checkpoint in output_dir, whatever the first attempt was told;
+    with none yet, it starts as that attempt did, replacing what it left (its metrics, partial saves).
+    The first attempt's arguments are returned unchanged. Reads the filesystem only: the same on every rank."""
+    if int(os.environ.get(RESTART_COUNT_ENV, "0")) == 0:
+        return resume, overwrite
+    root = Path(output_dir)
+    # The hidden .tmp first: rank 0 may be putting a complete one in place right now (finish_interrupted_saves).
+    complete_tmp = root.is_dir() and any(_HIDDEN.fullmatch(p.name) and p.name.endswith(".tmp")
+                                         and (p / MARKER).is_file() for p in root.iterdir())
+    if complete_tmp or complete_checkpoints(root):
+        return True, False
+    return resume, overwrite or resume in (None, False)
+
+
 def _latest_valid(output_dir: Path) -> Path:
     rank, _ = rank_world()
     error = None

@@ -3,23 +3,23 @@
     tptrain train                                   # bundled tiny Qwen3 on the bundled corpus, TP 2, CPU
     tptrain train --model PATH --data FILE --tp-size 4 --nproc-per-node 8 --max-steps 1000
     torchrun --nproc-per-node 4 -m tptrain train --tp-size 4 ...   # under an existing launcher
+    tptrain train --max-restarts 3 ...              # a dead rank: restart the group, resume the latest checkpoint
+    tptrain train --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST0:29400 ...   # the same on every node
 
 Without RANK in the environment and with more than one process wanted, the command starts its own
-workers with torch's elastic launcher (rendezvous on 127.0.0.1, a free port); under torchrun it is
-one of the workers. Ranks beyond the TP degree become FSDP2 data-parallel shards.
+workers with torch's elastic launcher (one node: rendezvous on 127.0.0.1, a free port; several: c10d
+at --rdzv-endpoint); under torchrun it is one of the workers. Ranks beyond the TP degree become FSDP2
+data-parallel shards. SIGTERM / Ctrl-C (to the launcher or to every rank) ends the current step, writes
+a checkpoint and exits 0 within --preemption-grace seconds.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import signal
-import socket
 import sys
-import tempfile
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -87,6 +87,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "metrics (without this or --resume such a directory is refused)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="greedy continuation printed after training")
     p.add_argument("--max-new-tokens", type=int, help=f"length of that continuation (default: {FULL.max_new_tokens})")
+    p.add_argument("--preemption-grace", type=float, default=60.0, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT finish the current step, write a checkpoint and exit 0 within this "
+                        "many seconds (default: 60)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank dies, restart the whole group up to N times; each restart resumes from the "
+                        "latest complete checkpoint (default: 0)")
+    p.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a collective waits for a rank that hangs before failing "
+                        "(default: $TPTRAIN_PG_TIMEOUT or 600)")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job, each running this command "
+                                                         "(default: 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank (--rdzv-backend static only; "
+                                                            "c10d assigns ranks itself)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="the rendezvous every node joins (required with --nnodes > 1)")
+    p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"],
+                   help="torchrun's rendezvous backend for --nnodes > 1 (default: c10d)")
+    p.add_argument("--rdzv-id", default="tptrain", help="job id shared by the nodes (default: tptrain)")
     p.add_argument("--smoke-test", action="store_true",
                    help=f"seconds-long run for tests: {SMOKE.max_steps} steps of batch {SMOKE.batch_size} x "
                         f"{SMOKE.seq_len} tokens, unless the flags above say otherwise")
@@ -106,11 +124,19 @@ def run_train(args: argparse.Namespace) -> int:
         args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
     nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
     try:
+        from tptrain.distributed.comm import PG_TIMEOUT_ENV, process_group_timeout
+        from tptrain.training.checkpoint_dirs import resume_after_restart
+
+        if args.pg_timeout is not None:  # read by every worker (inherited, or this one under torchrun)
+            os.environ[PG_TIMEOUT_ENV] = str(args.pg_timeout)
+        process_group_timeout()  # a bad value is refused here, not in every worker
+        args.resume, args.overwrite_output_dir = resume_after_restart(args.resume, args.overwrite_output_dir,
+                                                                      args.output_dir)  # under torchrun
         _preflight(args, nproc)
     except (OSError, ValueError, TypeError) as exc:
         print(f"tptrain train: error: {exc}", file=sys.stderr)
         return 2
-    if "RANK" in os.environ or nproc == 1:
+    if "RANK" in os.environ or nproc * args.nnodes == 1:
         return _worker(args, error_dir=None)
     return _launch(args, nproc)
 
@@ -127,12 +153,23 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     from tptrain.training.checkpoint_dirs import earlier_run_error, resolve_resume
     from tptrain.training import finetune_cli
 
-    for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc)):
-        if value < 1:
-            raise ValueError(f"{flag} must be a positive integer, got {value}")
-    if nproc % args.tp_size:
-        raise ValueError(f"--nproc-per-node {nproc} is not a multiple of --tp-size {args.tp_size}; each "
-                         f"tensor-parallel group needs --tp-size processes (use {args.tp_size} or a multiple)")
+    for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
+                        ("--preemption-grace", args.preemption_grace)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
+                             f"got {value}")
+    if args.max_restarts < 0 or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--max-restarts must be >= 0 (got {args.max_restarts}) and --node-rank in "
+                         f"[0, --nnodes {args.nnodes}) (got {args.node_rank})")
+    if args.nnodes > 1 and not args.rdzv_endpoint and "RANK" not in os.environ:
+        raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
+                         "(HOST: a machine every node can reach, e.g. node 0)")
+    world = nproc * args.nnodes
+    if world % args.tp_size:
+        procs = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
+                                               else "")
+        raise ValueError(f"{procs} is not a multiple of --tp-size {args.tp_size}; each tensor-parallel group needs "
+                         f"--tp-size processes (use {args.tp_size} or a multiple)")
     model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
     config = AutoConfig.from_pretrained(model_dir)
     _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel)
@@ -181,72 +218,16 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
-        **training_kwargs(args))
+        preemption_grace=args.preemption_grace, **training_kwargs(args))
 
 
 # ------------------------------------------------------------------ launcher
 
 
 def _launch(args: argparse.Namespace, nproc: int) -> int:
-    """Start `nproc` local workers; report a dead rank as the cause, and each distinct worker error once."""
-    import logging
+    from tptrain.training.launcher import launch
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // nproc)))
-    for logger in ("torch.distributed.elastic", "torch.multiprocessing"):  # failures are reported below, once
-        logging.getLogger(logger).setLevel(logging.CRITICAL)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tptrain-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                          monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1")
-    with tempfile.TemporaryDirectory(prefix="tptrain-errors-") as error_dir:
-        try:
-            elastic_launch(config, _worker)(args, error_dir)
-        except ChildFailedError as exc:
-            _print_worker_errors(Path(error_dir), {rank: f.exitcode for rank, f in exc.failures.items()})
-            return 1
-        except KeyboardInterrupt:
-            return 130
-    return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int]) -> None:
-    """A rank that died without reporting an error (a signal, e.g. the OOM killer's SIGKILL) is the cause:
-    it is named first, and what the others then reported (usually gloo's "Connection closed by peer") is
-    only a note. Otherwise ranks usually fail with the same message (inputs are validated on every rank):
-    say it once, naming the ranks. `exitcodes`: {global rank: exit code} of the failed workers."""
-    reported = {int(p.stem[4:]): p.read_text() for p in error_dir.glob("rank*.txt")}
-    dead = sorted(rank for rank in exitcodes if rank not in reported)
-    for rank in dead:
-        print(f"tptrain train: error: rank {rank} {_exit_description(exitcodes[rank])}", file=sys.stderr)
-    by_message: dict[str, list[str]] = {}
-    for rank in sorted(reported):
-        by_message.setdefault(reported[rank], []).append(str(rank))
-    for message, ranks in by_message.items():
-        which = f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
-        if dead:
-            print(f"tptrain train: note: {which} then failed too, most likely because of that: "
-                  f"{message.strip().splitlines()[-1]}", file=sys.stderr)
-        else:
-            print(f"tptrain train: error on {which}: {message}", file=sys.stderr)
-
-
-def _exit_description(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = "unknown signal"
-        why = " (killed: out of memory, or by a user or scheduler?)" if -exitcode == signal.SIGKILL else ""
-        return f"exited with signal {-exitcode} ({name}){why}"
-    return f"exited with code {exitcode} without reporting an error"
+    return launch(args, nproc, _worker)
 
 
 # ------------------------------------------------------------------ worker
@@ -254,16 +235,22 @@ def _exit_description(exitcode: int) -> str:
 
 def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
     """One rank's run. User errors (bad flags, data, sizes) print one line; anything else its traceback."""
+    from tptrain.training.launcher import worker_started
+    from tptrain.training.preemption import StopOnSignal
+
+    rank = os.environ.get("RANK", "0")
     try:
-        _train(args)
+        with StopOnSignal(args.preemption_grace):  # a signal while starting up: the Trainer stops after step 1
+            worker_started(error_dir)
+            _train(args)
         return 0
     except Exception as exc:  # noqa: BLE001 - reported below, once per distinct message
         user_error = isinstance(exc, (ValueError, TypeError, OSError))
         message = f"{type(exc).__name__}: {exc}" if user_error else traceback.format_exc()
         if error_dir is None:  # under torchrun (or one process): every rank says it, prefixed
-            print(f"tptrain train: error (rank {os.environ.get('RANK', '0')}): {message}", file=sys.stderr)
+            print(f"tptrain train: error (rank {rank}): {message}", file=sys.stderr)
             return 1
-        Path(error_dir, f"rank{os.environ.get('RANK', '0')}.txt").write_text(message)
+        Path(error_dir, f"rank{rank}.txt").write_text(message)
         sys.exit(1)  # quietly: the launcher prints it
 
 
@@ -313,6 +300,12 @@ def _train(args: argparse.Namespace) -> None:
     trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer,
                       eval_dataset=inputs.eval_dataset)
     result = trainer.train()  # ends with the consolidated model (or adapter) + tokenizer files in output_dir/final
+    if result.stopped:
+        if rank == 0:
+            print(f"tptrain train: stopped by {result.stopped} after step {result.global_step}: checkpoint-"
+                  f"{result.global_step} written in {args.output_dir}; continue with the same command and --resume",
+                  flush=True)
+        return
     finetune_cli.finish(trainer, args)  # --merge: final/merged
     text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
@@ -342,6 +335,11 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
     import torch
 
     params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        print(f"tptrain train: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a "
+              f"worker failure: resuming from the latest complete checkpoint in {args.output_dir} (if none, "
+              "starting over)", flush=True)
     source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
               if inputs.from_scratch else f"loaded from {args.model}")
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
@@ -363,14 +361,11 @@ def _set_threads(torch) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"])
     else:
-        threads = _cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        from tptrain.training.launcher import cores
+
+        threads = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, threads))
     return max(1, threads)
-
-
-def _cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _summary(args: argparse.Namespace, result, seconds: float, text: str) -> None:

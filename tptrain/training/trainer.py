@@ -42,13 +42,15 @@ from tptrain.training.evaluation import evaluate_loss, split_dataset
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from tptrain.training.parallelize import parallelize_for_training, resolve_parallelism, training_mesh
+from tptrain.training.preemption import StopOnSignal
 
 
 @dataclass
 class TrainOutput:
     global_step: int
     losses: list[float]  # the global-batch loss of every step this call ran
-    final_dir: Path  # the consolidated HF checkpoint
+    final_dir: Path | None  # the consolidated HF checkpoint; None when stopped
+    stopped: str | None = None  # the signal that stopped training early, with a checkpoint (preemption_grace)
 
 
 class Trainer:
@@ -137,10 +139,18 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = None) -> TrainOutput:
-        """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model."""
+        """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model.
+        With `args.preemption_grace`, a SIGTERM / SIGINT stops it after the current step with a checkpoint
+        instead (`TrainOutput.stopped`, no final model). Restarted by torchrun's elastic agent, it continues
+        from the latest complete checkpoint in output_dir (`checkpoint_dirs.resume_after_restart`)."""
+        with StopOnSignal(self.args.preemption_grace) as stop:
+            return self._train(resume_from_checkpoint, stop)
+
+    def _train(self, resume_from_checkpoint: bool | str | os.PathLike | None, stop: StopOnSignal) -> TrainOutput:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        self._claim_output_dir(resume)
+        resume, overwrite = dirs.resume_after_restart(resume, args.overwrite_output_dir, args.output_dir)
+        self._claim_output_dir(resume, overwrite)
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
@@ -159,15 +169,21 @@ class Trainer:
                     "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start})
             if self.eval_dataset is not None and args.eval_steps and self.global_step % args.eval_steps == 0:
                 self._evaluate_and_log(reporter)
-            if args.save_steps and self.global_step % args.save_steps == 0:
+            stopping = stop.agreed()  # every rank stops after this same step, with a checkpoint of it
+            if (args.save_steps and self.global_step % args.save_steps == 0) or stopping:
                 saved = self.save_checkpoint()
                 if reporter is not None:
                     reporter.message(f"saved {saved}")
-        if self.eval_dataset is not None and not (args.eval_steps and self.global_step % args.eval_steps == 0):
+            if stopping:
+                break
+        final_eval = not stop.stopped and not (args.eval_steps and self.global_step % args.eval_steps == 0)
+        if self.eval_dataset is not None and final_eval:
             self._evaluate_and_log(reporter)  # the final evaluation
-        self.finish_checkpoint()
+        self.finish_checkpoint()  # an async checkpoint still being written is published before returning
         if reporter is not None:
             reporter.close()
+        if stop.stopped:
+            return TrainOutput(self.global_step, losses, None, stopped=stop.stopped)
         final = self.save_model()
         return TrainOutput(self.global_step, losses, final)
 
@@ -276,10 +292,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _claim_output_dir(self, resume: bool | str | os.PathLike | None) -> None:
+    def _claim_output_dir(self, resume: bool | str | os.PathLike | None, overwrite: bool) -> None:
         """Refuse an output_dir holding an earlier run unless told to resume it or overwrite it (then its
         checkpoints and metrics are deleted). Checked on rank 0, raised on every rank."""
-        output_dir, overwrite = self.args.output_dir, self.args.overwrite_output_dir
+        output_dir = self.args.output_dir
         raise_on_any_rank(dirs.earlier_run_error(output_dir, resume=resume, overwrite=overwrite)
                           if self.is_rank0 else None, exc_type=ValueError)
         if overwrite:
