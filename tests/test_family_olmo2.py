@@ -196,6 +196,20 @@ def _lora_crossing(path, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
         return {"peft_adapter": peft_logits, "tptrain_adapter": model(ids).logits}
 
 
+def _assert_lora_crossed(path, result, peft_logits, adapter_dir) -> None:
+    """LoRA on every linear layer crossed both ways: peft's adapter on the tp 2 model gave peft's logits, and the
+    tptrain-trained adapter in `adapter_dir` gives in peft + transformers what it gave at tp 2; both change the model."""
+    import peft
+    import transformers
+    torch.testing.assert_close(result["peft_adapter"], peft_logits, **LORA_TOL)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    with torch.no_grad():
+        plain = base(_batch()[0]).logits
+        reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)(_batch()[0]).logits
+    torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
+    assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
+
+
 def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     assert ref.tp_size == 1
@@ -250,15 +264,7 @@ def test_tp2_matches_transformers_single_device_saves_for_transformers_and_cross
     got = _hf_reference(hf)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
-    # LoRA crosses both ways: peft's adapter on the tp 2 model, the tptrain-trained one in peft.
-    import peft
-    torch.testing.assert_close(result["peft_adapter"], peft_logits, **LORA_TOL)
-    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    with torch.no_grad():
-        plain = base(_batch()[0]).logits
-        reloaded = peft.PeftModel.from_pretrained(base, tmp_path / "tptrain_adapter")(_batch()[0]).logits
-    torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
-    assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
+    _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
 def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoint, tmp_path):
