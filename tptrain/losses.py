@@ -80,9 +80,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             hc = h[rows]
             raw = F.linear(hc, weight)  # (chunk, local vocab) recomputed; `transform` is element-wise
             with torch.enable_grad():
-                raw.requires_grad_()
-                z = ctx.transform(raw)
-                z = z.to(torch.promote_types(z.dtype, torch.float32))
+                z = _transformed(raw.requires_grad_(), ctx.transform)
             # d loss / d logits = softmax - onehot(target), times each token's incoming gradient
             grad = (z.detach() - max_logit[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
             n = torch.arange(grad.shape[0], device=grad.device)
@@ -98,7 +96,11 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, transform) -> torch.Tensor:
     """One chunk's logits as the unfused path computes them: in the weights' dtype, transformed, then fp32."""
-    z = transform(F.linear(h, weight))
+    return _transformed(F.linear(h, weight), transform)
+
+
+def _transformed(raw: torch.Tensor, transform) -> torch.Tensor:
+    z = transform(raw)
     return z.to(torch.promote_types(z.dtype, torch.float32))
 
 
