@@ -190,7 +190,8 @@ def _no_token_on_other_ranks(path, tp: int, style: str) -> None:
 
 def _assert_all_to_all_collectives(model) -> None:
     """Per MoE layer, forward: counts, rows out, rows back (3 all-to-alls) and the shares' all-gather; backward:
-    the 2 reverse all-to-alls and the all-gathers of the token share's and routing weights' gradients."""
+    the 2 reverse all-to-alls and the all-gathers of the token share's and routing weights' gradients; bytes: one
+    row per (token, expert) assignment each way, as comm_report's minimum counts them from the routing."""
     moe_layers = sum(1 for m in model.modules() if hasattr(m, "route"))
     ids, labels = batch()
     with CommTracker() as t:
@@ -198,6 +199,11 @@ def _assert_all_to_all_collectives(model) -> None:
     fwd, bwd = t.counts("forward"), t.counts("backward")
     assert fwd["all_to_all"] == 3 * moe_layers and bwd["all_to_all"] == 2 * moe_layers, t.counts()
     assert fwd["all_gather"] == moe_layers and bwd["all_gather"] == 2 * moe_layers, t.counts()
+    model.zero_grad()
+    report = comm_report(model, ids, labels)
+    assert report.matches_minimum, report.table()
+    rows = {(r.phase, r.op): r for r in report.rows}
+    assert rows[("forward", "all_to_all")].bytes > 0 and rows[("backward", "all_to_all")].min_count == 2 * moe_layers
     model.zero_grad()
 
 

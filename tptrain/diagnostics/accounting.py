@@ -12,6 +12,15 @@ reduce-scatter plus an all-gather, and the backward re-gathers each boundary's i
 saving it. The vocab-parallel loss adds 3 all-reduces of (tokens,) scalars, and a norm over split features
 (`distributed_rmsnorm`, OLMo 2's q/k norms) one in forward and one in backward; partial parameter
 gradients (norms, q/k norms) travel in one bucketed all-reduce. Bytes are each rank's input payload.
+
+An MoE block whose experts dispatch by all-to-all (`expert_parallel_all_to_all`) moves, per rank and layer, its
+share of T/p tokens: forward the per-expert counts (E int64), one row of hidden features per (token, expert)
+assignment out to the experts' owners and one per assignment this rank's experts received back, and the all-gather
+of the combined share; backward the two reverse exchanges and the all-gathers of the share's and its routing
+weights' gradients. The row counts come from the routing of the last forward (the router is replicated, so every
+rank knows every share's experts): one row per assignment each way is the minimum of dispatching without
+de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split into p equal shares
+takes the summing path and is counted as such.
 """
 from __future__ import annotations
 
@@ -106,11 +115,41 @@ class CommReport:
         return "\n".join(lines)
 
 
-def _summed_experts(model: nn.Module, plan: dict[str, str]) -> set[str]:
-    """MoE blocks whose experts' partial outputs are summed (expert TP, or expert parallelism by all-reduce): a
-    column-parallel boundary (shared with a shared expert's gate/up) and one row-parallel sum each."""
-    return {name.rpartition(".")[0] for name in plan
-            if getattr(model.get_submodule(name), "tp_dispatch", None) == "all_reduce"}
+def _expert_dispatch(model: nn.Module, plan: dict[str, str], tokens: int, tp: int) -> dict[str, str]:
+    """{MoE block name: "all_reduce" or "all_to_all"}: how each block's experts exchanged a batch of `tokens`.
+    Summed partial outputs (expert TP, expert parallelism by all-reduce, or an all-to-all block given tokens that do
+    not split into `tp` equal shares) cost a column-parallel boundary (shared with a shared expert's gate/up) and one
+    row-parallel sum each."""
+    out = {}
+    for name in plan:
+        dispatch = getattr(model.get_submodule(name), "tp_dispatch", None)
+        if dispatch is not None:
+            out[name.rpartition(".")[0]] = "all_reduce" if dispatch == "all_to_all" and tokens % tp else dispatch
+    return out
+
+
+def _all_to_all_minimum(model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int, weight_size: int) -> dict[tuple[str, str], tuple[int, int]]:
+    """What dispatching by all-to-all sends from this rank (see the module doc), from each block's last routing."""
+    hidden, k = model.config.hidden_size, model.config.num_experts_per_tok
+    share = tokens // tp
+    out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
+
+    def add(key, count, nbytes):
+        c, b = out[key]
+        out[key] = (c + count, b + nbytes)
+
+    for name in blocks:
+        block = model.get_submodule(name)
+        experts = block.experts
+        ids = torch.topk(block.router_logits, k, dim=-1).indices  # the router's choice (top-k of logits = of probs)
+        held = experts.gate_proj.shape[0]
+        received = int(((ids >= experts.expert_offset) & (ids < experts.expert_offset + held)).sum())
+        rows_out, row = share * k, hidden * act_size
+        add(("forward", "all_to_all"), 3, experts.num_experts * 8 + (rows_out + received) * row)
+        add(("forward", "all_gather"), 1, share * row)
+        add(("backward", "all_to_all"), 2, (rows_out + received) * row)
+        add(("backward", "all_gather"), 2, share * row + share * k * weight_size)
+    return out
 
 
 def _boundaries(plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[int, int]:
@@ -131,7 +170,8 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     dtype = next(model.parameters()).dtype
     act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
     token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
-    summed = _summed_experts(model, layout.plan)
+    dispatch = _expert_dispatch(model, layout.plan, batch * seq, tp)
+    summed = {name for name, how in dispatch.items() if how == "all_reduce"}
     enters, exits = _boundaries(layout.plan, summed)
     out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
 
@@ -149,10 +189,16 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         add(("backward", "all_reduce"), enters, enters * act)
     if layout.vocab_parallel_loss:
         add(("forward", "all_reduce"), 3, 3 * token_bytes)  # vocab-parallel loss: max, target, sum-exp
-    if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
+    if dispatch:
         top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
-        size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
-        add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * size)
+        weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
+    if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
+        add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * weight_size)
+    dispatched = sorted(set(dispatch) - summed)
+    if dispatched:
+        extra = _all_to_all_minimum(model, dispatched, batch * seq, tp, dtype.itemsize, weight_size)
+        for key, (count, nbytes) in extra.items():
+            add(key, count, nbytes)
     norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)
