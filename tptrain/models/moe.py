@@ -43,9 +43,12 @@ class Experts(nn.Module):
         """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here.
         Every held expert runs, with no row too, so each weight has a gradient (zero when it got no token)."""
         outs = []
-        for i, chunk in enumerate(rows.split(counts)):
-            h = F.silu(chunk @ self.gate_proj[i].T) * (chunk @ self.up_proj[i].T)  # (n_i, inner)
-            outs.append(h @ self.down_proj[i].T)
+        # unbind, not gate_proj[i]: its backward stacks the experts' gradients once, where indexing would fill a
+        # zero tensor of the whole stack for every expert (a quarter of this function's time on CPU).
+        experts = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0))
+        for (gate, up, down), chunk in zip(experts, rows.split(counts)):
+            h = F.silu(chunk @ gate.T) * (chunk @ up.T)  # (n_i, inner)
+            outs.append(h @ down.T)
         return torch.cat(outs)
 
 
