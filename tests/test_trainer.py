@@ -15,9 +15,9 @@ import torch
 from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
-from tptrain.training.args import ParallelismConfig, TrainingArguments
+from tptrain.training.args import OPTIMIZERS, ParallelismConfig, TrainingArguments
 from tptrain.training.data import DataOrder, PackedDataset
-from tptrain.training.optim import lr_multiplier, param_groups
+from tptrain.training.optim import build_optimizer, lr_multiplier, param_groups
 from tptrain.training.trainer import Trainer
 from tptrain.distributed.comm import CommTracker
 
@@ -171,5 +171,19 @@ def test_schedule_param_groups_and_argument_checks():
 
     with pytest.raises(ValueError, match="lr_scheduler_type='poly'"):
         TrainingArguments(output_dir="x", lr_scheduler_type="poly")
+    with pytest.raises(ValueError, match="optim='adafactor' is not one of"):
+        TrainingArguments(output_dir="x", optim="adafactor")
+    assert TrainingArguments(output_dir="x").optim == "adamw_torch_fused"  # transformers' name, the default
+    models = {o: copy.deepcopy(model).double() for o in OPTIMIZERS}
+    for optim, m in models.items():  # the same update up to rounding
+        opt = build_optimizer(m, TrainingArguments(output_dir="x", optim=optim, learning_rate=1e-2, weight_decay=0.1))
+        assert bool(opt.defaults["fused"]) == (optim == "adamw_torch_fused")
+        for _ in range(3):
+            m(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(models["adamw_torch_fused"].named_parameters(), models["adamw_torch"].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    assert not torch.equal(a, model.get_parameter(name).double())  # the steps moved it
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, got 0"):
         TrainingArguments(output_dir="x", gradient_accumulation_steps=0)

@@ -17,6 +17,7 @@ from typing import Any
 from tptrain.distributed import DistributedConfig, ParallelDims
 
 SCHEDULERS = ("linear", "cosine", "constant")
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 
 
 @dataclass
@@ -64,6 +65,8 @@ class TrainingArguments:
     learning_rate: peak learning rate, reached after warmup.
     weight_decay: AdamW decoupled weight decay; never applied to norms or biases.
     adam_beta1, adam_beta2, adam_epsilon: AdamW hyper-parameters.
+    optim: "adamw_torch_fused" (torch's fused AdamW kernel: one pass over each parameter, ~3x faster than the
+        per-tensor loop on CPU) or "adamw_torch" (that loop); transformers' names. The same update up to rounding.
     max_grad_norm: clip the global gradient norm (over all shards) to this; 0 disables clipping.
     lr_scheduler_type: "linear" (decay to 0 at max_steps), "cosine" (to 0) or "constant", after warmup.
     warmup_steps: linear warmup from 0 to learning_rate over this many steps.
@@ -116,6 +119,7 @@ class TrainingArguments:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
+    optim: str = "adamw_torch_fused"
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
@@ -160,6 +164,8 @@ class TrainingArguments:
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainingArguments.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(f"TrainingArguments.optim={self.optim!r} is not one of {OPTIMIZERS}")
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ValueError(f"TrainingArguments.lr_scheduler_type={self.lr_scheduler_type!r} is not one of "
                              f"{SCHEDULERS}")

@@ -34,7 +34,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                             fused=args.optim == "adamw_torch_fused" or None)
 
 
 def lr_multiplier(kind: str, *, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
