@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.test_tensor_parallel import assert_trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig
 
@@ -137,18 +137,7 @@ def test_tp1_matches_transformers_and_the_window_matters(checkpoints, tmp_path):
 
 def _train_equivalence(ref, model, what: str) -> None:
     """Loss, every gradient and 3 AdamW steps of a TP model equal its single-device copy."""
-    ids, labels = _batch(seed=5)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
-        torch.testing.assert_close(loss, ref_loss, **EXACT, msg=lambda m: f"{what} loss, step {step}: {m}")
-        ref_loss.backward()
-        loss.backward()
-        if step == 0:
-            assert_grads_match(model, ref, what=f"{what} grad")
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    assert_params_match(model, ref, f"{what}: 3 AdamW steps")
+    assert_trains_like(model, ref, *_batch(seed=5), tol=EXACT, what=what)
 
 
 def _tp2_worker(checkpoints, out) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch as _batch, hf_reference as _hf_reference
-from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.test_tensor_parallel import assert_trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import MODEL_REGISTRY, AutoConfig, Gemma2Config, Gemma3TextConfig
@@ -193,21 +193,7 @@ def test_unsupported_config_values_name_the_key(model_type, changes, key):
 def _equivalence(model, ref, what: str, *, steps: int = 3) -> float:
     """Logits, every gradient and `steps` AdamW steps of the TP `model` equal the single-device `ref`; returns
     max |logits - single-device logits|."""
-    ids, labels = _batch(seed=2)
-    with torch.no_grad():
-        logits, ref_logits = model(ids).logits, ref(ids).logits
-    torch.testing.assert_close(logits, ref_logits, **EXACT, msg=lambda m: f"{what} logits: {m}")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
-        torch.testing.assert_close(loss, ref_loss, **EXACT, msg=lambda m: f"{what} loss, step {step}: {m}")
-        ref_loss.backward(), loss.backward()
-        if step == 0:
-            assert_grads_match(model, ref, what=f"{what} grad")
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    assert_params_match(model, ref, f"{what}: {steps} AdamW steps")
-    return (logits - ref_logits).abs().max().item()
+    return assert_trains_like(model, ref, *_batch(seed=2), steps=steps, tol=EXACT, what=what)
 
 
 def _assert_megatron_minimum(model, what: str) -> None:

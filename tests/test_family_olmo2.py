@@ -16,7 +16,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch as _batch, check_against_hf, hf_reference as _hf_reference, randomize
-from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.test_tensor_parallel import assert_trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.diagnostics.plan_report import plan_report
@@ -112,22 +112,7 @@ def test_plan_shows_distributed_norms_and_the_pair_check_guards_them():
 def _equivalence(model, ref, *, steps: int = 3) -> float:
     """Logits, gradients of every parameter and 3 AdamW steps of the TP `model` equal the single-device `ref`;
     returns max |logits - single-device logits|."""
-    ids, labels = _batch(seed=2)
-    with torch.no_grad():
-        logits, ref_logits = model(ids).logits, ref(ids).logits
-    torch.testing.assert_close(logits, ref_logits, **TOL)
-    diff = (logits - ref_logits).abs().max().item()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        ref_loss.backward(), loss.backward()
-        if step == 0:
-            assert_grads_match(model, ref)
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    assert_params_match(model, ref, f"{steps} AdamW steps")
-    return diff
+    return assert_trains_like(model, ref, *_batch(seed=2), steps=steps, tol=TOL)
 
 
 def _assert_communication(model, tp: int) -> None:

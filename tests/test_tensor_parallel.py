@@ -62,26 +62,34 @@ def assert_params_match(model, ref, after: str) -> None:
         torch.testing.assert_close(params[n], p.detach(), **TOL, msg=lambda m: f"{n} after {after}: {m}")
 
 
+def assert_trains_like(model, ref, ids, labels, *, steps: int = 3, tol: dict = TOL, what: str = "tp") -> float:
+    """The TP `model` equals its single-device copy `ref` on one batch: the logits, the loss of each of `steps`
+    AdamW steps (lr 1e-2), every gathered gradient of the first and every parameter after the last. Returns
+    max |logits - single-device logits|."""
+    with torch.no_grad():
+        logits, ref_logits = model(ids).logits, ref(ids).logits
+    torch.testing.assert_close(logits, ref_logits, **tol, msg=lambda m: f"{what} logits: {m}")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
+        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"{what} loss, step {step}: {m}")
+        ref_loss.backward()
+        loss.backward()
+        if step == 0:
+            assert_grads_match(model, ref, tol=tol, what=f"{what} grad")
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    assert_params_match(model, ref, f"{what}: {steps} AdamW steps")
+    return (logits - ref_logits).abs().max().item()
+
+
 def _equivalence_worker(name: str, tp: int, tp_plan="auto") -> None:
     torch.manual_seed(0)
     config = make_config(name)
     ref = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     model = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=tp, tp_plan=tp_plan))
     assert model.tp_size == tp and model.device_mesh["tp"].size() == tp
-    ids, labels = batch(config.vocab_size)
-
-    torch.testing.assert_close(model(ids).logits, ref(ids).logits, **TOL)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        ref_loss.backward()
-        loss.backward()
-        if step == 0:
-            assert_grads_match(model, ref)
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    assert_params_match(model, ref, "3 AdamW steps")
+    assert_trains_like(model, ref, *batch(config.vocab_size), what=f"{name} tp={tp}")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
