@@ -44,9 +44,14 @@ class Experts(nn.Module):
         Every held expert runs, with no row too, so each weight has a gradient (zero when it got no token)."""
         outs = []
         for i, chunk in enumerate(rows.split(counts)):
-            h = F.silu(chunk @ self.gate_proj[i].T) * (chunk @ self.up_proj[i].T)  # (n_i, inner)
-            outs.append(h @ self.down_proj[i].T)
+            h = F.silu(self.project("gate_proj", i, chunk)) * self.project("up_proj", i, chunk)  # (n_i, inner)
+            outs.append(self.project("down_proj", i, h))
         return torch.cat(outs)
+
+    def project(self, name: str, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x @ W_i^T for held expert i of stacked weight `name`. Adapters (LoRA on the experts) replace it on the
+        instance to add their per-expert term."""
+        return x @ getattr(self, name)[i].T
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[list[int], torch.Tensor]:

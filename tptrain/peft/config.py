@@ -3,6 +3,8 @@
 Target matching follows peft 0.21 exactly, so one config adapts the same modules in both libraries:
 a list matches a module whose full name equals an entry or ends with "." + entry; a string is a regex
 that must match the full module name; "all-linear" is every nn.Linear except the output layer.
+`target_parameters` (peft's spelling for transformers 5's fused MoE experts) matches parameter names the same
+way, an experts module offering transformers' names `gate_up_proj` and `down_proj` (see peft/lora_experts.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from tptrain.peft.lora_experts import FUSED, STACKED, is_experts
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 ALL_LINEAR = "all-linear"
@@ -25,7 +29,7 @@ SUPPORTED_TYPES = (nn.Linear, nn.Embedding)
 # adapter_config.json keys whose non-default values change the math; tptrain refuses them rather than
 # silently computing something else.
 _UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform",
-                "layers_pattern", "exclude_modules", "target_parameters", "trainable_token_indices",
+                "layers_pattern", "exclude_modules", "trainable_token_indices",
                 "layer_replication", "use_qalora", "alora_invocation_tokens", "use_bdlora", "megatron_config")
 
 
@@ -37,7 +41,10 @@ class LoraConfig:
     lora_alpha: the update is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
     lora_dropout: dropout probability on the adapter's input (linear layers only, as in peft).
     target_modules: module names (full name or last components), a regex over full names, or "all-linear";
-        None means peft's default for Llama/Qwen ["q_proj", "v_proj"].
+        None means peft's default for Llama/Qwen ["q_proj", "v_proj"] (none when target_parameters is given).
+    target_parameters: parameter names (full or last components), as peft: the MoE experts' fused
+        "mlp.experts.gate_up_proj" (gate and up share one A) and "mlp.experts.down_proj", or an nn.Linear's
+        "....weight". Needs lora_dropout 0 (peft's lora.ParamWrapper has no dropout).
     bias: "none", "all" (train every bias) or "lora_only" (train the biases of adapted layers).
     use_rslora: rank-stabilised scaling lora_alpha / sqrt(r).
     modules_to_save: modules trained in full and saved with the adapter (peft matches name suffixes).
@@ -48,6 +55,7 @@ class LoraConfig:
     lora_alpha: float = 8
     lora_dropout: float = 0.0
     target_modules: list[str] | str | None = None
+    target_parameters: list[str] | None = None
     bias: str = "none"
     use_rslora: bool = False
     modules_to_save: list[str] | None = None
@@ -65,8 +73,18 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.bias not in BIAS_MODES:
             raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
+        if self.target_parameters is not None:
+            if isinstance(self.target_parameters, (set, tuple)):
+                self.target_parameters = sorted(self.target_parameters)
+            if (isinstance(self.target_parameters, str) or not self.target_parameters
+                    or not all(isinstance(t, str) and t for t in self.target_parameters)):
+                raise ValueError("LoraConfig.target_parameters must be a non-empty list of parameter names (e.g. "
+                                 f"['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']), got {self.target_parameters!r}")
+            if self.lora_dropout:
+                raise ValueError(f"LoraConfig.lora_dropout={self.lora_dropout} with target_parameters: LoRA on a "
+                                 "parameter (peft's lora.ParamWrapper) has no dropout; set lora_dropout=0")
         if self.target_modules is None:
-            self.target_modules = list(DEFAULT_TARGETS)
+            self.target_modules = [] if self.target_parameters else list(DEFAULT_TARGETS)
         if isinstance(self.target_modules, (set, tuple)):
             self.target_modules = sorted(self.target_modules)
         if isinstance(self.target_modules, str):
@@ -74,7 +92,8 @@ class LoraConfig:
                 re.compile(self.target_modules)
             except re.error as e:
                 raise ValueError(f"LoraConfig.target_modules {self.target_modules!r} is not a valid regex: {e}") from e
-        elif not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+        elif (not self.target_modules and not self.target_parameters) or not all(
+                isinstance(t, str) and t for t in self.target_modules):
             raise ValueError("LoraConfig.target_modules must be a non-empty list of module names, a regex string or "
                              f"'all-linear', got {self.target_modules!r}")
         if self.modules_to_save is not None and not all(isinstance(m, str) and m for m in self.modules_to_save):
@@ -96,6 +115,7 @@ class LoraConfig:
                "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
                "revision": None}
         out["target_modules"] = self.target_modules
+        out["target_parameters"] = self.target_parameters
         return out
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -120,7 +140,7 @@ class LoraConfig:
         if bad:
             raise ValueError(f"{path} uses peft features tptrain does not implement: {bad}; "
                              "retrain the adapter without them, or merge it with peft first")
-        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "modules_to_save",
+        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "bias", "use_rslora", "modules_to_save",
                 "task_type", "base_model_name_or_path")
         return cls(**{k: raw[k] for k in keys if k in raw})
 
@@ -143,22 +163,83 @@ def matches(config: LoraConfig, name: str) -> bool:
 def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
     """{module name: module} the adapter wraps. Pure (no collective), so every rank raises the same errors."""
     names = [(n, m) for n, m in model.named_modules() if n]
+    experts = [n for n, m in names if is_experts(m)]
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        if experts:
+            raise ValueError(f"LoraConfig.target_modules='all-linear' on a mixture-of-experts model "
+                             f"({type(model).__name__}): peft 0.21 on transformers 5 turns it into LoRA on the router and "
+                             "on the experts with rank 2*r for gate_up_proj (rank_pattern), which tptrain does not "
+                             "reproduce; list the modules, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'], "
+                             "and target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
         output = getattr(model, "lm_head", None)  # peft excludes the output layer of a causal LM
         found = {n: m for n, m in names if isinstance(m, nn.Linear) and m is not output
                  and not _excluded_by_modules_to_save(config, n)}
     else:
         found = {n: m for n, m in names if matches(config, n)}
-    if not found:
+    if experts and isinstance(config.target_modules, list):
+        _refuse_per_expert_modules(model, config, experts)
+    if not found and config.target_modules:
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module of "
                          f"{type(model).__name__} (module names look like {names[min(5, len(names) - 1)][0]!r}); "
                          "give names such as ['q_proj', 'v_proj'], a regex over full names, or 'all-linear'")
     for name, module in found.items():
         if not isinstance(module, SUPPORTED_TYPES):
+            hint = (" (LoRA on the experts: target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])"
+                    if is_experts(module) else "")
             raise ValueError(f"LoRA cannot adapt {name!r}: it is a {type(module).__name__}, and tptrain's LoRA "
                              "supports only nn.Linear and nn.Embedding; narrow target_modules (e.g. end a regex with "
-                             "'(q|k|v|o)_proj')")
+                             f"'(q|k|v|o)_proj'){hint}")
     return found
+
+
+def _refuse_per_expert_modules(model: nn.Module, config: LoraConfig, experts: list[str]) -> None:
+    """A target_modules entry that would match transformers 4's per-expert modules (`mlp.experts.0.gate_proj`,
+    Mixtral's `w1`): peft 0.21 rewrites it onto the fused experts with rank 2*r for gate_up_proj (Qwen3-MoE, OLMoE,
+    Mixtral), or adapts only the other modules of that name (Qwen2-MoE); tptrain refuses rather than guess."""
+    hub_names = getattr(getattr(model, "config", None), "expert_checkpoint_names", {}).values()
+    for entry in config.target_modules:
+        if any(_param_matches([entry], f"{experts[0]}.0.{hub}") for hub in hub_names):
+            raise ValueError(f"LoraConfig.target_modules entry {entry!r} names the per-expert projections of "
+                             f"{experts[0]!r} (transformers 4's modules; stacked parameters now), which peft 0.21 "
+                             "rewrites into target_parameters with rank 2*r for gate_up_proj: tptrain does not guess. "
+                             "Write target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] for the "
+                             "experts, and the other modules by a longer name (e.g. 'shared_expert.gate_proj')")
+
+
+def _param_matches(targets: list[str], key: str) -> bool:
+    return key in targets or any(key.endswith(f".{t}") for t in targets)
+
+
+def resolve_parameter_targets(model: nn.Module, config: LoraConfig
+                              ) -> tuple[dict[str, tuple[str, ...]], dict[str, nn.Linear]]:
+    """({experts module name: its targeted fused parameters, in FUSED order}, {module name: nn.Linear whose
+    `weight` is targeted}) for `target_parameters`, matched as peft does. Pure (no collective)."""
+    targets = config.target_parameters or []
+    experts: dict[str, tuple[str, ...]] = {}
+    linear: dict[str, nn.Linear] = {}
+    for name, module in model.named_modules():
+        if is_experts(module):
+            hit = tuple(p for p in FUSED if _param_matches(targets, f"{name}.{p}"))
+            unfused = [p for p in STACKED[:2] if _param_matches(targets, f"{name}.{p}")]
+            if unfused:
+                raise ValueError(f"LoraConfig.target_parameters names {name}.{unfused[0]}: transformers 5 (and so peft) "
+                                 f"hold the experts' gate and up fused as {name}.gate_up_proj, with one LoRA A for both; "
+                                 "target 'mlp.experts.gate_up_proj' instead")
+            if hit:
+                experts[name] = hit
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if not _param_matches(targets, f"{name}.{pname}"):
+                continue
+            if not (isinstance(module, nn.Linear) and pname == "weight"):
+                raise ValueError(f"LoraConfig.target_parameters matches {name}.{pname} ({type(module).__name__}, "
+                                 f"shape {tuple(p.shape)}); tptrain's LoRA on parameters supports the MoE experts' "
+                                 "gate_up_proj / down_proj and nn.Linear weights")
+            linear[name] = module
+    if targets and not experts and not linear:
+        raise ValueError(f"LoraConfig.target_parameters={targets!r} matches no parameter of {type(model).__name__}; "
+                         "for a mixture-of-experts model write ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
+    return experts, linear
 
 
 def modules_to_save(model: nn.Module, config: LoraConfig) -> list[str]:
