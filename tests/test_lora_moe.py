@@ -1,0 +1,218 @@
+"""LoRA on mixture-of-experts models: attention, router and the stacked experts (peft's target_parameters), against
+peft 0.21 + transformers 5.23 at one device and against one device under expert TP and expert parallelism (fp64).
+
+    .venv/bin/python -m pytest tests/test_lora_moe.py -q
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.dist_utils import run_distributed
+from tests.family_utils import VOCAB, batch, randomize
+from tptrain import DistributedConfig
+from tptrain.models import AutoModelForCausalLM
+from tptrain.parallel.tensor_parallel import gather_full
+from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+HF_TOL = dict(rtol=1e-5, atol=1e-5)  # transformers normalises and routes in fp32 even in an fp64 model
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=2, eos_token_id=2, pad_token_id=0)
+FAMILIES = {  # model_type: (transformers config class, model class, family keys)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, head_dim=8)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+}
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Attention (colwise and rowwise), the router as a parameter target, both fused expert parameters.
+SETTINGS = dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS + ["mlp.gate.weight"])
+
+
+def _random_lora(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+
+
+def _hf(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
+    return hf
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """{model_type: directory of a random tiny checkpoint written by transformers}."""
+    out = {}
+    for model_type, (config_cls, model_cls, keys) in FAMILIES.items():
+        torch.manual_seed(0)
+        hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **keys))
+        randomize(hf)
+        out[model_type] = tmp_path_factory.mktemp(model_type)
+        hf.save_pretrained(out[model_type])
+    return out
+
+
+def _keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+# ------------------------------------------------------------------ (a) peft is the oracle, one device
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
+    ids = batch()[0]
+    hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    _random_lora(hf, seed=1)
+    hf.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        want = hf(ids).logits
+    keys = _keys_and_shapes(tmp_path / "peft")
+    assert keys["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"] == (2 * 4, 32)  # r*E, hidden
+
+    # peft's file into tptrain
+    base = AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64)
+    with torch.no_grad():
+        plain = base(ids).logits
+    loaded = PeftModel.from_pretrained(base, tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, **HF_TOL)
+    assert (want - plain).abs().max() > 1e-1  # the adapter moves the logits far more than the tolerance
+
+    # tptrain's file into peft: the same keys and shapes, the same logits
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64), LoraConfig(**SETTINGS))
+    _random_lora(ours, seed=2)
+    ours.save_pretrained(tmp_path / "ours")
+    assert _keys_and_shapes(tmp_path / "ours") == keys
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == SETTINGS["target_parameters"]
+    with torch.no_grad():
+        mine = ours(ids).logits
+        reloaded = peft.PeftModel.from_pretrained(_hf(bases[model_type]), tmp_path / "ours")
+        torch.testing.assert_close(reloaded(ids).logits, mine, **HF_TOL)
+        merged = ours.merge_and_unload()  # s * B_e @ A_e folded into the stacked weights
+        torch.testing.assert_close(merged(ids).logits, mine, **TOL)
+    assert not any("lora" in n or "base_layer" in n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize("targets", [["mlp.experts.gate_up_proj"], ["experts.down_proj"], EXPERTS[::-1]])
+def test_key_nesting_follows_peft(bases, targets, tmp_path):
+    """peft nests one ParamWrapper per parameter (down_proj outermost): the keys depend on which are targeted."""
+    settings = dict(r=3, lora_alpha=3, target_parameters=targets)
+    hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(task_type="CAUSAL_LM", **settings))
+    hf.save_pretrained(tmp_path / "peft")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), LoraConfig(**settings)).save_pretrained(
+        tmp_path / "ours")
+    assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+
+
+# ------------------------------------------------------------------ (b) TP and EP equal one device
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    """{name: full gradient} of every LoRA factor (gathered from this rank's shard under TP)."""
+    base = model.get_base_model()
+    layout = getattr(base, "tp_layout", None)
+    return {n: (p.grad if layout is None else gather_full(p.grad, layout.spec(n), layout.ctx))
+            for n, p in base.named_parameters() if ".lora_" in n}
+
+
+def _lora_params(model) -> dict[str, torch.Tensor]:
+    base = model.get_base_model()
+    layout = getattr(base, "tp_layout", None)
+    return {n: (p.detach() if layout is None else gather_full(p.detach(), layout.spec(n), layout.ctx))
+            for n, p in base.named_parameters() if ".lora_" in n}
+
+
+def _worker(base_dir, adapter_dir, tp: int, out) -> None:
+    ids, labels = batch(seed=2)
+    layouts = {"etp": DistributedConfig(tp_size=tp), "ep": DistributedConfig(tp_size=tp, enable_expert_parallel=True),
+               "all_to_all": DistributedConfig(tp_size=tp, tp_plan={"layers.*.mlp.experts": "expert_parallel_all_to_all"})}
+    for layout, config in layouts.items():
+        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
+                                        is_trainable=True)
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64, distributed_config=config), adapter_dir,
+            is_trainable=True)
+        experts = model.get_base_model().model.layers[0].mlp.experts
+        shards = {"etp": (4, 2, 32), "ep": (4 // tp, 2, 32), "all_to_all": (4 // tp, 2, 32)}[layout]
+        assert tuple(experts.lora_gate_up_A.default.shape) == shards, (layout, experts.lora_gate_up_A.default.shape)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, **TOL)
+        trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+        ref_opt, opt = torch.optim.AdamW(trained(ref), lr=1e-2), torch.optim.AdamW(trained(model), lr=1e-2)
+        for step in range(3):
+            ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
+            torch.testing.assert_close(loss, ref_loss, **TOL)
+            ref_loss.backward(), loss.backward()
+            if step == 0:
+                got, want = _lora_grads(model), _lora_grads(ref)
+                assert got.keys() == want.keys() and any("lora_down_B" in n for n in got)
+                for name in want:
+                    torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"{layout} {name}: {m}")
+            ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+        got, want = _lora_params(model), _lora_params(ref)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"{layout} 3 steps {name}: {m}")
+        model.save_pretrained(out / f"{layout}-tp{tp}")  # full tensors in peft's layout, whatever the split
+        if torch.distributed.get_rank() == 0:
+            ref.save_pretrained(out / f"{layout}-ref")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
+    settings = {**SETTINGS, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
+    _random_lora(adapter, seed=3)
+    adapter.save_pretrained(tmp_path / "adapter")
+    run_distributed(_worker, tp, bases["qwen3_moe"], tmp_path / "adapter", tp, tmp_path, timeout=600)
+    for layout in ("etp", "ep", "all_to_all"):
+        with safe_open(str(tmp_path / f"{layout}-tp{tp}" / "adapter_model.safetensors"), "pt") as f, \
+                safe_open(str(tmp_path / f"{layout}-ref" / "adapter_model.safetensors"), "pt") as g:
+            assert set(f.keys()) == set(g.keys())
+            for key in f.keys():
+                torch.testing.assert_close(f.get_tensor(key), g.get_tensor(key), **TOL)
+
+
+# ------------------------------------------------------------------ (c) what tptrain refuses
+
+
+@pytest.mark.parametrize("model_type, settings, message", [
+    ("qwen3_moe", dict(target_parameters=["mlp.experts.gate_proj"]), "gate_up_proj"),
+    ("qwen3_moe", dict(target_parameters=["input_layernorm.weight"]), "supports the MoE experts"),
+    ("qwen3_moe", dict(target_parameters=["mlp.experts.gate_down"]), "matches no parameter"),
+    ("qwen3_moe", dict(target_modules="all-linear"), "all-linear"),
+    ("qwen3_moe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]), "per-expert projections"),
+    ("mixtral", dict(target_modules=["w1", "w3"]), "per-expert projections"),
+    ("qwen3_moe", dict(target_modules=["experts"]), "target_parameters="),
+    ("qwen3_moe", dict(target_modules=["gate"], target_parameters=["mlp.gate.weight"]), "both target_modules"),
+])
+def test_unsupported_expert_targets_say_what_to_write(bases, model_type, settings, message):
+    model = AutoModelForCausalLM.from_pretrained(bases[model_type])
+    with pytest.raises(ValueError, match=message):
+        get_peft_model(model, LoraConfig(**settings))
+
+
+def test_expert_options_that_change_the_math_are_refused(bases, tmp_path):
+    with pytest.raises(ValueError, match="lora_dropout"):
+        LoraConfig(target_parameters=EXPERTS, lora_dropout=0.1)
+    # peft's rewrite of transformers 4's per-expert target_modules: gate_up_proj at rank 2r (rank_pattern)
+    hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(
+        r=2, task_type="CAUSAL_LM", target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]))
+    hf.save_pretrained(tmp_path / "legacy")
+    with pytest.raises(ValueError, match="rank_pattern"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), tmp_path / "legacy")
