@@ -6,6 +6,7 @@ peft 0.21 + transformers 5.23 at one device and against one device under expert 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -149,7 +150,7 @@ def _worker(base_dir, adapter_dir, tp: int, out) -> None:
             AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64, distributed_config=config), adapter_dir,
             is_trainable=True)
         experts = model.get_base_model().model.layers[0].mlp.experts
-        shards = {"etp": (4, 2, 32), "ep": (4 // tp, 2, 32), "all_to_all": (4 // tp, 2, 32)}[layout]
+        shards = {"etp": (4, 4, 32), "ep": (4 // tp, 4, 32), "all_to_all": (4 // tp, 4, 32)}[layout]
         assert tuple(experts.lora_gate_up_A.default.shape) == shards, (layout, experts.lora_gate_up_A.default.shape)
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, ref(ids).logits, **TOL)
@@ -175,7 +176,9 @@ def _worker(base_dir, adapter_dir, tp: int, out) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
-    settings = {**SETTINGS, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    # gate_up_proj at another rank and alpha than down_proj (peft's rank_pattern)
+    settings = {**SETTINGS, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "rank_pattern": {r".*\.gate_up_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 6}}
     adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
     _random_lora(adapter, seed=3)
     adapter.save_pretrained(tmp_path / "adapter")
@@ -207,12 +210,30 @@ def test_unsupported_expert_targets_say_what_to_write(bases, model_type, setting
         get_peft_model(model, LoraConfig(**settings))
 
 
-def test_expert_options_that_change_the_math_are_refused(bases, tmp_path):
-    with pytest.raises(ValueError, match="lora_dropout"):
+def test_expert_dropout_is_refused():
+    with pytest.raises(ValueError, match="lora_dropout"):  # as peft's lora.ParamWrapper
         LoraConfig(target_parameters=EXPERTS, lora_dropout=0.1)
-    # peft's rewrite of transformers 4's per-expert target_modules: gate_up_proj at rank 2r (rank_pattern)
+
+
+@pytest.mark.parametrize("target_modules", [["q_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"])
+def test_peft_rewrite_of_per_expert_names_loads_and_is_spelled_out(bases, target_modules, tmp_path):
+    """peft rewrites transformers 4's names into target_parameters with gate_up_proj at rank 2r (rank_pattern):
+    its adapter loads into tptrain, and the explicit config tptrain's error suggests writes peft's file."""
+    ids = batch()[0]
     hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(
-        r=2, task_type="CAUSAL_LM", target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]))
-    hf.save_pretrained(tmp_path / "legacy")
-    with pytest.raises(ValueError, match="rank_pattern"):
-        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), tmp_path / "legacy")
+        r=2, lora_alpha=3, task_type="CAUSAL_LM", target_modules=target_modules))
+    _random_lora(hf, seed=4)
+    hf.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        want = hf(ids).logits
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+                                       tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, **HF_TOL)
+    with pytest.raises(ValueError, match="rank_pattern") as error:
+        get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]),
+                       LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
+    spelled = eval(f"dict({re.search(r'target_modules=.*alpha_pattern=[{][^}]*[}]', str(error.value)).group()})")
+    explicit = LoraConfig(r=2, lora_alpha=3, **spelled)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), explicit).save_pretrained(tmp_path / "ours")
+    assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")

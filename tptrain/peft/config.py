@@ -25,10 +25,11 @@ ALL_LINEAR = "all-linear"
 BIAS_MODES = ("none", "all", "lora_only")
 # peft's default targets for Llama, Qwen2 and Qwen3 when target_modules is None.
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # what peft's "all-linear" keeps as modules on an MoE model
 SUPPORTED_TYPES = (nn.Linear, nn.Embedding)
 # adapter_config.json keys whose non-default values change the math; tptrain refuses them rather than
 # silently computing something else.
-_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform",
+_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "layers_to_transform",
                 "layers_pattern", "exclude_modules", "trainable_token_indices",
                 "layer_replication", "use_qalora", "alora_invocation_tokens", "use_bdlora", "megatron_config")
 
@@ -45,6 +46,9 @@ class LoraConfig:
     target_parameters: parameter names (full or last components), as peft: the MoE experts' fused
         "mlp.experts.gate_up_proj" (gate and up share one A) and "mlp.experts.down_proj", or an nn.Linear's
         "....weight". Needs lora_dropout 0 (peft's lora.ParamWrapper has no dropout).
+    rank_pattern, alpha_pattern: {regex: r / lora_alpha} for the targets whose name (a module's, or a targeted
+        parameter's full name) ends with a match, as peft (e.g. {r".*\\.gate_up_proj": 2 * r}, what peft writes for
+        transformers 4's per-expert target_modules on an MoE model).
     bias: "none", "all" (train every bias) or "lora_only" (train the biases of adapted layers).
     use_rslora: rank-stabilised scaling lora_alpha / sqrt(r).
     modules_to_save: modules trained in full and saved with the adapter (peft matches name suffixes).
@@ -56,6 +60,8 @@ class LoraConfig:
     lora_dropout: float = 0.0
     target_modules: list[str] | str | None = None
     target_parameters: list[str] | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
     bias: str = "none"
     use_rslora: bool = False
     modules_to_save: list[str] | None = None
@@ -73,6 +79,16 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.bias not in BIAS_MODES:
             raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
+        for what, pattern, ok in (("rank_pattern", self.rank_pattern, lambda v: isinstance(v, int) and v > 0),
+                                  ("alpha_pattern", self.alpha_pattern, lambda v: isinstance(v, (int, float)) and v > 0)):
+            if not isinstance(pattern, dict) or not all(isinstance(k, str) and ok(v) and not isinstance(v, bool)
+                                                        for k, v in pattern.items()):
+                raise ValueError(f"LoraConfig.{what} must map regexes to positive numbers (ranks: ints), got {pattern!r}")
+            for key in pattern:
+                try:
+                    re.compile(key)
+                except re.error as e:
+                    raise ValueError(f"LoraConfig.{what} key {key!r} is not a valid regex: {e}") from e
         if self.target_parameters is not None:
             if isinstance(self.target_parameters, (set, tuple)):
                 self.target_parameters = sorted(self.target_parameters)
@@ -103,6 +119,13 @@ class LoraConfig:
     def scaling(self) -> float:
         return self.lora_alpha / (self.r ** 0.5 if self.use_rslora else self.r)
 
+    def rank_and_scaling(self, key: str) -> tuple[int, float]:
+        """(r, scaling) of the target named `key`: the first rank_pattern / alpha_pattern key whose regex matches
+        the end of `key` at a name boundary (peft's get_pattern_key), else r / lora_alpha."""
+        r = next((v for k, v in self.rank_pattern.items() if re.match(rf"(.*\.)?({k})$", key)), self.r)
+        alpha = next((v for k, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?({k})$", key)), self.lora_alpha)
+        return r, alpha / (r ** 0.5 if self.use_rslora else r)
+
     # ------------------------------------------------------------------ adapter_config.json
 
     def to_peft_dict(self) -> dict[str, Any]:
@@ -111,8 +134,8 @@ class LoraConfig:
                "base_model_name_or_path": self.base_model_name_or_path, "r": self.r, "lora_alpha": self.lora_alpha,
                "lora_dropout": self.lora_dropout, "bias": self.bias, "use_rslora": self.use_rslora,
                "modules_to_save": self.modules_to_save, "inference_mode": True, "init_lora_weights": True,
-               "fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "rank_pattern": {},
-               "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
+               "fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "rank_pattern": self.rank_pattern,
+               "alpha_pattern": self.alpha_pattern, "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
                "revision": None}
         out["target_modules"] = self.target_modules
         out["target_parameters"] = self.target_parameters
@@ -140,9 +163,10 @@ class LoraConfig:
         if bad:
             raise ValueError(f"{path} uses peft features tptrain does not implement: {bad}; "
                              "retrain the adapter without them, or merge it with peft first")
-        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "bias", "use_rslora", "modules_to_save",
+        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern",
+                "bias", "use_rslora", "modules_to_save",
                 "task_type", "base_model_name_or_path")
-        return cls(**{k: raw[k] for k in keys if k in raw})
+        return cls(**{k: raw[k] for k in keys if k in raw and not (k.endswith("_pattern") and raw[k] is None)})
 
 
 def _excluded_by_modules_to_save(config: LoraConfig, name: str) -> bool:
@@ -167,10 +191,9 @@ def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         if experts:
             raise ValueError(f"LoraConfig.target_modules='all-linear' on a mixture-of-experts model "
-                             f"({type(model).__name__}): peft 0.21 on transformers 5 turns it into LoRA on the router and "
-                             "on the experts with rank 2*r for gate_up_proj (rank_pattern), which tptrain does not "
-                             "reproduce; list the modules, e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'], "
-                             "and target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
+                             f"({type(model).__name__}): peft 0.21 on transformers 5 rewrites it (per model type) into "
+                             "LoRA on the router and the experts with rank 2*r for gate_up_proj; tptrain does not "
+                             f"rewrite it. Write what peft ends up with: {_expert_spelling(config, ATTENTION, router=True)}")
         output = getattr(model, "lm_head", None)  # peft excludes the output layer of a causal LM
         found = {n: m for n, m in names if isinstance(m, nn.Linear) and m is not output
                  and not _excluded_by_modules_to_save(config, n)}
@@ -197,13 +220,22 @@ def _refuse_per_expert_modules(model: nn.Module, config: LoraConfig, experts: li
     Mixtral's `w1`): peft 0.21 rewrites it onto the fused experts with rank 2*r for gate_up_proj (Qwen3-MoE, OLMoE,
     Mixtral), or adapts only the other modules of that name (Qwen2-MoE); tptrain refuses rather than guess."""
     hub_names = getattr(getattr(model, "config", None), "expert_checkpoint_names", {}).values()
-    for entry in config.target_modules:
-        if any(_param_matches([entry], f"{experts[0]}.0.{hub}") for hub in hub_names):
-            raise ValueError(f"LoraConfig.target_modules entry {entry!r} names the per-expert projections of "
-                             f"{experts[0]!r} (transformers 4's modules; stacked parameters now), which peft 0.21 "
-                             "rewrites into target_parameters with rank 2*r for gate_up_proj: tptrain does not guess. "
-                             "Write target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] for the "
-                             "experts, and the other modules by a longer name (e.g. 'shared_expert.gate_proj')")
+    per_expert = [e for e in config.target_modules if any(_param_matches([e], f"{experts[0]}.0.{h}") for h in hub_names)]
+    others = [e for e in config.target_modules if e not in per_expert]
+    if per_expert:
+        raise ValueError(f"LoraConfig.target_modules entry {per_expert[0]!r} names the per-expert projections of "
+                         f"{experts[0]!r} (transformers 4's modules; stacked parameters now), which peft 0.21 "
+                         "rewrites (per model type) into target_parameters with rank 2*r for gate_up_proj; tptrain "
+                         f"does not guess. Write it out: {_expert_spelling(config, others, router=False)}, and name "
+                         "other modules by a longer name (e.g. 'shared_expert.gate_proj')")
+
+
+def _expert_spelling(config: LoraConfig, modules: list[str], *, router: bool) -> str:
+    """The explicit config peft 0.21 derives from transformers 4's names for an MoE model."""
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] + (["mlp.gate.weight"] if router else [])
+    fused = r".*\.gate_up_proj"
+    return (f"target_modules={modules}, target_parameters={params}, rank_pattern={{{fused!r}: {2 * config.r}}}, "
+            f"alpha_pattern={{{fused!r}: {2 * config.lora_alpha}}}")
 
 
 def _param_matches(targets: list[str], key: str) -> bool:

@@ -50,33 +50,37 @@ def factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
 
 
 class LoraExperts(nn.Module):
-    """Wraps an experts module (`base_layer`) with LoRA on `targets` (a subset of FUSED, in FUSED order)."""
+    """Wraps an experts module (`base_layer`) with LoRA on `ranks`' keys (a subset of FUSED, in FUSED order), each
+    with its (r, scaling)."""
 
-    def __init__(self, base: nn.Module, *, name: str, targets: tuple[str, ...], r: int, scaling: float,
+    def __init__(self, base: nn.Module, *, name: str, ranks: dict[str, tuple[int, float]],
                  shapes: tuple[int, int, int], specs: dict[str, ShardSpec], ctx: TPContext | None,
                  runtime: LoraRuntime, dtype: torch.dtype) -> None:
         super().__init__()
         self.base_layer = base
-        self.name, self.targets, self.r, self.scaling = name, targets, r, scaling
+        self.name, self.ranks = name, dict(ranks)
+        self.targets = tuple(t for t in FUSED if t in ranks)
         self.ctx, self.runtime = ctx, runtime
         experts, inner, hidden = shapes  # global (unsharded) sizes
         self.num_experts, self.inner = experts, inner
         self._layout: dict[str, tuple[ShardSpec, tuple[int, ...]]] = {}
-        # {stacked weight: (A name, B name)}: which factors join which projection
-        self.pairs: dict[str, tuple[str, str]] = {}
+        # {stacked weight: (A name, B name, scaling)}: which factors join which projection
+        self.pairs: dict[str, tuple[str, str, float]] = {}
         device = base.gate_proj.device
-        if "gate_up_proj" in targets:
+        if "gate_up_proj" in ranks:
+            r, scaling = ranks["gate_up_proj"]
             spec_a, spec_b = factor_specs(specs["gate_proj"], f"{name}.gate_up_proj")
             self._factor("lora_gate_up_A", spec_a, (experts, r, hidden), "gate_up_proj", dtype, device)
             self._factor("lora_gate_B", spec_b, (experts, inner, r), None, dtype, device)
             self._factor("lora_up_B", spec_b, (experts, inner, r), None, dtype, device)
-            self.pairs["gate_proj"] = ("lora_gate_up_A", "lora_gate_B")
-            self.pairs["up_proj"] = ("lora_gate_up_A", "lora_up_B")
-        if "down_proj" in targets:
+            self.pairs["gate_proj"] = ("lora_gate_up_A", "lora_gate_B", scaling)
+            self.pairs["up_proj"] = ("lora_gate_up_A", "lora_up_B", scaling)
+        if "down_proj" in ranks:
+            r, scaling = ranks["down_proj"]
             spec_a, spec_b = factor_specs(specs["down_proj"], f"{name}.down_proj")
             self._factor("lora_down_A", spec_a, (experts, r, inner), "down_proj", dtype, device)
             self._factor("lora_down_B", spec_b, (experts, hidden, r), None, dtype, device)
-            self.pairs["down_proj"] = ("lora_down_A", "lora_down_B")
+            self.pairs["down_proj"] = ("lora_down_A", "lora_down_B", scaling)
         base.project = self.project  # the grouped matmul's per-expert projection, now with the adapter term
 
     def _factor(self, attr: str, spec: ShardSpec, shape: tuple[int, ...], init_key: str | None,
@@ -107,10 +111,11 @@ class LoraExperts(nn.Module):
         out = type(self.base_layer).project(self.base_layer, name, i, x)
         if name not in self.pairs:
             return out
-        a, b = (self.factor(f)[i] for f in self.pairs[name])  # (r, in), (out, r): held expert i, this rank's slice
+        a_name, b_name, scaling = self.pairs[name]
+        a, b = self.factor(a_name)[i], self.factor(b_name)[i]  # (r, in), (out, r): held expert i, this rank's slice
         # As LoraLinear: A in the input's dtype, the (n, r) result on in the adapter's dtype.
         after_a = x @ a.to(x.dtype).T
-        return out + ((after_a.to(b.dtype) @ b.T) * self.scaling).to(out.dtype)
+        return out + ((after_a.to(b.dtype) @ b.T) * scaling).to(out.dtype)
 
     # ------------------------------------------------------------------ peft's tensors
 
@@ -123,7 +128,7 @@ class LoraExperts(nn.Module):
         out = {}
         for target in self.targets:
             a, b = self._full_pair(target)
-            rows = self.num_experts * self.r
+            rows = self.num_experts * self.ranks[target][0]
             p = self.disk_prefix(target)
             out[f"{p}lora_A.weight"], out[f"{p}lora_B.weight"] = (rows, a[2]), (b[1], rows)
         return out
@@ -152,9 +157,8 @@ class LoraExperts(nn.Module):
     def from_disk(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This layer's full factors {factor name: tensor} from peft's tensors {key under the module name: tensor}."""
         out = {}
-        e, r = self.num_experts, self.r
         for target in self.targets:
-            p = self.disk_prefix(target)
+            e, r, p = self.num_experts, self.ranks[target][0], self.disk_prefix(target)
             a_disk, b_disk = tensors[f"{p}lora_A.weight"], tensors[f"{p}lora_B.weight"]
             a = a_disk.reshape(e, r, a_disk.shape[1])
             b = b_disk.reshape(b_disk.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
@@ -180,10 +184,10 @@ class LoraExperts(nn.Module):
         """Fold s * B_e @ A_e into this rank's block of every adapted stacked weight; return the base, unhooked."""
         base = self.base_layer
         with torch.no_grad():
-            for weight_name, (a, b) in self.pairs.items():
+            for weight_name, (a, b, scaling) in self.pairs.items():
                 weight = getattr(base, weight_name)
                 compute = torch.promote_types(weight.dtype, torch.float32)
-                delta = torch.bmm(self.factor(b).to(compute), self.factor(a).to(compute)) * self.scaling
+                delta = torch.bmm(self.factor(b).to(compute), self.factor(a).to(compute)) * scaling
                 weight.add_(delta.to(weight.dtype))
         return self.unhook()
 

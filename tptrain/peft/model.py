@@ -79,7 +79,8 @@ class PeftModel(nn.Module):
             p.requires_grad_(False)
         self.lora_layers: dict[str, LoraLayer | LoraExperts] = {}
         for name, module in targets.items():
-            self.lora_layers[name] = _wrap(model, name, module, config, factors[name], layout, self.runtime)
+            key = f"{name}.weight" if name in weights else name  # the name peft's rank_pattern sees
+            self.lora_layers[name] = _wrap(model, name, module, config, factors[name], layout, self.runtime, key)
         for name, fused in experts.items():
             self.lora_layers[name] = _wrap_experts(model, name, fused, config, layout, self.runtime)
         self._saved = _trainable_extras(model, config, targets, full_modules)
@@ -251,13 +252,14 @@ def _agree_seed(model: nn.Module, layout) -> int:
 
 
 def _wrap(model: nn.Module, name: str, module: nn.Module, config: LoraConfig, specs: tuple[ShardSpec, ShardSpec],
-          layout, runtime: LoraRuntime) -> LoraLayer:
+          layout, runtime: LoraRuntime, key: str) -> LoraLayer:
     shape = layout.global_shapes[f"{name}.weight"] if layout is not None else tuple(module.weight.shape)
     linear = isinstance(module, nn.Linear)
     full_out, full_in = shape if linear else shape[::-1]  # Linear (out, in); Embedding (vocab, dim): A reads vocab
     half = module.weight.dtype in (torch.float16, torch.bfloat16)
     cls = LoraLinear if linear else LoraEmbedding
-    layer = cls(module, name=name, r=config.r, scaling=config.scaling, dropout=config.lora_dropout, specs=specs,
+    r, scaling = config.rank_and_scaling(key)
+    layer = cls(module, name=name, r=r, scaling=scaling, dropout=config.lora_dropout, specs=specs,
                 ctx=layout.ctx if layout is not None else None, runtime=runtime, full_in=full_in, full_out=full_out,
                 dtype=torch.float32 if half else module.weight.dtype)  # peft keeps half-precision adapters in fp32
     parent, _, child = name.rpartition(".")
@@ -275,7 +277,8 @@ def _wrap_experts(model: nn.Module, name: str, fused: tuple[str, ...], config: L
     shapes = layout.global_shapes[f"{name}.gate_proj"] if layout is not None else tuple(module.gate_proj.shape)
     half = module.gate_proj.dtype in (torch.float16, torch.bfloat16)
     specs = {p: _spec(layout, f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj")}
-    layer = LoraExperts(module, name=name, targets=fused, r=config.r, scaling=config.scaling, shapes=shapes,
+    ranks = {t: config.rank_and_scaling(f"{name}.{t}") for t in fused}
+    layer = LoraExperts(module, name=name, ranks=ranks, shapes=shapes,
                         specs=specs, ctx=layout.ctx if layout is not None else None, runtime=runtime,
                         dtype=torch.float32 if half else module.gate_proj.dtype)
     parent, _, child = name.rpartition(".")
