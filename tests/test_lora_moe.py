@@ -31,6 +31,9 @@ TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_l
 FAMILIES = {  # model_type: (transformers config class, model class, family keys)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, head_dim=8)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4)),
 }
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # Attention (colwise and rowwise), the router as a parameter target, both fused expert parameters.
@@ -233,7 +236,8 @@ def test_peft_rewrite_of_per_expert_names_loads_and_is_spelled_out(bases, target
     with pytest.raises(ValueError, match="rank_pattern") as error:
         get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]),
                        LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
-    spelled = eval(f"dict({re.search(r'target_modules=.*alpha_pattern=[{][^}]*[}]', str(error.value)).group()})")
+    suggested = re.search(r"target_modules=\[.*alpha_pattern=\{[^}]*\}", str(error.value)).group()
+    spelled = eval(f"dict({suggested})")  # the message's config, as a user would paste it
     explicit = LoraConfig(r=2, lora_alpha=3, **spelled)
     get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), explicit).save_pretrained(tmp_path / "ours")
     assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
