@@ -204,6 +204,7 @@ def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
     ("qwen3_moe", dict(target_modules="all-linear"), "all-linear"),
     ("qwen3_moe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]), "per-expert projections"),
     ("mixtral", dict(target_modules=["w1", "w3"]), "per-expert projections"),
+    ("olmoe", dict(target_modules=r".*\.(q|gate|up)_proj"), "per-expert module"),
     ("qwen3_moe", dict(target_modules=["experts"]), "target_parameters="),
     ("qwen3_moe", dict(target_modules=["gate"], target_parameters=["mlp.gate.weight"]), "both target_modules"),
 ])

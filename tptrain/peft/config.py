@@ -199,7 +199,7 @@ def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
                  and not _excluded_by_modules_to_save(config, n)}
     else:
         found = {n: m for n, m in names if matches(config, n)}
-    if experts and isinstance(config.target_modules, list):
+    if experts and not (isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR):
         _refuse_per_expert_modules(model, config, experts)
     if not found and config.target_modules:
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module of "
@@ -220,7 +220,17 @@ def _refuse_per_expert_modules(model: nn.Module, config: LoraConfig, experts: li
     Mixtral's `w1`): peft 0.21 rewrites it onto the fused experts with rank 2*r for gate_up_proj (Qwen3-MoE, OLMoE,
     Mixtral), or adapts only the other modules of that name (Qwen2-MoE); tptrain refuses rather than guess."""
     hub_names = getattr(getattr(model, "config", None), "expert_checkpoint_names", {}).values()
-    per_expert = [e for e in config.target_modules if any(_param_matches([e], f"{experts[0]}.0.{h}") for h in hub_names)]
+    per_expert_names = [f"{experts[0]}.0.{h}" for h in hub_names]
+    if isinstance(config.target_modules, str):  # a regex: peft probes it against these names too
+        hit = [n for n in per_expert_names if re.fullmatch(config.target_modules, n)]
+        if hit:
+            raise ValueError(f"LoraConfig.target_modules regex {config.target_modules!r} matches transformers 4's "
+                             f"per-expert module {hit[0]!r}, which peft 0.21 rewrites (per model type) into "
+                             "target_parameters with rank 2*r for gate_up_proj; tptrain does not guess. Narrow the "
+                             "regex to the other modules and write the experts out: "
+                             f"{_expert_spelling(config, None, router=False)}")
+        return
+    per_expert = [e for e in config.target_modules if any(_param_matches([e], n) for n in per_expert_names)]
     others = [e for e in config.target_modules if e not in per_expert]
     if per_expert:
         raise ValueError(f"LoraConfig.target_modules entry {per_expert[0]!r} names the per-expert projections of "
@@ -230,12 +240,13 @@ def _refuse_per_expert_modules(model: nn.Module, config: LoraConfig, experts: li
                          "other modules by a longer name (e.g. 'shared_expert.gate_proj')")
 
 
-def _expert_spelling(config: LoraConfig, modules: list[str], *, router: bool) -> str:
+def _expert_spelling(config: LoraConfig, modules: list[str] | None, *, router: bool) -> str:
     """The explicit config peft 0.21 derives from transformers 4's names for an MoE model."""
     params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] + (["mlp.gate.weight"] if router else [])
     fused = r".*\.gate_up_proj"
-    return (f"target_modules={modules}, target_parameters={params}, rank_pattern={{{fused!r}: {2 * config.r}}}, "
-            f"alpha_pattern={{{fused!r}: {2 * config.lora_alpha}}}")
+    return ("" if modules is None else f"target_modules={modules}, ") + (
+        f"target_parameters={params}, rank_pattern={{{fused!r}: {2 * config.r}}}, "
+        f"alpha_pattern={{{fused!r}: {2 * config.lora_alpha}}}")
 
 
 def _param_matches(targets: list[str], key: str) -> bool:
