@@ -242,3 +242,23 @@ def test_peft_rewrite_of_per_expert_names_loads_and_is_spelled_out(bases, target
     explicit = LoraConfig(r=2, lora_alpha=3, **spelled)
     get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), explicit).save_pretrained(tmp_path / "ours")
     assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+
+
+def test_cli_flags_spell_target_parameters(bases):
+    """`tptrain train --lora-target-parameters ...`: the experts without the default 'all-linear' modules."""
+    import argparse
+
+    from tptrain.training.cli import add_train_arguments
+    from tptrain.training.finetune_cli import lora_config
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--lora-r", "2", "--lora-target-parameters", ",".join(EXPERTS)])
+    config = lora_config(args)
+    assert config.target_parameters == EXPERTS and config.target_modules == []
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), config)
+    assert sorted(model.lora_layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    args = parser.parse_args(["--lora-r", "2", "--lora-dropout", "0.1", "--lora-target-parameters", EXPERTS[0]])
+    with pytest.raises(ValueError, match="lora_dropout"):
+        lora_config(args)
+    assert lora_config(parser.parse_args(["--lora-r", "2"])).target_modules == "all-linear"
