@@ -262,3 +262,42 @@ def test_cli_flags_spell_target_parameters(bases):
     with pytest.raises(ValueError, match="lora_dropout"):
         lora_config(args)
     assert lora_config(parser.parse_args(["--lora-r", "2"])).target_modules == "all-linear"
+
+
+def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
+    from tests.test_trainer import SEQ, reference_losses, training_args
+    from tptrain.distributed import init_distributed
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.data import PackedDataset
+    from tptrain.training.trainer import Trainer
+
+    init_distributed()
+    data = lambda: PackedDataset(torch.randint(0, VOCAB, (64 * SEQ,), generator=torch.Generator().manual_seed(1)),  # noqa: E731
+                                 SEQ)
+    single = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
+                                       is_trainable=True)
+
+    def tp_peft() -> PeftModel:
+        config = DistributedConfig(tp_size=2, enable_expert_parallel=True)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64, distributed_config=config)
+        return PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+
+    args = training_args(f"{tmp}/run", max_steps=4, save_steps=2, parallelism_config=ParallelismConfig(tp_size=2))
+    out = Trainer(model=tp_peft(), args=args, train_dataset=data()).train()
+    expected = reference_losses(single, data(), args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), rtol=1e-9, atol=1e-9)
+    again = Trainer(model=tp_peft(), args=args, train_dataset=data()).train(
+        resume_from_checkpoint=f"{tmp}/run/checkpoint-2")  # the experts' factors, split by expert, from DCP
+    assert again.losses == out.losses[2:], (again.losses, out.losses)
+    reloaded = _lora_params(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64),
+                                                      out.final_dir))
+    for name, p in _lora_params(single).items():
+        torch.testing.assert_close(reloaded[name], p, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, tmp_path):
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+                             LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERTS))
+    _random_lora(adapter, seed=5)
+    adapter.save_pretrained(tmp_path / "adapter")
+    run_distributed(_trainer_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
