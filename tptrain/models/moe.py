@@ -46,10 +46,15 @@ class Experts(nn.Module):
         # unbind, not gate_proj[i]: its backward stacks the experts' gradients once, where indexing would fill a
         # zero tensor of the whole stack for every expert (a quarter of this function's time on CPU).
         experts = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0))
-        for (gate, up, down), chunk in zip(experts, rows.split(counts)):
-            h = F.silu(chunk @ gate.T) * (chunk @ up.T)  # (n_i, inner)
-            outs.append(h @ down.T)
+        for i, ((gate, up, down), chunk) in enumerate(zip(experts, rows.split(counts))):
+            h = F.silu(self.project("gate_proj", i, chunk, gate)) * self.project("up_proj", i, chunk, up)  # (n_i, I)
+            outs.append(self.project("down_proj", i, h, down))
         return torch.cat(outs)
+
+    def project(self, name: str, i: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ W_i^T for held expert i of stacked weight `name` (`weight` = its slice W_i). Adapters (LoRA on the
+        experts) replace it on the instance to add their per-expert term."""
+        return x @ weight.T
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[list[int], torch.Tensor]:

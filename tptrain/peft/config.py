@@ -3,6 +3,8 @@
 Target matching follows peft 0.21 exactly, so one config adapts the same modules in both libraries:
 a list matches a module whose full name equals an entry or ends with "." + entry; a string is a regex
 that must match the full module name; "all-linear" is every nn.Linear except the output layer.
+`target_parameters` (peft's spelling for transformers 5's fused MoE experts) matches parameter names the same
+way, an experts module offering transformers' names `gate_up_proj` and `down_proj` (see peft/lora_experts.py).
 """
 from __future__ import annotations
 
@@ -15,17 +17,20 @@ from typing import Any
 
 from torch import nn
 
+from tptrain.peft.lora_experts import FUSED, STACKED, is_experts
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 ALL_LINEAR = "all-linear"
 BIAS_MODES = ("none", "all", "lora_only")
 # peft's default targets for Llama, Qwen2 and Qwen3 when target_modules is None.
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # what peft's "all-linear" keeps as modules on an MoE model
 SUPPORTED_TYPES = (nn.Linear, nn.Embedding)
 # adapter_config.json keys whose non-default values change the math; tptrain refuses them rather than
 # silently computing something else.
-_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform",
-                "layers_pattern", "exclude_modules", "target_parameters", "trainable_token_indices",
+_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "layers_to_transform",
+                "layers_pattern", "exclude_modules", "trainable_token_indices",
                 "layer_replication", "use_qalora", "alora_invocation_tokens", "use_bdlora", "megatron_config")
 
 
@@ -37,7 +42,13 @@ class LoraConfig:
     lora_alpha: the update is scaled by lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
     lora_dropout: dropout probability on the adapter's input (linear layers only, as in peft).
     target_modules: module names (full name or last components), a regex over full names, or "all-linear";
-        None means peft's default for Llama/Qwen ["q_proj", "v_proj"].
+        None means peft's default for Llama/Qwen ["q_proj", "v_proj"] (none when target_parameters is given).
+    target_parameters: parameter names (full or last components), as peft: the MoE experts' fused
+        "mlp.experts.gate_up_proj" (gate and up share one A) and "mlp.experts.down_proj", or an nn.Linear's
+        "....weight". Needs lora_dropout 0 (peft's lora.ParamWrapper has no dropout).
+    rank_pattern, alpha_pattern: {regex: r / lora_alpha} for the targets whose name (a module's, or a targeted
+        parameter's full name) ends with a match, as peft (e.g. {r".*\\.gate_up_proj": 2 * r}, what peft writes for
+        transformers 4's per-expert target_modules on an MoE model).
     bias: "none", "all" (train every bias) or "lora_only" (train the biases of adapted layers).
     use_rslora: rank-stabilised scaling lora_alpha / sqrt(r).
     modules_to_save: modules trained in full and saved with the adapter (peft matches name suffixes).
@@ -48,6 +59,9 @@ class LoraConfig:
     lora_alpha: float = 8
     lora_dropout: float = 0.0
     target_modules: list[str] | str | None = None
+    target_parameters: list[str] | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
     bias: str = "none"
     use_rslora: bool = False
     modules_to_save: list[str] | None = None
@@ -65,8 +79,28 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
         if self.bias not in BIAS_MODES:
             raise ValueError(f"LoraConfig.bias must be one of {BIAS_MODES}, got {self.bias!r}")
+        for what, pattern, ok in (("rank_pattern", self.rank_pattern, lambda v: isinstance(v, int) and v > 0),
+                                  ("alpha_pattern", self.alpha_pattern, lambda v: isinstance(v, (int, float)) and v > 0)):
+            if not isinstance(pattern, dict) or not all(isinstance(k, str) and ok(v) and not isinstance(v, bool)
+                                                        for k, v in pattern.items()):
+                raise ValueError(f"LoraConfig.{what} must map regexes to positive numbers (ranks: ints), got {pattern!r}")
+            for key in pattern:
+                try:
+                    re.compile(key)
+                except re.error as e:
+                    raise ValueError(f"LoraConfig.{what} key {key!r} is not a valid regex: {e}") from e
+        if self.target_parameters is not None:
+            if isinstance(self.target_parameters, (set, tuple)):
+                self.target_parameters = sorted(self.target_parameters)
+            if (isinstance(self.target_parameters, str) or not self.target_parameters
+                    or not all(isinstance(t, str) and t for t in self.target_parameters)):
+                raise ValueError("LoraConfig.target_parameters must be a non-empty list of parameter names (e.g. "
+                                 f"['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']), got {self.target_parameters!r}")
+            if self.lora_dropout:
+                raise ValueError(f"LoraConfig.lora_dropout={self.lora_dropout} with target_parameters: LoRA on a "
+                                 "parameter (peft's lora.ParamWrapper) has no dropout; set lora_dropout=0")
         if self.target_modules is None:
-            self.target_modules = list(DEFAULT_TARGETS)
+            self.target_modules = [] if self.target_parameters else list(DEFAULT_TARGETS)
         if isinstance(self.target_modules, (set, tuple)):
             self.target_modules = sorted(self.target_modules)
         if isinstance(self.target_modules, str):
@@ -74,7 +108,8 @@ class LoraConfig:
                 re.compile(self.target_modules)
             except re.error as e:
                 raise ValueError(f"LoraConfig.target_modules {self.target_modules!r} is not a valid regex: {e}") from e
-        elif not self.target_modules or not all(isinstance(t, str) and t for t in self.target_modules):
+        elif (not self.target_modules and not self.target_parameters) or not all(
+                isinstance(t, str) and t for t in self.target_modules):
             raise ValueError("LoraConfig.target_modules must be a non-empty list of module names, a regex string or "
                              f"'all-linear', got {self.target_modules!r}")
         if self.modules_to_save is not None and not all(isinstance(m, str) and m for m in self.modules_to_save):
@@ -84,6 +119,13 @@ class LoraConfig:
     def scaling(self) -> float:
         return self.lora_alpha / (self.r ** 0.5 if self.use_rslora else self.r)
 
+    def rank_and_scaling(self, key: str) -> tuple[int, float]:
+        """(r, scaling) of the target named `key`: the first rank_pattern / alpha_pattern key whose regex matches
+        the end of `key` at a name boundary (peft's get_pattern_key), else r / lora_alpha."""
+        r = next((v for k, v in self.rank_pattern.items() if re.match(rf"(.*\.)?({k})$", key)), self.r)
+        alpha = next((v for k, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?({k})$", key)), self.lora_alpha)
+        return r, alpha / (r ** 0.5 if self.use_rslora else r)
+
     # ------------------------------------------------------------------ adapter_config.json
 
     def to_peft_dict(self) -> dict[str, Any]:
@@ -92,10 +134,11 @@ class LoraConfig:
                "base_model_name_or_path": self.base_model_name_or_path, "r": self.r, "lora_alpha": self.lora_alpha,
                "lora_dropout": self.lora_dropout, "bias": self.bias, "use_rslora": self.use_rslora,
                "modules_to_save": self.modules_to_save, "inference_mode": True, "init_lora_weights": True,
-               "fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "rank_pattern": {},
-               "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
+               "fan_in_fan_out": False, "use_dora": False, "lora_bias": False, "rank_pattern": self.rank_pattern,
+               "alpha_pattern": self.alpha_pattern, "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
                "revision": None}
         out["target_modules"] = self.target_modules
+        out["target_parameters"] = self.target_parameters
         return out
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -120,9 +163,10 @@ class LoraConfig:
         if bad:
             raise ValueError(f"{path} uses peft features tptrain does not implement: {bad}; "
                              "retrain the adapter without them, or merge it with peft first")
-        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "modules_to_save",
+        keys = ("r", "lora_alpha", "lora_dropout", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern",
+                "bias", "use_rslora", "modules_to_save",
                 "task_type", "base_model_name_or_path")
-        return cls(**{k: raw[k] for k in keys if k in raw})
+        return cls(**{k: raw[k] for k in keys if k in raw and not (k.endswith("_pattern") and raw[k] is None)})
 
 
 def _excluded_by_modules_to_save(config: LoraConfig, name: str) -> bool:
@@ -143,22 +187,102 @@ def matches(config: LoraConfig, name: str) -> bool:
 def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
     """{module name: module} the adapter wraps. Pure (no collective), so every rank raises the same errors."""
     names = [(n, m) for n, m in model.named_modules() if n]
+    experts = [n for n, m in names if is_experts(m)]
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        if experts:
+            raise ValueError(f"LoraConfig.target_modules='all-linear' on a mixture-of-experts model "
+                             f"({type(model).__name__}): peft 0.21 on transformers 5 rewrites it (per model type) into "
+                             "LoRA on the router and the experts with rank 2*r for gate_up_proj; tptrain does not "
+                             f"rewrite it. Write what peft ends up with: {_expert_spelling(config, ATTENTION, router=True)}")
         output = getattr(model, "lm_head", None)  # peft excludes the output layer of a causal LM
         found = {n: m for n, m in names if isinstance(m, nn.Linear) and m is not output
                  and not _excluded_by_modules_to_save(config, n)}
     else:
         found = {n: m for n, m in names if matches(config, n)}
-    if not found:
+    if experts and not (isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR):
+        _refuse_per_expert_modules(model, config, experts)
+    if not found and config.target_modules:
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module of "
                          f"{type(model).__name__} (module names look like {names[min(5, len(names) - 1)][0]!r}); "
                          "give names such as ['q_proj', 'v_proj'], a regex over full names, or 'all-linear'")
     for name, module in found.items():
         if not isinstance(module, SUPPORTED_TYPES):
+            hint = (" (LoRA on the experts: target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'])"
+                    if is_experts(module) else "")
             raise ValueError(f"LoRA cannot adapt {name!r}: it is a {type(module).__name__}, and tptrain's LoRA "
                              "supports only nn.Linear and nn.Embedding; narrow target_modules (e.g. end a regex with "
-                             "'(q|k|v|o)_proj')")
+                             f"'(q|k|v|o)_proj'){hint}")
     return found
+
+
+def _refuse_per_expert_modules(model: nn.Module, config: LoraConfig, experts: list[str]) -> None:
+    """A target_modules entry that would match transformers 4's per-expert modules (`mlp.experts.0.gate_proj`,
+    Mixtral's `w1`): peft 0.21 rewrites it onto the fused experts with rank 2*r for gate_up_proj (Qwen3-MoE, OLMoE,
+    Mixtral), or adapts only the other modules of that name (Qwen2-MoE); tptrain refuses rather than guess."""
+    hub_names = getattr(getattr(model, "config", None), "expert_checkpoint_names", {}).values()
+    per_expert_names = [f"{experts[0]}.0.{h}" for h in hub_names]
+    if isinstance(config.target_modules, str):  # a regex: peft probes it against these names too
+        hit = [n for n in per_expert_names if re.fullmatch(config.target_modules, n)]
+        if hit:
+            raise ValueError(f"LoraConfig.target_modules regex {config.target_modules!r} matches transformers 4's "
+                             f"per-expert module {hit[0]!r}, which peft 0.21 rewrites (per model type) into "
+                             "target_parameters with rank 2*r for gate_up_proj; tptrain does not guess. Narrow the "
+                             "regex to the other modules and write the experts out: "
+                             f"{_expert_spelling(config, None, router=False)}")
+        return
+    per_expert = [e for e in config.target_modules if any(_param_matches([e], n) for n in per_expert_names)]
+    others = [e for e in config.target_modules if e not in per_expert]
+    if per_expert:
+        raise ValueError(f"LoraConfig.target_modules entry {per_expert[0]!r} names the per-expert projections of "
+                         f"{experts[0]!r} (transformers 4's modules; stacked parameters now), which peft 0.21 "
+                         "rewrites (per model type) into target_parameters with rank 2*r for gate_up_proj; tptrain "
+                         f"does not guess. Write it out: {_expert_spelling(config, others, router=False)}, and name "
+                         "other modules by a longer name (e.g. 'shared_expert.gate_proj')")
+
+
+def _expert_spelling(config: LoraConfig, modules: list[str] | None, *, router: bool) -> str:
+    """The explicit config peft 0.21 derives from transformers 4's names for an MoE model."""
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] + (["mlp.gate.weight"] if router else [])
+    fused = r".*\.gate_up_proj"
+    return ("" if modules is None else f"target_modules={modules}, ") + (
+        f"target_parameters={params}, rank_pattern={{{fused!r}: {2 * config.r}}}, "
+        f"alpha_pattern={{{fused!r}: {2 * config.lora_alpha}}}")
+
+
+def _param_matches(targets: list[str], key: str) -> bool:
+    return key in targets or any(key.endswith(f".{t}") for t in targets)
+
+
+def resolve_parameter_targets(model: nn.Module, config: LoraConfig
+                              ) -> tuple[dict[str, tuple[str, ...]], dict[str, nn.Linear]]:
+    """({experts module name: its targeted fused parameters, in FUSED order}, {module name: nn.Linear whose
+    `weight` is targeted}) for `target_parameters`, matched as peft does. Pure (no collective)."""
+    targets = config.target_parameters or []
+    experts: dict[str, tuple[str, ...]] = {}
+    linear: dict[str, nn.Linear] = {}
+    for name, module in model.named_modules():
+        if is_experts(module):
+            hit = tuple(p for p in FUSED if _param_matches(targets, f"{name}.{p}"))
+            unfused = [p for p in STACKED[:2] if _param_matches(targets, f"{name}.{p}")]
+            if unfused:
+                raise ValueError(f"LoraConfig.target_parameters names {name}.{unfused[0]}: transformers 5 (and so peft) "
+                                 f"hold the experts' gate and up fused as {name}.gate_up_proj, with one LoRA A for both; "
+                                 "target 'mlp.experts.gate_up_proj' instead")
+            if hit:
+                experts[name] = hit
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if not _param_matches(targets, f"{name}.{pname}"):
+                continue
+            if not (isinstance(module, nn.Linear) and pname == "weight"):
+                raise ValueError(f"LoraConfig.target_parameters matches {name}.{pname} ({type(module).__name__}, "
+                                 f"shape {tuple(p.shape)}); tptrain's LoRA on parameters supports the MoE experts' "
+                                 "gate_up_proj / down_proj and nn.Linear weights")
+            linear[name] = module
+    if targets and not experts and not linear:
+        raise ValueError(f"LoraConfig.target_parameters={targets!r} matches no parameter of {type(model).__name__}; "
+                         "for a mixture-of-experts model write ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
+    return experts, linear
 
 
 def modules_to_save(model: nn.Module, config: LoraConfig) -> list[str]:

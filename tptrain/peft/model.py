@@ -26,8 +26,10 @@ from tptrain.distributed import comm
 from tptrain.modeling import gather_parameters, is_sharded, save_once
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft import io
-from tptrain.peft.config import ALL_LINEAR, LoraConfig, modules_to_save, resolve_targets
+from tptrain.peft.config import ALL_LINEAR, LoraConfig, modules_to_save, resolve_parameter_targets, resolve_targets
 from tptrain.peft.lora import LoraEmbedding, LoraLayer, LoraLinear, LoraRuntime, factor_specs
+from tptrain.peft.lora_experts import STACKED, LoraExperts
+from tptrain.peft.lora_experts import factor_specs as expert_factor_specs
 
 
 class LoraModel(nn.Module):
@@ -52,13 +54,22 @@ class PeftModel(nn.Module):
             raise TypeError("the model already has LoRA adapters (it is a PeftModel); merge_and_unload() it first, "
                             "or load the adapter onto the plain base model")
         targets = resolve_targets(model, config)  # pure checks first: identical errors on every rank
+        experts, weights = resolve_parameter_targets(model, config)
+        both = sorted(set(targets) & set(weights))
+        if both:
+            raise ValueError(f"{both[0]!r} is targeted by both target_modules and target_parameters (its weight); "
+                             "name it in one of them")
         if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
             config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
+        targets = {**targets, **weights}  # an nn.Linear's weight as a parameter target: peft's LoRA on it is Linear's
         if config.base_model_name_or_path is None:
             config = dataclasses.replace(config, base_model_name_or_path=getattr(model, "name_or_path", None))
         full_modules = modules_to_save(model, config)
         layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
         factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in targets}
+        for name in experts:  # their layouts checked here too, before the collective below
+            for p in STACKED:
+                expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
 
         self.base_model = LoraModel(model)
         self.peft_config = {"default": config}
@@ -66,9 +77,12 @@ class PeftModel(nn.Module):
         self._requires_grad = [(p, p.requires_grad) for p in model.parameters()]
         for p in model.parameters():
             p.requires_grad_(False)
-        self.lora_layers: dict[str, LoraLayer] = {}
+        self.lora_layers: dict[str, LoraLayer | LoraExperts] = {}
         for name, module in targets.items():
-            self.lora_layers[name] = _wrap(model, name, module, config, factors[name], layout, self.runtime)
+            key = f"{name}.weight" if name in weights else name  # the name peft's rank_pattern sees
+            self.lora_layers[name] = _wrap(model, name, module, config, factors[name], layout, self.runtime, key)
+        for name, fused in experts.items():
+            self.lora_layers[name] = _wrap_experts(model, name, fused, config, layout, self.runtime)
         self._saved = _trainable_extras(model, config, targets, full_modules)
         self._saved += [n for n, p in model.named_parameters() if _is_lora(n)]
         self.set_trainable(trainable)
@@ -114,7 +128,13 @@ class PeftModel(nn.Module):
         """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group;
         the dict on TP rank 0, None elsewhere."""
         state = gather_parameters(self.get_base_model(), self._saved)
-        return None if state is None else {io.disk_key(name): t for name, t in state.items()}
+        if state is None:
+            return None
+        out = {}
+        for name, layer in self._expert_layers().items():  # stacked factors -> peft's fused, flattened tensors
+            full = {n[len(name) + 1:]: state.pop(n) for n in list(state) if n.startswith(f"{name}.lora_")}
+            out.update({f"{io.PREFIX}{name}.{key}": t for key, t in layer.to_disk(full).items()})
+        return {**{io.disk_key(name): t for name, t in state.items()}, **out}
 
     def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
         """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
@@ -150,12 +170,27 @@ class PeftModel(nn.Module):
         layout = getattr(model, "tp_layout", None)
         params = dict(model.named_parameters(remove_duplicate=False))
         shapes = layout.global_shapes if layout else {n: tuple(p.shape) for n, p in params.items()}
-        expected = {io.disk_key(n): n for n in self._saved if _is_lora(n)}
+        experts = self._expert_layers()
+        in_experts = [n for n in self._saved if any(n.startswith(f"{e}.lora_") for e in experts)]
+        expected = {io.disk_key(n): n for n in self._saved if _is_lora(n) and n not in in_experts}
+        shapes = dict(shapes)
+        for name, layer in experts.items():  # peft's fused tensors: checked under their own keys and shapes
+            for key, shape in layer.disk_shapes().items():
+                expected[f"{io.PREFIX}{name}.{key}"] = f"{io.PREFIX}{name}.{key}"
+                shapes[f"{io.PREFIX}{name}.{key}"] = shape
         extra = {io.PREFIX + n: n for n in params if not _is_lora(n)}
         with io.open_adapter(directory) as reader:
             keys = io.check_adapter_file(reader, expected, extra, shapes)
-            io.read_slices(reader, keys, params, layout.specs if layout else {},
+            plain = {k: n for k, n in keys.items() if n in params}
+            io.read_slices(reader, plain, params, layout.specs if layout else {},
                            layout.ctx.size if layout else 1, layout.ctx.rank if layout else 0)
+            for name, layer in experts.items():  # whole (adapters are small), converted, then this rank's slice
+                prefix = f"{io.PREFIX}{name}."
+                tensors = {key: reader.read(prefix + key) for key in layer.disk_shapes()}
+                layer.load_full(layer.from_disk(tensors))
+
+    def _expert_layers(self) -> dict[str, LoraExperts]:
+        return {n: layer for n, layer in self.lora_layers.items() if isinstance(layer, LoraExperts)}
 
     # ---------------------------------------------------------------- merging
 
@@ -217,15 +252,35 @@ def _agree_seed(model: nn.Module, layout) -> int:
 
 
 def _wrap(model: nn.Module, name: str, module: nn.Module, config: LoraConfig, specs: tuple[ShardSpec, ShardSpec],
-          layout, runtime: LoraRuntime) -> LoraLayer:
+          layout, runtime: LoraRuntime, key: str) -> LoraLayer:
     shape = layout.global_shapes[f"{name}.weight"] if layout is not None else tuple(module.weight.shape)
     linear = isinstance(module, nn.Linear)
     full_out, full_in = shape if linear else shape[::-1]  # Linear (out, in); Embedding (vocab, dim): A reads vocab
     half = module.weight.dtype in (torch.float16, torch.bfloat16)
     cls = LoraLinear if linear else LoraEmbedding
-    layer = cls(module, name=name, r=config.r, scaling=config.scaling, dropout=config.lora_dropout, specs=specs,
+    r, scaling = config.rank_and_scaling(key)
+    layer = cls(module, name=name, r=r, scaling=scaling, dropout=config.lora_dropout, specs=specs,
                 ctx=layout.ctx if layout is not None else None, runtime=runtime, full_in=full_in, full_out=full_out,
                 dtype=torch.float32 if half else module.weight.dtype)  # peft keeps half-precision adapters in fp32
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, layer)
+    if layout is not None:
+        layout.rename(f"{name}.", f"{name}.base_layer.")
+        for local, (spec, global_shape) in layer.layout().items():
+            layout.add(f"{name}.{local}", spec, global_shape)
+    return layer
+
+
+def _wrap_experts(model: nn.Module, name: str, fused: tuple[str, ...], config: LoraConfig, layout,
+                  runtime: LoraRuntime) -> LoraExperts:
+    module = model.get_submodule(name)
+    shapes = layout.global_shapes[f"{name}.gate_proj"] if layout is not None else tuple(module.gate_proj.shape)
+    half = module.gate_proj.dtype in (torch.float16, torch.bfloat16)
+    specs = {p: _spec(layout, f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj")}
+    ranks = {t: config.rank_and_scaling(f"{name}.{t}") for t in fused}
+    layer = LoraExperts(module, name=name, ranks=ranks, shapes=shapes,
+                        specs=specs, ctx=layout.ctx if layout is not None else None, runtime=runtime,
+                        dtype=torch.float32 if half else module.gate_proj.dtype)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
     if layout is not None:

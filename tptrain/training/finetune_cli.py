@@ -23,7 +23,8 @@ HELP_GROUPS = (
     ("checkpoints and output", ("--output-dir", "--save-steps", "--save-total-limit", "--resume",
                                 "--overwrite-output-dir", "--report-to", "--prompt", "--max-new-tokens",
                                 "--smoke-test")),
-    ("LoRA", ("--lora-r", "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--merge")),
+    ("LoRA", ("--lora-r", "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--lora-target-parameters",
+              "--merge")),
 )
 
 
@@ -52,8 +53,12 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-r", type=int, default=0, help="train a LoRA adapter of this rank (0: full fine-tuning)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha / r (default: 2 x --lora-r)")
     p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default: 0)")
-    p.add_argument("--lora-target-modules", default="all-linear",
-                   help="'all-linear' (default) or comma-separated module names, e.g. q_proj,v_proj")
+    p.add_argument("--lora-target-modules", default=None,
+                   help="'all-linear' (the default without --lora-target-parameters) or comma-separated module names, "
+                        "e.g. q_proj,v_proj")
+    p.add_argument("--lora-target-parameters", default=None,
+                   help="comma-separated parameter names (peft's target_parameters), e.g. the MoE experts: "
+                        "mlp.experts.gate_up_proj,mlp.experts.down_proj")
     p.add_argument("--merge", action="store_true",
                    help="with --lora-r: also write the merged full checkpoint to --output-dir/final/merged")
     group_help(p)
@@ -109,6 +114,10 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
         raise ValueError(f"--lora-r must be >= 1 (or 0: no LoRA), got {args.lora_r}")
     if not args.lora_r and (args.merge or args.lora_alpha is not None):
         raise ValueError("--merge and --lora-alpha need --lora-r (a LoRA run)")
+    if not args.lora_r and args.lora_target_parameters:
+        raise ValueError("--lora-target-parameters needs --lora-r (a LoRA run)")
+    if args.lora_r:
+        lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
     if args.merge and nproc > args.tp_size:
         raise ValueError(f"--merge needs --nproc-per-node equal to --tp-size ({args.tp_size}): merging an FSDP-sharded "
                          "model is not implemented; merge afterwards with PeftModel.from_pretrained(base, "
@@ -118,10 +127,15 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
 def lora_config(args: argparse.Namespace):
     from tptrain.peft import LoraConfig
 
-    targets = args.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    def names(flag: str | None) -> list[str] | None:
+        return None if flag is None else [t.strip() for t in flag.split(",") if t.strip()]
+
+    params = names(args.lora_target_parameters)
+    targets = args.lora_target_modules or (None if params else "all-linear")
+    targets = targets if targets in (None, "all-linear") else names(targets)
     alpha = 2 * args.lora_r if args.lora_alpha is None else args.lora_alpha
-    return LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets)
+    return LoraConfig(r=args.lora_r, lora_alpha=alpha, lora_dropout=args.lora_dropout, target_modules=targets,
+                      target_parameters=params)
 
 
 def apply_lora(model, args: argparse.Namespace):

@@ -1,0 +1,303 @@
+"""LoRA on mixture-of-experts models: attention, router and the stacked experts (peft's target_parameters), against
+peft 0.21 + transformers 5.23 at one device and against one device under expert TP and expert parallelism (fp64).
+
+    .venv/bin/python -m pytest tests/test_lora_moe.py -q
+"""
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.dist_utils import run_distributed
+from tests.family_utils import VOCAB, batch, randomize
+from tptrain import DistributedConfig
+from tptrain.models import AutoModelForCausalLM
+from tptrain.parallel.tensor_parallel import gather_full
+from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+HF_TOL = dict(rtol=1e-5, atol=1e-5)  # transformers normalises and routes in fp32 even in an fp64 model
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=2, eos_token_id=2, pad_token_id=0)
+FAMILIES = {  # model_type: (transformers config class, model class, family keys)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=16, head_dim=8)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4)),
+}
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# Attention (colwise and rowwise), the router as a parameter target, both fused expert parameters.
+SETTINGS = dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS + ["mlp.gate.weight"])
+
+
+def _random_lora(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+
+
+def _hf(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
+    return hf
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    """{model_type: directory of a random tiny checkpoint written by transformers}."""
+    out = {}
+    for model_type, (config_cls, model_cls, keys) in FAMILIES.items():
+        torch.manual_seed(0)
+        hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **keys))
+        randomize(hf)
+        out[model_type] = tmp_path_factory.mktemp(model_type)
+        hf.save_pretrained(out[model_type])
+    return out
+
+
+def _keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+# ------------------------------------------------------------------ (a) peft is the oracle, one device
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
+    ids = batch()[0]
+    hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    _random_lora(hf, seed=1)
+    hf.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        want = hf(ids).logits
+    keys = _keys_and_shapes(tmp_path / "peft")
+    assert keys["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"] == (2 * 4, 32)  # r*E, hidden
+
+    # peft's file into tptrain
+    base = AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64)
+    with torch.no_grad():
+        plain = base(ids).logits
+    loaded = PeftModel.from_pretrained(base, tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, **HF_TOL)
+    assert (want - plain).abs().max() > 1e-1  # the adapter moves the logits far more than the tolerance
+
+    # tptrain's file into peft: the same keys and shapes, the same logits
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64), LoraConfig(**SETTINGS))
+    _random_lora(ours, seed=2)
+    ours.save_pretrained(tmp_path / "ours")
+    assert _keys_and_shapes(tmp_path / "ours") == keys
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == SETTINGS["target_parameters"]
+    with torch.no_grad():
+        mine = ours(ids).logits
+        reloaded = peft.PeftModel.from_pretrained(_hf(bases[model_type]), tmp_path / "ours")
+        torch.testing.assert_close(reloaded(ids).logits, mine, **HF_TOL)
+        merged = ours.merge_and_unload()  # s * B_e @ A_e folded into the stacked weights
+        torch.testing.assert_close(merged(ids).logits, mine, **TOL)
+    assert not any("lora" in n or "base_layer" in n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize("targets", [["mlp.experts.gate_up_proj"], ["experts.down_proj"], EXPERTS[::-1]])
+def test_key_nesting_follows_peft(bases, targets, tmp_path):
+    """peft nests one ParamWrapper per parameter (down_proj outermost): the keys depend on which are targeted."""
+    settings = dict(r=3, lora_alpha=3, target_parameters=targets)
+    hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(task_type="CAUSAL_LM", **settings))
+    hf.save_pretrained(tmp_path / "peft")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), LoraConfig(**settings)).save_pretrained(
+        tmp_path / "ours")
+    assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+
+
+# ------------------------------------------------------------------ (b) TP and EP equal one device
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    """{name: full gradient} of every LoRA factor (gathered from this rank's shard under TP)."""
+    base = model.get_base_model()
+    layout = getattr(base, "tp_layout", None)
+    return {n: (p.grad if layout is None else gather_full(p.grad, layout.spec(n), layout.ctx))
+            for n, p in base.named_parameters() if ".lora_" in n}
+
+
+def _lora_params(model) -> dict[str, torch.Tensor]:
+    base = model.get_base_model()
+    layout = getattr(base, "tp_layout", None)
+    return {n: (p.detach() if layout is None else gather_full(p.detach(), layout.spec(n), layout.ctx))
+            for n, p in base.named_parameters() if ".lora_" in n}
+
+
+def _worker(base_dir, adapter_dir, tp: int, out) -> None:
+    ids, labels = batch(seed=2)
+    layouts = {"etp": DistributedConfig(tp_size=tp), "ep": DistributedConfig(tp_size=tp, enable_expert_parallel=True),
+               "all_to_all": DistributedConfig(tp_size=tp, tp_plan={"layers.*.mlp.experts": "expert_parallel_all_to_all"})}
+    for layout, config in layouts.items():
+        ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
+                                        is_trainable=True)
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64, distributed_config=config), adapter_dir,
+            is_trainable=True)
+        experts = model.get_base_model().model.layers[0].mlp.experts
+        shards = {"etp": (4, 4, 32), "ep": (4 // tp, 4, 32), "all_to_all": (4 // tp, 4, 32)}[layout]
+        assert tuple(experts.lora_gate_up_A.default.shape) == shards, (layout, experts.lora_gate_up_A.default.shape)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref(ids).logits, **TOL)
+        trained = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+        ref_opt, opt = torch.optim.AdamW(trained(ref), lr=1e-2), torch.optim.AdamW(trained(model), lr=1e-2)
+        for step in range(3):
+            ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
+            torch.testing.assert_close(loss, ref_loss, **TOL)
+            ref_loss.backward(), loss.backward()
+            if step == 0:
+                got, want = _lora_grads(model), _lora_grads(ref)
+                assert got.keys() == want.keys() and any("lora_down_B" in n for n in got)
+                for name in want:
+                    torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"{layout} {name}: {m}")
+            ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+        got, want = _lora_params(model), _lora_params(ref)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"{layout} 3 steps {name}: {m}")
+        model.save_pretrained(out / f"{layout}-tp{tp}")  # full tensors in peft's layout, whatever the split
+        if torch.distributed.get_rank() == 0:
+            ref.save_pretrained(out / f"{layout}-ref")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
+    # gate_up_proj at another rank and alpha than down_proj (peft's rank_pattern)
+    settings = {**SETTINGS, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                "rank_pattern": {r".*\.gate_up_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 6}}
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
+    _random_lora(adapter, seed=3)
+    adapter.save_pretrained(tmp_path / "adapter")
+    run_distributed(_worker, tp, bases["qwen3_moe"], tmp_path / "adapter", tp, tmp_path, timeout=600)
+    for layout in ("etp", "ep", "all_to_all"):
+        with safe_open(str(tmp_path / f"{layout}-tp{tp}" / "adapter_model.safetensors"), "pt") as f, \
+                safe_open(str(tmp_path / f"{layout}-ref" / "adapter_model.safetensors"), "pt") as g:
+            assert set(f.keys()) == set(g.keys())
+            for key in f.keys():
+                torch.testing.assert_close(f.get_tensor(key), g.get_tensor(key), **TOL)
+
+
+# ------------------------------------------------------------------ (c) what tptrain refuses
+
+
+@pytest.mark.parametrize("model_type, settings, message", [
+    ("qwen3_moe", dict(target_parameters=["mlp.experts.gate_proj"]), "gate_up_proj"),
+    ("qwen3_moe", dict(target_parameters=["input_layernorm.weight"]), "supports the MoE experts"),
+    ("qwen3_moe", dict(target_parameters=["mlp.experts.gate_down"]), "matches no parameter"),
+    ("qwen3_moe", dict(target_modules="all-linear"), "all-linear"),
+    ("qwen3_moe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]), "per-expert projections"),
+    ("mixtral", dict(target_modules=["w1", "w3"]), "per-expert projections"),
+    ("olmoe", dict(target_modules=r".*\.(q|gate|up)_proj"), "per-expert module"),
+    ("qwen3_moe", dict(target_modules=["experts"]), "target_parameters="),
+    ("qwen3_moe", dict(target_modules=["gate"], target_parameters=["mlp.gate.weight"]), "both target_modules"),
+])
+def test_unsupported_expert_targets_say_what_to_write(bases, model_type, settings, message):
+    model = AutoModelForCausalLM.from_pretrained(bases[model_type])
+    with pytest.raises(ValueError, match=message):
+        get_peft_model(model, LoraConfig(**settings))
+
+
+def test_expert_dropout_is_refused():
+    with pytest.raises(ValueError, match="lora_dropout"):  # as peft's lora.ParamWrapper
+        LoraConfig(target_parameters=EXPERTS, lora_dropout=0.1)
+
+
+@pytest.mark.parametrize("target_modules", [["q_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"])
+def test_peft_rewrite_of_per_expert_names_loads_and_is_spelled_out(bases, target_modules, tmp_path):
+    """peft rewrites transformers 4's names into target_parameters with gate_up_proj at rank 2r (rank_pattern):
+    its adapter loads into tptrain, and the explicit config tptrain's error suggests writes peft's file."""
+    ids = batch()[0]
+    hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(
+        r=2, lora_alpha=3, task_type="CAUSAL_LM", target_modules=target_modules))
+    _random_lora(hf, seed=4)
+    hf.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        want = hf(ids).logits
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+                                       tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, **HF_TOL)
+    with pytest.raises(ValueError, match="rank_pattern") as error:
+        get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]),
+                       LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
+    suggested = re.search(r"target_modules=\[.*alpha_pattern=\{[^}]*\}", str(error.value)).group()
+    spelled = eval(f"dict({suggested})")  # the message's config, as a user would paste it
+    explicit = LoraConfig(r=2, lora_alpha=3, **spelled)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), explicit).save_pretrained(tmp_path / "ours")
+    assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+
+
+def test_cli_flags_spell_target_parameters(bases):
+    """`tptrain train --lora-target-parameters ...`: the experts without the default 'all-linear' modules."""
+    import argparse
+
+    from tptrain.training.cli import add_train_arguments
+    from tptrain.training.finetune_cli import lora_config
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--lora-r", "2", "--lora-target-parameters", ",".join(EXPERTS)])
+    config = lora_config(args)
+    assert config.target_parameters == EXPERTS and config.target_modules == []
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), config)
+    assert sorted(model.lora_layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    args = parser.parse_args(["--lora-r", "2", "--lora-dropout", "0.1", "--lora-target-parameters", EXPERTS[0]])
+    with pytest.raises(ValueError, match="lora_dropout"):
+        lora_config(args)
+    assert lora_config(parser.parse_args(["--lora-r", "2"])).target_modules == "all-linear"
+
+
+def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
+    from tests.test_trainer import SEQ, reference_losses, training_args
+    from tptrain.distributed import init_distributed
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.data import PackedDataset
+    from tptrain.training.trainer import Trainer
+
+    init_distributed()
+    data = lambda: PackedDataset(torch.randint(0, VOCAB, (64 * SEQ,), generator=torch.Generator().manual_seed(1)),  # noqa: E731
+                                 SEQ)
+    single = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
+                                       is_trainable=True)
+
+    def tp_peft() -> PeftModel:
+        config = DistributedConfig(tp_size=2, enable_expert_parallel=True)
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64, distributed_config=config)
+        return PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+
+    args = training_args(f"{tmp}/run", max_steps=4, save_steps=2, parallelism_config=ParallelismConfig(tp_size=2))
+    out = Trainer(model=tp_peft(), args=args, train_dataset=data()).train()
+    expected = reference_losses(single, data(), args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), rtol=1e-9, atol=1e-9)
+    again = Trainer(model=tp_peft(), args=args, train_dataset=data()).train(
+        resume_from_checkpoint=f"{tmp}/run/checkpoint-2")  # the experts' factors, split by expert, from DCP
+    assert again.losses == out.losses[2:], (again.losses, out.losses)
+    reloaded = _lora_params(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64),
+                                                      out.final_dir))
+    for name, p in _lora_params(single).items():
+        torch.testing.assert_close(reloaded[name], p, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, tmp_path):
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+                             LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERTS))
+    _random_lora(adapter, seed=5)
+    adapter.save_pretrained(tmp_path / "adapter")
+    run_distributed(_trainer_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)

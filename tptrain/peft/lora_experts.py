@@ -1,0 +1,196 @@
+"""LoRA on stacked mixture-of-experts projections, laid out like the experts and saved as peft writes it.
+
+peft 0.21 on transformers 5 adapts the experts' fused parameters (`target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"]`, one `lora.ParamWrapper` per parameter): expert e's weight W_e (out, in) becomes
+W_e + s * B_e @ A_e. For `gate_up_proj` (gate rows then up rows) one A_e serves both, so gate and up share it.
+In memory tptrain keeps per-expert stacked factors beside its stacked gate/up/down:
+
+  lora_gate_up_A (E, r, hidden)   lora_gate_B, lora_up_B (E, inner, r)   (gate_up_proj's A and its B, split in two)
+  lora_down_A (E, r, inner)       lora_down_B (E, hidden, r)
+
+and adds s * (x @ A_e^T) @ B_e^T to each expert's projection inside the grouped matmul (`Experts.project`), so
+every expert style's collectives carry the adapter too. Each factor follows the base weight's split:
+
+  experts split (dim 0, expert parallel)   A and B split by expert: every gradient is whole on its owner.
+  out split (dim 1, gate/up under ETP)     A replicated (a per-rank partial gradient), B split on its out dim.
+  in split (dim 2, down under ETP)         A split on its in dim, B replicated (a per-rank partial gradient).
+
+On disk (`to_disk` / `from_disk`, the only conversion): peft's A is (r*E, in) with expert e's rows at [e*r, (e+1)*r),
+its B (out, r*E) with expert e's column j at j*E + e; the two ParamWrappers nest, the last parameter transformers
+registers (`down_proj`) outermost, so the inner one's keys carry one `base_layer.` per targeted parameter after it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tptrain.parallel.styles import ShardSpec, TPContext
+from tptrain.peft.lora import ADAPTER, PARTIAL, REPLICATED, LoraRuntime, mix_seed
+
+# transformers 5's fused expert parameters, in the order its experts modules register them (peft's nesting order).
+FUSED = ("gate_up_proj", "down_proj")
+STACKED = ("gate_proj", "up_proj", "down_proj")  # tptrain's stacked parameters of an experts module
+
+
+def is_experts(module: nn.Module) -> bool:
+    """An experts module as tptrain holds them: stacked 3-D gate/up/down and a grouped matmul with `project`."""
+    return hasattr(module, "project") and all(
+        isinstance(getattr(module, n, None), nn.Parameter) and getattr(module, n).dim() == 3 for n in STACKED)
+
+
+def factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
+    """(spec of A (E, r, in), spec of B (E, out, r)) for a stacked weight (E, out, in) laid out as `base`."""
+    if base.replicas != 1 or base.segments:
+        raise ValueError(f"LoRA cannot adapt {where!r}: its layout {base} is not a plain split")
+    if base.dim is None:
+        return REPLICATED, REPLICATED
+    if base.dim == 0:
+        return ShardSpec(0), ShardSpec(0)
+    return (PARTIAL, ShardSpec(1)) if base.dim == 1 else (ShardSpec(2), PARTIAL)
+
+
+class LoraExperts(nn.Module):
+    """Wraps an experts module (`base_layer`) with LoRA on `ranks`' keys (a subset of FUSED, in FUSED order), each
+    with its (r, scaling)."""
+
+    def __init__(self, base: nn.Module, *, name: str, ranks: dict[str, tuple[int, float]],
+                 shapes: tuple[int, int, int], specs: dict[str, ShardSpec], ctx: TPContext | None,
+                 runtime: LoraRuntime, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.name, self.ranks = name, dict(ranks)
+        self.targets = tuple(t for t in FUSED if t in ranks)
+        self.ctx, self.runtime = ctx, runtime
+        experts, inner, hidden = shapes  # global (unsharded) sizes
+        self.num_experts, self.inner = experts, inner
+        self._layout: dict[str, tuple[ShardSpec, tuple[int, ...]]] = {}
+        # {stacked weight: (A name, B name, scaling)}: which factors join which projection
+        self.pairs: dict[str, tuple[str, str, float]] = {}
+        device = base.gate_proj.device
+        if "gate_up_proj" in ranks:
+            r, scaling = ranks["gate_up_proj"]
+            spec_a, spec_b = factor_specs(specs["gate_proj"], f"{name}.gate_up_proj")
+            self._factor("lora_gate_up_A", spec_a, (experts, r, hidden), "gate_up_proj", dtype, device)
+            self._factor("lora_gate_B", spec_b, (experts, inner, r), None, dtype, device)
+            self._factor("lora_up_B", spec_b, (experts, inner, r), None, dtype, device)
+            self.pairs["gate_proj"] = ("lora_gate_up_A", "lora_gate_B", scaling)
+            self.pairs["up_proj"] = ("lora_gate_up_A", "lora_up_B", scaling)
+        if "down_proj" in ranks:
+            r, scaling = ranks["down_proj"]
+            spec_a, spec_b = factor_specs(specs["down_proj"], f"{name}.down_proj")
+            self._factor("lora_down_A", spec_a, (experts, r, inner), "down_proj", dtype, device)
+            self._factor("lora_down_B", spec_b, (experts, hidden, r), None, dtype, device)
+            self.pairs["down_proj"] = ("lora_down_A", "lora_down_B", scaling)
+        base.project = self.project  # the grouped matmul's per-expert projection, now with the adapter term
+
+    def _factor(self, attr: str, spec: ShardSpec, shape: tuple[int, ...], init_key: str | None,
+                dtype: torch.dtype, device: torch.device) -> None:
+        """A factor from its FULL shape (A: peft's kaiming-uniform bound 1/sqrt(in) under a seed every rank shares;
+        B: zeros), then sliced."""
+        if init_key is None:
+            full = torch.zeros(shape)
+        else:
+            gen = torch.Generator().manual_seed(mix_seed(self.runtime.seed, f"{self.name}.{init_key}", "init"))
+            bound = shape[-1] ** -0.5
+            full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
+        local = full if spec.dim is None or self.ctx is None else spec.local_chunk(full, self.ctx.size, self.ctx.rank)
+        setattr(self, attr, nn.ParameterDict({ADAPTER: nn.Parameter(local.clone().to(device, dtype))}))
+        self._layout[f"{attr}.{ADAPTER}"] = (spec, shape)
+
+    def forward(self, *args, **kwargs):
+        return self.base_layer(*args, **kwargs)
+
+    def factor(self, attr: str) -> torch.Tensor:
+        return getattr(self, attr)[ADAPTER]
+
+    def layout(self) -> dict[str, tuple[ShardSpec, tuple[int, ...]]]:
+        """{factor name: (ShardSpec, unsharded shape)}."""
+        return dict(self._layout)
+
+    def project(self, name: str, i: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = type(self.base_layer).project(self.base_layer, name, i, x, weight)
+        if name not in self.pairs:
+            return out
+        a_name, b_name, scaling = self.pairs[name]
+        a, b = self.factor(a_name)[i], self.factor(b_name)[i]  # (r, in), (out, r): held expert i, this rank's slice
+        # As LoraLinear: A in the input's dtype, the (n, r) result on in the adapter's dtype.
+        after_a = x @ a.to(x.dtype).T
+        return out + ((after_a.to(b.dtype) @ b.T) * scaling).to(out.dtype)
+
+    # ------------------------------------------------------------------ peft's tensors
+
+    def disk_prefix(self, target: str) -> str:
+        """Key prefix of `target`'s factors under the module name: one `base_layer.` per ParamWrapper around it."""
+        return "base_layer." * (len(self.targets) - 1 - self.targets.index(target))
+
+    def disk_shapes(self) -> dict[str, tuple[int, int]]:
+        """{key under the module name: shape} of peft's file."""
+        out = {}
+        for target in self.targets:
+            a, b = self._full_pair(target)
+            rows = self.num_experts * self.ranks[target][0]
+            p = self.disk_prefix(target)
+            out[f"{p}lora_A.weight"], out[f"{p}lora_B.weight"] = (rows, a[2]), (b[1], rows)
+        return out
+
+    def _full_pair(self, target: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Unsharded (A, B) shapes of `target`, B of gate_up_proj being the gate rows then the up rows."""
+        if target == "gate_up_proj":
+            e, inner, r = self._layout[f"lora_gate_B.{ADAPTER}"][1]
+            return self._layout[f"lora_gate_up_A.{ADAPTER}"][1], (e, 2 * inner, r)
+        return self._layout[f"lora_down_A.{ADAPTER}"][1], self._layout[f"lora_down_B.{ADAPTER}"][1]
+
+    def to_disk(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """peft's tensors {key under the module name: tensor} from this layer's full factors {factor name: tensor}."""
+        out = {}
+        for target in self.targets:
+            if target == "gate_up_proj":
+                a = full[f"lora_gate_up_A.{ADAPTER}"]
+                b = torch.cat([full[f"lora_gate_B.{ADAPTER}"], full[f"lora_up_B.{ADAPTER}"]], dim=1)
+            else:
+                a, b = full[f"lora_down_A.{ADAPTER}"], full[f"lora_down_B.{ADAPTER}"]
+            p = self.disk_prefix(target)
+            out[f"{p}lora_A.weight"] = a.flatten(0, 1)  # (E*r, in): expert-major rows
+            out[f"{p}lora_B.weight"] = b.permute(1, 2, 0).flatten(1)  # (out, r*E): column j*E + e
+        return out
+
+    def from_disk(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This layer's full factors {factor name: tensor} from peft's tensors {key under the module name: tensor}."""
+        out = {}
+        for target in self.targets:
+            e, r, p = self.num_experts, self.ranks[target][0], self.disk_prefix(target)
+            a_disk, b_disk = tensors[f"{p}lora_A.weight"], tensors[f"{p}lora_B.weight"]
+            a = a_disk.reshape(e, r, a_disk.shape[1])
+            b = b_disk.reshape(b_disk.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
+            if target == "gate_up_proj":
+                out[f"lora_gate_up_A.{ADAPTER}"] = a
+                out[f"lora_gate_B.{ADAPTER}"], out[f"lora_up_B.{ADAPTER}"] = b[:, :self.inner], b[:, self.inner:]
+            else:
+                out[f"lora_down_A.{ADAPTER}"], out[f"lora_down_B.{ADAPTER}"] = a, b
+        return out
+
+    def load_full(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slice of every full factor {factor name: tensor} into the factors."""
+        with torch.no_grad():
+            for local_name, t in full.items():
+                spec, p = self._layout[local_name][0], self.get_parameter(local_name)
+                if spec.dim is not None and self.ctx is not None:
+                    t = spec.local_chunk(t, self.ctx.size, self.ctx.rank)
+                p.copy_(t.to(p.dtype))
+
+    # ------------------------------------------------------------------ merging
+
+    def merge(self) -> nn.Module:
+        """Fold s * B_e @ A_e into this rank's block of every adapted stacked weight; return the base, unhooked."""
+        base = self.base_layer
+        with torch.no_grad():
+            for weight_name, (a, b, scaling) in self.pairs.items():
+                weight = getattr(base, weight_name)
+                compute = torch.promote_types(weight.dtype, torch.float32)
+                delta = torch.bmm(self.factor(b).to(compute), self.factor(a).to(compute)) * scaling
+                weight.add_(delta.to(weight.dtype))
+        return self.unhook()
+
+    def unhook(self) -> nn.Module:
+        del self.base_layer.project  # back to the class's plain projection
+        return self.base_layer
