@@ -6,7 +6,6 @@ peft 0.21 + transformers 5.23 at one device and against one device under expert 
 from __future__ import annotations
 
 import json
-import re
 import warnings
 
 import pytest
@@ -201,12 +200,12 @@ def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
     ("qwen3_moe", dict(target_parameters=["mlp.experts.gate_proj"]), "gate_up_proj"),
     ("qwen3_moe", dict(target_parameters=["input_layernorm.weight"]), "supports the MoE experts"),
     ("qwen3_moe", dict(target_parameters=["mlp.experts.gate_down"]), "matches no parameter"),
-    ("qwen3_moe", dict(target_modules="all-linear"), "all-linear"),
-    ("qwen3_moe", dict(target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]), "per-expert projections"),
-    ("mixtral", dict(target_modules=["w1", "w3"]), "per-expert projections"),
+    ("mixtral", dict(target_modules=["q_proj", "w1"]), "names 'w1' without 'w3'"),
+    ("qwen3_moe", dict(target_modules=["up_proj", "down_proj"]), "names 'up_proj' without 'gate_proj'"),
     ("olmoe", dict(target_modules=r".*\.(q|gate|up)_proj"), "per-expert module"),
     ("qwen3_moe", dict(target_modules=["experts"]), "target_parameters="),
-    ("qwen3_moe", dict(target_modules=["gate"], target_parameters=["mlp.gate.weight"]), "both target_modules"),
+    ("qwen2_moe", dict(target_modules=["shared_expert_gate"], target_parameters=["mlp.shared_expert_gate.weight"]),
+     "both target_modules"),
 ])
 def test_unsupported_expert_targets_say_what_to_write(bases, model_type, settings, message):
     model = AutoModelForCausalLM.from_pretrained(bases[model_type])
@@ -219,29 +218,33 @@ def test_expert_dropout_is_refused():
         LoraConfig(target_parameters=EXPERTS, lora_dropout=0.1)
 
 
-@pytest.mark.parametrize("target_modules", [["q_proj", "gate_proj", "up_proj", "down_proj"], "all-linear"])
-def test_peft_rewrite_of_per_expert_names_loads_and_is_spelled_out(bases, target_modules, tmp_path):
-    """peft rewrites transformers 4's names into target_parameters with gate_up_proj at rank 2r (rank_pattern):
-    its adapter loads into tptrain, and the explicit config tptrain's error suggests writes peft's file."""
+@pytest.mark.parametrize("model_type, target_modules", [
+    ("qwen3_moe", ["q_proj", "gate_proj", "up_proj", "down_proj"]), ("qwen3_moe", "all-linear"),
+    ("mixtral", ["q_proj", "w1", "w2", "w3", "gate"]), ("olmoe", "all-linear"),
+    ("qwen2_moe", "all-linear"), ("qwen2_moe", ["q_proj", "gate_proj", "up_proj", "down_proj"])])
+def test_transformers_4_names_are_rewritten_as_peft_does(bases, model_type, target_modules, tmp_path):
+    """peft rewrites transformers 4's MoE names (and "all-linear") per model type into target_parameters on the fused
+    experts and the router, gate_up_proj at rank 2r (rank_pattern); on Qwen2-MoE they match only the shared expert.
+    The same LoraConfig in tptrain writes peft's file (keys, shapes, targets), and peft's adapter loads into tptrain."""
     ids = batch()[0]
-    hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(
+    hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(
         r=2, lora_alpha=3, task_type="CAUSAL_LM", target_modules=target_modules))
     _random_lora(hf, seed=4)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
         want = hf(ids).logits
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64),
                                        tmp_path / "peft")
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, **HF_TOL)
-    with pytest.raises(ValueError, match="rank_pattern") as error:
-        get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]),
-                       LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
-    suggested = re.search(r"target_modules=\[.*alpha_pattern=\{[^}]*\}", str(error.value)).group()
-    spelled = eval(f"dict({suggested})")  # the message's config, as a user would paste it
-    explicit = LoraConfig(r=2, lora_alpha=3, **spelled)
-    get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), explicit).save_pretrained(tmp_path / "ours")
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type]),
+                          LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
+    ours.save_pretrained(tmp_path / "ours")
     assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+    written = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft")]
+    for key in ("target_parameters", "rank_pattern", "alpha_pattern"):
+        assert sorted(written[0][key] or []) == sorted(written[1][key] or []), key
+    assert sorted(written[0]["target_modules"] or []) == sorted(written[1]["target_modules"] or [])
 
 
 def test_cli_flags_spell_target_parameters(bases):

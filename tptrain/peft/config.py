@@ -8,6 +8,7 @@ way, an experts module offering transformers' names `gate_up_proj` and `down_pro
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,6 +27,15 @@ BIAS_MODES = ("none", "all", "lora_only")
 # peft's default targets for Llama, Qwen2 and Qwen3 when target_modules is None.
 DEFAULT_TARGETS = ["q_proj", "v_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]  # what peft's "all-linear" keeps as modules on an MoE model
+# peft 0.21's rewrite of transformers 4's MoE module names onto transformers 5's fused expert parameters, per model
+# type: {module name: parameter target}. gate and up fuse into one gate_up_proj, adapted at rank 2r (alpha 2x).
+# Qwen2-MoE has none: its names match only the shared expert's modules.
+_FUSED_GATE_UP = r".*\.gate_up_proj"
+PEFT_EXPERT_REWRITES = {
+    "qwen3_moe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj", "gate": "gate.weight"},
+    "olmoe": {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj", "gate": "gate.weight"},
+    "mixtral": {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj", "gate": "gate.weight"},
+}
 SUPPORTED_TYPES = (nn.Linear, nn.Embedding)
 # adapter_config.json keys whose non-default values change the math; tptrain refuses them rather than
 # silently computing something else.
@@ -184,23 +194,48 @@ def matches(config: LoraConfig, name: str) -> bool:
     return name in targets or any(name.endswith(f".{t}") for t in targets)
 
 
+def rewrite_expert_targets(model: nn.Module, config: LoraConfig) -> LoraConfig:
+    """`config` as peft 0.21 rewrites it for an MoE model whose type it knows (PEFT_EXPERT_REWRITES): transformers 4's
+    module names (a list, or "all-linear" = attention + every MLP name) become target_parameters on the fused
+    experts and the router, gate_up_proj at rank 2r / alpha 2 lora_alpha, and leave target_modules (so a dense
+    layer's MLP of the same name is not adapted either, as in peft). Other configs are returned unchanged."""
+    rewrites = PEFT_EXPERT_REWRITES.get(getattr(getattr(model, "config", None), "model_type", None))
+    targets = config.target_modules
+    if not rewrites or targets is None or (isinstance(targets, str) and targets.lower() != ALL_LINEAR):
+        return config
+    names = ATTENTION + list(rewrites) if isinstance(targets, str) else list(targets)
+    moved = [n for n in names if n in rewrites]
+    if not moved:
+        return config
+    fused = [n for n, p in rewrites.items() if p == "gate_up_proj"]
+    if any(n in moved for n in fused) and not all(n in moved for n in fused):
+        raise ValueError(f"LoraConfig.target_modules names {[n for n in fused if n in moved][0]!r} without "
+                         f"{[n for n in fused if n not in moved][0]!r}: on {model.config.model_type} both are one fused "
+                         f"gate_up_proj (transformers 5), as peft refuses too; name both, or neither")
+    params = list(dict.fromkeys([*(config.target_parameters or []), *(rewrites[n] for n in moved)]))
+    rank, alpha = dict(config.rank_pattern), dict(config.alpha_pattern)
+    if "gate_up_proj" in params:
+        rank.setdefault(_FUSED_GATE_UP, 2 * config.r)
+        alpha.setdefault(_FUSED_GATE_UP, 2 * config.lora_alpha)
+    return dataclasses.replace(config, target_modules=[n for n in names if n not in rewrites],
+                               target_parameters=params, rank_pattern=rank, alpha_pattern=alpha)
+
+
 def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
     """{module name: module} the adapter wraps. Pure (no collective), so every rank raises the same errors."""
     names = [(n, m) for n, m in model.named_modules() if n]
     experts = [n for n, m in names if is_experts(m)]
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
-        if experts:
-            raise ValueError(f"LoraConfig.target_modules='all-linear' on a mixture-of-experts model "
-                             f"({type(model).__name__}): peft 0.21 on transformers 5 rewrites it (per model type) into "
-                             "LoRA on the router and the experts with rank 2*r for gate_up_proj; tptrain does not "
-                             f"rewrite it. Write what peft ends up with: {_expert_spelling(config, ATTENTION, router=True)}")
         output = getattr(model, "lm_head", None)  # peft excludes the output layer of a causal LM
-        found = {n: m for n, m in names if isinstance(m, nn.Linear) and m is not output
+        # An MoE router is an nn.Linear here but not in transformers 5 (its own module), so peft's "all-linear" (on
+        # a model type it does not rewrite, Qwen2-MoE) leaves it out too.
+        routers = {f"{n}.gate" for n, m in names if is_experts(getattr(m, "experts", None))}
+        found = {n: m for n, m in names if isinstance(m, nn.Linear) and m is not output and n not in routers
                  and not _excluded_by_modules_to_save(config, n)}
     else:
         found = {n: m for n, m in names if matches(config, n)}
-    if experts and not (isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR):
-        _refuse_per_expert_modules(model, config, experts)
+    if experts and isinstance(config.target_modules, str) and config.target_modules.lower() != ALL_LINEAR:
+        _refuse_per_expert_regex(model, config, experts)
     if not found and config.target_modules:
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module of "
                          f"{type(model).__name__} (module names look like {names[min(5, len(names) - 1)][0]!r}); "
@@ -215,29 +250,18 @@ def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
     return found
 
 
-def _refuse_per_expert_modules(model: nn.Module, config: LoraConfig, experts: list[str]) -> None:
-    """A target_modules entry that would match transformers 4's per-expert modules (`mlp.experts.0.gate_proj`,
-    Mixtral's `w1`): peft 0.21 rewrites it onto the fused experts with rank 2*r for gate_up_proj (Qwen3-MoE, OLMoE,
-    Mixtral), or adapts only the other modules of that name (Qwen2-MoE); tptrain refuses rather than guess."""
+def _refuse_per_expert_regex(model: nn.Module, config: LoraConfig, experts: list[str]) -> None:
+    """A target_modules regex that would match transformers 4's per-expert modules (`mlp.experts.0.gate_proj`,
+    Mixtral's `w1`): peft 0.21 probes a regex against them and rewrites it per model type; tptrain refuses rather than
+    guess (a list of names is rewritten as peft does: `rewrite_expert_targets`)."""
     hub_names = getattr(getattr(model, "config", None), "expert_checkpoint_names", {}).values()
-    per_expert_names = [f"{experts[0]}.0.{h}" for h in hub_names]
-    if isinstance(config.target_modules, str):  # a regex: peft probes it against these names too
-        hit = [n for n in per_expert_names if re.fullmatch(config.target_modules, n)]
-        if hit:
-            raise ValueError(f"LoraConfig.target_modules regex {config.target_modules!r} matches transformers 4's "
-                             f"per-expert module {hit[0]!r}, which peft 0.21 rewrites (per model type) into "
-                             "target_parameters with rank 2*r for gate_up_proj; tptrain does not guess. Narrow the "
-                             "regex to the other modules and write the experts out: "
-                             f"{_expert_spelling(config, None, router=False)}")
-        return
-    per_expert = [e for e in config.target_modules if any(_param_matches([e], n) for n in per_expert_names)]
-    others = [e for e in config.target_modules if e not in per_expert]
-    if per_expert:
-        raise ValueError(f"LoraConfig.target_modules entry {per_expert[0]!r} names the per-expert projections of "
-                         f"{experts[0]!r} (transformers 4's modules; stacked parameters now), which peft 0.21 "
-                         "rewrites (per model type) into target_parameters with rank 2*r for gate_up_proj; tptrain "
-                         f"does not guess. Write it out: {_expert_spelling(config, others, router=False)}, and name "
-                         "other modules by a longer name (e.g. 'shared_expert.gate_proj')")
+    hit = [n for n in (f"{experts[0]}.0.{h}" for h in hub_names) if re.fullmatch(config.target_modules, n)]
+    if hit:
+        raise ValueError(f"LoraConfig.target_modules regex {config.target_modules!r} matches transformers 4's "
+                         f"per-expert module {hit[0]!r}, which peft 0.21 rewrites (per model type) into "
+                         "target_parameters with rank 2*r for gate_up_proj; tptrain does not guess. Narrow the "
+                         "regex to the other modules and write the experts out: "
+                         f"{_expert_spelling(config, None, router=False)}")
 
 
 def _expert_spelling(config: LoraConfig, modules: list[str] | None, *, router: bool) -> str:

@@ -26,7 +26,8 @@ from tptrain.distributed import comm
 from tptrain.modeling import gather_parameters, is_sharded, save_once
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft import io
-from tptrain.peft.config import ALL_LINEAR, LoraConfig, modules_to_save, resolve_parameter_targets, resolve_targets
+from tptrain.peft.config import (ALL_LINEAR, LoraConfig, modules_to_save, resolve_parameter_targets, resolve_targets,
+                                 rewrite_expert_targets)
 from tptrain.peft.lora import LoraEmbedding, LoraLayer, LoraLinear, LoraRuntime, factor_specs
 from tptrain.peft.lora_experts import STACKED, LoraExperts
 from tptrain.peft.lora_experts import factor_specs as expert_factor_specs
@@ -53,6 +54,7 @@ class PeftModel(nn.Module):
         if isinstance(model, PeftModel):
             raise TypeError("the model already has LoRA adapters (it is a PeftModel); merge_and_unload() it first, "
                             "or load the adapter onto the plain base model")
+        config = rewrite_expert_targets(model, config)  # transformers 4's expert names, as peft rewrites them
         targets = resolve_targets(model, config)  # pure checks first: identical errors on every rank
         experts, weights = resolve_parameter_targets(model, config)
         both = sorted(set(targets) & set(weights))
