@@ -109,7 +109,11 @@ def apply_compile(model: nn.Module, *, backend: str) -> None:
     with it (comm.py's collectives are custom ops). The layer's `forward` is replaced in place, so parameter names,
     the layout table and checkpoints are unchanged, and hooks on the layer itself (FSDP2's, applied after this)
     run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer."""
+    layout = getattr(model, "tp_layout", None)
     for layer in decoder_layers(model):
+        if layout is not None:  # a block never reuses the last block's shared TP boundary: starting each without
+            # it (in eager, before the compiled call) spares dynamo a second graph guarded on it being set
+            layer.register_forward_pre_hook(lambda module, args: layout.ctx.reset())
         layer.forward = torch.compile(layer.forward, backend=backend)
 
 
