@@ -19,7 +19,7 @@ from tests.dist_utils import run_distributed
 from tests.test_trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
-from tptrain.training.args import TrainingArguments
+from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.parallelize import compile_error
 from tptrain.training.trainer import Trainer
 
@@ -90,14 +90,15 @@ def test_single_device_compiled_matches_eager(tmp_path):
 
 @pytest.mark.slow
 @needs_compiler
-def test_tp2_compiled_matches_eager(tmp_path):
-    """Plain TP (the same collectives, counted alike); SP (inside a compiled layer the compiler saves the
+def test_tp2_and_fsdp2_compiled_match_eager(tmp_path):
+    """Plain TP (the same collectives, counted alike); FSDP2 over compiled layers (its hooks run around them); SP (inside a compiled layer the compiler saves the
     gathered input instead of SP's re-gather in backward: fewer backward all-gathers); activation checkpointing
     (a compiled layer's recompute runs all of its forward, so backward issues its last all-reduce again)."""
     run_distributed(_compiled_matches_eager_worker, 2, str(tmp_path), [
         dict(tp=2),
         dict(tp=2, sp=True, changed=(("backward", "all_gather"), -1)),
         dict(tp=2, gradient_checkpointing=True, changed=(("backward", "all_reduce"), +1)),
+        dict(tp=1, parallelism_config=ParallelismConfig(tp_size=1, dp_shard_size=2)),
     ], timeout=900)
 
 
