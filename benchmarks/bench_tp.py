@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/bench_tp.py --workloads medium --steps 2 --warmup 1 --no-load   # quick look
     .venv/bin/python benchmarks/bench_tp.py --backend transformers --workloads medium --no-load
         # + tptrain's engine on transformers' Qwen3ForCausalLM (impl "tptrain-hf"), next to native and the peer
+    .venv/bin/python benchmarks/bench_tp.py --compile --workloads medium --no-load
+        # + tptrain with each decoder layer torch.compile'd (inductor; impl "tptrain+compile"), tp 1 and 2
 
 Every measurement runs in fresh processes: tp 1 as one process, tp 2 as two ranks launched with
 `python -m torch.distributed.run --standalone --nproc-per-node 2`; each rank uses ONE thread
@@ -48,6 +50,7 @@ LOAD_CONFIG = dict(QWEN3, num_hidden_layers=28, head_dim=128, vocab_size=151936,
 RUNS = [("tptrain", 1, False, ""), ("peer", 1, False, ""), ("tptrain", 2, False, ""), ("tptrain", 2, True, ""),
         ("tptrain", 2, False, "unfused-loss"), ("peer", 2, False, ""), ("tptrain", 4, False, ""), ("peer", 4, False, "")]
 HF_RUNS = [("tptrain-hf", 1, False, ""), ("tptrain-hf", 2, False, "")]  # --backend transformers
+COMPILE_RUNS = [("tptrain+compile", 1, False, ""), ("tptrain+compile", 2, False, "")]  # --compile; compiled in warmup
 VARIANTS = {"": "", "unfused-loss": "head + loss unfused (return_logits=True)"}
 MB = 1e6
 
@@ -138,6 +141,11 @@ def _batches(vocab: int, b: int, s: int, n: int):
 
 def _load(impl: str, ckpt: str, tp: int, sp: bool):
     import torch
+    if impl == "tptrain+compile":
+        from tptrain.training.parallelize import apply_compile
+        model = _load("tptrain", ckpt, tp, sp)
+        apply_compile(model, backend="inductor")
+        return model
     if impl.startswith("tptrain"):
         from tptrain import DistributedConfig
         from tptrain.models import AutoModelForCausalLM
@@ -279,6 +287,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--backend", choices=("native", "transformers"), default="native",
                         help="transformers: also run tptrain's engine on transformers' modeling code (tptrain-hf)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run tptrain with each decoder layer torch.compile'd (impl tptrain+compile)")
     parser.add_argument("--no-load", action="store_true", help="skip the ~2.4 GB checkpoint load measurement")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -302,8 +312,9 @@ def main() -> None:
             parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
         config, b, s = WORKLOADS[name]
         ckpt = _qwen3_checkpoint(cache, f"qwen3-{name}", config)
-        for impl, tp, sp, variant in RUNS + (HF_RUNS if args.backend == "transformers" else []):
-            if not (impl in impls or impl == "tptrain-hf" and "tptrain" in impls) or tp not in args.tp:
+        extra = (HF_RUNS if args.backend == "transformers" else []) + (COMPILE_RUNS if args.compile else [])
+        for impl, tp, sp, variant in RUNS + extra:
+            if not (impl in impls or impl in ("tptrain-hf", "tptrain+compile") and "tptrain" in impls) or tp not in args.tp:
                 continue
             key = (name, impl, tp, sp, variant)
             if tp > cores:
@@ -380,6 +391,12 @@ def _table(results: dict, loads: dict, args) -> str:
              f"{get(n, 'tptrain-hf', 2)['cpu'] / get(n, 'peer', 2)['cpu']:.2f}x", "-")
         line("tptrain-hf collectives == minimum",
              lambda n: f"{get(n, 'tptrain-hf', 2)['coll'] == get(n, 'tptrain-hf', 2)['min']}", "True")
+    if args.compile:
+        for tp in (1, 2):
+            line(f"tp-{tp} step time, compiled / eager (tptrain)",
+                 lambda n, t=tp: f"{get(n, 'tptrain+compile', t)['step'] / get(n, 'tptrain', t)['step']:.2f}x", "-")
+        line("tp-2 compiled collectives == minimum",
+             lambda n: f"{get(n, 'tptrain+compile', 2)['coll'] == get(n, 'tptrain+compile', 2)['min']}", "True")
     line("tp-2 step time with SP, tptrain / peer",
          lambda n: f"{get(n, 'tptrain', 2, True)['step'] / get(n, 'peer', 2)['step']:.2f}x", "-")
     for impl in ("tptrain", "peer"):

@@ -66,7 +66,7 @@ def _summed_partials(module: nn.Module, ctx: TPContext):
     module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
 
     def forward(self, x, expert_ids, weights):
-        x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group)
+        x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
         return ctx.exit(local_forward(self, x, expert_ids, weights))
 
     return forward
@@ -145,7 +145,7 @@ def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.
     the reverse all-to-alls and the all-gather of the input share's gradient. Ranks whose experts get no row
     still take part, with empty splits.
     """
-    p, group = ctx.size, ctx.group
+    p, group = ctx.size, ctx.group_name
     assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
     x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
     expert_ids = expert_ids.chunk(p)[ctx.rank]

@@ -76,6 +76,8 @@ class SequenceParallelSaver:
         self._hooks: list = []
 
     def on_gather(self, local: torch.Tensor, full: torch.Tensor, dim: int) -> None:
+        if torch.compiler.is_compiling():  # a compiled layer: its compiler, not autograd's hooks, picks what it saves
+            return
         if not self._hooks:  # activation checkpointing's recompute in backward: nothing will be packed, and
             return           # an entry would keep its shard alive until the next forward ends
         storage = full.untyped_storage()

@@ -125,19 +125,19 @@ class TPContext:
         if self._boundary is not None and self._boundary[0]() is x:
             return self._boundary[1]
         if self.sequence_parallel:
-            y = comm.gather_to_sp(x, self.group, dim=1)
+            y = comm.gather_to_sp(x, self.group_name, dim=1)
             if self.on_gather is not None:
                 self.on_gather(x, y, 1)
         else:
-            y = comm.copy_to_tp(x, self.group)
+            y = comm.copy_to_tp(x, self.group_name)
         self._boundary = (weakref.ref(x), y)
         return y
 
     def exit(self, partial: torch.Tensor) -> torch.Tensor:
         """Output boundary of a row-parallel block: sum the per-rank partial results."""
         if self.sequence_parallel:
-            return comm.reduce_scatter_to_sp(partial, self.group, dim=1)
-        return comm.reduce_from_tp(partial, self.group)
+            return comm.reduce_scatter_to_sp(partial, self.group_name, dim=1)
+        return comm.reduce_from_tp(partial, self.group_name)
 
     def reset(self) -> None:
         self._boundary = None
@@ -320,7 +320,7 @@ class ColwiseGatherOutput(ColwiseParallel):
         super().install(module, ctx)
 
         def gather(m, args, out):
-            return out if ctx.keep_logits_sharded else comm.gather_from_tp(out, ctx.group, dim=-1)
+            return out if ctx.keep_logits_sharded else comm.gather_from_tp(out, ctx.group_name, dim=-1)
 
         module.register_forward_hook(gather)
 
@@ -390,7 +390,7 @@ class DistributedRMSNorm(ParallelStyle):
         width = module.weight.shape[0] * (ctx.size // self.kv_replicas)  # the unsplit feature count
 
         def mean_square(h):  # (..., local_width) -> (..., 1)
-            total = comm.sum_over_tp(h.pow(2).sum(-1, keepdim=True), ctx.group) / self.kv_replicas
+            total = comm.sum_over_tp(h.pow(2).sum(-1, keepdim=True), ctx.group_name) / self.kv_replicas
             return total / width
 
         module.mean_square = mean_square

@@ -73,6 +73,10 @@ class TrainingArguments:
     bf16: bfloat16 compute with float32 gradient reduction (FSDP2 mixed precision, or autocast
         without data parallelism). Parameters stay in the dtype the model was loaded in.
     gradient_checkpointing: recompute each decoder layer in backward to save activation memory.
+    torch_compile: torch.compile each decoder layer on its own (after TP and activation checkpointing,
+        before FSDP2); the TP collectives compile into the layer's graph. Inductor needs a C++ compiler
+        on CPU (Triton on CUDA): without one the Trainer refuses it with a ValueError.
+    torch_compile_backend: the torch.compile backend ("inductor"; "aot_eager" compiles without codegen).
     seed: seeds the data order and torch's RNG.
     logging_steps: report loss / lr / tokens per second every this many steps.
     save_steps: write a resumable checkpoint every this many steps; 0 disables.
@@ -125,6 +129,8 @@ class TrainingArguments:
     warmup_steps: int = 0
     bf16: bool = False
     gradient_checkpointing: bool = False
+    torch_compile: bool = False
+    torch_compile_backend: str = "inductor"
     seed: int = 42
     logging_steps: int = 1
     save_steps: int = 0
@@ -170,6 +176,7 @@ class TrainingArguments:
             raise ValueError(f"TrainingArguments.lr_scheduler_type={self.lr_scheduler_type!r} is not one of "
                              f"{SCHEDULERS}")
         self._check_finetuning()
+        self._check_compile()
         grace = self.preemption_grace
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0):
             raise ValueError(f"TrainingArguments.preemption_grace must be None or a positive number of seconds, "
@@ -177,6 +184,18 @@ class TrainingArguments:
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")
+
+    def _check_compile(self) -> None:
+        if not isinstance(self.torch_compile, bool):
+            raise TypeError(f"TrainingArguments.torch_compile must be True or False, got {self.torch_compile!r}")
+        if not self.torch_compile:
+            return
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.torch_compile_backend not in backends:
+            raise ValueError(f"TrainingArguments.torch_compile_backend={self.torch_compile_backend!r} is not a "
+                             f"torch.compile backend; use one of {', '.join(backends)} (default: 'inductor')")
 
     def _check_finetuning(self) -> None:
         if self.num_train_epochs is not None and not self.num_train_epochs > 0:

@@ -80,6 +80,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (default: float32)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler, e.g. g++)")
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                    help="resume from the latest valid checkpoint in --output-dir, or from CHECKPOINT")
     p.add_argument("--overwrite-output-dir", action="store_true",
@@ -175,6 +177,13 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
+    if args.compile:
+        from tptrain.distributed import local_device
+        from tptrain.training.parallelize import compile_error
+
+        error = compile_error("inductor", local_device())
+        if error:
+            raise ValueError(f"--compile: {error}")
     finetune_cli.preflight(args, model_dir, nproc, max_steps_given=args.max_steps_given)  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
@@ -216,7 +225,7 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
+        seed=args.seed, bf16=args.bf16, torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
         preemption_grace=args.preemption_grace, **training_kwargs(args))
 

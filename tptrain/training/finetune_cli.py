@@ -19,7 +19,7 @@ HELP_GROUPS = (
     ("evaluation", ("--eval-data", "--eval-split", "--eval-steps", "--save-best")),
     ("parallelism", ("--tp-size", "--nproc-per-node")),
     ("optimisation", ("--max-steps", "--num-epochs", "--batch-size", "--grad-accum", "--lr", "--warmup-steps",
-                      "--bf16")),
+                      "--bf16", "--compile")),
     ("checkpoints and output", ("--output-dir", "--save-steps", "--save-total-limit", "--resume",
                                 "--overwrite-output-dir", "--report-to", "--prompt", "--max-new-tokens",
                                 "--smoke-test")),

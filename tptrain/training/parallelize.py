@@ -1,5 +1,5 @@
 """The run's device mesh and the parallelisms applied to the model, in the fixed order
-tensor parallel -> activation checkpointing -> FSDP2 / HSDP / DDP.
+tensor parallel -> activation checkpointing -> torch.compile (per decoder layer) -> FSDP2 / HSDP / DDP.
 
 Tensor parallelism is applied when the model is loaded (`from_pretrained(distributed_config=...)` or
 `model.parallelize(...)`); this module checks that the training layout agrees with it, then wraps
@@ -81,9 +81,46 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> bo
     return True
 
 
+def compile_error(backend: str, device: torch.device) -> str | None:
+    """Why torch.compile with `backend` cannot run on `device` here (None: it can): inductor needs a C++ compiler
+    for CPU code and Triton for CUDA code. Found before any collective, so every rank refuses alike."""
+    if backend != "inductor":
+        return None
+    fix = ("or train without torch_compile (--compile), or pick another backend with "
+           "TrainingArguments(torch_compile_backend='aot_eager')")
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else f"torch_compile=True (inductor) on CUDA needs Triton: pip install triton, {fix}"
+    from torch._inductor import config, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        tried = ", ".join(c for c in config.cpp.cxx if c)
+        return (f"torch_compile=True (inductor) on CPU needs a working C++ compiler, and none was found (tried: "
+                f"{tried}); install one (apt-get install g++) or point CXX at it (CXX=/usr/bin/clang++), {fix}")
+    return None
+
+
+def apply_compile(model: nn.Module, *, backend: str) -> None:
+    """torch.compile each decoder layer on its own (torchtitan's per-block compile): the layers share one code, so
+    compiling one block is compiling them all, and the TP styles' hooks and collectives inside a block are traced
+    with it (comm.py's collectives are custom ops). The layer's `forward` is replaced in place, so parameter names,
+    the layout table and checkpoints are unchanged, and hooks on the layer itself (FSDP2's, applied after this)
+    run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer."""
+    layout = getattr(model, "tp_layout", None)
+    for layer in decoder_layers(model):
+        if layout is not None:  # a block never reuses the last block's shared TP boundary: starting each without
+            # it (in eager, before the compiled call) spares dynamo a second graph guarded on it being set
+            layer.register_forward_pre_hook(lambda module, args: layout.ctx.reset())
+        layer.forward = torch.compile(layer.forward, backend=backend)
+
+
 def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_checkpointing: bool,
-                             bf16: bool) -> bool:
-    """TP (already applied) -> activation checkpointing -> FSDP2/HSDP/DDP. Returns whether FSDP wraps it.
+                             bf16: bool, compile_backend: str | None = None) -> bool:
+    """TP (already applied) -> activation checkpointing -> torch.compile per layer (`compile_backend`, None: not
+    compiled) -> FSDP2/HSDP/DDP. Returns whether FSDP wraps it.
 
     The TP engine's partial-gradient sum switches to once per optimizer step (its hooks would sit on
     the parameter objects FSDP replaces): the Trainer calls it after the last micro-batch."""
@@ -91,6 +128,8 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_che
     assert model_tp == mesh["tp"].size(), (model_tp, mesh)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if compile_backend is not None:
+        apply_compile(model, backend=compile_backend)
     if getattr(model, "tp_layout", None) is not None:
         model.tp_layout.grad_sync.set_mode("step")
     return apply_data_parallel(model, mesh, bf16=bf16)

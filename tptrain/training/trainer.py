@@ -41,7 +41,7 @@ from tptrain.training.data import DataOrder, PackedDataset, load_tokenizer
 from tptrain.training.evaluation import evaluate_loss, split_dataset
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from tptrain.training.parallelize import parallelize_for_training, resolve_parallelism, training_mesh
+from tptrain.training.parallelize import compile_error, parallelize_for_training, resolve_parallelism, training_mesh
 from tptrain.training.preemption import StopOnSignal
 
 
@@ -90,8 +90,11 @@ class Trainer:
         if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
             model.to(self.device)
         torch.manual_seed(args.seed)
+        if args.torch_compile:  # the same machine image on every rank, but say which rank lacks the compiler
+            raise_on_any_rank(compile_error(args.torch_compile_backend, self.device), exc_type=ValueError)
         self.fsdp = parallelize_for_training(model, self.mesh, gradient_checkpointing=args.gradient_checkpointing,
-                                             bf16=args.bf16)
+                                             bf16=args.bf16,
+                                             compile_backend=args.torch_compile_backend if args.torch_compile else None)
         self.optimizer = build_optimizer(model, args)
         self.scheduler = build_scheduler(self.optimizer, self.args)  # max_steps may come from num_train_epochs
         self.converter = ckpt.StateConverter(model, self.mesh)
