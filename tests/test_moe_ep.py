@@ -1,0 +1,157 @@
+"""Expert parallelism on an axis of its own (`DistributedConfig(ep_size=)`): experts split by expert over ep ranks
+taken from data parallelism, each expert tensor-parallel over tp; attention and dense layers TP over tp and
+data-parallel over dp_shard (ep included). Each ep rank feeds its OWN batch.
+
+Checked against transformers on each rank's batch (fp64) and against one device on the concatenated batch
+(gradients of the summed per-rank losses, each normalised by the global token count), at (tp 1, ep 2) on 2 ranks
+and (tp 2, ep 2), (tp 1, ep 4) on 4; a batch routed so only one rank's experts get tokens (no hang, zero gradients
+elsewhere); save_pretrained reloaded by transformers; the size errors, raised before any collective.
+
+    .venv/bin/python -m pytest tests/test_moe_ep.py -q
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_utils import run_distributed
+from tests.family_utils import B, batch, hf_reference
+from tests.test_moe import F64, FAMILIES, HF_TOL, TINY, TOL, _hf, _route_to_first_rank
+from tests.test_tensor_parallel import full_grads
+from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.distributed.topology import dp_mesh
+from tptrain.models import AutoConfig
+from tptrain.parallel.plan import check_plan
+
+LAYOUTS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}  # world size: [(tp, ep)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{model_type: directory written by transformers} for two families (shared expert: qwen2_moe)."""
+    import transformers
+    from tests.family_utils import randomize
+    out = {}
+    for model_type in ("qwen3_moe", "qwen2_moe"):
+        config_cls, model_cls, keys = FAMILIES[model_type]
+        torch.manual_seed(0)
+        hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **keys)).eval()
+        randomize(hf)
+        out[model_type] = tmp_path_factory.mktemp(model_type)
+        hf.save_pretrained(out[model_type])
+    return out
+
+
+def _global_batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every dp rank's own batch (seed 10 + rank), concatenated in rank order."""
+    parts = [batch(seed=10 + r) for r in range(dp)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _no_aux(model):
+    # The aux loss is a function of each rank's own tokens (as under any data parallelism), not of the global batch.
+    model.config.output_router_logits = False
+    return model
+
+
+def _check_layout(path, tp: int, ep: int, *, route_first: bool = False) -> None:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64,
+                                                 distributed_config=DistributedConfig(tp_size=tp, ep_size=ep))
+    mesh, dp = model.device_mesh, dp_mesh(model.device_mesh)
+    assert mesh["ep"].size() == ep and mesh["tp"].size() == tp and dp.size() == dist.get_world_size() // tp
+    experts, inner = model.model.layers[0].mlp.experts, model.config.moe_intermediate_size
+    assert tuple(experts.gate_proj.shape) == (4 // ep, inner // tp, 64)  # E/ep experts x 1/tp of each
+    assert experts.expert_offset == mesh["ep"].get_local_rank() * (4 // ep)
+    rank = dp.get_local_rank()
+    ids, labels = batch(seed=10 + rank)
+    if not route_first:  # transformers on this rank's own batch
+        hf = _hf(path)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, hf(ids).logits, **HF_TOL)
+            torch.testing.assert_close(model(ids, labels=labels).loss, hf(ids, labels=labels).loss.to(F64),
+                                       **HF_TOL)
+    ref = _no_aux(AutoModelForCausalLM.from_pretrained(path, dtype=F64))
+    _no_aux(model)
+    if route_first:
+        _route_to_first_rank(ref, 4 // ep)
+        _route_to_first_rank(model, 4 // ep)
+    all_ids, all_labels = _global_batch(dp.size())
+    count = int((all_labels[:, 1:] != -100).sum())
+    ref(all_ids, labels=all_labels, num_items_in_batch=count).loss.backward()
+    model(ids, labels=labels, num_items_in_batch=count).loss.backward()
+    # Dense gradients summed over data parallelism (ep included), as FSDP does in training; the experts' are whole
+    # on their owners already (dp_shard == ep here: no other rank holds the same experts).
+    for name, p in model.named_parameters():
+        if ".experts." not in name:
+            dist.all_reduce(p.grad, group=dp.get_group())
+    grads = full_grads(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"tp {tp} ep {ep} grad of {name}: {m}")
+    if route_first:
+        held = [p.grad for p in experts.parameters()]
+        if mesh["ep"].get_local_rank() > 0:
+            assert all(torch.count_nonzero(g) == 0 for g in held)
+        else:
+            assert torch.count_nonzero(experts.down_proj.grad) > 0
+
+
+def _worker(checkpoints, world: int, save_dir) -> None:
+    for tp, ep in LAYOUTS[world]:
+        for path in checkpoints.values():
+            _check_layout(path, tp, ep)
+        _check_layout(checkpoints["qwen3_moe"], tp, ep, route_first=True)
+    tp, ep = LAYOUTS[world][0]
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2_moe"], dtype=F64,
+                                                 distributed_config=DistributedConfig(tp_size=tp, ep_size=ep))
+    model.save_pretrained(save_dir / "qwen2_moe")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_experts_over_an_ep_axis_match_transformers_and_a_single_device(checkpoints, world, tmp_path):
+    run_distributed(_worker, world, checkpoints, world, tmp_path, timeout=600)
+    got = hf_reference(_hf(tmp_path / "qwen2_moe"))  # gathered over ep and tp, in the hub's per-expert layout
+    want = hf_reference(_hf(checkpoints["qwen2_moe"]))
+    torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=0)
+
+
+def _moe_config(**kw):
+    return AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 4, "moe_intermediate_size": 16, **kw})
+
+
+@pytest.mark.parametrize("kwargs, world, match", [
+    (dict(ep_size=2, enable_expert_parallel=True), 2, "pass one of them"),
+    (dict(ep_size=0), 2, "ep_size must be a positive int, got 0"),
+    (dict(ep_size=2.0), 2, "ep_size must be a positive int, got 2.0"),
+    (dict(tp_size=2, ep_size=2), 2, r"must divide the data-parallel shard degree dp_shard=1 .* launch a multiple of 4"),
+    (dict(ep_size=4, dp_shard_size=6), 6, "ep_size that divides 6"),
+])
+def test_bad_ep_sizes_are_value_errors(kwargs, world, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedConfig(**kwargs).parallel_dims(world)
+
+
+def test_ep_sizes_resolve():
+    assert DistributedConfig(ep_size=2).sizes(2) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
+    dims = DistributedConfig(tp_size=2, ep_size=4).parallel_dims(8)
+    assert (dims.dp_shard, dims.tp, dims.ep) == (4, 2, 4)
+    assert dims.mesh_shape() == {"dp_replicate": 1, "dp_shard_mod_ep": 1, "ep": 4, "tp": 2}
+    assert DistributedConfig(ep_size=2, dp_shard_size=4).parallel_dims(4).mesh_shape()["dp_shard_mod_ep"] == 2
+    assert "ep" not in DistributedConfig(ep_size=1).sizes(2)  # ep 1: no expert parallelism, the mesh of today
+
+
+def test_ep_size_plan_problems_name_the_sizes():
+    model = AutoModelForCausalLM.from_config(_moe_config(num_experts=6), device="meta")
+    with pytest.raises(ValueError, match=r"ep_size=4:\n.*num_experts=6 is not divisible by ep_size=4"):
+        check_plan(model, "auto", 1, ep_size=4).raise_problems(model)
+    model = AutoModelForCausalLM.from_config(_moe_config(), device="meta")
+    over = check_plan(model, {"layers.*.mlp.experts": "expert_parallel_all_reduce"}, 2, ep_size=2).problems
+    assert any("'expert_parallel_all_reduce'" in p and "drop ep_size" in p for p in over), over
+    dense = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("qwen3", **{k: v for k, v in TINY.items() if "expert" not in k and "router" not in k}),
+        device="meta")
+    with pytest.raises(ValueError, match="'qwen3'.*has no experts to split"):
+        check_plan(dense, "auto", 1, ep_size=2)
+    assert all(s.ep_split for n, s in check_plan(model, "auto", 1, ep_size=2).specs.items() if ".experts." in n)
