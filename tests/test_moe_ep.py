@@ -11,14 +11,13 @@ elsewhere); save_pretrained reloaded by transformers; the size errors, raised be
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import B, batch, hf_reference
+from tests.family_utils import batch, hf_reference
 from tests.test_moe import F64, FAMILIES, HF_TOL, TINY, TOL, _hf, _route_to_first_rank
 from tests.test_tensor_parallel import full_grads
 from tptrain import AutoModelForCausalLM, DistributedConfig
@@ -155,3 +154,47 @@ def test_ep_size_plan_problems_name_the_sizes():
     with pytest.raises(ValueError, match="'qwen3'.*has no experts to split"):
         check_plan(dense, "auto", 1, ep_size=2)
     assert all(s.ep_split for n, s in check_plan(model, "auto", 1, ep_size=2).specs.items() if ".experts." in n)
+
+
+# ---------------------------------------------------------------- training
+
+def _moe():
+    from tests.test_moe_training import TINY as TRAIN_TINY
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", **{**TRAIN_TINY, "num_experts_per_tok": 2,
+                                                  "output_router_logits": False})
+    return AutoModelForCausalLM.from_config(config, dtype=F64)
+
+
+def _trainer_worker(tmp: str) -> None:
+    """4 ranks: (tp 1, ep 2, dp_shard 4: each expert FSDP-sharded over its 2 replicas) and (tp 2, ep 2, dp_shard 2:
+    one owner per expert): a few clipped AdamW steps equal one device's at the global batch, and the final model
+    (save_pretrained, gathered over FSDP, ep and tp) is the single-device model to transformers."""
+    from tests.test_trainer import reference_losses, tiny_dataset, training_args
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+    for i, (tp, ep) in enumerate([(1, 2), (2, 2)]):
+        model = _moe().parallelize(DistributedConfig(tp_size=tp, ep_size=ep))
+        args = training_args(f"{tmp}/run{i}", max_steps=4, parallelism_config=ParallelismConfig(ep_size=ep),
+                             logging_steps=1)
+        out = Trainer(model=model, args=args, train_dataset=tiny_dataset()).train()
+        ref = _moe()
+        expected = reference_losses(ref, tiny_dataset(), args, global_batch=4 * (4 // tp))
+        torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), rtol=1e-9, atol=1e-9)
+        if dist.get_rank() == 0:
+            from tptrain.training.reporting import read_metrics
+            norms = [r["grad_norm"] for r in read_metrics(f"{tmp}/run{i}/metrics.jsonl")]
+            assert len(norms) == 4 and min(norms) > args.max_grad_norm, norms  # clipped: a wrong norm shows
+            ids = batch()[0]
+            with torch.no_grad():
+                torch.testing.assert_close(_hf(f"{tmp}/run{i}/final")(ids).logits, ref(ids).logits, **HF_TOL)
+    model = _moe().parallelize(DistributedConfig(ep_size=2))
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(ep_size=4\) disagrees with the model.*ep_size=2"):
+        Trainer(model=model, args=training_args(f"{tmp}/bad", parallelism_config=ParallelismConfig(ep_size=4)),
+                train_dataset=tiny_dataset())
+    with pytest.raises(ValueError, match="resumable checkpoints cannot hold experts split over an ep axis"):
+        Trainer(model=model, args=training_args(f"{tmp}/bad", save_steps=2), train_dataset=tiny_dataset())
+
+
+def test_trainer_at_ep2_with_fsdp2_matches_one_device_and_saves_for_transformers(tmp_path):
+    run_distributed(_trainer_worker, 4, str(tmp_path), timeout=600)

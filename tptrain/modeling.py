@@ -174,7 +174,8 @@ class PreTrainedModel(nn.Module):
         self.tp_layout.ctx.group_name = comm.group_name(new)
         if self.tp_layout.ctx.ep_size > 1:
             ep = mesh["ep"].get_group()
-            assert dist.get_rank(ep) == self.tp_layout.ctx.ep_rank, (ep, self.tp_layout.ctx)
+            old_ep = comm.resolve_group(self.tp_layout.ctx.ep_group_name)
+            assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
             self.tp_layout.ctx.ep_group_name = comm.group_name(ep)
 
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:

@@ -89,13 +89,9 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
-def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The data-parallel axes over ranks holding the same experts, as FSDP2 takes them (dp_replicate x
-    dp_shard_mod_ep as HSDP, or the one axis larger than 1); None when there are none (dp_shard == ep, no
-    replicas) or the mesh has no ep axis."""
-    if "ep" not in mesh.mesh_dim_names:
-        return None
-    axes = tuple(a for a in ("dp_replicate", "dp_shard_mod_ep") if mesh[a].size() > 1)
-    if not axes:
-        return None
-    return mesh["dp_replicate", "dp_shard_mod_ep"] if len(axes) == 2 else mesh[axes[0]]
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel axes over ranks holding the same experts, as FSDP2 takes them for the experts of a mesh
+    with an ep axis: (dp_replicate, dp_shard_mod_ep) as HSDP when dp_replicate > 1, else dp_shard_mod_ep (of size
+    1 when dp_shard == ep: each expert is then on one rank of the ep group only)."""
+    assert "ep" in mesh.mesh_dim_names, mesh
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_mod_ep"]
