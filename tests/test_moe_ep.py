@@ -198,3 +198,48 @@ def _trainer_worker(tmp: str) -> None:
 
 def test_trainer_at_ep2_with_fsdp2_matches_one_device_and_saves_for_transformers(tmp_path):
     run_distributed(_trainer_worker, 4, str(tmp_path), timeout=600)
+
+
+def test_tptrain_train_ep_size_cli(tmp_path):
+    """`tptrain train --ep-size 2` trains an MoE model at (tp 1, ep 2) on 2 processes and saves a model that loads;
+    a dense model, an ep size that does not divide the data-parallel ranks, and --save-steps are refused up
+    front, before any worker starts."""
+    import json
+    import shutil
+
+    from tests.test_train_cli import tptrain_train
+    from tptrain.training.reporting import read_metrics
+    bundled = tptrain_train.__globals__["ROOT"] / "tptrain" / "data" / "tiny-qwen3"
+    model_dir = tmp_path / "tiny-moe"
+    shutil.copytree(bundled, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=64, num_hidden_layers=2)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    run = tptrain_train("--model", str(model_dir), "--tp-size", "1", "--ep-size", "2", "--nproc-per-node", "2",
+                        "--output-dir", str(out))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not list(out.glob("checkpoint-*"))  # no resumable checkpoints with an ep axis (yet)
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert final.model.layers[0].mlp.experts.gate_proj.shape[0] == 4  # gathered over ep
+
+    for flags, message in [(("--ep-size", "2", "--tp-size", "1", "--nproc-per-node", "2"), "'qwen3'"),
+                           (("--model", str(model_dir), "--ep-size", "2", "--tp-size", "1", "--nproc-per-node", "3"),
+                            "launch a multiple of 2 processes"),
+                           (("--model", str(model_dir), "--ep-size", "2", "--tp-size", "1", "--nproc-per-node", "2",
+                             "--save-steps", "2"), "resumable checkpoints cannot hold experts")]:
+        bad = tptrain_train(*flags, "--output-dir", str(tmp_path / "bad"))
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_plan_shows_experts_per_rank_over_the_ep_axis():
+    from tptrain.diagnostics.plan_report import plan_report
+    config = AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 8, "moe_intermediate_size": 16})
+    text = plan_report(config, 2, ep_size=4).text
+    assert "ep_size=4" in text and "2 expert(s) per rank (ep rank e holds experts e*2 .. e*2+1), each split 1/2" in text
+    assert "expert bytes per rank: 24.58 KB of 196.61 KB" in text, text  # 1/8 of every expert byte: 2 of 8, 1/2 each
+    assert "3 all-to-alls over the 4 ep ranks" in text and "layout OK" in text, text
+    bad = plan_report(AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 6}), 1, ep_size=4)
+    assert any("num_experts=6 is not divisible by ep_size=4" in p for p in bad.problems), bad.problems

@@ -85,7 +85,9 @@ class ShardSpec:
             out.append((first, first + step))
         return out
 
-    def local_shape(self, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    def local_shape(self, shape: tuple[int, ...], tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
+        if self.ep_split:
+            shape = (shape[0] // ep_size, *shape[1:])
         if self.dim is None:
             return tuple(shape)
         out = list(shape)

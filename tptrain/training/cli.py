@@ -59,6 +59,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="split a mixture-of-experts model's experts by expert over the --tp-size ranks (ep = tp)")
+    p.add_argument("--ep-size", type=int, default=None,
+                   help="split a mixture-of-experts model's experts by expert over N data-parallel ranks (an ep axis "
+                        "of its own; each expert over the --tp-size ranks); --nproc-per-node a multiple of "
+                        "N x --tp-size")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="worker processes to start (default: --tp-size); extra ranks become FSDP2 data-parallel")
     p.add_argument("--output-dir", default="runs/default", help="checkpoints, metrics.jsonl, loss.png, final/")
@@ -117,6 +121,8 @@ def run_train(args: argparse.Namespace) -> int:
     """Entry point of `tptrain train`; returns the process exit code (2: refused before any worker started)."""
     defaults = SMOKE if args.smoke_test else FULL
     args.max_steps_given = args.max_steps is not None
+    if args.save_steps is None and (args.ep_size or 1) > 1:
+        args.save_steps = 0  # resumable checkpoints cannot hold experts split over an ep axis yet
     for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
@@ -154,7 +160,7 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     from tptrain.training import finetune_cli
 
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
-                        ("--preemption-grace", args.preemption_grace)):
+                        ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
@@ -172,7 +178,11 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
                          f"--tp-size processes (use {args.tp_size} or a multiple)")
     model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
     config = AutoConfig.from_pretrained(model_dir)
-    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel)
+    from tptrain.training.trainer import refuse_checkpoints_with_ep
+    dims = _distributed_config(args).parallel_dims(world, described=f"--tp-size {args.tp_size} --ep-size "
+                                                   f"{args.ep_size}" if args.ep_size else None)
+    refuse_checkpoints_with_ep(dims, args.save_steps, args.resume)
+    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     finetune_cli.preflight(args, model_dir, nproc, max_steps_given=args.max_steps_given)  # data, eval, LoRA
@@ -185,19 +195,24 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     resolve_resume(args.resume, args.output_dir)
 
 
-def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False) -> None:
+def _distributed_config(args: argparse.Namespace):
+    from tptrain.distributed import DistributedConfig
+    return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size)
+
+
+def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
     """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem."""
     from tptrain.models import AutoModelForCausalLM
     from tptrain.parallel.plan import check_plan
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
-        problems = check_plan(meta, "auto", tp_size, expert_parallel=expert_parallel).problems
-    except ValueError as exc:  # --expert-parallel on a dense model
-        raise ValueError(f"--expert-parallel: {exc}") from None
+        problems = check_plan(meta, "auto", tp_size, expert_parallel=expert_parallel, ep_size=ep_size).problems
+    except ValueError as exc:  # --expert-parallel / --ep-size on a dense model
+        raise ValueError(f"{'--expert-parallel' if expert_parallel else '--ep-size'}: {exc}") from None
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        ep = " --expert-parallel" if expert_parallel else ""
+        ep = " --expert-parallel" if expert_parallel else f" --ep-size {ep_size}" if ep_size > 1 else ""
         raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
                          f"`tptrain plan {model} --tp-size {tp_size}{ep}` shows the layout")
 
@@ -218,7 +233,8 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
-        preemption_grace=args.preemption_grace, **training_kwargs(args))
+        # --ep-size: no checkpoint on a stop signal either (see refuse_checkpoints_with_ep)
+        preemption_grace=None if (args.ep_size or 1) > 1 else args.preemption_grace, **training_kwargs(args))
 
 
 # ------------------------------------------------------------------ launcher
@@ -270,7 +286,7 @@ class _Inputs:
 def _train(args: argparse.Namespace) -> None:
     import torch
 
-    from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
+    from tptrain.distributed import init_distributed, raise_on_any_rank
     from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
     from tptrain.training import finetune_cli
@@ -287,7 +303,7 @@ def _train(args: argparse.Namespace) -> None:
     init_distributed()
     raise_on_any_rank(error)
     dtype = resolve_dtype(args.dtype, inputs.config)
-    distributed = DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel)
+    distributed = _distributed_config(args)
     if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)

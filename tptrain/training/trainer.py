@@ -76,7 +76,7 @@ class Trainer:
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
         self.dims = resolve_parallelism(model, args.parallelism_config)
-        _refuse_checkpoints_with_ep(self.dims, args.save_steps or args.preemption_grace, args.resume_from_checkpoint)
+        refuse_checkpoints_with_ep(self.dims, args.save_steps or args.preemption_grace, args.resume_from_checkpoint)
         self._check_sequence_length()
         self.dataset = self._dataset(train_dataset)
         self.eval_dataset = self._eval_dataset(eval_dataset)
@@ -151,7 +151,7 @@ class Trainer:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         resume, overwrite = dirs.resume_after_restart(resume, args.overwrite_output_dir, args.output_dir)
-        _refuse_checkpoints_with_ep(self.dims, False, resume)
+        refuse_checkpoints_with_ep(self.dims, False, resume)
         self._claim_output_dir(resume, overwrite)
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
@@ -370,7 +370,7 @@ class Trainer:
         return Path(path).parent if path is not None else self._model_dir()
 
 
-def _refuse_checkpoints_with_ep(dims, saves: bool, resume) -> None:
+def refuse_checkpoints_with_ep(dims, saves: bool, resume) -> None:
     """Resumable (DCP) checkpoints do not yet describe experts split over an ep axis (the StateConverter's view
     mesh has no ep axis): refused up front, the same on every rank, before any collective."""
     if dims.ep > 1 and (saves or resume):
