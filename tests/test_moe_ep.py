@@ -192,8 +192,6 @@ def _trainer_worker(tmp: str) -> None:
     with pytest.raises(ValueError, match=r"ParallelismConfig\(ep_size=4\) disagrees with the model.*ep_size=2"):
         Trainer(model=model, args=training_args(f"{tmp}/bad", parallelism_config=ParallelismConfig(ep_size=4)),
                 train_dataset=tiny_dataset())
-    with pytest.raises(ValueError, match="resumable checkpoints cannot hold experts split over an ep axis"):
-        Trainer(model=model, args=training_args(f"{tmp}/bad", save_steps=2), train_dataset=tiny_dataset())
 
 
 def test_trainer_at_ep2_with_fsdp2_matches_one_device_and_saves_for_transformers(tmp_path):
@@ -243,3 +241,53 @@ def test_plan_shows_experts_per_rank_over_the_ep_axis():
     assert "3 all-to-alls over the 4 ep ranks" in text and "layout OK" in text, text
     bad = plan_report(AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 6}), 1, ep_size=4)
     assert any("num_experts=6 is not divisible by ep_size=4" in p for p in bad.problems), bad.problems
+
+
+# ---------------------------------------------------------------- resuming across layouts
+
+def _resume_run(tmp: str, name: str, tp: int, ep: int | None, per_device: int, resume: str | None = None,
+                max_steps: int = 6):
+    """6 steps at global batch 8 (checkpoints every 2), or the last ones resumed from `resume`."""
+    from tests.test_trainer import tiny_dataset, training_args
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+    model = _moe()
+    if dist.is_initialized() or tp * (ep or 1) > 1:
+        model = model.parallelize(DistributedConfig(tp_size=tp, ep_size=ep))
+    args = training_args(f"{tmp}/{name}", max_steps=max_steps, save_steps=2, per_device_train_batch_size=per_device,
+                         parallelism_config=ParallelismConfig(tp, ep_size=ep), resume_from_checkpoint=resume)
+    return Trainer(model=model, args=args, train_dataset=tiny_dataset()).train().losses
+
+
+def _resume_worker_2(tmp: str) -> None:
+    """Trained at (tp 1, ep 2); resumed with expert TP at tp 2 (no ep axis) from its step-4 checkpoint."""
+    full = _resume_run(tmp, "a", 1, 2, per_device=4)
+    torch.save(full, f"{tmp}/losses.pt")
+    resumed = _resume_run(tmp, "b", 2, None, per_device=8, resume=f"{tmp}/a/checkpoint-4")
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[4:]), rtol=1e-9, atol=1e-9)
+
+
+def _resume_worker_4(tmp: str) -> None:
+    """Resumed at (tp 2, ep 2) and at (tp 1, ep 2, dp_shard 4: each expert FSDP-sharded over its 2 replicas)."""
+    full = torch.load(f"{tmp}/losses.pt")
+    for name, tp, per_device in (("c", 2, 4), ("d", 1, 2)):
+        resumed = _resume_run(tmp, name, tp, 2, per_device=per_device, resume=f"{tmp}/a/checkpoint-4")
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[4:]), rtol=1e-9, atol=1e-9,
+                                   msg=lambda m: f"resumed at tp {tp} ep 2: {m}")
+    # ... and each one's step-6 checkpoint resumed at the other's layout: the same 2 further steps
+    swapped = _resume_run(tmp, "e", 2, 2, per_device=4, resume=f"{tmp}/d/checkpoint-6", max_steps=8)
+    other = _resume_run(tmp, "f", 1, 2, per_device=2, resume=f"{tmp}/c/checkpoint-6", max_steps=8)
+    assert len(swapped) == 2
+    torch.testing.assert_close(torch.tensor(swapped), torch.tensor(other), rtol=1e-9, atol=1e-9)
+
+
+def _resume_worker_1(tmp: str) -> None:
+    full = torch.load(f"{tmp}/losses.pt")
+    resumed = _resume_run(tmp, "g", 1, None, per_device=8, resume=f"{tmp}/a/checkpoint-4")
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[4:]), rtol=1e-9, atol=1e-9)
+
+
+def test_dcp_checkpoint_at_ep2_resumes_across_ep_and_tp_layouts(tmp_path):
+    run_distributed(_resume_worker_2, 2, str(tmp_path), timeout=500)
+    run_distributed(_resume_worker_4, 4, str(tmp_path), timeout=500)
+    run_distributed(_resume_worker_1, 1, str(tmp_path), timeout=300)

@@ -83,6 +83,13 @@ class ParallelDims:
         return comm.track_mesh(mesh)
 
 
+def rank_grid(mesh: DeviceMesh):
+    """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has
+    (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s)."""
+    dims = ParallelDims.of(mesh)
+    return mesh.mesh.reshape(dims.dp_replicate, dims.dp_shard, dims.tp)
+
+
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The flattened dp_replicate x dp_shard axis of a mesh built by `ParallelDims.build_mesh` (the same
     object each call: torch keeps it on the root mesh)."""

@@ -121,8 +121,6 @@ def run_train(args: argparse.Namespace) -> int:
     """Entry point of `tptrain train`; returns the process exit code (2: refused before any worker started)."""
     defaults = SMOKE if args.smoke_test else FULL
     args.max_steps_given = args.max_steps is not None
-    if args.save_steps is None and (args.ep_size or 1) > 1:
-        args.save_steps = 0  # resumable checkpoints cannot hold experts split over an ep axis yet
     for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(defaults, name))
@@ -178,10 +176,8 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
                          f"--tp-size processes (use {args.tp_size} or a multiple)")
     model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
     config = AutoConfig.from_pretrained(model_dir)
-    from tptrain.training.trainer import refuse_checkpoints_with_ep
-    dims = _distributed_config(args).parallel_dims(world, described=f"--tp-size {args.tp_size} --ep-size "
-                                                   f"{args.ep_size}" if args.ep_size else None)
-    refuse_checkpoints_with_ep(dims, args.save_steps, args.resume)
+    _distributed_config(args).parallel_dims(world, described=f"--tp-size {args.tp_size} --ep-size {args.ep_size}"
+                                            if args.ep_size else None)
     _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
@@ -233,8 +229,7 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
-        # --ep-size: no checkpoint on a stop signal either (see refuse_checkpoints_with_ep)
-        preemption_grace=None if (args.ep_size or 1) > 1 else args.preemption_grace, **training_kwargs(args))
+        preemption_grace=args.preemption_grace, **training_kwargs(args))
 
 
 # ------------------------------------------------------------------ launcher

@@ -76,7 +76,6 @@ class Trainer:
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
         self.dims = resolve_parallelism(model, args.parallelism_config)
-        refuse_checkpoints_with_ep(self.dims, args.save_steps or args.preemption_grace, args.resume_from_checkpoint)
         self._check_sequence_length()
         self.dataset = self._dataset(train_dataset)
         self.eval_dataset = self._eval_dataset(eval_dataset)
@@ -151,7 +150,6 @@ class Trainer:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         resume, overwrite = dirs.resume_after_restart(resume, args.overwrite_output_dir, args.output_dir)
-        refuse_checkpoints_with_ep(self.dims, False, resume)
         self._claim_output_dir(resume, overwrite)
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
@@ -369,13 +367,3 @@ class Trainer:
         path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json
         return Path(path).parent if path is not None else self._model_dir()
 
-
-def refuse_checkpoints_with_ep(dims, saves: bool, resume) -> None:
-    """Resumable (DCP) checkpoints do not yet describe experts split over an ep axis (the StateConverter's view
-    mesh has no ep axis): refused up front, the same on every rank, before any collective."""
-    if dims.ep > 1 and (saves or resume):
-        what = "resume_from_checkpoint" if resume else "save_steps / preemption_grace (resumable checkpoints)"
-        raise ValueError(f"{what} with ep_size={dims.ep}: tptrain's resumable checkpoints cannot hold experts split "
-                         f"over an ep axis yet; train with save_steps=0 and no preemption_grace (the final model "
-                         f"is still saved, by save_pretrained), or use enable_expert_parallel (experts over the TP "
-                         f"group), whose checkpoints resume at any layout")
