@@ -167,16 +167,18 @@ def _moe():
 
 
 def _trainer_worker(tmp: str) -> None:
-    """4 ranks: (tp 1, ep 2, dp_shard 4: each expert FSDP-sharded over its 2 replicas) and (tp 2, ep 2, dp_shard 2:
-    one owner per expert): a few clipped AdamW steps equal one device's at the global batch, and the final model
+    """4 ranks: (tp 1, ep 2, dp_shard 4: each expert FSDP-sharded over its 2 replicas), (tp 2, ep 2, dp_shard 2:
+    one owner per expert) and HSDP: a few clipped AdamW steps equal one device's at the global batch, and the final model
     (save_pretrained, gathered over FSDP, ep and tp) is the single-device model to transformers."""
     from tests.test_trainer import reference_losses, tiny_dataset, training_args
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
-    for i, (tp, ep) in enumerate([(1, 2), (2, 2)]):
+    # the third: loaded at dp_shard 4, trained as HSDP (dp_replicate 2 x dp_shard 2, ep 2): the model moves onto
+    # the run's mesh, whose ep groups hold the same ranks
+    for i, (tp, ep, rep) in enumerate([(1, 2, 1), (2, 2, 1), (1, 2, 2)]):
         model = _moe().parallelize(DistributedConfig(tp_size=tp, ep_size=ep))
-        args = training_args(f"{tmp}/run{i}", max_steps=4, parallelism_config=ParallelismConfig(ep_size=ep),
-                             logging_steps=1)
+        args = training_args(f"{tmp}/run{i}", max_steps=4, logging_steps=1,
+                             parallelism_config=ParallelismConfig(ep_size=ep, dp_replicate_size=rep))
         out = Trainer(model=model, args=args, train_dataset=tiny_dataset()).train()
         ref = _moe()
         expected = reference_losses(ref, tiny_dataset(), args, global_batch=4 * (4 // tp))
