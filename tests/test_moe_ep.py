@@ -236,7 +236,8 @@ def test_plan_shows_experts_per_rank_over_the_ep_axis():
     from tptrain.diagnostics.plan_report import plan_report
     config = AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 8, "moe_intermediate_size": 16})
     text = plan_report(config, 2, ep_size=4).text
-    assert "ep_size=4" in text and "2 expert(s) per rank (ep rank e holds experts e*2 .. e*2+1), each split 1/2" in text
+    assert "ep_size=4" in text, text
+    assert "2 expert(s) per rank (ep rank e holds experts e*2 .. e*2+1), each split 1/2" in text, text
     assert "expert bytes per rank: 24.58 KB of 196.61 KB" in text, text  # 1/8 of every expert byte: 2 of 8, 1/2 each
     assert "3 all-to-alls over the 4 ep ranks" in text and "layout OK" in text, text
     bad = plan_report(AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 6}), 1, ep_size=4)

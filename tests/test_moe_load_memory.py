@@ -67,8 +67,8 @@ def test_each_rank_loads_only_its_experts(tmp_path, layout):
         bound += sizes["largest"]  # (every expert loaded: 196 MiB)
     for rank in range(2):
         rise, local, experts = map(int, (tmp_path / "big" / f"rank{rank}.txt").read_text().split())
-        print(f"{layout} rank {rank}: checkpoint {sizes['total'] / MB:.0f} MiB ({sizes['experts'] / MB:.0f} MiB experts), "
-              f"local params {local / MB:.0f} MiB ({experts / MB:.0f} MiB experts), peak private rise while loading "
+        print(f"{layout} rank {rank}: checkpoint {sizes['total'] / MB:.0f} MiB ({sizes['experts'] / MB:.0f} MiB "
+              f"experts), local params {local / MB:.0f} MiB ({experts / MB:.0f} MiB experts), peak private rise while loading "
               f"{rise / MB:.0f} MiB (bound {bound / MB:.0f} MiB)")
         assert experts == sizes["experts"] // 2  # half the experts, whole
         assert rise < bound, f"rank {rank}: loading raised private memory by {rise / MB:.0f} MiB"

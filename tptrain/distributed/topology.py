@@ -74,7 +74,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
-        assert self.dp_shard % self.ep == 0 and math.prod(self.sizes().values()) == self.world_size * self.ep
+        assert self.dp_shard % self.ep == 0 and math.prod(self.mesh_shape().values()) == self.world_size
         shape = self.mesh_shape()
         mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
         if self.ep > 1:  # created now, on every rank together (it makes process groups)

@@ -106,8 +106,9 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
             out[alias] = ParamLayout(spec, tuple(p.shape))
         if id(p) not in new:
             # A copy, so the full tensor can be freed (on meta it is a shape only).
-            full = spec.ep_chunk(p.data, ctx.ep_size, ctx.ep_rank)
-            local = full if spec.dim is None and not spec.ep_split else spec.local_chunk(full, ctx.size, ctx.rank).clone()
+            local = p.data
+            if spec.dim is not None or spec.ep_split:  # this rank's experts first, then its TP chunk of them
+                local = spec.local_chunk(spec.ep_chunk(local, ctx.ep_size, ctx.ep_rank), ctx.size, ctx.rank).clone()
             new[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
     for name, p in old.items():
         if id(p) in new:
