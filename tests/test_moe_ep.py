@@ -5,7 +5,9 @@ data-parallel over dp_shard (ep included). Each ep rank feeds its OWN batch.
 Checked against transformers on each rank's batch (fp64) and against one device on the concatenated batch
 (gradients of the summed per-rank losses, each normalised by the global token count), at (tp 1, ep 2) on 2 ranks
 and (tp 2, ep 2), (tp 1, ep 4) on 4; a batch routed so only one rank's experts get tokens (no hang, zero gradients
-elsewhere); save_pretrained reloaded by transformers; the size errors, raised before any collective.
+elsewhere); save_pretrained reloaded by transformers; the Trainer (FSDP2, HSDP, clipping) against one device; DCP
+checkpoints resumed across ep/tp layouts; `tptrain train/plan --ep-size`; the size errors, raised before any
+collective. The distributed checks share one chain of worker pools (2, then 4 ranks, then 1 process).
 
     .venv/bin/python -m pytest tests/test_moe_ep.py -q
 """
@@ -105,15 +107,7 @@ def _worker(checkpoints, world: int, save_dir) -> None:
     tp, ep = LAYOUTS[world][0]
     model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2_moe"], dtype=F64,
                                                  distributed_config=DistributedConfig(tp_size=tp, ep_size=ep))
-    model.save_pretrained(save_dir / "qwen2_moe")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_experts_over_an_ep_axis_match_transformers_and_a_single_device(checkpoints, world, tmp_path):
-    run_distributed(_worker, world, checkpoints, world, tmp_path, timeout=600)
-    got = hf_reference(_hf(tmp_path / "qwen2_moe"))  # gathered over ep and tp, in the hub's per-expert layout
-    want = hf_reference(_hf(checkpoints["qwen2_moe"]))
-    torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=0)
+    model.save_pretrained(save_dir / f"qwen2_moe-{world}")
 
 
 def _moe_config(**kw):
@@ -194,10 +188,6 @@ def _trainer_worker(tmp: str) -> None:
     with pytest.raises(ValueError, match=r"ParallelismConfig\(ep_size=4\) disagrees with the model.*ep_size=2"):
         Trainer(model=model, args=training_args(f"{tmp}/bad", parallelism_config=ParallelismConfig(ep_size=4)),
                 train_dataset=tiny_dataset())
-
-
-def test_trainer_at_ep2_with_fsdp2_matches_one_device_and_saves_for_transformers(tmp_path):
-    run_distributed(_trainer_worker, 4, str(tmp_path), timeout=600)
 
 
 def test_tptrain_train_ep_size_cli(tmp_path):
@@ -288,7 +278,27 @@ def _resume_worker_1(tmp: str) -> None:
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[4:]), rtol=1e-9, atol=1e-9)
 
 
-def test_dcp_checkpoint_at_ep2_resumes_across_ep_and_tp_layouts(tmp_path):
-    run_distributed(_resume_worker_2, 2, str(tmp_path), timeout=500)
-    run_distributed(_resume_worker_4, 4, str(tmp_path), timeout=500)
+# ---------------------------------------------------------------- one chain of worker pools for all of it
+
+def _two_ranks(checkpoints, tmp) -> None:
+    _worker(checkpoints, 2, tmp)
+    _resume_worker_2(str(tmp))
+
+
+def _four_ranks(checkpoints, tmp) -> None:
+    _worker(checkpoints, 4, tmp)
+    _trainer_worker(str(tmp))
+    _resume_worker_4(str(tmp))
+
+
+def test_ep_axis_forward_gradients_training_saving_and_resuming(checkpoints, tmp_path):
+    """2 ranks: transformers / one-device checks at (tp 1, ep 2), a DCP run at (tp 1, ep 2) resumed at tp 2; 4 ranks:
+    the checks at (tp 2, ep 2) and (tp 1, ep 4), the Trainer, the resumes at ep 2; 1 process: the resume there.
+    save_pretrained at both world sizes reloads in transformers with the original logits."""
+    run_distributed(_two_ranks, 2, checkpoints, tmp_path, timeout=600)
+    run_distributed(_four_ranks, 4, checkpoints, tmp_path, timeout=900)
     run_distributed(_resume_worker_1, 1, str(tmp_path), timeout=300)
+    want = hf_reference(_hf(checkpoints["qwen2_moe"]))
+    for world in (2, 4):  # gathered over ep and tp, in the hub's per-expert layout
+        got = hf_reference(_hf(tmp_path / f"qwen2_moe-{world}"))
+        torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=0)
