@@ -210,6 +210,7 @@ def test_tptrain_train_ep_size_cli(tmp_path):
     run = tptrain_train("--model", str(model_dir), "--tp-size", "1", "--ep-size", "2", "--nproc-per-node", "2",
                         "--output-dir", str(out))
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "world size 2, tp 1, ep 2" in run.stdout, run.stdout
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     final = AutoModelForCausalLM.from_pretrained(out / "final")

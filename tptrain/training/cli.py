@@ -355,7 +355,8 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
               if inputs.from_scratch else f"loaded from {args.model}")
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
           f"{_describe_data(inputs.dataset, args)}; "
-          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread"
+          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
+          + (f", ep {args.ep_size}" if args.ep_size else "") + f", {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
 
 

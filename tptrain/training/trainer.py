@@ -366,4 +366,3 @@ class Trainer:
     def _tokenizer_dir(self) -> Path | None:
         path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json
         return Path(path).parent if path is not None else self._model_dir()
-
