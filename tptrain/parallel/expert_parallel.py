@@ -182,7 +182,8 @@ def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weig
     send_splits = sent.view(p, held).sum(1).tolist()
     recv_splits = got.sum(1).tolist()
     rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
-    by_expert = torch.sort(torch.repeat_interleave(torch.arange(held).repeat(p), got.flatten()), stable=True).indices
+    held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
+    by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
     out = rows.new_empty((rows.shape[0], experts.down_proj.shape[1]))
     out[by_expert] = experts.grouped(rows[by_expert], got.sum(0).tolist())
     back = comm.dispatch_to_ranks(out, group, recv_splits, send_splits)  # in `order`
