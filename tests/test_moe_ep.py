@@ -223,9 +223,14 @@ def test_tptrain_train_ep_size_cli(tmp_path):
         assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
 
-def test_plan_shows_experts_per_rank_over_the_ep_axis():
+def test_plan_shows_experts_per_rank_over_the_ep_axis(tmp_path, capsys):
+    from tptrain.cli import main
     from tptrain.diagnostics.plan_report import plan_report
     config = AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 8, "moe_intermediate_size": 16})
+    config.save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--tp-size", "2", "--ep-size", "4"]) == 0
+    assert "2 expert(s) per rank" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path), "--tp-size", "2", "--ep-size", "3"]) == 2  # 8 experts do not split in 3
     text = plan_report(config, 2, ep_size=4).text
     assert "ep_size=4" in text, text
     assert "2 expert(s) per rank (ep rank e holds experts e*2 .. e*2+1), each split 1/2" in text, text
