@@ -286,7 +286,20 @@ def _resume_worker_1(tmp: str) -> None:
 
 # ---------------------------------------------------------------- one chain of worker pools for all of it
 
+def _bad_layouts_raise_on_every_rank() -> None:
+    """Raised identically on every rank by the plan check, before the mesh's first collective."""
+    dense = AutoConfig.for_model("qwen3", **{k: v for k, v in TINY.items() if "expert" not in k and "router" not in k})
+    for config, match in [(_moe_config(num_experts=3), "num_experts=3 is not divisible by ep_size=2"),
+                          (dense, "'qwen3'.*has no experts to split")]:
+        with pytest.raises(ValueError, match=match):
+            AutoModelForCausalLM.from_config(config, dtype=F64).parallelize(DistributedConfig(ep_size=2))
+    with pytest.raises(ValueError, match="launch a multiple of 4 processes"):
+        AutoModelForCausalLM.from_config(_moe_config(), dtype=F64).parallelize(DistributedConfig(tp_size=2,
+                                                                                                 ep_size=2))
+
+
 def _two_ranks(checkpoints, tmp) -> None:
+    _bad_layouts_raise_on_every_rank()
     _worker(checkpoints, 2, tmp)
     _resume_worker_2(str(tmp))
 
