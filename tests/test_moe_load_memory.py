@@ -1,5 +1,6 @@
 """Loading an MoE checkpoint at ep 2 costs each rank its own experts and its share of the dense part, never the
-whole expert set: the loader reads only this rank's experts' per-expert tensors into the stacked parameter.
+whole expert set: the loader reads only this rank's experts' per-expert tensors into the stacked parameter. Both at
+ep = tp = 2 (`enable_expert_parallel`) and at ep 2 on an axis of its own (`ep_size=2`, tp 1: dense part whole).
 
     .venv/bin/python -m pytest tests/test_moe_load_memory.py -q -s   # -s prints the measured numbers
 """
@@ -23,16 +24,19 @@ CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=1024, moe_int
               num_experts_per_tok=2)
 
 
-def _load(path):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=DistributedConfig(
-        tp_size=2, enable_expert_parallel=True))
+LAYOUTS = {"tp": dict(tp_size=2, enable_expert_parallel=True), "ep_axis": dict(tp_size=1, ep_size=2)}
 
 
-def _worker(path: str, tiny: str) -> None:
-    _load(tiny)  # one-time costs (lazy imports, process groups)
+def _load(path, layout: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                distributed_config=DistributedConfig(**LAYOUTS[layout]))
+
+
+def _worker(path: str, tiny: str, layout: str) -> None:
+    _load(tiny, layout)  # one-time costs (lazy imports, process groups)
     before = _rss_anon()
     with PeakSampler() as sampler:
-        model = _load(path)
+        model = _load(path, layout)
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     local = sum(p.numel() * p.element_size() for p in model.parameters())
     Path(path, f"rank{torch.distributed.get_rank()}.txt").write_text(f"{sampler.peak - before} {local} {experts}")
@@ -51,17 +55,20 @@ def _save(config, path) -> dict[str, int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_each_rank_loads_only_its_experts(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_rank_loads_only_its_experts(tmp_path, layout):
     sizes = _save(AutoConfig.for_model("qwen3_moe", **CONFIG), tmp_path / "big")
     _save(AutoConfig.for_model("qwen3_moe", **{**CONFIG, "hidden_size": 64, "intermediate_size": 64,
                                                 "moe_intermediate_size": 32, "vocab_size": 64}), tmp_path / "tiny")
-    run_distributed(_worker, 2, str(tmp_path / "big"), str(tmp_path / "tiny"), timeout=240)
+    run_distributed(_worker, 2, str(tmp_path / "big"), str(tmp_path / "tiny"), layout, timeout=240)
     dense = sizes["total"] - sizes["experts"]
     bound = 1.1 * (sizes["experts"] / 2 + dense) + CONSTANT  # its own experts + the dense part + 10%
+    if layout == "ep_axis":  # at tp 1 the dense tensors are read whole: one of them (<= 16 MiB) in flight too; all
+        bound += sizes["largest"]  # (every expert loaded: 196 MiB)
     for rank in range(2):
         rise, local, experts = map(int, (tmp_path / "big" / f"rank{rank}.txt").read_text().split())
-        print(f"rank {rank}: checkpoint {sizes['total'] / MB:.0f} MiB ({sizes['experts'] / MB:.0f} MiB experts), "
-              f"local params {local / MB:.0f} MiB ({experts / MB:.0f} MiB experts), peak private rise while loading "
+        print(f"{layout} rank {rank}: checkpoint {sizes['total'] / MB:.0f} MiB ({sizes['experts'] / MB:.0f} MiB "
+              f"experts), local params {local / MB:.0f} MiB ({experts / MB:.0f} MiB experts), peak private rise while loading "
               f"{rise / MB:.0f} MiB (bound {bound / MB:.0f} MiB)")
         assert experts == sizes["experts"] // 2  # half the experts, whole
         assert rise < bound, f"rank {rank}: loading raised private memory by {rise / MB:.0f} MiB"

@@ -2,6 +2,7 @@
 
     tptrain plan Qwen/Qwen3-0.6B --tp-size 4                  # or a checkpoint directory
     tptrain plan ./ckpt --tp-size 8 --sequence-parallel --dtype bfloat16
+    tptrain plan ./qwen3-moe --tp-size 2 --ep-size 4               # experts over 4 ranks, attention TP 2
     tptrain plan ./ckpt --tp-size 2 --tp-plan '{"layers.*.mlp.down_proj": "rowwise"}'
     tptrain plan ./llama --tp-size 2 --backend transformers   # transformers' model code on tptrain's engine
     python -m tptrain plan ...                                # the same
@@ -46,6 +47,9 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--sequence-parallel", action="store_true", help="shard norms along the sequence too")
     plan.add_argument("--expert-parallel", action="store_true",
                       help="split a mixture-of-experts model's experts by expert over the TP ranks (ep_size = tp_size)")
+    plan.add_argument("--ep-size", type=int, default=1,
+                      help="split the experts by expert over an ep axis of that many data-parallel ranks, each expert "
+                           "over the TP ranks (DistributedConfig(ep_size=))")
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
@@ -79,7 +83,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
                              sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
-                             dtype=args.dtype)
+                             ep_size=args.ep_size, dtype=args.dtype)
     except (OSError, ValueError, TypeError) as exc:
         return _fail("plan", str(exc))
     print(report.text, end="")

@@ -154,10 +154,11 @@ class PreTrainedModel(nn.Module):
     def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
-        layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group())
+        ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
+        layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
         if reader is not None:
-            self._load(reader, device, dtype, rank=layout.ctx.rank)
+            self._load(reader, device, dtype, rank=layout.ctx.rank, ep_rank=layout.ctx.ep_rank)
         elif any(p.device != device for p in self.parameters()):
             self.to(device)
         layout.grad_sync.attach(self)
@@ -165,17 +166,24 @@ class PreTrainedModel(nn.Module):
 
     def adopt_mesh(self, mesh) -> None:
         """Make `mesh` (same tp size, TP innermost) this model's mesh: its TP group holds the same ranks as the
-        one the model was sharded over, so only the mesh and the group's name change."""
+        one the model was sharded over, so only the mesh and the group's name change (and the ep group's, whose
+        size `training_mesh` keeps)."""
         old, new = self.device_mesh["tp"].get_group(), mesh["tp"].get_group()
         assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
         self.device_mesh = mesh
         self.tp_layout.ctx.group_name = comm.group_name(new)
+        if self.tp_layout.ctx.ep_size > 1:
+            ep = mesh["ep"].get_group()
+            old_ep = comm.resolve_group(self.tp_layout.ctx.ep_group_name)
+            assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
+            self.tp_layout.ctx.ep_group_name = comm.group_name(ep)
 
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
         """The plan resolved at this TP degree; every problem raised (no process group needed)."""
-        resolved = check_plan(self, distributed_config.tp_plan, distributed_config.sizes()["tp"],
+        sizes = distributed_config.sizes()
+        resolved = check_plan(self, distributed_config.tp_plan, sizes["tp"],
                               sequence_parallel=distributed_config.enable_sequence_parallel,
-                              expert_parallel=distributed_config.enable_expert_parallel)
+                              expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
         resolved.raise_problems(self)
         return resolved
 
@@ -202,8 +210,9 @@ class PreTrainedModel(nn.Module):
         for name, shape in wanted.items():  # every shape checked before any byte is read
             check_tensor_shape(name, shape, tuple(reader.shape(name)), reader.file_of(name))
 
-    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
-        """Fill every (meta) parameter with this rank's slice of the (checked) checkpoint tensor."""
+    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
+        """Fill every (meta) parameter with this rank's slice of the (checked) checkpoint tensor (`rank`: its tp
+        rank; `ep_rank`: its rank on the ep axis, which picks its experts)."""
         layout = self.tp_layout
         keys = self.checkpoint_keys()
         loaded: dict[int, nn.Parameter] = {}
@@ -211,7 +220,8 @@ class PreTrainedModel(nn.Module):
             spec = layout.spec(name) if layout else ShardSpec()
             key = keys.get(name, name)
             if isinstance(key, list):
-                t = _read_stacked(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
+                t = _read_stacked(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
+                                  ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
             else:
                 t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
@@ -260,9 +270,14 @@ class PreTrainedModel(nn.Module):
                                                       extra_files={"config.json": config_json}))
 
 
-def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, **kwargs) -> torch.Tensor:
+def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1,
+                  ep_rank: int = 0, **kwargs) -> torch.Tensor:
     """This rank's piece of a stacked (experts, ...) tensor stored as one checkpoint tensor per expert: split along
-    dim 0, only its experts are read; split along another dim, that dim's slice of every expert."""
+    dim 0, only its experts are read; split along another dim, that dim's slice of every expert (of its own
+    experts only, when they are also split over the ep axis)."""
+    if spec.ep_split:
+        per_rank = len(keys) // ep_size
+        keys = keys[ep_rank * per_rank:(ep_rank + 1) * per_rank]
     if spec.dim == 0:
         per_rank = len(keys) // spec.num_chunks(tp_size)
         first = spec.chunk_index(tp_rank) * per_rank

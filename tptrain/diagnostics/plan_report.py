@@ -37,23 +37,27 @@ class PlanReport:
 
 
 def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] = "auto",
-                sequence_parallel: bool = False, expert_parallel: bool = False,
+                sequence_parallel: bool = False, expert_parallel: bool = False, ep_size: int = 1,
                 dtype: torch.dtype | str | None = None) -> PlanReport:
-    """Resolve `tp_plan` for `config` at `tp_size` and describe every module's shards."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    """Resolve `tp_plan` for `config` at `tp_size` (and the experts over an ep axis of `ep_size`) and describe
+    every module's shards."""
+    for what, size in (("tp_size", tp_size), ("ep_size", ep_size)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{what} must be a positive int, got {size!r}")
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
     resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel,
-                          expert_parallel=expert_parallel)
+                          expert_parallel=expert_parallel, ep_size=ep_size)
     problems = resolved.problems
-    rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize)
+    rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize, ep_size)
     name = type(getattr(model, "hf_model", model)).__name__
     lines = [f"tptrain plan: {name} (model_type {config.model_type!r}), tp_size={tp_size}, "
+             + (f"ep_size={ep_size} (experts over ep ranks of dp_shard; dense layers data-parallel there), "
+                if ep_size > 1 else "") +
              f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
              f"backend: {model.backend}" + (" (transformers' modeling code on tptrain's engine)"
                                             if model.backend == "transformers" else " (tptrain's own model code)"),
-             *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize), "",
+             *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size), "",
              *_table(rows), "",
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
              f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
@@ -79,7 +83,7 @@ def _head_lines(config: Any, tp_size: int) -> list[str]:
     return out
 
 
-def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int) -> list[str]:
+def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int, ep_size: int) -> list[str]:
     """Experts per rank, their bytes per rank, and the collectives that move their tokens (MoE models only)."""
     config = model.config
     layers = [name for name, style in resolved.styles.items() if style.startswith("expert_")]
@@ -88,12 +92,17 @@ def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int)
     moe_layers, experts, k = sum(config.layer_is_moe), config.num_experts, config.num_experts_per_tok
     params = dict(model.named_parameters())
     total = sum(p.numel() for n, p in params.items() if ".experts." in n) * itemsize
-    local = sum(math.prod(resolved.specs.get(n, ShardSpec()).local_shape(tuple(p.shape), tp_size))
+    local = sum(math.prod(resolved.specs.get(n, ShardSpec()).local_shape(tuple(p.shape), tp_size, ep_size))
                 for n, p in params.items() if ".experts." in n) * itemsize
     style = resolved.styles.get(layers[0]) if layers else "replicated"
     if style == "expert_parallel":
         style = "expert_parallel_all_to_all" if all_to_all_wins(tp_size, k) else "expert_parallel_all_reduce"
-    if style.startswith("expert_parallel") and experts % tp_size == 0:
+    if ep_size > 1 and experts % ep_size == 0:
+        held = experts // ep_size
+        where = (f"{held} expert(s) per rank (ep rank e holds experts e*{held} .. e*{held}+{held - 1}), each split "
+                 f"1/{tp_size} along moe_intermediate_size")
+        style = "expert_tensor_parallel over an ep axis"
+    elif style.startswith("expert_parallel") and experts % tp_size == 0:
         held = experts // tp_size
         where = f"{held} whole expert(s) per rank (rank r holds experts r*{held} .. r*{held}+{held - 1})"
     elif style == "expert_tensor_parallel":
@@ -106,14 +115,18 @@ def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int)
              "expert_tensor_parallel": "per MoE layer: the partial outputs summed by the layer's one all-reduce "
                                        "(+ 1 (tokens, top_k) all-reduce in backward for the router)",
              "expert_parallel_all_reduce": "per MoE layer: no token moves; partial outputs summed by the layer's "
-                                           "one all-reduce (+ 1 (tokens, top_k) all-reduce in backward)"}
+                                           "one all-reduce (+ 1 (tokens, top_k) all-reduce in backward)",
+             "expert_tensor_parallel over an ep axis": (
+                 f"per MoE layer: forward 3 all-to-alls over the {ep_size} ep ranks (counts, rows out, results "
+                 f"back), partial outputs summed by the layer's one tp all-reduce; backward 2 all-to-alls (+ 1 "
+                 f"(tokens, top_k) tp all-reduce for the router)")}
     return [f"experts: {moe_layers} MoE layer(s) x {experts} experts, top-{k}, style {style}: {where}",
             f"expert bytes per rank: {_size(local)} of {_size(total)}",
             f"dispatch: {moves.get(style, 'replicated experts: no communication')}"]
 
 
 def _rows(model: torch.nn.Module, resolved: Mapping[str, str], specs: Mapping[str, ShardSpec], tp_size: int,
-          itemsize: int) -> tuple[list[tuple[str, str, str, str, str, str]], int, int]:
+          itemsize: int, ep_size: int = 1) -> tuple[list[tuple[str, str, str, str, str, str]], int, int]:
     """One row per parameter, identical decoder layers merged into one `layers.[0-N]` row."""
     seen: dict[int, str] = {}
     groups: dict[tuple, list[int]] = {}  # (generic module, style, pname, shapes, note) -> layer indices
@@ -122,7 +135,7 @@ def _rows(model: torch.nn.Module, resolved: Mapping[str, str], specs: Mapping[st
         module, _, pname = full.rpartition(".")
         spec = specs.get(full, ShardSpec())
         shape = tuple(p.shape)
-        local = spec.local_shape(shape, tp_size)
+        local = spec.local_shape(shape, tp_size, ep_size)
         if id(p) in seen:
             note = f"tied to {seen[id(p)]}"
         else:

@@ -56,12 +56,18 @@ def init_distributed() -> torch.device:
 class DistributedConfig:
     """How a model is spread over the processes of the job.
 
-    tp_size: tensor-parallel degree; None infers WORLD_SIZE // (dp_replicate_size * dp_shard_size).
+    tp_size: tensor-parallel degree; None infers WORLD_SIZE // (dp_replicate_size * dp_shard_size) (dp_shard_size
+        unset: ep_size, else 1).
     tp_plan: "auto" (the model's own `base_model_tp_plan`) or a dict of {module-glob: style}
         overrides of it (a value of None removes a rule). A rule that matches no module is an error.
     enable_sequence_parallel: shard norms and the residual stream along the sequence between TP regions.
     enable_expert_parallel: a mixture-of-experts model's experts are split by expert over the TP group
         (ep_size = tp_size, transformers' spelling); False: each expert is split like a dense MLP.
+    ep_size: expert parallelism on an axis of its own (None or 1: none), taken from the data-parallel ranks: the
+        experts are split by expert over `ep_size` of the dp_shard ranks and each expert over tp as a dense MLP
+        (expert tensor parallelism), while attention and every dense layer stay TP over tp and data-parallel over
+        dp_shard (ep included). Must divide dp_shard (and the model's num_experts); not with
+        enable_expert_parallel (that splits the experts over the TP group instead).
     dp_replicate_size: replicated data-parallel degree (DDP, or the replica axis of HSDP).
     dp_shard_size: sharded data-parallel degree (FSDP2); None: whatever WORLD_SIZE leaves over.
     backend: "auto" (tptrain's own model code for its model types, transformers' otherwise), "native", or
@@ -73,6 +79,7 @@ class DistributedConfig:
     tp_plan: str | Mapping[str, Any] = "auto"
     enable_sequence_parallel: bool = False
     enable_expert_parallel: bool = False
+    ep_size: int | None = None
     dp_replicate_size: int = 1
     dp_shard_size: int | None = None
     backend: str = "auto"
@@ -88,18 +95,34 @@ class DistributedConfig:
         world = env_world_size() if world_size is None else world_size
         if self.backend not in BACKENDS:
             raise ValueError(f"DistributedConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("tp_size", "dp_replicate_size", "dp_shard_size"):
+        for name in ("tp_size", "ep_size", "dp_replicate_size", "dp_shard_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"DistributedConfig.{name} must be a positive int, got {value!r}")
         rep, shard, tp = self.dp_replicate_size, self.dp_shard_size, self.tp_size
-        if tp is None:
-            tp = world // (rep * (shard or 1))
+        if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard = ep_size)
+            tp = world // (rep * (shard or self.ep_size or 1))
         if shard is None:
             shard = world // (rep * tp) if tp and world % (rep * tp) == 0 else 0
         if tp < 1 or shard < 1 or rep * shard * tp != world:
             raise ValueError(self._layout_error(world, described))
-        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp)
+        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self._ep(shard, tp, world, described))
+
+    def _ep(self, shard: int, tp: int, world: int, described: str | None) -> int:
+        """The ep axis's size: a divisor of dp_shard (the experts' owners are data-parallel ranks)."""
+        ep = self.ep_size or 1
+        name = described or "DistributedConfig"
+        if ep > 1 and self.enable_expert_parallel:
+            raise ValueError(f"{name}: ep_size={ep} and enable_expert_parallel=True both split the experts by "
+                             f"expert (over an ep axis of data-parallel ranks, or over the TP group, ep_size = "
+                             f"tp_size); pass one of them")
+        if shard % ep:
+            unit = ep * tp * self.dp_replicate_size
+            raise ValueError(f"{name}: ep_size={ep} must divide the data-parallel shard degree dp_shard={shard} "
+                             f"(world size {world} = dp_replicate {self.dp_replicate_size} x dp_shard {shard} x tp "
+                             f"{tp}): the experts' owners are dp_shard ranks; launch a multiple of {unit} processes "
+                             f"(ep x tp x dp_replicate), or use an ep_size that divides {shard}")
+        return ep
 
     def _layout_error(self, world: int, described: str | None) -> str:
         """What the sizes need and what the world size is, e.g. "... needs 2 x 2 x 1 = 4 processes"."""

@@ -7,10 +7,17 @@ As torchtitan's ParallelDims: the axes are ("dp_replicate", "dp_shard", "tp"), T
 group is a block of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
 `dp_mesh(mesh)` is the flattened dp_replicate x dp_shard axis: the reductions over every data-parallel
 rank (token counts, the loss) run on it.
+
+Expert parallelism borrows its ranks from dp_shard (torchtitan's layout): with `ep > 1` the mesh's axes are
+("dp_replicate", "dp_shard_mod_ep", "ep", "tp") and "dp_shard" is the flattened (dp_shard_mod_ep, ep), so
+`mesh["dp_shard"]`, `dp_mesh(mesh)` and everything dense keep their meaning. An expert's owners are the `ep`
+ranks of one "ep" group (same tp index, same dp_shard // ep); "dp_shard_mod_ep" (x dp_replicate) is what is left
+of data parallelism over ranks holding the same experts.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -18,16 +25,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tptrain.distributed import comm
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")  # the mesh's real axes when ep > 1
+
+# "dp_shard" is a flattened axis of the ep mesh; torch warns on each lookup of one that it may someday want the
+# flattened mesh kept by the caller. This library looks it up by name on purpose (one mesh, its axes by name).
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of the mesh axes. dp_replicate: replicated data parallelism (DDP, or HSDP's replica axis);
-    dp_shard: FSDP2's sharding axis; tp: tensor parallelism."""
+    dp_shard: FSDP2's sharding axis; tp: tensor parallelism; ep: expert parallelism, a divisor of dp_shard (the
+    experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -39,23 +53,52 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def sizes(self) -> dict[str, int]:
-        """{axis name: size}, in mesh order."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """{axis name: size}: the three main axes, and "ep" when experts are split over one."""
+        out = {axis: getattr(self, axis) for axis in MESH_AXES}
+        return out if self.ep == 1 else {**out, "ep": self.ep}
+
+    def mesh_shape(self) -> dict[str, int]:
+        """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
+        if self.ep == 1:
+            return {axis: getattr(self, axis) for axis in MESH_AXES}
+        return dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> "ParallelDims":
         """The sizes of a mesh built by `build_mesh`."""
-        return cls(**dict(zip(mesh.mesh_dim_names, mesh.shape)))
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        if "ep" not in sizes:
+            return cls(**sizes)
+        return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
+                   tp=sizes["tp"], ep=sizes["ep"])
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
-        assert math.prod(self.sizes().values()) == self.world_size
-        mesh = init_device_mesh(device_type, tuple(self.sizes().values()), mesh_dim_names=MESH_AXES)
-        dp_mesh(mesh)  # created now, on every rank together (it makes process groups)
+        assert self.dp_shard % self.ep == 0 and math.prod(self.mesh_shape().values()) == self.world_size
+        shape = self.mesh_shape()
+        mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+        if self.ep > 1:  # created now, on every rank together (it makes process groups)
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        dp_mesh(mesh)
         return comm.track_mesh(mesh)
+
+
+def rank_grid(mesh: DeviceMesh):
+    """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has
+    (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s)."""
+    dims = ParallelDims.of(mesh)
+    return mesh.mesh.reshape(dims.dp_replicate, dims.dp_shard, dims.tp)
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The flattened dp_replicate x dp_shard axis of a mesh built by `ParallelDims.build_mesh` (the same
     object each call: torch keeps it on the root mesh)."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel axes over ranks holding the same experts, as FSDP2 takes them for the experts of a mesh
+    with an ep axis: (dp_replicate, dp_shard_mod_ep) as HSDP when dp_replicate > 1, else dp_shard_mod_ep (of size
+    1 when dp_shard == ep: each expert is then on one rank of the ep group only)."""
+    assert "ep" in mesh.mesh_dim_names, mesh
+    return mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_mod_ep"]

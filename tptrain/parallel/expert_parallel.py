@@ -21,6 +21,12 @@ on every rank, identically.
   bytes per rank. With T tokens of H features, k experts per token and p ranks, the all-reduce sends
   2 (p-1)/p T H, the all-to-all path (p-1)/p T H (2k/p + 1): all-to-all from p >= 2k on.
 
+With an ep axis of its own (`DistributedConfig(ep_size=)`, whose ranks are data-parallel: each holds its own
+tokens), `expert_tensor_parallel` splits the experts by expert over ep as well (`ShardSpec.ep_split`): a rank holds
+E/ep experts x 1/tp of each. Its tokens (whole over tp) are dispatched by all-to-all over the ep group to the
+experts' owners, each owner's tp ranks run them through their slice (partial outputs), the results come back the
+same way, and the weighted sum rides the layer's one tp all-reduce as in plain expert TP.
+
 In all of them the routing weights enter through `copy_to_tp` (or the share's split), so the router's gradient,
 whose expert-path part each rank computes only for its own experts (or tokens), is summed to the whole on every
 rank: (tokens, k) floats in backward, k/H of the activation all-reduce. The aux loss needs nothing (the router is
@@ -82,7 +88,18 @@ class ExpertTensorParallel(_ExpertStyle):
         return {"gate_proj": ShardSpec(1), "up_proj": ShardSpec(1), "down_proj": ShardSpec(2)}
 
     def install(self, module, ctx):
-        _replace_forward(module, _summed_partials(module, ctx))
+        if ctx.ep_size == 1:
+            _replace_forward(module, _summed_partials(module, ctx))
+            return
+        module.expert_offset = ctx.ep_rank * module.gate_proj.shape[0]
+        module.tp_dispatch = "all_reduce"  # over tp; the ep dispatch is ep_dispatch's
+        module.ep_dispatch = "all_to_all"
+
+        def forward(self, x, expert_ids, weights):
+            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group)
+            return ctx.exit(exchange(self, x, expert_ids, weights, ctx.ep_group, ctx.ep_size))
+
+        _replace_forward(module, forward)
 
 
 @register_style
@@ -140,15 +157,23 @@ def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.
                          ctx: TPContext) -> torch.Tensor:
     """The block output (tokens, hidden) on every rank, each rank routing only its share of the tokens.
 
-    x (tokens, hidden) whole on every rank; expert_ids, weights (tokens, k). Forward: one all-to-all of per-expert
-    counts, one of the rows (to the owners), one of the results (back), one all-gather of the shares; backward:
-    the reverse all-to-alls and the all-gather of the input share's gradient. Ranks whose experts get no row
-    still take part, with empty splits.
+    x (tokens, hidden) whole on every rank; expert_ids, weights (tokens, k). Forward: the share's `exchange` over
+    the TP group and one all-gather of the shares; backward: the reverse all-to-alls and the all-gather of the
+    input share's gradient.
     """
     p, group = ctx.size, ctx.group_name
     assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
     x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
-    expert_ids = expert_ids.chunk(p)[ctx.rank]
+    combined = exchange(experts, x, expert_ids.chunk(p)[ctx.rank], weights, group, p)
+    return comm.gather_from_tp(combined, group, dim=0)
+
+
+def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group,
+             p: int) -> torch.Tensor:
+    """This rank's tokens x (tokens, hidden) through their experts, held by the p ranks of `group` (E/p each, in
+    rank order): (tokens, hidden), the weighted sum over each token's experts (partial over tp when the owners
+    hold a TP slice of each expert). One all-to-all of per-expert counts, one of the rows (to the owners), one of
+    the results (back). Ranks whose experts get no row still take part, with empty splits."""
     k, held = expert_ids.shape[1], experts.gate_proj.shape[0]
     flat = expert_ids.flatten()
     order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, so by owner rank
@@ -157,9 +182,9 @@ def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.
     send_splits = sent.view(p, held).sum(1).tolist()
     recv_splits = got.sum(1).tolist()
     rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
-    by_expert = torch.sort(torch.repeat_interleave(torch.arange(held).repeat(p), got.flatten()), stable=True).indices
-    out = torch.empty_like(rows)
+    held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
+    by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
+    out = rows.new_empty((rows.shape[0], experts.down_proj.shape[1]))
     out[by_expert] = experts.grouped(rows[by_expert], got.sum(0).tolist())
     back = comm.dispatch_to_ranks(out, group, recv_splits, send_splits)  # in `order`
-    combined = x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))
-    return comm.gather_from_tp(combined, group, dim=0)
+    return x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))

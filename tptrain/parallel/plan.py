@@ -6,6 +6,7 @@ could hang.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from dataclasses import dataclass
@@ -156,18 +157,20 @@ class ResolvedPlan:
     specs: dict[str, ShardSpec]
     problems: list[str]
     vocab_parallel_loss: bool
+    ep_size: int = 1  # the experts also split by expert over an ep axis of this size (ShardSpec.ep_split)
 
     def raise_problems(self, model: nn.Module) -> None:
         """One ValueError listing every problem (identical on every rank: nothing here communicates)."""
         if self.problems:
-            raise ValueError(f"cannot shard {type(model).__name__} over tp_size={self.tp_size}:\n  - "
-                             + "\n  - ".join(self.problems))
+            over = f"tp_size={self.tp_size}" + (f", ep_size={self.ep_size}" if self.ep_size > 1 else "")
+            raise ValueError(f"cannot shard {type(model).__name__} over {over}:\n  - " + "\n  - ".join(self.problems))
 
 
 def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_size: int, *,
-               sequence_parallel: bool = False, expert_parallel: bool = False) -> ResolvedPlan:
+               sequence_parallel: bool = False, expert_parallel: bool = False, ep_size: int = 1) -> ResolvedPlan:
     """Resolve and validate `tp_plan` for `model` without touching the model or any process group.
-    `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size)."""
+    `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size). `ep_size` > 1: split by
+    expert over an ep axis of their own, each expert tensor-parallel over tp (`ep_problems`)."""
     if expert_parallel and not getattr(model.config, "base_model_ep_plan", None):
         raise ValueError(f"enable_expert_parallel=True, but {type(model).__name__} ({model.config.model_type!r}) has "
                          f"no experts to split: expert parallelism is for mixture-of-experts models; drop "
@@ -195,10 +198,41 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
                                    for n, s in objects.items() if not s.sequence_parallel_ok})
     if tp_size > 1:
         layout_problems += _pair_problems(model, objects, sequence_parallel)
+    if ep_size > 1:
+        layout_problems += ep_problems(model, objects, ep_size)
+        specs = {name: dataclasses.replace(spec, ep_split=True) if name.rpartition(".")[0] in _experts(objects)
+                 else spec for name, spec in specs.items()}
     head = _output_head(model)
     return ResolvedPlan(tp_size, sequence_parallel, styles, objects, specs,
                         list(dict.fromkeys(problems + layout_problems)),
-                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss)
+                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)
+
+
+def _experts(objects: Mapping[str, ParallelStyle]) -> list[str]:
+    """The modules planned as stacked experts (any expert style)."""
+    return [name for name, style in objects.items() if isinstance(style, _expert_styles._ExpertStyle)]
+
+
+def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size: int) -> list[str]:
+    """What stops the experts from splitting by expert over an ep axis of `ep_size` ranks. A model without experts
+    is a ValueError of its own (nothing to split); the rest are plan problems."""
+    experts = _experts(objects)
+    if not experts:
+        config = model.config
+        raise ValueError(f"ep_size={ep_size}, but {type(model).__name__} ({getattr(config, 'model_type', '?')!r}) "
+                         f"has no experts to split: expert parallelism is for mixture-of-experts models; drop ep_size")
+    problems = []
+    for name in experts:
+        module, style = model.get_submodule(name), objects[name]
+        if style.name != "expert_tensor_parallel":
+            problems.append(f"{_generic(name)} has style {style.name!r}, but with ep_size the experts are split by "
+                            f"expert over ep and each expert over tp ('expert_tensor_parallel'); drop the override "
+                            f"(or drop ep_size)")
+        if module.num_experts % ep_size:
+            problems.append(f"{_generic(name)}: num_experts={module.num_experts} is not divisible by "
+                            f"ep_size={ep_size}: every ep rank holds the same number of whole experts; use an ep_size "
+                            f"that divides {module.num_experts}")
+    return sorted(set(problems))
 
 
 def _output_head(model: nn.Module) -> str | None:

@@ -31,12 +31,19 @@ class ShardSpec:
     segments: a packed tensor (fused q/k/v or gate/up rows): ((global size along dim, replicas), ...) in
         order; each segment is split on its own as a spec of its own, and rank r holds its chunk of every
         segment, concatenated in the same order. Empty: one tensor split as a whole.
+    ep_split: stacked experts split by expert (dim 0) over the ep axis as well (`DistributedConfig(ep_size=)`):
+        ep rank e holds chunk e of ep equal chunks of dim 0, and the TP split (another dim) applies within it.
     """
 
     dim: int | None = None
     replicas: int = 1
     partial_grad: bool = False
     segments: tuple[tuple[int, int], ...] = ()
+    ep_split: bool = False
+
+    def ep_chunk(self, full: torch.Tensor, ep_size: int, ep_rank: int) -> torch.Tensor:
+        """Ep rank `ep_rank`'s experts of `full` (a view; `full` itself unless `ep_split`)."""
+        return full.chunk(ep_size, dim=0)[ep_rank] if self.ep_split else full
 
     def num_chunks(self, tp_size: int) -> int:
         assert not self.segments, "a packed spec has one chunk count per segment: use parts()"
@@ -78,7 +85,9 @@ class ShardSpec:
             out.append((first, first + step))
         return out
 
-    def local_shape(self, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    def local_shape(self, shape: tuple[int, ...], tp_size: int, ep_size: int = 1) -> tuple[int, ...]:
+        if self.ep_split:
+            shape = (shape[0] // ep_size, *shape[1:])
         if self.dim is None:
             return tuple(shape)
         out = list(shape)
@@ -104,6 +113,10 @@ class TPContext:
     size: int
     rank: int
     sequence_parallel: bool = False
+    # The ep axis (DistributedConfig(ep_size=)): this rank's group of expert owners, by name, its size and rank.
+    ep_group_name: str | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
     # Set per forward by the engine: with labels, the head keeps logits vocab-sharded for the
     # vocab-parallel loss instead of all-gathering them.
     keep_logits_sharded: bool = False
@@ -115,6 +128,10 @@ class TPContext:
     @property
     def group(self) -> comm.ProcessGroup:
         return comm.resolve_group(self.group_name)
+
+    @property
+    def ep_group(self) -> comm.ProcessGroup:
+        return comm.resolve_group(self.ep_group_name)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Input boundary of a column-parallel block.

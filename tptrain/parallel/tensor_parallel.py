@@ -106,7 +106,9 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
             out[alias] = ParamLayout(spec, tuple(p.shape))
         if id(p) not in new:
             # A copy, so the full tensor can be freed (on meta it is a shape only).
-            local = p.data if spec.dim is None else spec.local_chunk(p.data, ctx.size, ctx.rank).clone()
+            local = p.data
+            if spec.dim is not None or spec.ep_split:  # this rank's experts first, then its TP chunk of them
+                local = spec.local_chunk(spec.ep_chunk(local, ctx.ep_size, ctx.ep_rank), ctx.size, ctx.rank).clone()
             new[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
     for name, p in old.items():
         if id(p) in new:
@@ -117,7 +119,10 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
 
 def gather_full(t: torch.Tensor, spec: ShardSpec, ctx: TPContext) -> torch.Tensor:
     """The unsharded tensor from every rank's local `t` (a parameter or its gradient). Collective: one
-    all-gather, whatever the layout (a packed tensor's segments are put back in the checkpoint's order)."""
+    all-gather, whatever the layout (a packed tensor's segments are put back in the checkpoint's order), and one
+    over the ep group for experts split over it."""
+    if spec.ep_split:
+        t = comm.all_gather(t.contiguous(), ctx.ep_group, dim=0, phase="gather")
     if spec.dim is None:
         return t
     full = comm.all_gather(t.contiguous(), ctx.group, dim=spec.dim, phase="gather")
@@ -149,11 +154,16 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
     return given
 
 
-def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group) -> TPLayout:
-    """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says."""
+def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group, ep_group=None) -> TPLayout:
+    """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says; the experts of a
+    plan resolved at ep_size > 1 also over `ep_group` (the mesh's "ep" axis)."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     assert not resolved.problems and resolved.tp_size == tp_size, (resolved.problems, resolved.tp_size, tp_size)
-    ctx = TPContext(comm.group_name(tp_group), tp_size, tp_rank, sequence_parallel=resolved.sequence_parallel)
+    ep = {}
+    if resolved.ep_size > 1:
+        assert dist.get_world_size(ep_group) == resolved.ep_size, (ep_group, resolved.ep_size)
+        ep = dict(ep_group_name=comm.group_name(ep_group), ep_size=resolved.ep_size, ep_rank=dist.get_rank(ep_group))
+    ctx = TPContext(comm.group_name(tp_group), tp_size, tp_rank, sequence_parallel=resolved.sequence_parallel, **ep)
     params = _shard_parameters(model, resolved.specs, ctx)
     for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)

@@ -22,9 +22,12 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 
 @dataclass
 class ParallelismConfig:
-    """How the ranks of a training run are laid out: mesh axes ("dp_replicate", "dp_shard", "tp").
+    """How the ranks of a training run are laid out: mesh axes ("dp_replicate", "dp_shard", "tp"), and "ep" inside
+    dp_shard (DistributedConfig.ep_size).
 
     tp_size: tensor-parallel degree; must equal the model's `tp_size` (None: take the model's).
+    ep_size: expert-parallel degree (experts split by expert over that many of the dp_shard ranks); must equal the
+        one the model was loaded with (None: take the model's).
     dp_shard_size: FSDP2 degree (parameters, gradients and optimizer state sharded over it);
         None: whatever WORLD_SIZE leaves over.
     dp_replicate_size: replicated data-parallel degree (DDP when dp_shard_size is 1, HSDP otherwise).
@@ -33,21 +36,23 @@ class ParallelismConfig:
     tp_size: int | None = None
     dp_shard_size: int | None = None
     dp_replicate_size: int = 1
+    ep_size: int | None = None
 
     def distributed_config(self) -> DistributedConfig:
         """The equivalent DistributedConfig: it owns size validation and mesh construction."""
         return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
-                                 dp_replicate_size=self.dp_replicate_size)
+                                 dp_replicate_size=self.dp_replicate_size, ep_size=self.ep_size)
 
     def parallel_dims(self, world_size: int | None = None, *, tp_note: str = "") -> ParallelDims:
         """The sizes resolved against the world size; ValueError if impossible.
         `tp_note` follows tp_size in that error, e.g. " (the model's)"."""
         described = (f"ParallelismConfig(tp_size={self.tp_size or 'auto'}{tp_note}, dp_shard_size="
-                     f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size})")
+                     f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size}"
+                     + (f", ep_size={self.ep_size}" if self.ep_size else "") + ")")
         return self.distributed_config().parallel_dims(world_size, described=described)
 
     def sizes(self, world_size: int | None = None) -> dict[str, int]:
-        """{"dp_replicate", "dp_shard", "tp"} of `parallel_dims()`."""
+        """{"dp_replicate", "dp_shard", "tp"} (and "ep" when > 1) of `parallel_dims()`."""
         return self.parallel_dims(world_size).sizes()
 
 

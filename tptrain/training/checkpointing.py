@@ -39,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from tptrain.distributed import raise_on_any_rank
+from tptrain.distributed import ParallelDims, raise_on_any_rank
+from tptrain.distributed.topology import rank_grid
 from tptrain.training.checkpoint_dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
@@ -47,6 +48,8 @@ from tptrain.training.packed_shards import packed_sharded_tensor
 
 # The view mesh of a checkpoint tensor: the run's mesh with its TP axis split into (chunks, KV replicas).
 VIEW_AXES = ("dp_replicate", "dp_shard", "tp_shard", "tp_replica")
+# ... and of experts split over an ep axis: dp_shard as (dp_shard_mod_ep, ep), no KV replicas.
+EP_VIEW_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp_shard")
 
 
 class StateConverter:
@@ -70,12 +73,28 @@ class StateConverter:
 
     def _view_mesh(self, replicas: int) -> DeviceMesh:
         if replicas not in self._meshes:
-            ranks = self.mesh.mesh  # (dp_replicate, dp_shard, tp)
+            ranks = rank_grid(self.mesh)  # (dp_replicate, dp_shard, tp)
             rep, shard, tp = ranks.shape
             self._meshes[replicas] = DeviceMesh(
                 self.mesh.device_type, ranks.reshape(rep, shard, tp // replicas, replicas),
                 mesh_dim_names=VIEW_AXES, _init_backend=False)
         return self._meshes[replicas]
+
+    def _ep_view(self, name: str, local: torch.Tensor, t: torch.Tensor, shape: torch.Size) -> DTensor:
+        """Experts split over the ep axis (`ShardSpec.ep_split`): dim 0 split over ep (outer) and again by FSDP
+        over dp_shard_mod_ep (a strided split), the TP split on its own dim, Replicate over dp_replicate."""
+        spec, dims = self._spec(name), ParallelDims.of(self.mesh)
+        if "ep" not in self._meshes:
+            self._meshes["ep"] = DeviceMesh(self.mesh.device_type, self.mesh.mesh, mesh_dim_names=EP_VIEW_AXES,
+                                            _init_backend=False)
+        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        fsdp = dp.get("dp_shard_mod_ep", Replicate())
+        assert fsdp in (Replicate(), Shard(0)), (name, dp)
+        placements = [dp.get("dp_replicate", Replicate()),
+                      _StridedShard(0, split_factor=dims.ep) if fsdp == Shard(0) else Replicate(), Shard(0),
+                      Shard(spec.dim) if spec.dim is not None and dims.tp > 1 else Replicate()]
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self._meshes["ep"], placements, run_check=False, shape=shape, stride=stride)
 
     def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t` (parameter `name` or a tensor laid out like it: an AdamW moment) as a tensor of the global
@@ -87,6 +106,8 @@ class StateConverter:
         if self.mesh is None:
             return local
         shape = torch.Size(self.global_shapes.get(name, t.shape))
+        if spec.ep_split:
+            return self._ep_view(name, local, t, shape)
         tp_chunks = spec.num_chunks(self.mesh["tp"].size())
         dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
         placements: list[Placement] = [dp.get(axis, Replicate()) for axis in ("dp_replicate", "dp_shard")]

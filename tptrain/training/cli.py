@@ -59,6 +59,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
     p.add_argument("--expert-parallel", action="store_true",
                    help="split a mixture-of-experts model's experts by expert over the --tp-size ranks (ep = tp)")
+    p.add_argument("--ep-size", type=int, default=None,
+                   help="split a mixture-of-experts model's experts by expert over N data-parallel ranks (an ep axis "
+                        "of its own; each expert over the --tp-size ranks); --nproc-per-node a multiple of "
+                        "N x --tp-size")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="worker processes to start (default: --tp-size); extra ranks become FSDP2 data-parallel")
     p.add_argument("--output-dir", default="runs/default", help="checkpoints, metrics.jsonl, loss.png, final/")
@@ -156,7 +160,7 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     from tptrain.training import finetune_cli
 
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
-                        ("--preemption-grace", args.preemption_grace)):
+                        ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
@@ -174,7 +178,9 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
                          f"--tp-size processes (use {args.tp_size} or a multiple)")
     model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
     config = AutoConfig.from_pretrained(model_dir)
-    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel)
+    _distributed_config(args).parallel_dims(world, described=f"--tp-size {args.tp_size} --ep-size {args.ep_size}"
+                                            if args.ep_size else None)
+    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     if args.compile:
@@ -194,19 +200,24 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     resolve_resume(args.resume, args.output_dir)
 
 
-def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False) -> None:
+def _distributed_config(args: argparse.Namespace):
+    from tptrain.distributed import DistributedConfig
+    return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size)
+
+
+def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
     """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem."""
     from tptrain.models import AutoModelForCausalLM
     from tptrain.parallel.plan import check_plan
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
-        problems = check_plan(meta, "auto", tp_size, expert_parallel=expert_parallel).problems
-    except ValueError as exc:  # --expert-parallel on a dense model
-        raise ValueError(f"--expert-parallel: {exc}") from None
+        problems = check_plan(meta, "auto", tp_size, expert_parallel=expert_parallel, ep_size=ep_size).problems
+    except ValueError as exc:  # --expert-parallel / --ep-size on a dense model
+        raise ValueError(f"{'--expert-parallel' if expert_parallel else '--ep-size'}: {exc}") from None
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        ep = " --expert-parallel" if expert_parallel else ""
+        ep = " --expert-parallel" if expert_parallel else f" --ep-size {ep_size}" if ep_size > 1 else ""
         raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
                          f"`tptrain plan {model} --tp-size {tp_size}{ep}` shows the layout")
 
@@ -279,7 +290,7 @@ class _Inputs:
 def _train(args: argparse.Namespace) -> None:
     import torch
 
-    from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
+    from tptrain.distributed import init_distributed, raise_on_any_rank
     from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
     from tptrain.training import finetune_cli
@@ -296,7 +307,7 @@ def _train(args: argparse.Namespace) -> None:
     init_distributed()
     raise_on_any_rank(error)
     dtype = resolve_dtype(args.dtype, inputs.config)
-    distributed = DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel)
+    distributed = _distributed_config(args)
     if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
         torch.manual_seed(args.seed)
         model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)
@@ -353,7 +364,8 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
               if inputs.from_scratch else f"loaded from {args.model}")
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
           f"{_describe_data(inputs.dataset, args)}; "
-          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}, {threads} thread"
+          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
+          + (f", ep {args.ep_size}" if args.ep_size else "") + f", {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
 
 

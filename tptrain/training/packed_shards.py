@@ -19,6 +19,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torch.distributed.device_mesh import DeviceMesh
 
+from tptrain.distributed.topology import rank_grid
 from tptrain.parallel.styles import ShardSpec
 
 
@@ -27,10 +28,11 @@ def packed_sharded_tensor(local: torch.Tensor, spec: ShardSpec, shape: tuple[int
     """This rank's `local` (its FSDP piece of its TP shard when `fsdp`, else the TP shard) of the packed
     tensor of global `shape`, laid out over `mesh` (dp_replicate, dp_shard, tp), as a ShardedTensor."""
     assert spec.segments and spec.dim == 0, spec
-    rep, dp_shard, tp = mesh.mesh.shape
+    ranks = rank_grid(mesh)
+    rep, dp_shard, tp = ranks.shape
     me, shards, metas = dist.get_rank(), [], []
     for r, d, k in itertools.product(range(rep), range(dp_shard), range(tp)):
-        rank = int(mesh.mesh[r, d, k])
+        rank = int(ranks[r, d, k])
         writer_dp = r == 0 and (fsdp or d == 0)  # FSDP's pieces differ over dp_shard; otherwise all alike
         for start, rows, at, replicas in _boxes(spec, shape, tp, k, d if fsdp else 0, dp_shard if fsdp else 1):
             if not writer_dp or k % replicas:

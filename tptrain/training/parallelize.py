@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tptrain.distributed import ParallelDims, init_distributed
+from tptrain.distributed.topology import expert_dp_mesh
 from tptrain.training.args import ParallelismConfig
 
 
@@ -25,15 +26,20 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
     one, the model's tp_size with the remaining ranks as FSDP2 shards. Raises the same ValueError on
     every rank (no collective is involved)."""
     model_tp = getattr(model, "tp_size", 1)
+    layout = getattr(model, "tp_layout", None)
+    model_ep = layout.ctx.ep_size if layout is not None else 1
     tp_note = " (the model's)" if config is None or config.tp_size is None else ""
-    if config is None:
-        config = ParallelismConfig(tp_size=model_tp)
-    elif config.tp_size is None:
-        config = dataclasses.replace(config, tp_size=model_tp)
-    elif config.tp_size != model_tp:
+    config = config or ParallelismConfig()
+    if config.tp_size is not None and config.tp_size != model_tp:
         raise ValueError(f"ParallelismConfig(tp_size={config.tp_size}) disagrees with the model, which is sharded "
                          f"over tp_size={model_tp}; load the model with DistributedConfig(tp_size={config.tp_size}) "
                          f"or set ParallelismConfig(tp_size={model_tp})")
+    if (config.ep_size or model_ep) != model_ep:
+        raise ValueError(f"ParallelismConfig(ep_size={config.ep_size}) disagrees with the model, whose experts are "
+                         f"split over ep_size={model_ep}; load the model with DistributedConfig(ep_size="
+                         f"{config.ep_size}) (its experts are sharded when it is loaded) or set "
+                         f"ParallelismConfig(ep_size={model_ep})")
+    config = dataclasses.replace(config, tp_size=model_tp, ep_size=model_ep if model_ep > 1 else None)
     return config.parallel_dims(world_size, tp_note=tp_note)
 
 
@@ -57,19 +63,34 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(getattr(base, "layers", []))
 
 
+def ep_split_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose parameters the layout splits over the ep axis (the stacked experts), as the layout says."""
+    layout = getattr(model, "tp_layout", None)
+    if layout is None:
+        return []
+    names = dict.fromkeys(name.rpartition(".")[0] for name, spec in layout.specs.items() if spec.ep_split)
+    return [model.get_submodule(name) for name in names]
+
+
 def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> bool:
     """FSDP2 over dp_shard; HSDP over (dp_replicate, dp_shard) when dp_replicate > 1 (plain replicated
     DP when dp_shard is 1). Returns whether the model was wrapped (False when both dp degrees are 1).
 
     Gradients are SUMMED over data-parallel ranks, not averaged: the loss is already divided by the
     real-token count of the global batch, so FSDP's default 1/dp would count each token dp times too
-    little."""
+    little.
+
+    With an ep axis, the experts split over it are wrapped first, on their own, over the ranks holding the same
+    experts (`expert_dp_mesh`: dp_shard_mod_ep, HSDP with dp_replicate), so their gradients are summed only there;
+    everything else is sharded over dp_shard (ep included) as without it."""
     rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
     if rep * shard == 1:
         return False
     dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
                  else MixedPrecisionPolicy())
+    for experts in ep_split_modules(model):
+        fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
