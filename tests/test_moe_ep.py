@@ -23,6 +23,7 @@ from tests.family_utils import batch, hf_reference
 from tests.test_moe import F64, FAMILIES, HF_TOL, TINY, TOL, _hf, _route_to_first_rank
 from tests.test_tensor_parallel import full_grads
 from tptrain import AutoModelForCausalLM, DistributedConfig
+from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.topology import dp_mesh
 from tptrain.models import AutoConfig
 from tptrain.parallel.plan import check_plan
@@ -91,6 +92,10 @@ def _check_layout(path, tp: int, ep: int, *, route_first: bool = False) -> None:
     grads = full_grads(model)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"tp {tp} ep {ep} grad of {name}: {m}")
+    model.zero_grad()
+    report = comm_report(model, ids, labels)  # the ep dispatch: one row per assignment each way, and the counts
+    rows = [r for r in report.rows if r.op == "all_to_all" or tp > 1]  # tp 1: no TP minimum (size-1 all-reduces)
+    assert rows and all((r.count, r.bytes) == (r.min_count, r.min_bytes) for r in rows), report.table()
     if route_first:
         held = [p.grad for p in experts.parameters()]
         if mesh["ep"].get_local_rank() > 0:

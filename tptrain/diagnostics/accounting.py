@@ -20,7 +20,9 @@ of the combined share; backward the two reverse exchanges and the all-gathers of
 weights' gradients. The row counts come from the routing of the last forward (the router is replicated, so every
 rank knows every share's experts): one row per assignment each way is the minimum of dispatching without
 de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split into p equal shares
-takes the summing path and is counted as such.
+takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
+the ep group the same way (no share, no all-gather), and the rows its experts received come from the other ranks'
+routing, which the last dispatch recorded (`experts.rows_received`).
 """
 from __future__ import annotations
 
@@ -161,13 +163,34 @@ def _boundaries(plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[i
     return len(enters), exits
 
 
+def _ep_minimum(model: nn.Module, plan: dict[str, str], tokens: int, act_size: int
+                ) -> dict[tuple[str, str], tuple[int, int]]:
+    """The ep axis's dispatch (see the module doc): per MoE block, forward the counts, one row per assignment out
+    and one per row received back; backward the two reverse exchanges."""
+    hidden, k = model.config.hidden_size, getattr(model.config, "num_experts_per_tok", 0)
+    count = nbytes = 0
+    for name in plan:
+        experts = model.get_submodule(name)
+        if getattr(experts, "ep_dispatch", None) == "all_to_all":
+            count += 1
+            nbytes += (tokens * k + experts.rows_received) * hidden * act_size
+            num_experts = experts.num_experts
+    if not count:
+        return {}
+    return {("forward", "all_to_all"): (3 * count, count * num_experts * 8 + nbytes),
+            ("backward", "all_to_all"): (2 * count, nbytes)}
+
+
 def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, str], tuple[int, int]]:
     """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels."""
     layout = model.tp_layout
-    if layout is None or layout.ctx.size == 1:
+    if layout is None:
         return {}
-    tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
     dtype = next(model.parameters()).dtype
+    ep_minimum = _ep_minimum(model, layout.plan, batch * seq, dtype.itemsize)
+    if layout.ctx.size == 1:
+        return ep_minimum
+    tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
     act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
     token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
     dispatch = _expert_dispatch(model, layout.plan, batch * seq, tp)
@@ -203,6 +226,8 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)
         add(("backward", "all_reduce"), norms, norms * token_bytes)
+    for key, (count, nbytes) in ep_minimum.items():
+        add(key, count, nbytes)
     params = dict(model.named_parameters())
     sync = [(part, piece) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad
             for part, piece in s.local_parts(params[n].detach(), tp) if part.partial_grad]  # packed: its KV parts

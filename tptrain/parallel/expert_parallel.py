@@ -182,6 +182,7 @@ def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weig
     send_splits = sent.view(p, held).sum(1).tolist()
     recv_splits = got.sum(1).tolist()
     rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
+    experts.rows_received = rows.shape[0]  # for comm_report: the bytes back are the routing's, not this rank's
     held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
     by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
     out = rows.new_empty((rows.shape[0], experts.down_proj.shape[1]))
