@@ -9,7 +9,10 @@ Every run is 2 fresh ranks (`python -m torch.distributed.run --standalone --npro
 gloo, fp32, the AdamW step included; all implementations load the same files and train on the same batches.
 Rows: tptrain tp 2 (experts split inside, `expert_tensor_parallel`), tptrain ep 2
 (`enable_expert_parallel=True`; at 2 ranks and top-2 it sums partial outputs in the layer's one all-reduce, which
-sends fewer bytes than dispatching), tptrain ep 2 forced to dispatch by all-to-all, and the peer at tp 2 with
+sends fewer bytes than dispatching), tptrain ep 2 forced to dispatch by all-to-all, tptrain with the ep axis at tp
+1 (`DistributedConfig(tp_size=1, ep_size=2)`: attention data-parallel, each rank on half the batch with its dense
+gradients averaged by one flat all-reduce, counted in its bytes; the experts split over the 2 ranks serve both
+halves by all-to-all), and the peer at tp 2 with
 `DistributedConfig(enable_expert_parallel=True)`. Bytes sent = the input bytes of every collective one rank issues
 in one training step (forward + backward), counted the same way for both. Memory is peak anonymous RSS minus the
 value right after the imports (as in bench_tp.py).
@@ -37,6 +40,9 @@ RUNS = {  # name: (impl, tptrain DistributedConfig keywords)
     "tptrain tp 2 (expert TP)": ("tptrain", {}),
     "tptrain ep 2 (auto: all-reduce)": ("tptrain", {"enable_expert_parallel": True}),
     "tptrain ep 2 (all-to-all)": ("tptrain", {"tp_plan": {"layers.*.mlp.experts": "expert_parallel_all_to_all"}}),
+    # The ep axis at tp 1: each rank trains on its half of the batch (dense layers data-parallel, their gradients
+    # averaged by one flat all-reduce, as DDP does), its 4 experts serving both halves by all-to-all.
+    "tptrain ep_size 2, tp 1 (dense DP 2)": ("tptrain", {"tp_size": 1, "ep_size": 2}),
     "peer tp 2 + expert parallel": ("peer", {}),
 }
 
@@ -52,21 +58,38 @@ def _load(impl: str, ckpt: str, kwargs: dict):
     if impl == "tptrain":
         from tptrain import AutoModelForCausalLM, DistributedConfig
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
-                                                    distributed_config=DistributedConfig(tp_size=2, **kwargs))
+                                                    distributed_config=DistributedConfig(**{"tp_size": 2, **kwargs}))
     import transformers
     dc = transformers.DistributedConfig(tp_size=2, tp_plan="auto", enable_expert_parallel=True)
     return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
 
 
-def _step_bytes(impl: str, model, ids, labels) -> int:
+def _data_parallel_sync(model) -> int:
+    """The ep axis at tp 1: average the dense gradients over the 2 data-parallel ranks in one flat all-reduce, and
+    halve the experts' (their owners summed both ranks' tokens); returns the bytes all-reduced."""
+    import torch
+    import torch.distributed as dist
+    dense = [p.grad for n, p in model.named_parameters() if ".experts." not in n and p.grad is not None]
+    flat = torch.cat([g.flatten() for g in dense])
+    dist.all_reduce(flat)
+    for g, piece in zip(dense, flat.split([g.numel() for g in dense])):
+        g.copy_(piece.view_as(g))
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(2)
+    return flat.numel() * flat.element_size()
+
+
+def _step_bytes(impl: str, model, ids, labels, data_parallel: bool) -> int:
     """Input bytes of every collective of one forward + backward on this rank."""
     if impl == "tptrain":
         from tptrain.distributed.comm import CommTracker
         with CommTracker() as tracker:
             model(ids, labels=labels).loss.backward()
         total = tracker.total_bytes("forward") + tracker.total_bytes("backward")
+        total += _data_parallel_sync(model) if data_parallel else 0
     else:
-        counter = PeerCollectivesA2A()
+        counter = PeerCollectivesA2A()  # the peer at tp 2: no data parallelism
         try:
             model(input_ids=ids, labels=labels).loss.backward()
         finally:
@@ -89,6 +112,9 @@ def worker(spec: dict) -> None:
     model = _load(impl, spec["ckpt"], kwargs)
     model.train()
     batches = _batches(QWEN3_MOE["vocab_size"], BATCH, SEQ, spec["warmup"] + spec["steps"])
+    data_parallel = kwargs.get("ep_size", 1) > 1 and kwargs.get("tp_size") == 1
+    if data_parallel:  # this rank's half of every batch
+        batches = [(ids.chunk(2)[dist.get_rank()], labels.chunk(2)[dist.get_rank()]) for ids, labels in batches]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, losses = [], []
     for ids, labels in batches:
@@ -96,12 +122,17 @@ def worker(spec: dict) -> None:
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
+        if data_parallel:
+            _data_parallel_sync(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-    result = {"times": times[spec["warmup"]:], "loss0": losses[0], "peak": sampler.peak - baseline,
-              "bytes": _step_bytes(impl, model, *batches[0])}
+        losses.append(loss.detach())
+    if data_parallel:  # the whole batch's loss: the mean of the halves' (equal token counts)
+        dist.all_reduce(losses[0])
+        losses[0] /= 2
+    result = {"times": times[spec["warmup"]:], "loss0": losses[0].item(), "peak": sampler.peak - baseline,
+              "bytes": _step_bytes(impl, model, *batches[0], data_parallel)}
     Path(spec["out"], f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -140,6 +171,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--runs", default="", help="only the rows whose name contains this text")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -148,7 +180,7 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     ckpt = _checkpoint(cache)
     results = {}
-    for run in RUNS:
+    for run in [r for r in RUNS if args.runs in r]:
         ranks = _launch(dict(run=run, ckpt=str(ckpt), steps=args.steps, warmup=args.warmup), args.timeout)
         results[run] = ranks if isinstance(ranks, str) else {
             "step": statistics.median(max(t) for t in zip(*(r["times"] for r in ranks))),
