@@ -22,7 +22,7 @@ from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.sequence_parallel import install_sequence_parallel
-from tptrain.parallel.styles import ShardSpec, TPContext
+from tptrain.parallel.styles import ColwiseParallel, ShardSpec, TPContext
 
 __all__ = ["ParamLayout", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full", "read_shard"]
 
@@ -149,6 +149,16 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
     return given
 
 
+def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[nn.Module, ...]]:
+    """id(colwise module) -> its colwise siblings (same parent, itself included): the linears that read one input
+    (q/k/v, gate/up) and so may run as one fused block. A sibling called on another input simply computes alone."""
+    by_parent: dict[str, list[nn.Module]] = {}
+    for name, style in resolved.objects.items():
+        if isinstance(style, ColwiseParallel):
+            by_parent.setdefault(name.rpartition(".")[0], []).append(model.get_submodule(name))
+    return {id(m): tuple(members) for members in by_parent.values() for m in members}
+
+
 def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group) -> TPLayout:
     """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
@@ -157,6 +167,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group)
     params = _shard_parameters(model, resolved.specs, ctx)
     for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)
+    ctx.blocks = colwise_blocks(model, resolved)
 
     if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
