@@ -66,10 +66,10 @@ class Block:
     """One forward's fused block: the entered tensor `y` and each member's output, until the member takes it."""
 
     def __init__(self, x: torch.Tensor, members: tuple[nn.Module, ...], group: comm.ProcessGroup, *,
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, keep_shard: bool) -> None:
         self.order: list[int] = []  # the backward's arrival order: member index, or -1 for y itself
         params = [t for m in members for t in (m.weight, m.bias)]
-        y, *outs = _BlockFunction.apply(x, self.order, comm.group_name(group), sequence_parallel, *params)
+        y, *outs = _BlockFunction.apply(x, self.order, comm.group_name(group), sequence_parallel, keep_shard, *params)
         self.y = y
         self._outputs = {id(m): (i, out) for i, (m, out) in enumerate(zip(members, outs))}
 
@@ -113,27 +113,30 @@ class _BlockFunction(Function):
     gradient, started before the weight gradients and waited for after them, bwd."""
 
     @staticmethod
-    def forward(ctx, x, order, group_name, sequence_parallel, *params):
+    def forward(ctx, x, order, group_name, sequence_parallel, keep_shard, *params):
         group = comm.resolve_group(group_name)
         y = comm.all_gather(x, group, dim=1) if sequence_parallel else x.view_as(x)
         outs = [F.linear(y, w, b) for w, b in zip(params[0::2], params[1::2])]
-        ctx.save_for_backward(x, *params)  # under SP the shard only: backward gathers it again
-        ctx.order, ctx.group_name, ctx.sequence_parallel = order, group_name, sequence_parallel
+        # Under SP the shard only, gathered again in backward, as sequence_parallel.py keeps it; where it keeps
+        # the whole (a checkpointed layer's recompute) the gathered input.
+        ctx.save_for_backward(x if keep_shard or not sequence_parallel else y, *params)
+        ctx.order, ctx.group_name = order, group_name
+        ctx.sequence_parallel, ctx.regather = sequence_parallel, keep_shard
         ctx.set_materialize_grads(False)
         return (y, *outs)
 
     @staticmethod
     def backward(ctx, grad_y, *grad_outs):
-        x, *params = ctx.saved_tensors
+        x, *params = ctx.saved_tensors  # x: the input, its shard, or under SP (no regather) the gathered input
         weights = params[0::2]
         group, sp = comm.resolve_group(ctx.group_name), ctx.sequence_parallel
-        need_w, need_b = ctx.needs_input_grad[4::2], ctx.needs_input_grad[5::2]
+        need_w, need_b = ctx.needs_input_grad[5::2], ctx.needs_input_grad[6::2]
         need_params = any(g is not None and (nw or nb) for g, nw, nb in zip(grad_outs, need_w, need_b))
-        full = comm.start_all_gather(x, group, dim=1) if sp and need_params else None
+        full = comm.start_all_gather(x, group, dim=1) if ctx.regather and need_params else None
         flat = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grad_outs]  # (tokens, out_i)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            shape = (*x.shape[:1], x.shape[1] * group.size(), *x.shape[2:]) if sp else x.shape
+            shape = (*x.shape[:1], x.shape[1] * group.size(), *x.shape[2:]) if ctx.regather else x.shape
             terms = {i: g.mm(w).view(shape) for i, (g, w) in enumerate(zip(flat, weights)) if g is not None}
             if grad_y is not None:
                 terms[-1] = grad_y
@@ -145,4 +148,4 @@ class _BlockFunction(Function):
         for g, nw, nb in zip(flat, need_w, need_b):
             grads.append(g.t().mm(y) if g is not None and nw else None)
             grads.append(g.sum(0) if g is not None and nb else None)
-        return (None if grad_x is None else grad_x.wait(), None, None, None, *grads)
+        return (None if grad_x is None else grad_x.wait(), None, None, None, None, *grads)

@@ -111,6 +111,9 @@ class TPContext:
     # Called as on_gather(local, gathered, dim) after each SP all-gather: sequence_parallel.py keeps
     # only `local` for backward wherever autograd would save `gathered`.
     on_gather: Callable[[torch.Tensor, torch.Tensor, int], None] | None = field(default=None, repr=False)
+    # Under SP: whether what is saved for backward now keeps only the sequence shard (sequence_parallel.py: while
+    # the model runs forward; not in a checkpointed layer's recompute).
+    keeps_shards: Callable[[], bool] = field(default=lambda: False, repr=False)
     # Fuse each column-parallel block so its backward overlaps the input-gradient collective with the weight
     # gradients (colwise_block.py): on unless TPTRAIN_OVERLAP=0; bit for bit the same either way.
     overlap: bool = field(default_factory=overlap_enabled)
@@ -133,7 +136,8 @@ class TPContext:
             block = self._boundary[2]
             return self._boundary[1] if block is None else block.entered(module)
         members = self.blocks.get(id(module)) if self.overlap and module is not None else None
-        block = Block(x, members, self.group, sequence_parallel=self.sequence_parallel) \
+        block = Block(x, members, self.group, sequence_parallel=self.sequence_parallel,
+                      keep_shard=self.sequence_parallel and self.keeps_shards()) \
             if members and fusable(x, members, sequence_parallel=self.sequence_parallel) else None
         if block is not None:
             y = block.y
