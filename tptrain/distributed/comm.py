@@ -3,7 +3,9 @@ end, the activation collectives, and the object gathers and barriers that keep t
 
 The activation collectives are the Megatron "conjugate" pairs, tiny autograd functions (one shared
 by the pairs along a tensor dim); each entry point's docstring says its forward / backward in one line.
-They take the process group as an argument.
+They take the process group as an argument. `start_all_reduce` / `start_all_gather` / `start_reduce_scatter`
+start a collective without waiting (`Pending.wait()`), so a backward can compute while it runs; the blocking
+ones are those, waited for at once.
 `CommTracker` records what passes through here (op, shape, bytes) for the communication report and
 for the tests that assert the Megatron minimum.
 """
