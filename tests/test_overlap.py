@@ -1,5 +1,6 @@
 """Overlapping the grad-input collective of column-parallel blocks (parallel/colwise_block.py) changes no bit:
-loss, every gradient, a few AdamW steps and the collectives are identical with the overlap on and off."""
+loss, every gradient, a few AdamW steps and the collectives are identical with the overlap on and off.
+On CPU the ranks use gloo (async work handles); with a GPU per rank the same tests run on NCCL."""
 from __future__ import annotations
 
 import copy
@@ -46,7 +47,7 @@ def _watch(model) -> None:
 def _step(model, ids, labels, autocast: bool):
     """(loss, {name: local grad}, Counter of (phase, op, shape, bytes) of every collective)."""
     with CommTracker() as t:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, labels=labels).loss
         loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, \
@@ -54,6 +55,8 @@ def _step(model, ids, labels, autocast: bool):
 
 
 def _assert_identical(models: dict, ids, labels, *, steps: int, what, autocast: bool = False) -> None:
+    device = next(models[True].parameters()).device  # cuda:LOCAL_RANK (NCCL) where there is one GPU per rank
+    ids, labels = ids.to(device), labels.to(device)
     opts = {on: torch.optim.AdamW(m.parameters(), lr=1e-2) for on, m in models.items()}
     for step in range(steps):
         (loss_on, grads_on, comm_on), (loss_off, grads_off, comm_off) = (_step(models[on], ids, labels, autocast)

@@ -99,9 +99,9 @@ class _Arrival(Function):
 
 
 def _in_order(terms: dict[int, torch.Tensor], order: list[int]) -> torch.Tensor:
-    """sum(terms), added in `order` (first arrival first), as autograd's gradient buffer would add them."""
-    keys = list(dict.fromkeys(k for k in order if k in terms))
-    assert set(keys) == set(terms), (keys, list(terms))
+    """sum(terms), added in `order` (first arrival first), as autograd's gradient buffer would add them. A term
+    that arrived unannounced (y read by a hook on a member) comes last."""
+    keys = list(dict.fromkeys([*(k for k in order if k in terms), *terms]))
     total = terms[keys[0]]
     for k in keys[1:]:
         total = total + terms[k]
