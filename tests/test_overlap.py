@@ -137,3 +137,28 @@ def test_switch(monkeypatch):
     monkeypatch.setenv(OVERLAP_ENV, "yes")
     with pytest.raises(ValueError, match="TPTRAIN_OVERLAP='yes' must be 1"):
         overlap_enabled()
+
+
+def _transformers_worker(path: str, tp: int) -> None:
+    models = {}
+    for on in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float64, distributed_config=DistributedConfig(tp_size=tp, backend="transformers"))
+        assert model.backend == "transformers"
+        model.tp_layout.ctx.overlap = on
+        _watch(model)
+        models[on] = model
+    ids, labels = batch(128)
+    _assert_identical(models, ids, labels, steps=2, what="transformers backend")
+    assert len(_fused_blocks(models[True])) == 5 * 2, _fused_blocks(models[True])  # q, k, v, gate, up; 2 layers
+
+
+def test_transformers_backend(tmp_path):
+    """transformers' Qwen3 modeling code on tptrain's engine: its q/k/v and gate/up blocks fuse alike."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path)
+    run_distributed(_transformers_worker, 2, str(tmp_path), 2, timeout=400)
