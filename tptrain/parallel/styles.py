@@ -111,8 +111,8 @@ class TPContext:
     # Called as on_gather(local, gathered, dim) after each SP all-gather: sequence_parallel.py keeps
     # only `local` for backward wherever autograd would save `gathered`.
     on_gather: Callable[[torch.Tensor, torch.Tensor, int], None] | None = field(default=None, repr=False)
-    # Under SP: whether what is saved for backward now keeps only the sequence shard (sequence_parallel.py: while
-    # the model runs forward; not in a checkpointed layer's recompute).
+    # Under SP: whether what is saved for backward now keeps only the sequence shard (sequence_parallel.py: in the
+    # model's forward, outside checkpointed layers, whose own hooks take what is saved).
     keeps_shards: Callable[[], bool] = field(default=lambda: False, repr=False)
     # Fuse each column-parallel block so its backward overlaps the input-gradient collective with the weight
     # gradients (colwise_block.py): on unless TPTRAIN_OVERLAP=0; bit for bit the same either way.

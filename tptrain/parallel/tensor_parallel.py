@@ -151,7 +151,8 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
 
 def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[nn.Module, ...]]:
     """id(colwise module) -> its colwise siblings (same parent, itself included): the linears that read one input
-    (q/k/v, gate/up) and so may run as one fused block. A sibling called on another input simply computes alone."""
+    (q/k/v, gate/up) and so may run as one fused block. A sibling first called on another input starts a block
+    of its own there (the others' outputs of that block go unused: correct, only wasted work)."""
     by_parent: dict[str, list[nn.Module]] = {}
     for name, style in resolved.objects.items():
         if isinstance(style, ColwiseParallel):
