@@ -6,6 +6,9 @@
         # + tptrain's engine on transformers' Qwen3ForCausalLM (impl "tptrain-hf"), next to native and the peer
     .venv/bin/python benchmarks/bench_tp.py --compile --workloads medium --no-load
         # + tptrain with each decoder layer torch.compile'd (inductor; impl "tptrain+compile"), tp 1 and 2
+    .venv/bin/python benchmarks/bench_tp.py --workloads medium --no-load --no-overlap
+        # + tptrain's tp 2 rows (plain and SP) with TPTRAIN_OVERLAP=0: the backward's grad-input collectives
+        #   not overlapped with the weight gradients (variant "no-overlap")
 
 Every measurement runs in fresh processes: tp 1 as one process, tp 2 as two ranks launched with
 `python -m torch.distributed.run --standalone --nproc-per-node 2`; each rank uses ONE thread
@@ -51,7 +54,9 @@ RUNS = [("tptrain", 1, False, ""), ("peer", 1, False, ""), ("tptrain", 2, False,
         ("tptrain", 2, False, "unfused-loss"), ("peer", 2, False, ""), ("tptrain", 4, False, ""), ("peer", 4, False, "")]
 HF_RUNS = [("tptrain-hf", 1, False, ""), ("tptrain-hf", 2, False, "")]  # --backend transformers
 COMPILE_RUNS = [("tptrain+compile", 1, False, ""), ("tptrain+compile", 2, False, "")]  # --compile; compiled in warmup
-VARIANTS = {"": "", "unfused-loss": "head + loss unfused (return_logits=True)"}
+NO_OVERLAP_RUNS = [("tptrain", 2, False, "no-overlap"), ("tptrain", 2, True, "no-overlap")]  # --no-overlap
+VARIANTS = {"": "", "unfused-loss": "head + loss unfused (return_logits=True)",
+            "no-overlap": "backward overlap off (TPTRAIN_OVERLAP=0)"}
 MB = 1e6
 
 
@@ -247,6 +252,8 @@ def _qwen3_checkpoint(cache: Path, name: str, config: dict) -> Path:
 
 def _launch(spec: dict, tp: int, timeout: float) -> list[dict] | str:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if spec.get("variant") == "no-overlap":
+        env["TPTRAIN_OVERLAP"] = "0"
     with tempfile.TemporaryDirectory() as out:
         spec = dict(spec, out=out)
         cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
@@ -290,6 +297,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also run tptrain with each decoder layer torch.compile'd (impl tptrain+compile)")
     parser.add_argument("--no-load", action="store_true", help="skip the ~2.4 GB checkpoint load measurement")
+    parser.add_argument("--no-overlap", action="store_true", help="also run tptrain's tp 2 rows (plain and SP) with "
+                        "TPTRAIN_OVERLAP=0, to compare with the default overlapped backward")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--tp", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4],
@@ -312,9 +321,11 @@ def main() -> None:
             parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
         config, b, s = WORKLOADS[name]
         ckpt = _qwen3_checkpoint(cache, f"qwen3-{name}", config)
-        extra = (HF_RUNS if args.backend == "transformers" else []) + (COMPILE_RUNS if args.compile else [])
-        for impl, tp, sp, variant in RUNS + extra:
-            if not (impl in impls or impl in ("tptrain-hf", "tptrain+compile") and "tptrain" in impls) or tp not in args.tp:
+        runs = RUNS + (HF_RUNS if args.backend == "transformers" else []) + (COMPILE_RUNS if args.compile else []) \
+            + (NO_OVERLAP_RUNS if args.no_overlap else [])
+        for impl, tp, sp, variant in runs:
+            if not (impl in impls or impl in ("tptrain-hf", "tptrain+compile") and "tptrain" in impls) \
+                    or tp not in args.tp:
                 continue
             key = (name, impl, tp, sp, variant)
             if tp > cores:

@@ -3,7 +3,9 @@ end, the activation collectives, and the object gathers and barriers that keep t
 
 The activation collectives are the Megatron "conjugate" pairs, tiny autograd functions (one shared
 by the pairs along a tensor dim); each entry point's docstring says its forward / backward in one line.
-They take the process group as an argument.
+They take the process group as an argument. `start_all_reduce` / `start_all_gather` / `start_reduce_scatter`
+start a collective without waiting (`Pending.wait()`), so a backward can compute while it runs; the blocking
+ones are those, waited for at once.
 `CommTracker` records what passes through here (op, shape, bytes) for the communication report and
 for the tests that assert the Megatron minimum.
 """
@@ -85,36 +87,63 @@ def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
-def all_reduce(t: torch.Tensor, group: ProcessGroup, *, op=dist.ReduceOp.SUM, phase: str | None = None):
-    """In-place sum (or `op`) over `group`; returns `t`. Not differentiable: use the functions below."""
+class Pending:
+    """A collective in flight (`async_op=True`): `wait()` blocks until it is done and returns its result. On
+    gloo the work runs on the process group's own threads; on NCCL on the group's own CUDA stream (the side
+    stream, which waits for the current stream at launch), and `wait()` makes the current stream wait for it.
+    Either way the caller computes something else meanwhile (`parallel/colwise_block.py`)."""
+
+    def __init__(self, work, finish) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._finish()
+
+
+def start_all_reduce(t: torch.Tensor, group: ProcessGroup, *, op=dist.ReduceOp.SUM,
+                     phase: str | None = None) -> Pending:
+    """`all_reduce`, started: recorded now, as the blocking one is; its `wait()` returns `t`, summed in place."""
     t = t.contiguous()
     _record("all_reduce", t, phase or _phase(), group)
-    dist.all_reduce(t, op=op, group=group)
-    return t
+    return Pending(dist.all_reduce(t, op=op, group=group, async_op=True), lambda: t)
 
 
-def all_gather(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None):
-    """Concatenate every rank's `t` along `dim`."""
+def start_all_gather(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None) -> Pending:
+    """`all_gather`, started: recorded now; its `wait()` returns the gathered tensor."""
     world = dist.get_world_size(group)
     t = t.movedim(dim, 0).contiguous()
     out = t.new_empty((world * t.shape[0], *t.shape[1:]))
     _record("all_gather", t, phase or _phase(), group)
-    _all_gather_single(out, t, group=group)
     # Contiguous, so the consumers (q/k/v, gate/up) fold it into their matmuls without one copy
     # each, and sequence_parallel.py can recognise the views autograd saves of it.
-    return out.movedim(0, dim).contiguous()
+    return Pending(_all_gather_single(out, t, group=group, async_op=True), lambda: out.movedim(0, dim).contiguous())
 
 
-def reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None):
-    """Sum over ranks, then keep this rank's chunk of `dim`."""
+def start_reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None) -> Pending:
+    """`reduce_scatter`, started: recorded now; its `wait()` returns this rank's chunk of the sum."""
     world = dist.get_world_size(group)
     t = t.movedim(dim, 0).contiguous()
     if t.shape[0] % world:
         raise ValueError(f"reduce_scatter: size {t.shape[0]} of dim {dim} is not divisible by {world} ranks")
     out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
     _record("reduce_scatter", t, phase or _phase(), group)
-    _reduce_scatter_single(out, t, group=group)
-    return out.movedim(0, dim)
+    return Pending(_reduce_scatter_single(out, t, group=group, async_op=True), lambda: out.movedim(0, dim))
+
+
+def all_reduce(t: torch.Tensor, group: ProcessGroup, *, op=dist.ReduceOp.SUM, phase: str | None = None):
+    """In-place sum (or `op`) over `group`; returns `t`. Not differentiable: use the functions below."""
+    return start_all_reduce(t, group, op=op, phase=phase).wait()
+
+
+def all_gather(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None):
+    """Concatenate every rank's `t` along `dim`."""
+    return start_all_gather(t, group, dim=dim, phase=phase).wait()
+
+
+def reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None):
+    """Sum over ranks, then keep this rank's chunk of `dim`."""
+    return start_reduce_scatter(t, group, dim=dim, phase=phase).wait()
 
 
 def split(t: torch.Tensor, group: ProcessGroup, *, dim: int) -> torch.Tensor:

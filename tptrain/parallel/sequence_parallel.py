@@ -85,6 +85,12 @@ class SequenceParallelSaver:
         self._gathered[storage.data_ptr()] = _Gathered(local.detach(), weakref.ref(full), storage.nbytes(),
                                                        self.ctx, dim, local._version)
 
+    def active(self) -> bool:
+        """Whether tensors saved now are packed by these hooks: the model's forward, outside any checkpointed
+        layer (whose own hooks, innermost, take the tensors in its forward and in its recompute alike)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (pack, unpack) in effect, or None
+        return bool(self._hooks) and top is not None and top[0] == self._pack
+
     def _pack(self, t: torch.Tensor):
         source = self._gathered.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
         if source is None or source.full() is None or source.nbytes != t.untyped_storage().nbytes():
@@ -124,7 +130,7 @@ def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what:
 def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:
     """Check the sequence length before any collective and keep only shards for backward."""
     saver = SequenceParallelSaver(ctx)
-    ctx.on_gather = saver.on_gather
+    ctx.on_gather, ctx.keeps_shards = saver.on_gather, saver.active
     sig = inspect.signature(model.forward)
 
     def before(module, args, kwargs):

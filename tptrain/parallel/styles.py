@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tptrain.distributed import comm
+from tptrain.parallel.colwise_block import Block, fusable, overlap_enabled
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,14 @@ class TPContext:
     # Called as on_gather(local, gathered, dim) after each SP all-gather: sequence_parallel.py keeps
     # only `local` for backward wherever autograd would save `gathered`.
     on_gather: Callable[[torch.Tensor, torch.Tensor, int], None] | None = field(default=None, repr=False)
+    # Under SP: whether what is saved for backward now keeps only the sequence shard (sequence_parallel.py: in the
+    # model's forward, outside checkpointed layers, whose own hooks take what is saved).
+    keeps_shards: Callable[[], bool] = field(default=lambda: False, repr=False)
+    # Fuse each column-parallel block so its backward overlaps the input-gradient collective with the weight
+    # gradients (colwise_block.py): on unless TPTRAIN_OVERLAP=0; bit for bit the same either way.
+    overlap: bool = field(default_factory=overlap_enabled)
+    # id(colwise module) -> the colwise siblings it shares an input with (itself included), in module order.
+    blocks: dict[int, tuple[nn.Module, ...]] = field(default_factory=dict, repr=False)
     _boundary: tuple | None = field(default=None, repr=False)
 
     @property
@@ -133,22 +142,35 @@ class TPContext:
     def ep_group(self) -> comm.ProcessGroup:
         return comm.resolve_group(self.ep_group_name)
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Input boundary of a column-parallel block.
+    def enter(self, x: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
+        """Input boundary of a column-parallel block (`module`: the colwise member entering, if one).
 
         Siblings reading the same tensor (q/k/v, gate/up) share one boundary, so backward issues a
-        single all-reduce (or reduce-scatter under SP) for all of them: the Megatron minimum.
+        single all-reduce (or reduce-scatter under SP) for all of them: the Megatron minimum. With
+        `overlap`, the first member to enter runs the whole block as one function (`colwise_block.Block`).
         """
         if self._boundary is not None and self._boundary[0]() is x:
-            return self._boundary[1]
-        if self.sequence_parallel:
+            block = self._boundary[2]
+            return self._boundary[1] if block is None else block.entered(module)
+        members = self.blocks.get(id(module)) if self.overlap and module is not None else None
+        block = Block(x, members, self.group, sequence_parallel=self.sequence_parallel,
+                      keep_shard=self.sequence_parallel and self.keeps_shards()) \
+            if members and fusable(x, members, sequence_parallel=self.sequence_parallel) else None
+        if block is not None:
+            y = block.y
+        elif self.sequence_parallel:
             y = comm.gather_to_sp(x, self.group_name, dim=1)
-            if self.on_gather is not None:
-                self.on_gather(x, y, 1)
         else:
             y = comm.copy_to_tp(x, self.group_name)
-        self._boundary = (weakref.ref(x), y)
-        return y
+        if self.sequence_parallel and self.on_gather is not None:
+            self.on_gather(x, y, 1)
+        self._boundary = (weakref.ref(x), y, block)
+        return y if block is None else block.entered(module)
+
+    def fused_output(self, module: nn.Module, y: torch.Tensor) -> torch.Tensor | None:
+        """`module`'s output if the block it entered computed it (None: compute it)."""
+        block = self._boundary[2] if self._boundary is not None else None
+        return block.take(module) if block is not None and block.y is y else None
 
     def exit(self, partial: torch.Tensor) -> torch.Tensor:
         """Output boundary of a row-parallel block: sum the per-rank partial results."""
@@ -221,9 +243,10 @@ def _replace_forward(module: nn.Module, fn: Callable) -> None:
 def register_local_output_hook(module: nn.Module, hook: Callable) -> RemovableHandle:
     """Run `hook(module, input, local_out) -> local_out` on this rank's result of `module`, before the style's
     output collective (rowwise / vocab-parallel embedding: the all-reduce of partial sums; colwise_gather_output:
-    the vocabulary gather). `input` is what the local computation saw (a colwise module's entered tensor).
-    Adapters such as LoRA join the base computation here and so need no collective of their own.
-    Modules whose output needs no collective run it as a forward hook, prepended so it precedes a gather hook."""
+    the vocabulary gather; colwise: before any forward hook). `input` is what the local computation saw (a colwise
+    module's entered tensor). Adapters such as LoRA join the base computation here and so need no collective of
+    their own; a colwise module with such a hook is computed on its own, never by a fused block (colwise_block.py).
+    Modules without a style run it as a forward hook, prepended."""
     hooks = getattr(module, "_local_output_hooks", None)
     if hooks is None:
         return module.register_forward_hook(lambda m, args, out: hook(m, args[0], out), prepend=True)
@@ -272,7 +295,15 @@ class ColwiseParallel(ParallelStyle):
         return {n: spec for n in _own_params(module)}
 
     def install(self, module, ctx):
-        module.register_forward_pre_hook(lambda m, args: (ctx.enter(args[0]), *args[1:]))
+        local_forward = type(module).forward
+
+        def forward(self, x, *args, **kwargs):
+            out = ctx.fused_output(self, x)  # computed by the block this module entered (colwise_block.py)
+            return _local_output(self, x, local_forward(self, x, *args, **kwargs)) if out is None else out
+
+        module.register_forward_pre_hook(lambda m, args: (ctx.enter(args[0], m), *args[1:]))
+        module._local_output_hooks = OrderedDict()  # weak-referenceable, for RemovableHandle
+        _replace_forward(module, forward)
 
 
 @register_style

@@ -22,7 +22,7 @@ from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.sequence_parallel import install_sequence_parallel
-from tptrain.parallel.styles import ShardSpec, TPContext
+from tptrain.parallel.styles import ColwiseParallel, ShardSpec, TPContext
 
 __all__ = ["ParamLayout", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full", "read_shard"]
 
@@ -154,6 +154,17 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
     return given
 
 
+def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[nn.Module, ...]]:
+    """id(colwise module) -> its colwise siblings (same parent, itself included): the linears that read one input
+    (q/k/v, gate/up) and so may run as one fused block. A sibling first called on another input starts a block
+    of its own there (the others' outputs of that block go unused: correct, only wasted work)."""
+    by_parent: dict[str, list[nn.Module]] = {}
+    for name, style in resolved.objects.items():
+        if isinstance(style, ColwiseParallel):
+            by_parent.setdefault(name.rpartition(".")[0], []).append(model.get_submodule(name))
+    return {id(m): tuple(members) for members in by_parent.values() for m in members}
+
+
 def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group, ep_group=None) -> TPLayout:
     """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says; the experts of a
     plan resolved at ep_size > 1 also over `ep_group` (the mesh's "ep" axis)."""
@@ -167,6 +178,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group,
     params = _shard_parameters(model, resolved.specs, ctx)
     for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)
+    ctx.blocks = colwise_blocks(model, resolved)
 
     if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
