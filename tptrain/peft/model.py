@@ -264,6 +264,12 @@ def _wrap(model: nn.Module, name: str, module: nn.Module, config: LoraConfig, sp
     layer = cls(module, name=name, r=r, scaling=scaling, dropout=config.lora_dropout, specs=specs,
                 ctx=layout.ctx if layout is not None else None, runtime=runtime, full_in=full_in, full_out=full_out,
                 dtype=torch.float32 if half else module.weight.dtype)  # peft keeps half-precision adapters in fp32
+    return _install(model, name, layer, layout)
+
+
+def _install(model: nn.Module, name: str, layer, layout):
+    """Put adapter `layer` in place of module `name`: the base's parameters move under `base_layer.` in the layout
+    table, and the adapter's factors join it."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, layer)
     if layout is not None:
@@ -283,13 +289,7 @@ def _wrap_experts(model: nn.Module, name: str, fused: tuple[str, ...], config: L
     layer = LoraExperts(module, name=name, ranks=ranks, shapes=shapes,
                         specs=specs, ctx=layout.ctx if layout is not None else None, runtime=runtime,
                         dtype=torch.float32 if half else module.gate_proj.dtype)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, layer)
-    if layout is not None:
-        layout.rename(f"{name}.", f"{name}.base_layer.")
-        for local, (spec, global_shape) in layer.layout().items():
-            layout.add(f"{name}.{local}", spec, global_shape)
-    return layer
+    return _install(model, name, layer, layout)
 
 
 def _trainable_extras(model: nn.Module, config: LoraConfig, targets, full_modules: list[str]) -> list[str]:
