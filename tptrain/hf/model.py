@@ -136,8 +136,8 @@ class TransformersCausalLM(PreTrainedModel):
                              f"{conversion[0].target_patterns}), which tptrain's reader does not do")
         super()._check_checkpoint(reader)
 
-    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int) -> None:
-        super()._load(reader, device, dtype, rank=rank)
+    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
+        super()._load(reader, device, dtype, rank=rank, ep_rank=ep_rank)
         self._materialise_buffers(device)
 
     @torch.no_grad()
