@@ -128,7 +128,10 @@ def start_reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phas
         raise ValueError(f"reduce_scatter: size {t.shape[0]} of dim {dim} is not divisible by {world} ranks")
     out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
     _record("reduce_scatter", t, phase or _phase(), group)
-    return Pending(_reduce_scatter_single(out, t, group=group, async_op=True), lambda: out.movedim(0, dim))
+    # Contiguous, as the custom op's result is: a strided view would change the reduction order of what reads it
+    # (a norm's weight gradient sums over its tokens), and the overlapped and unfused paths must agree bit for bit.
+    return Pending(_reduce_scatter_single(out, t, group=group, async_op=True),
+                   lambda: out.movedim(0, dim).contiguous())
 
 
 def all_reduce(t: torch.Tensor, group: ProcessGroup, *, op=dist.ReduceOp.SUM, phase: str | None = None):
