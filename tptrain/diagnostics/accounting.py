@@ -130,16 +130,21 @@ def _expert_dispatch(model: nn.Module, plan: dict[str, str], tokens: int, tp: in
     return out
 
 
-def _all_to_all_minimum(model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int, weight_size: int) -> dict[tuple[str, str], tuple[int, int]]:
-    """What dispatching by all-to-all sends from this rank (see the module doc), from each block's last routing."""
+def _boundaries(plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[int, int]:
+    """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary, and a shared
+    expert's gate/up share their MoE block's."""
+    enters = {name.rpartition(".")[0] for name, style in plan.items() if issubclass(STYLES[style], ColwiseParallel)}
+    enters = {e.rpartition(".")[0] if e.rpartition(".")[0] in summed else e for e in enters} | set(summed)
+    exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values()) + len(summed)
+    return len(enters), exits
+
+
+def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int,
+                    weight_size: int) -> None:
+    """`add` what dispatching by all-to-all over the TP group sends from this rank (see the module doc), from each
+    block's last routing."""
     hidden, k = model.config.hidden_size, model.config.num_experts_per_tok
     share = tokens // tp
-    out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
-
-    def add(key, count, nbytes):
-        c, b = out[key]
-        out[key] = (c + count, b + nbytes)
-
     for name in blocks:
         block = model.get_submodule(name)
         experts = block.experts
@@ -151,34 +156,18 @@ def _all_to_all_minimum(model: nn.Module, blocks: list[str], tokens: int, tp: in
         add(("forward", "all_gather"), 1, share * row)
         add(("backward", "all_to_all"), 2, (rows_out + received) * row)
         add(("backward", "all_gather"), 2, share * row + share * k * weight_size)
-    return out
 
 
-def _boundaries(plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[int, int]:
-    """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary, and a shared
-    expert's gate/up share their MoE block's."""
-    enters = {name.rpartition(".")[0] for name, style in plan.items() if issubclass(STYLES[style], ColwiseParallel)}
-    enters = {e.rpartition(".")[0] if e.rpartition(".")[0] in summed else e for e in enters} | set(summed)
-    exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values()) + len(summed)
-    return len(enters), exits
-
-
-def _ep_minimum(model: nn.Module, plan: dict[str, str], tokens: int, act_size: int
-                ) -> dict[tuple[str, str], tuple[int, int]]:
-    """The ep axis's dispatch (see the module doc): per MoE block, forward the counts, one row per assignment out
-    and one per row received back; backward the two reverse exchanges."""
+def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, act_size: int) -> None:
+    """`add` the ep axis's dispatch (see the module doc): per MoE block, forward the counts, one row per assignment
+    out and one per row received back; backward the two reverse exchanges."""
     hidden, k = model.config.hidden_size, getattr(model.config, "num_experts_per_tok", 0)
-    count = nbytes = 0
     for name in plan:
         experts = model.get_submodule(name)
         if getattr(experts, "ep_dispatch", None) == "all_to_all":
-            count += 1
-            nbytes += (tokens * k + experts.rows_received) * hidden * act_size
-            num_experts = experts.num_experts
-    if not count:
-        return {}
-    return {("forward", "all_to_all"): (3 * count, count * num_experts * 8 + nbytes),
-            ("backward", "all_to_all"): (2 * count, nbytes)}
+            rows = (tokens * k + experts.rows_received) * hidden * act_size
+            add(("forward", "all_to_all"), 3, experts.num_experts * 8 + rows)
+            add(("backward", "all_to_all"), 2, rows)
 
 
 def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, str], tuple[int, int]]:
@@ -187,21 +176,21 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
     if layout is None:
         return {}
     dtype = next(model.parameters()).dtype
-    ep_minimum = _ep_minimum(model, layout.plan, batch * seq, dtype.itemsize)
-    if layout.ctx.size == 1:
-        return ep_minimum
-    tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
-    act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
-    token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
-    dispatch = _expert_dispatch(model, layout.plan, batch * seq, tp)
-    summed = {name for name, how in dispatch.items() if how == "all_reduce"}
-    enters, exits = _boundaries(layout.plan, summed)
     out: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
 
     def add(key, count, nbytes):
         c, b = out[key]
         out[key] = (c + count, b + nbytes)
 
+    _add_ep_dispatch(add, model, layout.plan, batch * seq, dtype.itemsize)
+    if layout.ctx.size == 1:
+        return dict(out)
+    tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
+    act = batch * seq * model.config.hidden_size * dtype.itemsize  # one (batch, seq, hidden) activation
+    token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
+    dispatch = _expert_dispatch(model, layout.plan, batch * seq, tp)
+    summed = {name for name, how in dispatch.items() if how == "all_reduce"}
+    enters, exits = _boundaries(layout.plan, summed)
     if sp:
         add(("forward", "reduce_scatter"), exits, exits * act)
         add(("forward", "all_gather"), enters, enters * act // tp)
@@ -219,15 +208,11 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * weight_size)
     dispatched = sorted(set(dispatch) - summed)
     if dispatched:
-        extra = _all_to_all_minimum(model, dispatched, batch * seq, tp, dtype.itemsize, weight_size)
-        for key, (count, nbytes) in extra.items():
-            add(key, count, nbytes)
+        _add_all_to_all(add, model, dispatched, batch * seq, tp, dtype.itemsize, weight_size)
     norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)
         add(("backward", "all_reduce"), norms, norms * token_bytes)
-    for key, (count, nbytes) in ep_minimum.items():
-        add(key, count, nbytes)
     params = dict(model.named_parameters())
     sync = [(part, piece) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad
             for part, piece in s.local_parts(params[n].detach(), tp) if part.partial_grad]  # packed: its KV parts

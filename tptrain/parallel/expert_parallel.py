@@ -96,8 +96,8 @@ class ExpertTensorParallel(_ExpertStyle):
         module.ep_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
-            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group)
-            return ctx.exit(exchange(self, x, expert_ids, weights, ctx.ep_group, ctx.ep_size))
+            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
+            return ctx.exit(exchange(self, x, expert_ids, weights, ctx.ep_group_name, ctx.ep_size))
 
         _replace_forward(module, forward)
 
