@@ -191,7 +191,7 @@ def matches(config: LoraConfig, name: str) -> bool:
     targets = config.target_modules
     if isinstance(targets, str):
         return re.fullmatch(targets, name) is not None
-    return name in targets or any(name.endswith(f".{t}") for t in targets)
+    return _name_matches(targets, name)
 
 
 def rewrite_expert_targets(model: nn.Module, config: LoraConfig) -> LoraConfig:
@@ -261,20 +261,19 @@ def _refuse_per_expert_regex(model: nn.Module, config: LoraConfig, experts: list
                          f"per-expert module {hit[0]!r}, which peft 0.21 rewrites (per model type) into "
                          "target_parameters with rank 2*r for gate_up_proj; tptrain does not guess. Narrow the "
                          "regex to the other modules and write the experts out: "
-                         f"{_expert_spelling(config, None, router=False)}")
+                         f"{_expert_spelling(config)}")
 
 
-def _expert_spelling(config: LoraConfig, modules: list[str] | None, *, router: bool) -> str:
-    """The explicit config peft 0.21 derives from transformers 4's names for an MoE model."""
-    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] + (["mlp.gate.weight"] if router else [])
-    fused = r".*\.gate_up_proj"
-    return ("" if modules is None else f"target_modules={modules}, ") + (
-        f"target_parameters={params}, rank_pattern={{{fused!r}: {2 * config.r}}}, "
-        f"alpha_pattern={{{fused!r}: {2 * config.lora_alpha}}}")
+def _expert_spelling(config: LoraConfig) -> str:
+    """The explicit expert targets peft 0.21 derives from transformers 4's names for an MoE model."""
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return (f"target_parameters={params}, rank_pattern={{{_FUSED_GATE_UP!r}: {2 * config.r}}}, "
+            f"alpha_pattern={{{_FUSED_GATE_UP!r}: {2 * config.lora_alpha}}}")
 
 
-def _param_matches(targets: list[str], key: str) -> bool:
-    return key in targets or any(key.endswith(f".{t}") for t in targets)
+def _name_matches(targets: list[str], name: str) -> bool:
+    """peft's list matching, for module and parameter names alike: `name` is an entry or ends with "." + one."""
+    return name in targets or any(name.endswith(f".{t}") for t in targets)
 
 
 def resolve_parameter_targets(model: nn.Module, config: LoraConfig
@@ -286,8 +285,8 @@ def resolve_parameter_targets(model: nn.Module, config: LoraConfig
     linear: dict[str, nn.Linear] = {}
     for name, module in model.named_modules():
         if is_experts(module):
-            hit = tuple(p for p in FUSED if _param_matches(targets, f"{name}.{p}"))
-            unfused = [p for p in STACKED[:2] if _param_matches(targets, f"{name}.{p}")]
+            hit = tuple(p for p in FUSED if _name_matches(targets, f"{name}.{p}"))
+            unfused = [p for p in STACKED[:2] if _name_matches(targets, f"{name}.{p}")]
             if unfused:
                 raise ValueError(f"LoraConfig.target_parameters names {name}.{unfused[0]}: transformers 5 (and so peft) "
                                  f"hold the experts' gate and up fused as {name}.gate_up_proj, with one LoRA A for both; "
@@ -296,7 +295,7 @@ def resolve_parameter_targets(model: nn.Module, config: LoraConfig
                 experts[name] = hit
             continue
         for pname, p in module.named_parameters(recurse=False):
-            if not _param_matches(targets, f"{name}.{pname}"):
+            if not _name_matches(targets, f"{name}.{pname}"):
                 continue
             if not (isinstance(module, nn.Linear) and pname == "weight"):
                 raise ValueError(f"LoraConfig.target_parameters matches {name}.{pname} ({type(module).__name__}, "
