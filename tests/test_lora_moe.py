@@ -304,3 +304,17 @@ def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, 
     _random_lora(adapter, seed=5)
     adapter.save_pretrained(tmp_path / "adapter")
     run_distributed(_trainer_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
+
+
+def _ep_axis_worker(path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=1,
+                                                                                                       ep_size=2))
+    with pytest.raises(ValueError, match="split over an ep axis"):  # on every rank, before the seed's collective
+        get_peft_model(model, LoraConfig(r=2, target_parameters=EXPERTS))
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))  # attention LoRA still fine at ep_size
+
+
+def test_expert_lora_with_an_ep_axis_is_refused(bases):
+    """The experts' factors do not follow an ep axis yet (each rank would index every expert's factor by its local
+    expert number): refused clearly rather than computed wrong."""
+    run_distributed(_ep_axis_worker, 2, bases["qwen3_moe"], timeout=300)

@@ -42,6 +42,10 @@ def factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
     """(spec of A (E, r, in), spec of B (E, out, r)) for a stacked weight (E, out, in) laid out as `base`."""
     if base.replicas != 1 or base.segments:
         raise ValueError(f"LoRA cannot adapt {where!r}: its layout {base} is not a plain split")
+    if base.ep_split:  # the factors would hold every expert while the rank holds E/ep of them
+        raise ValueError(f"LoRA cannot adapt {where!r} yet: its experts are split over an ep axis "
+                         f"(DistributedConfig(ep_size=)); use enable_expert_parallel=True (ep over the TP group) or "
+                         f"expert tensor parallelism for LoRA on the experts")
     if base.dim is None:
         return REPLICATED, REPLICATED
     if base.dim == 0:
