@@ -1,0 +1,184 @@
+"""The activation collectives: the Megatron "conjugate" pairs as tiny autograd functions (one shared by the pairs
+along a tensor dim) over custom ops. Each entry point's docstring says its forward / backward in one line;
+each takes the process group or its name."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from tptrain.distributed.comm.collectives import (all_gather, all_reduce, all_to_all, group_name, reduce_scatter,
+                                                  resolve_group, split)
+
+ProcessGroup = dist.ProcessGroup
+
+# The collectives the autograd functions below issue, as custom ops: torch.compile cannot trace a ProcessGroup call
+# (nor resolve a group by name), so each is one opaque node of the compiled graph instead of a graph break. An op
+# still runs this package's Python at every call, compiled or not, so CommTracker counts a compiled step as an eager
+# one, and `current_phase()` (tracker.py) tells backward from forward at run time (recomputed forwards included).
+# The ops return new contiguous tensors (never a view of their input, as custom ops must); the fakes give
+# torch.compile their shapes.
+
+
+@torch.library.custom_op("tptrain::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group: str) -> torch.Tensor:
+    return all_reduce(x.clone(memory_format=torch.contiguous_format), resolve_group(group))
+
+
+@torch.library.custom_op("tptrain::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    return all_gather(x, resolve_group(group), dim=dim)
+
+
+@torch.library.custom_op("tptrain::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    return reduce_scatter(x, resolve_group(group), dim=dim).contiguous()
+
+
+@torch.library.custom_op("tptrain::split", mutates_args=())
+def _split_op(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
+    return split(x, resolve_group(group), dim=dim).clone()
+
+
+@torch.library.custom_op("tptrain::all_to_all", mutates_args=())
+def _all_to_all_op(x: torch.Tensor, group: str, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    return all_to_all(x, resolve_group(group), send_splits=send_splits, recv_splits=recv_splits)
+
+
+def _resized(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:dim], size, *x.shape[dim + 1:]))
+
+
+_all_reduce_op.register_fake(lambda x, group: x.new_empty(x.shape))
+_all_gather_op.register_fake(lambda x, group, dim: _resized(x, dim, x.shape[dim] * _world(group)))
+_reduce_scatter_op.register_fake(lambda x, group, dim: _resized(x, dim, x.shape[dim] // _world(group)))
+_split_op.register_fake(lambda x, group, dim: _resized(x, dim, x.shape[dim] // _world(group)))
+_all_to_all_op.register_fake(lambda x, group, send_splits, recv_splits: _resized(x, 0, sum(recv_splits)))
+
+
+def _world(group: str) -> int:
+    return dist.get_world_size(resolve_group(group))
+
+
+def _name(group: ProcessGroup | str) -> str:
+    """The entry points below take a group or its name (pass the name in code torch.compile traces)."""
+    return group if isinstance(group, str) else group_name(group)
+
+
+class _CopyToTP(Function):
+    """identity fwd / all-reduce bwd (Megatron's f: entering a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_op(grad, ctx.group), None
+
+
+class _ReduceFromTP(Function):
+    """all-reduce fwd / identity bwd (Megatron's g: leaving a row-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce_op(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumOverTP(Function):
+    """all-reduce fwd / all-reduce bwd (a sum every rank goes on to use: each rank's output depends on every
+    rank's input, so each input's gradient is the sum of every rank's output gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce_op(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce_op(grad, ctx.group), None
+
+
+_ALONG_DIM = {"all_gather": _all_gather_op, "reduce_scatter": _reduce_scatter_op, "split": _split_op}
+
+
+class _AlongDim(Function):
+    """A collective along tensor dim `dim` in forward and its conjugate in backward (the functions below),
+    named as in `_ALONG_DIM`."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return _ALONG_DIM[fwd](x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ALONG_DIM[ctx.bwd](grad, ctx.group, ctx.dim), None, None, None, None
+
+
+class _AllToAll(Function):
+    """all-to-all fwd (send_splits -> recv_splits) / all-to-all bwd (the same exchange reversed)."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_splits, recv_splits):
+        ctx.group, ctx.splits = group, (send_splits, recv_splits)
+        return _all_to_all_op(x, group, send_splits, recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv = ctx.splits
+        return _all_to_all_op(grad, ctx.group, recv, send), None, None, None
+
+
+def dispatch_to_ranks(x: torch.Tensor, group: ProcessGroup | str, send_splits: list[int],
+                      recv_splits: list[int]) -> torch.Tensor:
+    """all-to-all fwd / the reverse all-to-all bwd (expert parallelism: rows to the ranks owning their experts,
+    and, with the splits swapped, the results back)."""
+    return _AllToAll.apply(x, _name(group), list(send_splits), list(recv_splits))
+
+
+def exchange_counts(counts: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
+    """(ranks * n,) int64 counts, n for each rank -> the (ranks * n,) counts every rank sent here (no gradient)."""
+    name = _name(group)
+    world = _world(name)
+    n = counts.numel() // world
+    return _all_to_all_op(counts, name, [n] * world, [n] * world)
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
+    return _CopyToTP.apply(x, _name(group))
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, _name(group))
+
+
+def sum_over_tp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
+    """all-reduce fwd / all-reduce bwd (a statistic over features split across the ranks, e.g. a norm's sum of
+    squares)."""
+    return _SumOverTP.apply(x, _name(group))
+
+
+def gather_from_tp(x: torch.Tensor, group: ProcessGroup | str, dim: int = -1) -> torch.Tensor:
+    """all-gather fwd / split bwd (un-shard an output, e.g. logits along the vocabulary)."""
+    return _AlongDim.apply(x, _name(group), dim % x.dim(), "all_gather", "split")
+
+
+def split_to_tp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 0) -> torch.Tensor:
+    """split fwd / all-gather bwd (a replicated tensor's share for this rank to work on alone)."""
+    return _AlongDim.apply(x, _name(group), dim % x.dim(), "split", "all_gather")
+
+
+def gather_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 1) -> torch.Tensor:
+    """all-gather fwd / reduce-scatter bwd (sequence-parallel -> tensor-parallel region)."""
+    return _AlongDim.apply(x, _name(group), dim % x.dim(), "all_gather", "reduce_scatter")
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 1) -> torch.Tensor:
+    """reduce-scatter fwd / all-gather bwd (tensor-parallel -> sequence-parallel region)."""
+    return _AlongDim.apply(x, _name(group), dim % x.dim(), "reduce_scatter", "all_gather")
