@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tests.dist_utils import run_distributed
 from tests.test_trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
-from tptrain.training.checkpoint_dirs import MARKER, resolve_resume
+from tptrain.training.checkpoint.dirs import MARKER, resolve_resume
 from tptrain.training.trainer import Trainer
 
 

@@ -13,14 +13,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tptrain.checkpoint import (
+from tptrain.io import (
     CheckpointReader,
     check_tensor_shape,
     parse_size,
     resolve_checkpoint,
     save_checkpoint,
 )
-from tptrain.checkpoint import safetensors_io
+from tptrain.io import writer as safetensors_io
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -263,7 +263,7 @@ def test_resolve_local_directory(tmp_path):
 
 _HUB_PROBE = textwrap.dedent("""
     import sys
-    from tptrain.checkpoint import resolve_checkpoint
+    from tptrain.io import resolve_checkpoint
     print(resolve_checkpoint("tiny-org/tiny-llama"))
     print(resolve_checkpoint("tiny-org/tiny-llama", revision="{rev}"))
     try:
@@ -297,7 +297,7 @@ def test_resolve_hub_id_from_offline_cache(tmp_path):
 
 _MEMORY_PROBE = textwrap.dedent("""
     import json, sys
-    from tptrain.checkpoint import CheckpointReader
+    from tptrain.io import CheckpointReader
 
     def status():
         fields = {}

@@ -19,7 +19,7 @@ from tests.dist_utils import run_distributed
 from tests.test_trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.cli import main
-from tptrain.training import checkpoint_dirs as ckpt
+from tptrain.training.checkpoint import dirs as ckpt
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.reporting import read_metrics
 from tptrain.training.trainer import Trainer

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from tests.dist_utils import run_distributed
 from tests.test_trainer import tiny_dataset, tiny_model, training_args
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
-from tptrain.training import checkpointing as ckpt
+from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
 

@@ -14,7 +14,7 @@ from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset, load_tokenizer
-from tptrain.training.generate import greedy_generate
+from tptrain.generation import greedy_generate
 from tptrain.training.reporting import Reporter, read_metrics
 
 TINY_QWEN3 = Path(str(files("tptrain") / "data" / "tiny-qwen3"))

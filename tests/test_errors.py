@@ -15,7 +15,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
-from tptrain.checkpoint import CheckpointReader, save_checkpoint
+from tptrain.io import CheckpointReader, save_checkpoint
 from tptrain.models import MODEL_REGISTRY
 from tptrain.parallel.tensor_parallel import check_plan
 

@@ -1,5 +1,5 @@
 """Phi-3 (fused qkv_proj and gate_up_proj, partial rotary) against transformers 5.23, and its tensor-parallel
-layout: `packed_colwise` splits each packed segment (q, k, v; gate, up) on its own, so a rank holds its heads of
+layout: `fused_colwise` splits each fused segment (q, k, v; gate, up) on its own, so a rank holds its heads of
 q, k and v concatenated, read straight from the fused checkpoint tensor and written back fused.
 
 A tiny random checkpoint written by transformers' Phi3ForCausalLM (2 KV heads, so tp 4 replicates KV;
@@ -20,7 +20,7 @@ from tests.dist_utils import run_distributed
 from tests.family_utils import batch as _batch, check_against_hf, hf_reference as _hf_reference, randomize
 from tests.test_tensor_parallel import assert_trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
-from tptrain.checkpoint import CheckpointReader
+from tptrain.io import CheckpointReader
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.diagnostics.plan_report import plan_report
 from tptrain.distributed.comm import CommTracker
@@ -102,15 +102,15 @@ def test_plan_shows_packed_segments_per_rank_and_refuses_plain_colwise():
     qkv = next(r for r in rows if r and r[0].endswith("self_attn.qkv_proj"))
     gate_up = next(r for r in rows if r and r[0].endswith("mlp.gate_up_proj"))
     # q 64/4 + k 32/2 + v 32/2 rows per rank (KV replicated over 2 ranks); gate 96/4 + up 96/4
-    assert qkv[1:7] == ["packed_colwise", "weight", "(128,", "64)", "(48,", "64)"], qkv
-    assert gate_up[1:7] == ["packed_colwise", "weight", "(192,", "64)", "(48,", "64)"], gate_up
+    assert qkv[1:7] == ["fused_colwise", "weight", "(128,", "64)", "(48,", "64)"], qkv
+    assert gate_up[1:7] == ["fused_colwise", "weight", "(192,", "64)", "(48,", "64)"], gate_up
     assert "64/4 + 32/2 (each chunk on 2 ranks) + 32/2 (each chunk on 2 ranks)" in report.text, report.text
 
     model = AutoModelForCausalLM.from_config(config, device="meta")
     spec = check_plan(model, "auto", 4).specs["model.layers.0.self_attn.qkv_proj.weight"]
     assert spec.segments == ((64, 1), (32, 2), (32, 2)) and spec.partial_grad
     problems = check_plan(model, {"layers.*.self_attn.qkv_proj": "colwise"}, 2).problems
-    assert any("qkv_proj" in p and "packed_colwise" in p for p in problems), problems
+    assert any("qkv_proj" in p and "fused_colwise" in p for p in problems), problems
 
 
 class _RecordingReader(CheckpointReader):

@@ -238,7 +238,7 @@ def test_kill_9_one_rank_the_group_restarts_and_reproduces_the_uninterrupted_run
 
 
 def test_a_restarted_attempt_resumes_the_latest_checkpoint_or_starts_over(tmp_path, monkeypatch):
-    from tptrain.training.checkpoint_dirs import RESTART_COUNT_ENV, resume_after_restart
+    from tptrain.training.checkpoint.dirs import RESTART_COUNT_ENV, resume_after_restart
 
     out = tmp_path / "run"
     (out / ".checkpoint-4.tmp").mkdir(parents=True)  # a save the kill cut short: no marker
@@ -255,7 +255,7 @@ def test_a_restarted_attempt_resumes_the_latest_checkpoint_or_starts_over(tmp_pa
 
 def test_bad_fault_and_node_flags_are_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys):
     from tptrain.cli import main
-    from tptrain.training import cli as train_cli
+    from tptrain.cli import train as train_cli
 
     def no_workers(*args, **kwargs):
         raise AssertionError("a worker was started")

@@ -11,12 +11,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
 # Lowest first. The package root (`tptrain/__init__.py`: the public API) and the CLI sit on top.
 LAYERS = [
     ("tptrain.losses", "tptrain.distributed"),
-    ("tptrain.checkpoint",),
+    ("tptrain.io",),
     ("tptrain.parallel",),
     ("tptrain.modeling",),
     ("tptrain.models", "tptrain.hf"),
     ("tptrain.diagnostics",),
-    ("tptrain.training", "tptrain.peft"),
+    ("tptrain.training", "tptrain.peft", "tptrain.generation"),
     ("tptrain.cli", "tptrain.__main__", "tptrain"),
 ]
 

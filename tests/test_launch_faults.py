@@ -26,7 +26,7 @@ from tests.dist_utils import free_port
 from tests.test_train_cli import ROOT, tptrain_train
 from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.cli import main
-from tptrain.training import cli as train_cli
+from tptrain.cli import train as train_cli
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.reporting import read_metrics

@@ -19,7 +19,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
-from tptrain.checkpoint import save_checkpoint
+from tptrain.io import save_checkpoint
 
 MB = 2**20
 CONFIG = dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_hidden_layers=2,

@@ -251,8 +251,8 @@ def test_cli_flags_spell_target_parameters(bases):
     """`tptrain train --lora-target-parameters ...`: the experts without the default 'all-linear' modules."""
     import argparse
 
-    from tptrain.training.cli import add_train_arguments
-    from tptrain.training.finetune_cli import lora_config
+    from tptrain.cli.train import add_train_arguments
+    from tptrain.cli.finetune import lora_config
 
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)

@@ -40,7 +40,7 @@ def _watch(model) -> None:
         module._fused_out = out.grad_fn is not None and out.grad_fn.name() == "_ArrivalBackward"
 
     for name, style in model.tp_layout.plan.items():
-        if style in ("colwise", "packed_colwise"):
+        if style in ("colwise", "fused_colwise"):
             model.get_submodule(name).register_forward_hook(hook)
 
 

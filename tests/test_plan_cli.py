@@ -123,7 +123,7 @@ def test_plan_builds_on_meta_and_starts_no_process_group(qwen3_dir):
 def test_train_is_imported_only_when_it_is_the_command(qwen3_dir, monkeypatch, capsys):
     import tptrain.training
 
-    monkeypatch.setitem(sys.modules, "tptrain.training.cli", None)  # as if the training stack were broken
+    monkeypatch.setitem(sys.modules, "tptrain.cli.train", None)  # as if the training stack were broken
     monkeypatch.delattr(tptrain.training, "cli", raising=False)  # imported by an earlier test
     assert main(["plan", str(qwen3_dir), "--tp-size", "2"]) == 0
     assert main(["train", "--max-steps", "1"]) == 1

@@ -85,7 +85,7 @@ def test_bad_input_errors_on_every_rank(tmp_path):
 
 
 def test_latest_complete_checkpoint(tmp_path):
-    from tptrain.training.checkpoint_dirs import resolve_resume, write_manifest
+    from tptrain.training.checkpoint.dirs import resolve_resume, write_manifest
 
     for step, complete in ((9, True), (10, True), (12, False)):  # 12: interrupted while being written
         (tmp_path / f"checkpoint-{step}").mkdir()

@@ -20,7 +20,7 @@ from tests.test_checkpoint_memory import BIG
 from tests.test_load_memory import PeakSampler, _rss_anon
 from tests.test_trainer import tiny_model
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
-from tptrain.checkpoint import safetensors_io
+from tptrain.io import writer as safetensors_io
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
 from tptrain.training.trainer import Trainer

@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from tptrain.checkpoint import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
+from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
                                 writable_error)
-from tptrain.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE, save_streamed
+from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.plan import ResolvedPlan

@@ -215,7 +215,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         add(("backward", "all_reduce"), norms, norms * token_bytes)
     params = dict(model.named_parameters())
     sync = [(part, piece) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad
-            for part, piece in s.local_parts(params[n].detach(), tp) if part.partial_grad]  # packed: its KV parts
+            for part, piece in s.local_parts(params[n].detach(), tp) if part.partial_grad]  # fused: its KV parts
     if sync:
         grad_dtype = torch.promote_types(dtype, torch.float32)
         add(("grad_sync", "all_reduce"), 1,

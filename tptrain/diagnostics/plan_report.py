@@ -156,8 +156,8 @@ def _rows(model: torch.nn.Module, resolved: Mapping[str, str], specs: Mapping[st
 def _split_note(spec: ShardSpec, shape: tuple[int, ...], tp_size: int) -> str:
     if spec.dim is None:
         return "whole on every rank" + ("; gradient all-reduced over TP" if spec.partial_grad else "")
-    if spec.segments:  # each packed segment split on its own: its rows per rank, and KV replicas
-        return f"packed along dim {spec.dim}, each segment split: " + " + ".join(
+    if spec.segments:  # each fused segment split on its own: its rows per rank, and KV replicas
+        return f"fused along dim {spec.dim}, each segment split: " + " + ".join(
             f"{size}/{part.num_chunks(tp_size)}" + (f" (each chunk on {part.replicas} ranks)" if part.replicas > 1 else "")
             + ("" if size % part.num_chunks(tp_size) == 0 else "  <-- not divisible")
             for _, size, part in spec.parts())

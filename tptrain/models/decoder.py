@@ -133,9 +133,9 @@ def rms_norm(config: PretrainedConfig, dim: int) -> RMSNorm:
                    weight_offset=config.norm_weight_offset)
 
 
-class PackedLinear(nn.Linear):
-    """An nn.Linear whose output rows are several projections packed one after another (Phi-3's qkv_proj:
-    q, k, v). `tp_segments` declares them as data, ((rows, holds KV heads), ...), for the `packed_colwise`
+class FusedLinear(nn.Linear):
+    """An nn.Linear whose output rows are several projections fused one after another (Phi-3's qkv_proj:
+    q, k, v). `tp_segments` declares them as data, ((rows, holds KV heads), ...), for the `fused_colwise`
     style; `segment_sizes` is how many of each this module's rows hold (the style sets this rank's)."""
 
     def __init__(self, in_features: int, segments: tuple[tuple[int, bool], ...], *, bias: bool) -> None:
@@ -144,11 +144,9 @@ class PackedLinear(nn.Linear):
         self.segment_sizes = tuple(rows for rows, _ in segments)
 
 
-def split_packed(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`module`'s output on `x`, split into its packed segments (batch, seq, local rows of each). A module wrapped by
-    an adapter keeps its sizes on the wrapped `base_layer`."""
-    sizes = getattr(module, "segment_sizes", None) or module.base_layer.segment_sizes
-    return module(x).split(list(sizes), dim=-1)
+def split_fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`module`'s output on `x`, split into its fused segments (batch, seq, local rows of each)."""
+    return module(x).split(list(module.segment_sizes), dim=-1)
 
 
 class Attention(nn.Module):
@@ -167,7 +165,7 @@ class Attention(nn.Module):
         q_rows, kv_rows = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
         self.fused = config.fused_projections
         if self.fused:  # one qkv_proj; KV heads are its last two segments
-            self.qkv_proj = PackedLinear(hidden, ((q_rows, False), (kv_rows, True), (kv_rows, True)),
+            self.qkv_proj = FusedLinear(hidden, ((q_rows, False), (kv_rows, True), (kv_rows, True)),
                                          bias=config.qkv_bias)
             self.tp_kv_projections, self.tp_pairs = (), {"o_proj": ("qkv_proj",)}
         else:
@@ -187,7 +185,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.fused:
-            q, k, v = split_packed(self.qkv_proj, x)  # (batch, seq, local width of each)
+            q, k, v = split_fused(self.qkv_proj, x)  # (batch, seq, local width of each)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (batch, seq, local width)
         if self.qk_norm == "width":
@@ -224,7 +222,7 @@ class MLP(nn.Module):
         hidden, inner = config.hidden_size, inner or config.intermediate_size
         self.fused = config.fused_projections
         if self.fused:  # one gate_up_proj: gate rows, then up rows
-            self.gate_up_proj = PackedLinear(hidden, ((inner, False), (inner, False)), bias=config.mlp_bias)
+            self.gate_up_proj = FusedLinear(hidden, ((inner, False), (inner, False)), bias=config.mlp_bias)
             self.tp_pairs = {"down_proj": ("gate_up_proj",)}
         else:
             self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
@@ -233,7 +231,7 @@ class MLP(nn.Module):
         self.gelu_tanh = config.mlp_activation == "gelu_pytorch_tanh"  # else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = split_packed(self.gate_up_proj, x) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        gate, up = split_fused(self.gate_up_proj, x) if self.fused else (self.gate_proj(x), self.up_proj(x))
         gate = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
         return self.down_proj(gate * up)
 
@@ -393,8 +391,8 @@ class DecoderForCausalLM(PreTrainedModel):
         """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
         `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits."""
         h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        # A head wrapped by an adapter is not a plain weight: it goes the unfused way.
-        if labels is not None and self.training and not return_logits and type(self.lm_head) is nn.Linear:
+        # The loss fused with the head needs the head's weight: any other head module computes its logits whole.
+        if labels is not None and self.training and not return_logits and isinstance(self.lm_head, nn.Linear):
             logits = None
             loss = self.head_loss_function(h, self.lm_head.weight, labels, num_items_in_batch,
                                            transform=self._transform_logits)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
-from tptrain.parallel.styles import ParallelStyle, ShardSpec, TPContext, _replace_forward, register_style
+from tptrain.parallel.styles import ParallelStyle, ShardSpec, TPContext, replace_forward, register_style
 
 __all__ = ["ExpertTensorParallel", "ExpertParallelAllReduce", "ExpertParallelAllToAll", "ExpertParallel",
            "all_to_all_wins"]
@@ -89,7 +89,7 @@ class ExpertTensorParallel(_ExpertStyle):
 
     def install(self, module, ctx):
         if ctx.ep_size == 1:
-            _replace_forward(module, _summed_partials(module, ctx))
+            replace_forward(module, _summed_partials(module, ctx))
             return
         module.expert_offset = ctx.ep_rank * module.gate_proj.shape[0]
         module.tp_dispatch = "all_reduce"  # over tp; the ep dispatch is ep_dispatch's
@@ -99,7 +99,7 @@ class ExpertTensorParallel(_ExpertStyle):
             x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
             return ctx.exit(exchange(self, x, expert_ids, weights, ctx.ep_group_name, ctx.ep_size))
 
-        _replace_forward(module, forward)
+        replace_forward(module, forward)
 
 
 @register_style
@@ -113,7 +113,7 @@ class ExpertParallelAllReduce(_ExpertStyle):
 
     def install(self, module, ctx):
         module.expert_offset = ctx.rank * module.gate_proj.shape[0]
-        _replace_forward(module, _summed_partials(module, ctx))
+        replace_forward(module, _summed_partials(module, ctx))
 
 
 @register_style
@@ -135,7 +135,7 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
                 return summed(self, x, expert_ids, weights)
             return dispatch_and_combine(self, x, expert_ids, weights, ctx)
 
-        _replace_forward(module, forward)
+        replace_forward(module, forward)
 
 
 @register_style

@@ -99,7 +99,7 @@ class PartialGradSync:
         """Sum each local share in `grads` ({param name: tensor}, updated in place) over the ranks
         holding the same chunk, all in one all-reduce. Names that need no sum are ignored."""
         specs = self.layout.partial_grad_specs()
-        # Table order, identical on every rank; of a packed tensor only its partial segments (views of the grad).
+        # Table order, identical on every rank; of a fused tensor only its partial segments (views of the grad).
         pieces = [(part, piece) for n in specs if n in grads
                   for part, piece in specs[n].local_parts(grads[n], self.ctx.size) if part.partial_grad]
         if not pieces:

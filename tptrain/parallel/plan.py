@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from tptrain.parallel import expert_parallel as _expert_styles
-from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, make_style
+from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, canonical_style, make_style
 
 assert _expert_styles.ExpertParallel.name in STYLES  # importing expert_parallel registers the expert styles
 
@@ -74,6 +74,7 @@ def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "au
     resolved: dict[str, str] = {}
     problems: list[str] = []
     for glob, style in plan.items():
+        style = canonical_style(style)
         if style not in STYLES:
             problems.append(f"tp_plan rule {glob!r}: unknown style {style!r}; known styles: "
                             f"{', '.join(sorted(STYLES))}")
@@ -130,14 +131,14 @@ def _fix_hint(config: Any, size: int, chunks: int) -> str:
 
 def _kv_parent(model: nn.Module, name: str) -> bool:
     """Whether module `name` holds KV-head rows: its parent declares it a KV projection (`tp_kv_projections`),
-    it is packed with KV segments (`tp_segments`), or it reads only KV projections (`tp_pairs`: a norm over
+    it is fused with KV segments (`tp_segments`), or it reads only KV projections (`tp_pairs`: a norm over
     k_proj's output is laid out like k_proj)."""
     parent, _, leaf = name.rpartition(".")
     owner = model.get_submodule(parent)
     kv = getattr(owner, "tp_kv_projections", ())
     producers = getattr(owner, "tp_pairs", {}).get(leaf, ())
-    packed_kv = any(is_kv for _, is_kv in getattr(model.get_submodule(name), "tp_segments", ()))
-    return leaf in kv or packed_kv or bool(producers) and all(p in kv for p in producers)
+    fused_kv = any(is_kv for _, is_kv in getattr(model.get_submodule(name), "tp_segments", ()))
+    return leaf in kv or fused_kv or bool(producers) and all(p in kv for p in producers)
 
 
 @dataclass
@@ -255,17 +256,17 @@ def _layout_specs(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_siz
             problems.append(f"module {name!r} is a {type(module).__name__}, but style {style.name!r} supports "
                             f"only {', '.join(t.__name__ for t in style.module_types)}")
             continue
-        if getattr(module, "tp_segments", None) and style.splits_output and not style.packed:
+        if getattr(module, "tp_segments", None) and style.splits_output and not style.fused:
             problems.append(f"module {name!r} packs {len(module.tp_segments)} projections in its rows, so style "
-                            f"{style.name!r} would hand a rank rows of the wrong ones; use 'packed_colwise'")
+                            f"{style.name!r} would hand a rank rows of the wrong ones; use 'fused_colwise'")
             continue
         for pname, spec in style.param_specs(module).items():
             shape = tuple(getattr(module, pname).shape)
-            for _, size, part in spec.parts():  # each packed segment is split on its own
+            for _, size, part in spec.parts():  # each fused segment is split on its own
                 size = shape[spec.dim] if size is None and spec.dim is not None else size
                 chunks = part.num_chunks(tp_size)
                 if spec.dim is not None and size % chunks:
-                    what = f"dim {spec.dim} (size {size})" if not spec.segments else f"a packed segment of {size} rows"
+                    what = f"dim {spec.dim} (size {size})" if not spec.segments else f"a fused segment of {size} rows"
                     problems.append(f"{_generic(name)}.{pname} has shape {shape}: {what} cannot be split into "
                                     f"{chunks} equal shards for style {style.name!r} at tp_size={tp_size}; "
                                     f"{_fix_hint(model.config, size, chunks)}")

@@ -119,7 +119,7 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
 
 def gather_full(t: torch.Tensor, spec: ShardSpec, ctx: TPContext) -> torch.Tensor:
     """The unsharded tensor from every rank's local `t` (a parameter or its gradient). Collective: one
-    all-gather, whatever the layout (a packed tensor's segments are put back in the checkpoint's order), and one
+    all-gather, whatever the layout (a fused tensor's segments are put back in the checkpoint's order), and one
     over the ep group for experts split over it."""
     if spec.ep_split:
         t = comm.all_gather(t.contiguous(), ctx.ep_group, dim=0, phase="gather")

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tptrain.checkpoint.safetensors_io import CheckpointReader, atomic_directory
+from tptrain.io import CheckpointReader, atomic_directory
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.tensor_parallel import read_shard
 from tptrain.peft.config import CONFIG_NAME, WEIGHTS_NAME, LoraConfig

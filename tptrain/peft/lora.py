@@ -53,14 +53,14 @@ def factor_specs(style: str | None, base_spec: ShardSpec, where: str) -> tuple[S
     """(spec of A, spec of B) for a base module with TP style `style` and weight spec `base_spec`."""
     if style is None:  # not sharded: plain replicated module
         return REPLICATED, REPLICATED
-    if style in ("colwise", "colwise_gather_output", "packed_colwise"):
-        # B follows the weight's rows, incl. KV-head replicas and their partial grads, and a packed weight's
+    if style in ("colwise", "colwise_gather_output", "fused_colwise"):
+        # B follows the weight's rows, incl. KV-head replicas and their partial grads, and a fused weight's
         # segments (each split on its own, so B's local rows line up with the base's local q, k, v)
         return PARTIAL, base_spec
     if style in ("rowwise", "embedding_rowwise"):
         return ShardSpec(1), PARTIAL
     raise ValueError(f"LoRA cannot adapt {where!r}: its tensor-parallel style {style!r} is not supported (supported: "
-                     "colwise, colwise_gather_output, packed_colwise, rowwise, embedding_rowwise); drop it from "
+                     "colwise, colwise_gather_output, fused_colwise, rowwise, embedding_rowwise); drop it from "
                      "target_modules")
 
 
@@ -82,6 +82,11 @@ class LoraLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
+
+    @property
+    def segment_sizes(self) -> tuple[int, ...]:
+        """A fused base's local segment sizes (the model splits this layer's output by them, as the base's)."""
+        return self.base_layer.segment_sizes
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_parameter(self.factor_names[0]), self.get_parameter(self.factor_names[1])

@@ -20,7 +20,7 @@ from tptrain.distributed import comm
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.styles import ShardSpec
 from tptrain.training.args import TrainingArguments
-from tptrain.training.packed_shards import fsdp_segment_pieces
+from tptrain.training.checkpoint.fused_shards import fsdp_segment_pieces
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -81,14 +81,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
         g = local_tensor(p.grad)
         grads.append(g)
         spec = specs.get(name, ShardSpec())
-        if spec.segments and isinstance(p.grad, DTensor):  # FSDP's piece of a packed TP shard
+        if spec.segments and isinstance(p.grad, DTensor):  # FSDP's piece of a fused TP shard
             dp = dict(zip(p.grad.device_mesh.mesh_dim_names, p.grad.placements))
             fsdp = "dp_shard" in dp
             parts = fsdp_segment_pieces(g, spec, tp_size, tp_rank, mesh["dp_shard"].get_local_rank() if fsdp else 0,
                                         mesh["dp_shard"].size() if fsdp else 1)
         else:
             parts = spec.local_parts(g, tp_size)
-        for part, piece in parts:  # a packed tensor part by part
+        for part, piece in parts:  # a fused tensor part by part
             if part.dim is None:
                 whole.append(piece)
             elif tp_rank % part.replicas == 0:

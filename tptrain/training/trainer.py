@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.checkpoint import writable_error
-from tptrain.checkpoint.hub import TOKENIZER_PATTERNS
+from tptrain.io import writable_error
+from tptrain.io.hub import TOKENIZER_PATTERNS
 from tptrain.distributed import comm, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel.sequence_parallel import check_sequence_length
-from tptrain.training import checkpoint_dirs as dirs
-from tptrain.training import checkpointing as ckpt
+from tptrain.training.checkpoint import dirs as dirs
+from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import DataOrder, PackedDataset, load_tokenizer
 from tptrain.training.evaluation import evaluate_loss, split_dataset
@@ -128,7 +128,7 @@ class Trainer:
         name = getattr(self.inner, "name_or_path", None)
         if name is None:
             return None
-        from tptrain.checkpoint import resolve_checkpoint
+        from tptrain.io import resolve_checkpoint
 
         return resolve_checkpoint(name)
 
@@ -145,7 +145,7 @@ class Trainer:
         """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model.
         With `args.preemption_grace`, a SIGTERM / SIGINT stops it after the current step with a checkpoint
         instead (`TrainOutput.stopped`, no final model). Restarted by torchrun's elastic agent, it continues
-        from the latest complete checkpoint in output_dir (`checkpoint_dirs.resume_after_restart`)."""
+        from the latest complete checkpoint in output_dir (`dirs.resume_after_restart`)."""
         with StopOnSignal(self.args.preemption_grace) as stop:
             return self._train(resume_from_checkpoint, stop)
 

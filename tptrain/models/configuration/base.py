@@ -18,7 +18,7 @@ import os
 import pathlib
 from typing import Any, ClassVar
 
-from tptrain.checkpoint.hub import resolve_checkpoint
+from tptrain.io.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")

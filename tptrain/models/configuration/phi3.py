@@ -9,15 +9,15 @@ from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN
 
 @dataclasses.dataclass(kw_only=True)
 class Phi3Config(PretrainedConfig):
-    """Phi-3: fused qkv_proj and gate_up_proj (split per segment under TP by the `packed_colwise` style), RoPE on
+    """Phi-3: fused qkv_proj and gate_up_proj (split per segment under TP by the `fused_colwise` style), RoPE on
     the first `partial_rotary_factor` of each head, default or `longrope` RoPE."""
 
     model_type: ClassVar[str] = "phi3"
     base_model_tp_plan: ClassVar[dict[str, str]] = {
         "embed_tokens": "embedding_rowwise",
-        "layers.*.self_attn.qkv_proj": "packed_colwise",
+        "layers.*.self_attn.qkv_proj": "fused_colwise",
         "layers.*.self_attn.o_proj": "rowwise",
-        "layers.*.mlp.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.gate_up_proj": "fused_colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
     base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN

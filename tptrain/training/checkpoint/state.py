@@ -8,17 +8,17 @@ Every parameter and optimizer-state tensor is saved by its GLOBAL shape, from ea
 the tensor FSDP keeps (its dp shard of the rank's TP shard) is viewed as a DTensor with 2-D placements,
 torchtitan's: FSDP's Shard(0) over dp_shard on top of TP's Shard over tp (a _StridedShard where both
 split dim 0), Replicate over dp_replicate and over ranks sharing KV heads (DCP then writes such a chunk
-once, from one rank). A packed tensor (fused q/k/v or gate/up rows), whose pieces no placement
-describes, is saved as a ShardedTensor of its boxes (packed_shards.py). Nothing is gathered over data
+once, from one rank). A fused tensor (fused q/k/v or gate/up rows), whose pieces no placement
+describes, is saved as a ShardedTensor of its boxes (fused_shards.py). Nothing is gathered over data
 parallelism or TP and nothing is copied, so the save costs what DCP's writer holds (one tensor's bytes
 at a time) beyond training's memory; loading reads each rank's slices of any saved layout straight into
-its training tensors (reshard on resume); a packed tensor is read whole, then cut (`copy_packed`).
+its training tensors (reshard on resume); a fused tensor is read whole, then cut (`copy_fused`).
 
 Checkpoints of the earlier format (every tensor gathered to its TP shard or whole) hold the same keys and
 global shapes: DCP reads them into this layout as they are.
 
 The directory protocol (atomic publishing, pruning, the manifest, the fall-back on resume) is in
-checkpoint_dirs.py.
+dirs.py.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import ParallelDims, raise_on_any_rank
 from tptrain.distributed.topology import rank_grid
-from tptrain.training.checkpoint_dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
+from tptrain.training.checkpoint.dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
-from tptrain.training.packed_shards import packed_sharded_tensor
+from tptrain.training.checkpoint.fused_shards import fused_sharded_tensor
 
 # The view mesh of a checkpoint tensor: the run's mesh with its TP axis split into (chunks, KV replicas).
 VIEW_AXES = ("dp_replicate", "dp_shard", "tp_shard", "tp_replica")
@@ -98,10 +98,10 @@ class StateConverter:
 
     def view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t` (parameter `name` or a tensor laid out like it: an AdamW moment) as a tensor of the global
-        shape that DCP saves from, and loads into, in place. No communication, except for a packed tensor."""
+        shape that DCP saves from, and loads into, in place. No communication, except for a fused tensor."""
         spec = self._spec(name)
         if spec.segments:
-            raise AssertionError(f"{name} is packed: use packed_view / packed_target")
+            raise AssertionError(f"{name} is fused: use fused_view / fused_target")
         local = t.to_local() if isinstance(t, DTensor) else t.detach()  # FSDP's shard of the TP shard
         if self.mesh is None:
             return local
@@ -122,21 +122,21 @@ class StateConverter:
         return DTensor.from_local(local, self._view_mesh(spec.replicas if tp_chunks > 1 else 1), placements,
                                   run_check=False, shape=shape, stride=stride)
 
-    def packed_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A packed tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
-        FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (packed_shards.py)
-        does, still without a gather or a copy. Loaded into an empty global tensor (`packed_target`)."""
+    def fused_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A fused tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
+        FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (fused_shards.py)
+        does, still without a gather or a copy. Loaded into an empty global tensor (`fused_target`)."""
         dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
         assert dp.get("dp_shard", Shard(0)) == Shard(0), (name, dp)  # FSDP2 shards dim 0
         local = (t.to_local() if isinstance(t, DTensor) else t).detach()
-        return packed_sharded_tensor(local, self._spec(name), self.global_shapes[name], self.mesh,
+        return fused_sharded_tensor(local, self._spec(name), self.global_shapes[name], self.mesh,
                                      fsdp="dp_shard" in dp)
 
-    def packed_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def fused_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local_device_of(like))
 
-    def copy_packed(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
-        """Write this rank's shard of a loaded packed global tensor into its training tensor `dest`."""
+    def copy_fused(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
+        """Write this rank's shard of a loaded fused global tensor into its training tensor `dest`."""
         local = self._spec(name).local_chunk(loaded, self.ctx.size, self.ctx.rank)
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()
@@ -144,7 +144,7 @@ class StateConverter:
         with torch.no_grad():
             dest.copy_(local)
 
-    def is_packed(self, name: str) -> bool:
+    def is_fused(self, name: str) -> bool:
         return bool(self._spec(name).segments) and self.ctx is not None
 
 
@@ -163,11 +163,11 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateC
                 for_load: bool) -> dict[str, Any]:
     """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}: views
     of the training tensors themselves (DCP loads into them in place; missing AdamW moments are created as
-    zeros first), except packed tensors (`StateConverter.packed_view`). Only trained parameters are in it:
+    zeros first), except fused tensors (`StateConverter.fused_view`). Only trained parameters are in it:
     frozen ones (a LoRA run's base weights) come from the model as loaded."""
     def view(name: str, t: torch.Tensor) -> torch.Tensor:
-        if conv.is_packed(name):
-            return conv.packed_target(name, t) if for_load else conv.packed_view(name, t)
+        if conv.is_fused(name):
+            return conv.fused_target(name, t) if for_load else conv.fused_view(name, t)
         return conv.view(name, t)
 
     state: dict[str, Any] = {"model": {}, "optim": {}}
@@ -344,14 +344,14 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     state = build_state(model, optimizer, conv, for_load=True)
     check_compatible(path, state)
     _dcp(dcp.load, state, path, f"cannot read checkpoint {path}")
-    for name, p in model.named_parameters():  # all but packed tensors were loaded in place
-        if conv.is_packed(name) and name in state["model"]:
-            conv.copy_packed(name, state["model"][name], p)
+    for name, p in model.named_parameters():  # all but fused tensors were loaded in place
+        if conv.is_fused(name) and name in state["model"]:
+            conv.copy_fused(name, state["model"][name], p)
     for name, p, st in _optimizer_items(model, optimizer):
         loaded = state["optim"][name]
-        if conv.is_packed(name):
+        if conv.is_fused(name):
             for key in ("exp_avg", "exp_avg_sq"):
-                conv.copy_packed(name, loaded[key], st[key])
+                conv.copy_fused(name, loaded[key], st[key])
         st["step"] = loaded["step"].clone()
     rank, _ = rank_world()
     saved_ranks = read_manifest(path)["world_size"]

@@ -114,7 +114,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--smoke-test", action="store_true",
                    help=f"seconds-long run for tests: {SMOKE.max_steps} steps of batch {SMOKE.batch_size} x "
                         f"{SMOKE.seq_len} tokens, unless the flags above say otherwise")
-    from tptrain.training.finetune_cli import add_finetune_arguments
+    from tptrain.cli.finetune import add_finetune_arguments
 
     add_finetune_arguments(p)  # instruction data, evaluation, LoRA, logging; and the --help sections
 
@@ -131,7 +131,7 @@ def run_train(args: argparse.Namespace) -> int:
     nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
     try:
         from tptrain.distributed.comm import PG_TIMEOUT_ENV, process_group_timeout
-        from tptrain.training.checkpoint_dirs import resume_after_restart
+        from tptrain.training.checkpoint.dirs import resume_after_restart
 
         if args.pg_timeout is not None:  # read by every worker (inherited, or this one under torchrun)
             os.environ[PG_TIMEOUT_ENV] = str(args.pg_timeout)
@@ -153,11 +153,11 @@ def run_train(args: argparse.Namespace) -> int:
 def _preflight(args: argparse.Namespace, nproc: int) -> None:
     """Everything that needs no process group, in a second or two: sizes, the model's config and plan,
     --seq-len, the flags, the data file, the output directory. Raises the first problem found."""
-    from tptrain.checkpoint import resolve_checkpoint, writable_error
+    from tptrain.io import resolve_checkpoint, writable_error
     from tptrain.models import AutoConfig
     from tptrain.training.args import check_seq_len
-    from tptrain.training.checkpoint_dirs import earlier_run_error, resolve_resume
-    from tptrain.training import finetune_cli
+    from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
+    from tptrain.cli import finetune as finetune_cli
 
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
                         ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1)):
@@ -229,7 +229,7 @@ def _config_only(model_dir: Path) -> bool:
 
 def _training_args(args: argparse.Namespace, *, from_scratch: bool):
     from tptrain.training.args import TrainingArguments
-    from tptrain.training.finetune_cli import training_kwargs
+    from tptrain.cli.finetune import training_kwargs
 
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
     return TrainingArguments(
@@ -245,7 +245,7 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
 
 
 def _launch(args: argparse.Namespace, nproc: int) -> int:
-    from tptrain.training.launcher import launch
+    from tptrain.cli.launcher import launch
 
     return launch(args, nproc, _worker)
 
@@ -255,7 +255,7 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
 
 def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
     """One rank's run. User errors (bad flags, data, sizes) print one line; anything else its traceback."""
-    from tptrain.training.launcher import worker_started
+    from tptrain.cli.launcher import worker_started
     from tptrain.training.preemption import StopOnSignal
 
     rank = os.environ.get("RANK", "0")
@@ -293,8 +293,8 @@ def _train(args: argparse.Namespace) -> None:
     from tptrain.distributed import init_distributed, raise_on_any_rank
     from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
-    from tptrain.training import finetune_cli
-    from tptrain.training.generate import greedy_generate
+    from tptrain.cli import finetune as finetune_cli
+    from tptrain.generation import greedy_generate
     from tptrain.training.trainer import Trainer
 
     threads = _set_threads(torch)
@@ -333,7 +333,7 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _read_inputs(args: argparse.Namespace) -> _Inputs:
-    from tptrain.checkpoint import resolve_checkpoint
+    from tptrain.io import resolve_checkpoint
     from tptrain.models import AutoConfig
     from tptrain.training.data import load_tokenizer
     from tptrain.training.sft_data import build_training_data
@@ -382,7 +382,7 @@ def _set_threads(torch) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         threads = int(os.environ["OMP_NUM_THREADS"])
     else:
-        from tptrain.training.launcher import cores
+        from tptrain.cli.launcher import cores
 
         threads = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, threads))

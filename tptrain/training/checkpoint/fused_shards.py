@@ -1,6 +1,6 @@
-"""A packed tensor's shards (fused q/k/v or gate/up rows) as a ShardedTensor, so DCP saves them ungathered.
+"""A fused tensor's shards (fused q/k/v or gate/up rows) as a ShardedTensor, so DCP saves them ungathered.
 
-A rank's TP shard of a packed tensor is its chunk of every segment, concatenated (`ShardSpec.segments`);
+A rank's TP shard of a fused tensor is its chunk of every segment, concatenated (`ShardSpec.segments`);
 FSDP then cuts that along dim 0 into dp_shard pieces, which may straddle segments. A rank so holds up to
 one row range per segment of the global tensor: several boxes, which no DTensor placement describes but
 a ShardedTensor's local shards do (DCP writes each as it is). Replicated copies (KV segments shared by
@@ -23,9 +23,9 @@ from tptrain.distributed.topology import rank_grid
 from tptrain.parallel.styles import ShardSpec
 
 
-def packed_sharded_tensor(local: torch.Tensor, spec: ShardSpec, shape: tuple[int, ...], mesh: DeviceMesh, *,
+def fused_sharded_tensor(local: torch.Tensor, spec: ShardSpec, shape: tuple[int, ...], mesh: DeviceMesh, *,
                           fsdp: bool) -> ShardedTensor:
-    """This rank's `local` (its FSDP piece of its TP shard when `fsdp`, else the TP shard) of the packed
+    """This rank's `local` (its FSDP piece of its TP shard when `fsdp`, else the TP shard) of the fused
     tensor of global `shape`, laid out over `mesh` (dp_replicate, dp_shard, tp), as a ShardedTensor."""
     assert spec.segments and spec.dim == 0, spec
     ranks = rank_grid(mesh)
@@ -49,7 +49,7 @@ def packed_sharded_tensor(local: torch.Tensor, spec: ShardSpec, shape: tuple[int
 
 def fsdp_segment_pieces(piece: torch.Tensor, spec: ShardSpec, tp: int, tp_rank: int, dp_rank: int,
                         dp_size: int) -> list[tuple[ShardSpec, torch.Tensor]]:
-    """`ShardSpec.local_parts` for FSDP's piece `dp_rank` (of `dp_size`) of a packed TP shard: (the
+    """`ShardSpec.local_parts` for FSDP's piece `dp_rank` (of `dp_size`) of a fused TP shard: (the
     segment's plain spec, view of its rows in `piece`), for the segments the piece reaches."""
     subs = [sub for _, _, sub in spec.parts()]
     by_replicas = {sub.replicas: sub for sub in subs}

@@ -9,7 +9,7 @@
     tptrain train --help
 
 `plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
-when the config cannot be read. `train` lives in tptrain/training/cli.py and is imported only when it
+when the config cannot be read. `train` lives in tptrain/cli/train.py and is imported only when it
 is the command, so `plan` works without the training stack.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train = None
     if argv[:1] == ["train"]:
         try:
-            from tptrain.training import cli as train
+            from tptrain.cli import train
         except ImportError as exc:
             return _fail("train", f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
     args = _parser(train).parse_args(argv)
@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
-    """`train`'s own flags are added only when it is the command (`train` is tptrain.training.cli then)."""
+    """`train`'s own flags are added only when it is the command (`train` is tptrain.cli.train then)."""
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train}")

@@ -5,7 +5,7 @@
 One node: a private c10d rendezvous on 127.0.0.1 (a free port). Several (--nnodes): the c10d (or static)
 rendezvous at --rdzv-endpoint, the same command on every node, as torchrun. --max-restarts N: when a
 worker dies (a signal, an exception) the agent stops the others and restarts the group, which resumes
-from the latest complete checkpoint (checkpoint_dirs.resume_after_restart).
+from the latest complete checkpoint (dirs.resume_after_restart).
 
 Workers and launcher share a temporary `error_dir`: each worker writes `rank<R>.pid` when it starts
 and `rank<R>.txt` (its error) when it fails, so a rank that died without a word is named by its signal.

@@ -1,5 +1,4 @@
-"""Hugging Face safetensors checkpoints: read one rank's slice of a tensor, write atomically and sharded
-(also streamed: shard file by shard file as the tensors arrive).
+"""Reading Hugging Face safetensors checkpoints: one rank's slice of a tensor, straight from the files.
 
 Layout (what transformers' save_pretrained writes and from_pretrained reads):
   model.safetensors                                   when everything fits in one shard, else
@@ -8,19 +7,14 @@ Layout (what transformers' save_pretrained writes and from_pretrained reads):
 """
 from __future__ import annotations
 
-import contextlib
-
 import json
 import os
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,9 +26,6 @@ _DTYPES = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-# HF convention: "5GB" is decimal (5 * 10**9); the binary units are spelled "GiB".
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,7 @@ class CheckpointReader:
 
     def read_ranges(self, name: str, *, dim: int, ranges: list[tuple[int, int]], dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> torch.Tensor:
-        """The [start, stop) ranges of tensor `name` along `dim`, concatenated in order (a packed tensor's rows
+        """The [start, stop) ranges of tensor `name` along `dim`, concatenated in order (a fused tensor's rows
         of one rank: its q, k and v heads). Only those bytes are copied out of the memory-mapped file."""
         info = self._info(name)
         dim = _check_chunk(name, info.shape, dim, 0, 1)
@@ -222,197 +213,3 @@ def check_tensor_shape(name: str, expected: tuple[int, ...], actual: tuple[int, 
     if tuple(expected) != tuple(actual):
         raise ValueError(f"checkpoint tensor {name!r} in {file} has shape {tuple(actual)} but the config "
                          f"implies {tuple(expected)}; the checkpoint does not match config.json")
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or a string like "5GB" (10**9), "500MB", "2GiB" (2**30)."""
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(size))
-        if match is None or match.group(2).upper() not in _SIZE_UNITS:
-            raise ValueError(f"cannot parse size {size!r}; use an int (bytes) or e.g. '5GB', '500MB', '2GiB'")
-        value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return value
-
-
-def save_checkpoint(state_dict: dict[str, torch.Tensor], directory: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", metadata: dict[str, str] | None = None,
-                    extra_files: dict[str, bytes | str] | None = None) -> None:
-    """Write `state_dict` (plus `extra_files`, e.g. config.json) as an HF checkpoint in `directory`.
-
-    `metadata` goes into every safetensors header next to {"format": "pt"}. The write is atomic:
-    everything is written and fsynced in a sibling `.{name}.tmp-<pid>`, then swapped into place; an
-    existing `directory` is replaced whole (its old contents are deleted). A crash leaves either the old
-    or the new checkpoint at `directory`, or, between the two renames of the swap, neither there but the
-    old one intact at `.{name}.bak-<pid>` and the new one complete at `.{name}.tmp-<pid>`.
-    """
-    for name, tensor in state_dict.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        if tensor.is_meta:
-            raise ValueError(f"state_dict[{name!r}] is on the meta device; materialise it before saving")
-    sizes = {name: t.numel() * t.element_size() for name, t in state_dict.items()}
-    save_streamed(sizes, iter(state_dict.items()), directory, max_shard_size=max_shard_size, metadata=metadata,
-                  extra_files=extra_files)
-
-
-def save_streamed(sizes: dict[str, int], tensors: Iterator[tuple[str, torch.Tensor]], directory: str | os.PathLike,
-                  *, max_shard_size: int | str = "5GB", metadata: dict[str, str] | None = None,
-                  extra_files: dict[str, bytes | str] | None = None) -> None:
-    """`save_checkpoint` for tensors that arrive one at a time (e.g. gathered from shards): `tensors` yields
-    (name, tensor) in the order of `sizes` ({name: bytes}, which plans the shard files up front). Each file
-    is written as soon as its tensors are in, so at most one shard plus one tensor is held; the index and
-    `extra_files` are written last, then the directory is swapped into place (atomic as save_checkpoint)."""
-    header_meta = _header_metadata(metadata)
-    shards = _plan_shards(sizes, parse_size(max_shard_size))
-    files = _shard_file_names(len(shards))
-    extra = extra_files or {}
-    _check_extra_files(extra, files)
-    with atomic_directory(directory) as tmp:
-        total = 0
-        for file_name, names in zip(files, shards):
-            shard = {}
-            for expected in names:
-                name, tensor = next(tensors)
-                assert name == expected, (name, expected)  # `tensors` follows `sizes`
-                shard[name] = tensor
-            shard = _shard_tensors(shard, names)
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-            save_file(shard, os.fspath(tmp / file_name), metadata=header_meta)
-            del shard
-        if len(shards) > 1:
-            weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_file(tmp / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        for name, content in extra.items():
-            _write_file(tmp / name, content.encode() if isinstance(content, str) else content)
-
-
-@contextlib.contextmanager
-def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty temporary sibling of `directory` to fill. On success every file in it is
-    fsynced and it is swapped into place (an existing `directory` is replaced whole); on any error,
-    KeyboardInterrupt too, it is removed and `directory` is left untouched."""
-    target = Path(os.path.abspath(directory))
-    _check_replaceable(target)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier process that had our pid
-    try:
-        tmp.mkdir()
-        yield tmp
-        for path in tmp.iterdir():
-            fsync_path(path)
-        _swap_into_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def writable_error(target: Path) -> str | None:
-    """Why `target` cannot be written as a checkpoint directory, or None (its parent is created)."""
-    parent = target.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"cannot create {parent}: {exc}"
-    if not os.access(parent, os.W_OK):
-        return f"output directory {parent} is not writable; choose another save_directory"
-    if target.exists() and not target.is_dir():
-        return f"{target} exists and is not a directory"
-    return None
-
-
-def _check_replaceable(target: Path) -> None:
-    # The swap deletes the old directory, so refuse anything that is not (or no longer) a checkpoint,
-    # e.g. a mistyped `save_checkpoint(sd, "~")`.
-    if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"cannot save a checkpoint to {target}: it exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not (
-            (target / "config.json").exists() or any(target.glob("*.safetensors"))):
-        raise ValueError(f"refusing to replace {target}: it is a non-empty directory without config.json or "
-                         "*.safetensors, so it does not look like a checkpoint; save to a new directory")
-
-
-def _header_metadata(metadata: dict[str, str] | None) -> dict[str, str]:
-    header = {"format": "pt", **(metadata or {})}
-    bad = {k: v for k, v in header.items() if not (isinstance(k, str) and isinstance(v, str))}
-    if bad:
-        raise TypeError(f"safetensors metadata must map str to str; got {bad}")
-    return header
-
-
-def _plan_shards(sizes: dict[str, int], max_size: int) -> list[list[str]]:
-    """Tensor names per shard, in order, starting a new shard when one would exceed max_size
-    (a single tensor larger than max_size gets a shard of its own, as in transformers)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in sizes.items():
-        if shards[-1] and size + nbytes > max_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
-def _shard_file_names(n: int) -> list[str]:
-    if n == 1:
-        return [SINGLE_FILE]
-    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-
-
-def _check_extra_files(extra: dict[str, bytes | str], weight_files: list[str]) -> None:
-    for name in extra:
-        if Path(name).name != name or name in ("", ".", "..") or name in (*weight_files, INDEX_FILE):
-            raise ValueError(f"extra file name {name!r} must be a plain file name that is not a weight file")
-
-
-def _shard_tensors(state_dict: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors for one shard (moved one shard at a time to bound host memory)."""
-    out, storages = {}, set()
-    for name in names:
-        tensor = state_dict[name].detach().to("cpu")
-        storage = tensor.untyped_storage().data_ptr()
-        # safetensors refuses tensors sharing memory in one file (tied weights); a copy keeps both names.
-        tensor = tensor.clone() if storage in storages else tensor
-        storages.add(storage)
-        out[name] = tensor.contiguous()
-    return out
-
-
-def _write_file(path: Path, content: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def fsync_path(path: Path) -> None:
-    # Directories too: a rename or a new file is durable only once its parent directory is synced.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(tmp: Path, target: Path) -> None:
-    fsync_path(tmp)
-    if not target.exists():
-        os.rename(tmp, target)
-        fsync_path(target.parent)
-        return
-    backup = target.parent / f".{target.name}.bak-{os.getpid()}"
-    shutil.rmtree(backup, ignore_errors=True)
-    os.rename(target, backup)
-    try:
-        os.rename(tmp, target)
-    except BaseException:
-        os.rename(backup, target)  # put the good checkpoint back
-        raise
-    fsync_path(target.parent)
-    shutil.rmtree(backup)

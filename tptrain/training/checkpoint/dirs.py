@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tptrain.checkpoint.safetensors_io import fsync_path
+from tptrain.io import fsync_path
 from tptrain.distributed import raise_on_any_rank
 
 PREFIX = "checkpoint-"

@@ -3,7 +3,7 @@
     tptrain train --model ./ckpt --data chat.jsonl --eval-split 0.05 --eval-steps 50 --save-best \
         --lora-r 16 --lora-alpha 32 --lora-dropout 0.05 --lora-target-modules all-linear --merge --tp-size 2
 
-training/cli.py calls in here at five points (flags, preflight, TrainingArguments, inputs, LoRA at the
+cli/train.py calls in here at five points (flags, preflight, TrainingArguments, inputs, LoRA at the
 start and end of a run), so the launcher stays one file and this concern another.
 """
 from __future__ import annotations
