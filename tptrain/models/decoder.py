@@ -24,6 +24,8 @@ from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, Granit
                                           MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
                                           OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
                                           Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, softcap,
+                                   softcapped_attention, split_fused)
 from tptrain.models.moe import Experts, SparseMoeBlock, load_balancing_loss
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
@@ -34,119 +36,6 @@ class CausalLMOutput:
     logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
 
-
-def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """(batch, seq) index of the packed sample each token belongs to, or None when no row is packed.
-
-    A sample starts wherever a position id is not its predecessor's plus one (as transformers'
-    `find_packed_sequence_indices`), so packed rows carry their boundaries in `position_ids` alone.
-    """
-    if position_ids is None or position_ids.dim() != 2:
-        return None
-    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-    starts = step != 1
-    if not bool(starts[:, 1:].any()):
-        return None  # every row is one sample: keep the plain causal (flash) path
-    return starts.cumsum(-1)
-
-
-def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor | None = None,
-                sliding_window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor | None:
-    """(batch or 1, 1, seq, seq) bool, True where a query sees a key; None = plain causal (SDPA's is_causal).
-
-    `attention_mask` is the (batch, seq) 1/0 padding mask; `sliding_window` keeps the last that many
-    keys (the query's own included), as transformers' sliding-window mask; `documents` (batch, seq, from
-    `document_ids`) makes the mask block-diagonal: a token of a packed sample sees only its own sample.
-    Always over the full sequence: under sequence parallelism attention runs on the gathered sequence.
-    A query that sees no key at all (left padding) gets a zero output from SDPA, as in transformers.
-    """
-    if sliding_window is not None and sliding_window >= seq:
-        sliding_window = None  # the window holds the whole sequence: keep SDPA's is_causal (flash) path
-    if attention_mask is None and sliding_window is None and documents is None:
-        return None
-    query = torch.arange(seq, device=device)[:, None]
-    key = torch.arange(seq, device=device)[None, :]
-    sees = key <= query
-    if sliding_window is not None:
-        sees = sees & (key > query - sliding_window)
-    sees = sees[None, None]
-    if documents is not None:  # (batch, 1, seq, seq): same sample only
-        sees = sees & (documents[:, None, :, None] == documents[:, None, None, :])
-    return sees if attention_mask is None else sees & attention_mask.bool()[:, None, None, :]
-
-
-def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
-    return x if factor == 1.0 else x * factor
-
-
-def _offset(x: torch.Tensor, offset: float) -> torch.Tensor:
-    return x + offset if offset else x
-
-
-def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """tanh(x / cap) * cap: x squashed smoothly into (-cap, cap); None = x unchanged."""
-    return x if cap is None else torch.tanh(x / cap) * cap
-
-
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                         scale: float | None, softcap: float) -> torch.Tensor:
-    """Attention whose scores are soft-capped before the softmax (SDPA cannot), as transformers' eager attention:
-    masked scores at the dtype's minimum, softmax in fp32 (or wider). q, k, v: (batch, heads, seq, head_dim)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, seq, seq)
-    if mask is None:  # plain causal
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float, scale_in_float32: bool = False, weight_offset: float = 0.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.full((dim,), 1.0 - weight_offset))
-        self.eps = eps
-        self.scale_in_float32 = scale_in_float32
-        self.weight_offset = weight_offset  # scale by (weight_offset + weight): Gemma's weights are offsets from 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype (transformers' LlamaRMSNorm, bit for bit), or scale in fp32,
-        # then cast (`scale_in_float32`: Olmo2RMSNorm; Gemma's (1 + weight), the offset added in fp32).
-        h = x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64 (exact tests)
-        h = h * torch.rsqrt(self.mean_square(h) + self.eps)
-        if self.scale_in_float32:
-            weight = self.weight.to(h.dtype) + self.weight_offset if self.weight_offset else self.weight
-            return (weight * h).to(x.dtype)
-        return _offset(self.weight, self.weight_offset) * h.to(x.dtype)
-
-    def mean_square(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., dim) -> (..., 1). The TP style `distributed_rmsnorm` replaces it when dim is split over ranks."""
-        return h.pow(2).mean(-1, keepdim=True)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-def rms_norm(config: PretrainedConfig, dim: int) -> RMSNorm:
-    """The config's RMSNorm over `dim` features."""
-    return RMSNorm(dim, eps=config.rms_norm_eps, scale_in_float32=config.norm_scale_in_float32,
-                   weight_offset=config.norm_weight_offset)
-
-
-class FusedLinear(nn.Linear):
-    """An nn.Linear whose output rows are several projections fused one after another (Phi-3's qkv_proj:
-    q, k, v). `tp_segments` declares them as data, ((rows, holds KV heads), ...), for the `fused_colwise`
-    style; `segment_sizes` is how many of each this module's rows hold (the style sets this rank's)."""
-
-    def __init__(self, in_features: int, segments: tuple[tuple[int, bool], ...], *, bias: bool) -> None:
-        super().__init__(in_features, sum(rows for rows, _ in segments), bias=bias)
-        self.tp_segments = tuple(segments)
-        self.segment_sizes = tuple(rows for rows, _ in segments)
-
-
-def split_fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`module`'s output on `x`, split into its fused segments (batch, seq, local rows of each)."""
-    return module(x).split(list(module.segment_sizes), dim=-1)
 
 
 class Attention(nn.Module):
@@ -256,8 +145,8 @@ class DecoderLayer(nn.Module):
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         (attn_in, attn_out), (mlp_in, mlp_out) = self.attn_norms, self.mlp_norms
         attn = self.self_attn(self._norm(attn_in, h), cos, sin, mask, q_scale)
-        h = h + _scaled(self._norm(attn_out, attn), self.residual_scale)
-        return h + _scaled(self._norm(mlp_out, self.mlp(self._norm(mlp_in, h))), self.residual_scale)
+        h = h + scaled(self._norm(attn_out, attn), self.residual_scale)
+        return h + scaled(self._norm(mlp_out, self.mlp(self._norm(mlp_in, h))), self.residual_scale)
 
 
 def _sublayer_norm_names(on_input: bool, on_output: bool) -> tuple[str | None, ...]:
@@ -291,7 +180,7 @@ class DecoderModel(nn.Module):
         scale = self.embedding_scale
         if self.embedding_scale_in_weight_dtype:  # transformers' Gemma casts sqrt(hidden) to the weights' dtype
             scale = torch.tensor(scale, dtype=h.dtype).item()
-        h = _scaled(h, scale)
+        h = scaled(h, scale)
         seq = input_ids.shape[1]
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device)[None]
@@ -383,7 +272,7 @@ class DecoderForCausalLM(PreTrainedModel):
         """Element-wise, so vocab-sharded logits (and chunks of them) stay sharded."""
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
-        return _softcap(logits, self.config.logit_softcap)
+        return softcap(logits, self.config.logit_softcap)
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -28,9 +28,22 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 def _environment():
     """transformers' chat-template environment, with the generation tracker."""
-    import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tracker(), jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+                       dict=_TemplateDict(), namespace=_template_namespace())
+    return env
+
+
+def _generation_tracker() -> type:
+    """The `{% generation %}` tag as a jinja2 extension: renders its body and, while `track` is active, records
+    the character range it wrote."""
+    import jinja2
+    import jinja2.ext
 
     class GenerationTracker(jinja2.ext.Extension):
         tags = {"generation"}
@@ -60,13 +73,32 @@ def _environment():
             finally:
                 self._blocks = self._spans = None
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+    return GenerationTracker
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    class TemplateNamespace(jinja2.utils.Namespace):  # no dunder attributes: no way out of the sandbox
+def _raise_exception(message):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _TemplateDict:
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _template_namespace() -> type:
+    """jinja2's `namespace`, refusing dunder (any `_`) attributes: no way out of the sandbox."""
+    import jinja2
+
+    class TemplateNamespace(jinja2.utils.Namespace):
         def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
@@ -83,19 +115,7 @@ def _environment():
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
 
-    class TemplateDict:
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTracker, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
-                       dict=TemplateDict(), namespace=TemplateNamespace)
-    return env
+    return TemplateNamespace
 
 
 class ChatTemplate:
