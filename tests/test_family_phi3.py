@@ -113,6 +113,16 @@ def test_plan_shows_packed_segments_per_rank_and_refuses_plain_colwise():
     assert any("qkv_proj" in p and "fused_colwise" in p for p in problems), problems
 
 
+
+def test_transformers_spelling_packed_colwise_is_the_fused_style():
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("phi3", **TINY), device="meta")
+    auto = check_plan(model, "auto", 4)
+    old = check_plan(model, {"layers.*.self_attn.qkv_proj": "packed_colwise",
+                             "layers.*.mlp.gate_up_proj": "packed_colwise"}, 4)
+    assert not old.problems, old.problems
+    assert old.styles["model.layers.0.self_attn.qkv_proj"] == "fused_colwise"
+    assert old.specs == auto.specs
+
 class _RecordingReader(CheckpointReader):
     """Records the row slices asked of each tensor's memory-mapped file."""
 
