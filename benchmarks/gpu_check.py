@@ -22,16 +22,20 @@ Parts:
           each decoder layer torch.compile'd, transformers' own model on the same GPU (plain AdamW loop), and tp 2, 4,
           8 where there are that many GPUs. Step time (median over ranks' slowest), tokens/s, MFU (6 x params x
           tokens / step time / (peak bf16 FLOP/s x GPUs); attention FLOPs not counted), peak
-          torch.cuda.max_memory_allocated (max over ranks), and the step-0 loss of every row against tptrain tp 1.
+          torch.cuda.max_memory_allocated (max over ranks), and the step-0 loss of every row against tptrain tp 1
+          (a sanity check only: at random init every sane model's loss sits near log(vocab)).
   fused   at tp 2 (tp 1 on one GPU, where the overlap's collective is trivial: it needs 2 GPUs to mean anything): the
           fused head + loss (`head_loss_function`, the default in training) against the whole logits
           (`return_logits=True`), and the backward overlap (parallel/colwise_block.py) against TPTRAIN_OVERLAP=0's
           unfused path: loss and every gradient (bf16 tolerance, relative to each tensor's largest value), and the
           forward + backward time and peak memory of each.
 
-Expected runtime on one H200: about 3-4 minutes (a minute of it inductor compiling a layer); each part has a hard
-limit (gpu_check.sh) and the whole stops within 10 minutes whatever the GPU count. --dry-run: under a minute on
-2 CPU cores; tests/test_gpu_check.py runs it so that this script cannot rot.
+Expected runtime on one H200: about 3-4 minutes, an estimate (not yet run on a GPU; put the measured figure here):
+half a minute to write the checkpoint, one to two for inductor compiling a layer, seconds for the rest. Each part
+has a hard limit (gpu_check.sh: prepare 120 s, comm 90, fused 120, train tp 1 240, tp 2/4/8 75 each, all parts
+within 540 s) and a part past its limit is stopped and reported, so the whole ends within 10 minutes whatever the
+GPU count. --dry-run: about 60 s of CPU time in 5 launches (so ~40 s on 2 idle cores; 2:45 measured on 2 cores
+at load 12); tests/test_gpu_check.py runs it so that this script cannot rot.
 """
 from __future__ import annotations
 

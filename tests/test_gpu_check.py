@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.sh --dry-run: the GPU check's code at tiny sizes on 2 CPU ranks (gloo, fp32, no compile), so
 that it cannot rot before a GPU runs it: every part runs and passes, and the table has a row for each check. Five
-launches of torch.distributed.run: about 40 s on an idle 2-core machine.
+launches of torch.distributed.run, about 60 s of CPU time: ~40 s on 2 idle cores, ~3 minutes on 2 busy ones.
 
     .venv/bin/python -m pytest tests/test_gpu_check.py -q
 """
