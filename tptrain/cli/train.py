@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -197,7 +198,9 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     error = earlier_run_error(args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir)
     if error:
         raise ValueError(error)
-    resolve_resume(args.resume, args.output_dir)
+    with warnings.catch_warnings():  # a fall-back is said once, by the Trainer's rank 0, not by every preflight
+        warnings.simplefilter("ignore")
+        resolve_resume(args.resume, args.output_dir)
 
 
 def _distributed_config(args: argparse.Namespace):

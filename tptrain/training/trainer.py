@@ -157,6 +157,8 @@ class Trainer:
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
+            if self.is_rank0:
+                print(f"tptrain: resuming from {path} (step {self.global_step})", flush=True)
         reporter = self._reporter()
         losses = []
         while self.global_step < args.max_steps:
