@@ -209,9 +209,10 @@ def _distributed_config(args: argparse.Namespace):
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
-    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem."""
+    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem, and the
+    sizes that would work."""
     from tptrain.models import AutoModelForCausalLM
-    from tptrain.parallel.plan import check_plan
+    from tptrain.parallel.plan import check_plan, working_tp_sizes
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
@@ -221,7 +222,9 @@ def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = 
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         ep = " --expert-parallel" if expert_parallel else f" --ep-size {ep_size}" if ep_size > 1 else ""
-        raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
+        sizes = working_tp_sizes(meta, "auto", expert_parallel=expert_parallel, ep_size=ep_size)
+        works = f"; sizes that work: {', '.join(map(str, sizes))}" if sizes else ""
+        raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}{works}; "
                          f"`tptrain plan {model} --tp-size {tp_size}{ep}` shows the layout")
 
 
