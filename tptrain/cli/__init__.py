@@ -7,6 +7,7 @@
     tptrain plan ./llama --tp-size 2 --backend transformers   # transformers' model code on tptrain's engine
     python -m tptrain plan ...                                # the same
     tptrain train --help
+    tptrain --version
 
 `plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
 when the config cannot be read. `train` lives in tptrain/cli/train.py and is imported only when it
@@ -35,8 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     """`train`'s own flags are added only when it is the command (`train` is tptrain.cli.train then)."""
+    from tptrain import __version__
+
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "

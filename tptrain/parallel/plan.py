@@ -209,6 +209,21 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
                         vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)
 
 
+def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
+                     sequence_parallel: bool = False, expert_parallel: bool = False, ep_size: int = 1) -> list[int]:
+    """The tp sizes from 1 to the model's query head count (64 for a model without one) at which `check_plan` finds
+    no problem, every constraint counted: what to suggest for a size that does not work."""
+    def check(size: int) -> ResolvedPlan:
+        return check_plan(model, tp_plan, size, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                          ep_size=ep_size)
+
+    limit = getattr(model.config, "num_attention_heads", None) or 64
+    heads = _splits_heads(model, check(1).objects)  # the styles are the same at every size
+    # The head counts rule out most sizes by arithmetic alone: each check of a large model's plan takes ~0.2 s.
+    candidates = [size for size in range(1, limit + 1) if not (heads and head_problems(model.config, size))]
+    return [size for size in candidates if not check(size).problems]
+
+
 def _experts(objects: Mapping[str, ParallelStyle]) -> list[str]:
     """The modules planned as stacked experts (any expert style)."""
     return [name for name, style in objects.items() if isinstance(style, _expert_styles._ExpertStyle)]
@@ -242,14 +257,17 @@ def _output_head(model: nn.Module) -> str | None:
     return next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
 
 
+def _splits_heads(model: nn.Module, objects: Mapping[str, ParallelStyle]) -> bool:
+    """Whether the plan splits an attention module by heads (whatever the tp size: styles do not depend on it)."""
+    return any(hasattr(model.get_submodule(name.rpartition(".")[0]), "tp_kv_projections")
+               and (style.splits_output or style.needs_split_input) for name, style in objects.items())
+
+
 def _layout_specs(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_size: int
                   ) -> tuple[dict[str, ShardSpec], list[str]]:
     """ShardSpec for every parameter the plan touches (full names), and every divisibility problem."""
     specs: dict[str, ShardSpec] = {}
-    problems: list[str] = []
-    if any(hasattr(model.get_submodule(name.rpartition(".")[0]), "tp_kv_projections")
-           and (style.splits_output or style.needs_split_input) for name, style in objects.items()):
-        problems += head_problems(model.config, tp_size)  # an attention module is split by heads
+    problems: list[str] = head_problems(model.config, tp_size) if _splits_heads(model, objects) else []
     for name, style in objects.items():
         module = model.get_submodule(name)
         if not isinstance(module, style.module_types):

@@ -157,9 +157,10 @@ class Trainer:
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
+            if self.is_rank0:
+                print(f"tptrain: resuming from {path} (step {self.global_step})", flush=True)
         reporter = self._reporter()
         losses = []
-        self.model.train()
         while self.global_step < args.max_steps:
             start, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the lr this step uses
             loss, grad_norm = self.training_step(self.data_order.next_batch())
@@ -192,6 +193,7 @@ class Trainer:
 
     def training_step(self, indices: list[int]) -> tuple[float, float]:
         """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
+        self.model.train()  # as transformers' Trainer: from_pretrained hands out eval mode, evaluation leaves it
         b = self.args.per_device_train_batch_size
         micro = [self._batch([self.dataset[i] for i in indices[k:k + b]]) for k in range(0, len(indices), b)]
         num_items = self._global_token_count(micro)
