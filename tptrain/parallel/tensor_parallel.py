@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.parallel import contract
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
@@ -183,7 +184,7 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group,
     if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
         model.loss_function = make_vocab_parallel_causal_lm_loss(ctx)
-        if hasattr(model, "head_loss_function"):
+        if contract.has_head_loss(model):
             model.head_loss_function = make_vocab_parallel_head_loss(ctx)
         labels_given = _labels_given(model.forward)
 

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tptrain.distributed import ParallelDims, init_distributed
 from tptrain.distributed.topology import expert_dp_mesh
+from tptrain.parallel import contract
 from tptrain.training.args import ParallelismConfig
 
 
@@ -59,7 +60,7 @@ def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, tor
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    base = getattr(model, contract.prefix(model), None)
     return list(getattr(base, "layers", []))
 
 
