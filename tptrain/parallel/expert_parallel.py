@@ -168,7 +168,7 @@ def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.
     return comm.gather_from_tp(combined, group, dim=0)
 
 
-def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group,
+def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group: str,
              p: int) -> torch.Tensor:
     """This rank's tokens x (tokens, hidden) through their experts, held by the p ranks of `group` (E/p each, in
     rank order): (tokens, hidden), the weighted sum over each token's experts (partial over tp when the owners
@@ -182,7 +182,7 @@ def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weig
     send_splits = sent.view(p, held).sum(1).tolist()
     recv_splits = got.sum(1).tolist()
     rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
-    experts.rows_received = rows.shape[0]  # for comm_report: the bytes back are the routing's, not this rank's
+    comm.note("rows_received", rows.shape[0], group)  # comm_report: the rows sent back are the others' routing
     held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
     by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
     out = rows.new_empty((rows.shape[0], experts.down_proj.shape[1]))
