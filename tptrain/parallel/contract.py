@@ -2,8 +2,8 @@
 
 `parallel/` never names a model's modules (`k_proj`, `lm_head`): what it must know, the model declares as data on
 itself, on its modules and on its config. The Protocols below are that contract, one per kind of object;
-tptrain's native models (`models/decoder.py`, `models/moe.py`) and the transformers backend (`hf/model.py`,
-`hf/plan.py`) satisfy them (tests/test_contract.py checks it on a built model of each family).
+tptrain's native models (`models/decoder.py`, `models/layers.py`, `models/moe.py`) and the transformers backend
+(`hf/model.py`, `hf/plan.py`) satisfy them (tests/test_contract.py checks it on a built model of each family).
 
     TPConfig          the config: model_type, the base TP plan (plus the SP / EP plans), the head counts
     TPModel           the model: its config, base_model_prefix, the head's `_tp_plan`, get_output_embeddings()

@@ -3,9 +3,9 @@ parallelism), and the token dispatch / combine by all-to-all.
 
 The experts module (tptrain.models.moe.Experts, named here only through its interface, `contract.TPExperts`: stacked
 `gate_proj`, `up_proj` (experts, inner, hidden), `down_proj` (experts, hidden, inner), `num_experts`, `top_k`,
-`expert_offset`, `grouped(rows, counts)`, and forward(x, expert_ids, weights)) is called on the MoE block's input, which under plain
-TP every rank of the group holds whole (attention's all-reduce made it so). The router is replicated and computed
-on every rank, identically.
+`expert_offset`, `grouped(rows, counts)`, and forward(x, expert_ids, weights)) is called on the MoE block's input,
+which under plain TP every rank of the group holds whole (attention's all-reduce made it so). The router is
+replicated and computed on every rank, identically.
 
 * `expert_tensor_parallel` (the default): each expert's gate/up split along the inner dim, down along its input
   dim. Every rank runs every token through its slice of its experts; the partial outputs are summed by the one
