@@ -85,6 +85,11 @@ def _optimisation(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warmup steps (default: 10%% of max steps; 0 with --num-epochs)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the global gradient norm to this; 0: no clipping (default: 1.0)")
+    g.add_argument("--optim-in-backward", action="store_true",
+                   help="step each parameter in backward and free its gradient at once (less memory; needs "
+                        "--max-grad-norm 0 and --grad-accum 1; no grad_norm logged)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler, e.g. g++)")
 

@@ -32,6 +32,7 @@ from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder
 from tptrain.training.evaluation import split_dataset
 from tptrain.training.optim import build_optimizer, build_scheduler
+from tptrain.training.optim_in_backward import OptimizerInBackward
 from tptrain.training.parallelize import compile_error, parallelize_for_training, training_mesh
 
 
@@ -105,6 +106,12 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement)
 
 def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int
                            ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the (wrapped) model's parameters, and its schedule to 0 at the run's `max_steps`."""
-    optimizer = build_optimizer(model, args)
+    """AdamW over the (wrapped) model's parameters, and its schedule to 0 at the run's `max_steps`. With
+    `optim_in_backward`, one AdamW per parameter stepped by its gradient hook; TP partial gradients are held back
+    for the Trainer to sum and step after backward."""
+    if args.optim_in_backward:
+        layout = getattr(model, "tp_layout", None)
+        optimizer = OptimizerInBackward(model, args, held_back=layout.partial_grad_specs() if layout else ())
+    else:
+        optimizer = build_optimizer(model, args)
     return optimizer, build_scheduler(optimizer, args, total_steps=max_steps)
