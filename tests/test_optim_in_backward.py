@@ -30,6 +30,7 @@ def _step_pair(model, args, held_back=()):
     """Three steps of the ordinary AdamW + schedule and of OptimizerInBackward on a copy; (losses, losses,
     the two models). After each backward, the in-backward model's gradients are gone but `held_back`'s."""
     twin = copy.deepcopy(model)
+    alive = _count_alive_gradients(model), _count_alive_gradients(twin, ignore=held_back)
     opt, in_bwd = build_optimizer(model, args), OptimizerInBackward(twin, args, held_back=held_back)
     sched, sched_bwd = build_scheduler(opt, args, total_steps=3), build_scheduler(in_bwd, args, total_steps=3)
     ids = torch.stack([tiny_dataset()[i] for i in range(4)])
@@ -44,7 +45,20 @@ def _step_pair(model, args, held_back=()):
         assert left == set(held_back), left
         in_bwd.step(), sched_bwd.step(), in_bwd.zero_grad()
         losses.append(loss.item()), losses_bwd.append(loss_bwd.item())
+    # The memory saving: the ordinary backward ends holding every gradient; in backward each is freed before
+    # the next one is accumulated.
+    assert max(alive[0]) == len(list(model.parameters())) and max(alive[1]) == 1, (max(alive[0]), max(alive[1]))
     return losses, losses_bwd, model, twin, opt, in_bwd
+
+
+def _count_alive_gradients(model, ignore=()) -> list[int]:
+    """Whenever a gradient is accumulated, how many parameters (but `ignore`'s) hold one; hooks registered
+    before any optimizer's, so they see the model just before a step."""
+    counts: list[int] = []
+    params = [p for n, p in model.named_parameters() if n not in set(ignore)]
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda _: counts.append(sum(q.grad is not None for q in params)))
+    return counts
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
