@@ -19,6 +19,7 @@ from tptrain.parallel.grad_sync import local_tensor
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.optim import build_optimizer, build_scheduler
 from tptrain.training.optim_in_backward import OptimizerInBackward
+from tptrain.training.reporting import read_metrics
 from tptrain.training.trainer import Trainer
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
@@ -107,6 +108,9 @@ def _equal_to_ordinary_worker(tmp: str, tp: int, shard: int | None) -> None:
     assert held and {n.rsplit(".", 2)[-2] for n in held} == {"q_norm", "k_norm"}, held
     assert _grads_after_backward(in_bwd) == held
     assert _grads_after_backward(ordinary) == {n for n, p in ordinary.inner.named_parameters()}
+    if torch.distributed.get_rank() == 0:  # no gradient norm exists to log
+        assert all("grad_norm" not in r and "loss" in r for r in read_metrics(f"{tmp}/in_bwd/metrics.jsonl"))
+        assert all("grad_norm" in r for r in read_metrics(f"{tmp}/ordinary/metrics.jsonl"))
 
 
 def test_tp2_equals_the_ordinary_step_and_resumes(tmp_path):

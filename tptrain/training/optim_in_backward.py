@@ -47,8 +47,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 opt.state = self.state  # one state table (distinct keys), read by checkpoints and state_dict()
                 self._per_param[p] = (opt, group)
         held = set(held_back)
-        self.in_backward = [p for name, p in model.named_parameters() if p in self._per_param and name not in held]
-        self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in self.in_backward]
+        for name, p in model.named_parameters():
+            if p in self._per_param and name not in held:
+                p.register_post_accumulate_grad_hook(self._step_param)
 
     @torch.no_grad()
     def _step_param(self, p: nn.Parameter) -> None:
@@ -65,8 +66,3 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for p in self._per_param:
             if p.grad is not None:
                 self._step_param(p)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
