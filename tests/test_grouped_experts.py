@@ -107,26 +107,32 @@ def test_fp64_and_an_adapters_projection_take_the_loop(kernel_calls):
 
 
 def _layouts_worker() -> None:
-    """fp32 experts over 2 ranks through the kernel: expert TP (summed partials) and expert parallelism by
-    all-to-all; outputs and gathered gradients equal one device's."""
+    """fp32 experts over 2 ranks through the kernel: expert TP (summed partials) and expert parallelism by all-to-all,
+    their loss and gathered gradients one device's; the ep axis at tp 1 (each rank feeding the same batch here), its
+    loss one device's."""
     ref = tiny_moe(torch.float32)  # top-2 of 4 experts
-    layouts = {"expert_tensor_parallel": {}, "expert_parallel_all_to_all": {
-        "tp_plan": {"layers.*.mlp.experts": "expert_parallel_all_to_all"}}}
-    models = {style: copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2, **kw)) for style, kw in layouts.items()}
+    layouts = {"expert_tensor_parallel": dict(tp_size=2), "expert_parallel_all_to_all": dict(tp_size=2, tp_plan={
+        "layers.*.mlp.experts": "expert_parallel_all_to_all"}), "ep axis": dict(tp_size=1, ep_size=2)}
+    models = {name: copy.deepcopy(ref).parallelize(DistributedConfig(**kw)) for name, kw in layouts.items()}
     ids = torch.randint(0, ref.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
-    ref(ids, labels=ids).loss.backward()
-    for style, model in models.items():
-        assert model.tp_plan["model.layers.0.mlp.experts"] == style
-        calls, kernel = [], F.grouped_mm
-        F.grouped_mm = lambda a, b, **k: calls.append(a.dtype) or kernel(a, b, **k)
-        try:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-        finally:
-            F.grouped_mm = kernel
-        assert calls and set(calls) == {torch.float32}, (style, calls)
-        torch.testing.assert_close(loss, ref(ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
-        grads = full_grads(model)
+    want = ref(ids, labels=ids).loss
+    want.backward()
+    calls, kernel = [], F.grouped_mm
+    F.grouped_mm = lambda a, b, **k: calls.append(a.dtype) or kernel(a, b, **k)
+    try:
+        losses = {}
+        for name, model in models.items():
+            losses[name] = model(ids, labels=ids).loss
+            losses[name].backward()
+            assert calls and set(calls) == {torch.float32}, (name, calls)
+            calls.clear()
+    finally:
+        F.grouped_mm = kernel
+    for name, loss in losses.items():
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"loss at {name}: {m}")
+    for style in ("expert_tensor_parallel", "expert_parallel_all_to_all"):
+        assert models[style].tp_plan["model.layers.0.mlp.experts"] == style
+        grads = full_grads(models[style])
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{style} {name}: {m}")
 

@@ -3,7 +3,8 @@
 At tp 1 a model loaded with `DistributedConfig(tp_size=1)` is the single-device model: no style, hook or replaced
 forward on any module, the single-device loss functions, no tensor hook on any parameter, and a forward + backward +
 AdamW step (and the Trainer at world size 1, save included) issues nothing and equals the plain model's bit for bit;
-`comm_report` says so. At 2 ranks no collective runs over a size-1 axis: dp at tp 2, tp at (tp 1, ep 2).
+`comm_report` says so; LoRA on it is LoRA on the plain model. At 2 ranks no collective runs over a size-1 axis: dp
+at tp 2, tp at (tp 1, ep 2).
 
     .venv/bin/python -m pytest tests/test_size_one_axes.py -q
 """
@@ -19,6 +20,7 @@ from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
 from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.peft import LoraConfig, PeftModel
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
 
@@ -76,6 +78,28 @@ def _tp1_is_single_device(tmp: str, name: str, make) -> None:
     assert report.rows == [] and "tp 1: no collectives (single-device computation)" in report.table(), report.table()
 
 
+def _lora_at_tp1(tmp: str, name: str, config: LoraConfig) -> None:
+    """LoRA (its hooks are LoRA's own: a module without a style) on a tp-1 model: the plain model's, bit for bit; its
+    forward, backward and save issue nothing."""
+    ids = tiny_dataset()[0][None].repeat(2, 1)
+    results = []
+    for distributed_config in (None, DistributedConfig(tp_size=1)):
+        model = PeftModel(AutoModelForCausalLM.from_pretrained(f"{tmp}/{name}", distributed_config=distributed_config),
+                          config, seed=0)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B starts at zero: random factors, so every adapter term counts
+            for p in (p for n, p in model.named_parameters() if ".lora_" in n):
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+        with CommTracker() as tracker:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            model.save_pretrained(f"{tmp}/{name}-adapter-{len(results)}")
+        assert distributed_config is None or tracker.records == [], tracker.records
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert torch.equal(results[1][0], results[0][0]) and results[0][1]
+    _assert_equal(results[1][1], results[0][1], f"{name} LoRA: gradient")
+
+
 def _trainer_losses(tmp: str, model: torch.nn.Module, run: str) -> tuple[list[float], list]:
     args = training_args(f"{tmp}/{run}", max_steps=3, logging_steps=1, save_steps=2)
     trainer = Trainer(model=model, args=args, train_dataset=tiny_dataset())
@@ -88,6 +112,9 @@ def _trainer_losses(tmp: str, model: torch.nn.Module, run: str) -> tuple[list[fl
 def _one_process_worker(tmp: str) -> None:
     _tp1_is_single_device(tmp, "dense", tiny_model)  # q/k norms: partial-gradient parameters at tp > 1
     _tp1_is_single_device(tmp, "moe", tiny_moe)  # the experts' style is not installed either
+    _lora_at_tp1(tmp, "dense", LoraConfig(r=2, target_modules=["embed_tokens", "q_proj", "o_proj", "down_proj"]))
+    _lora_at_tp1(tmp, "moe", LoraConfig(r=2, target_modules=["q_proj"], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))  # the experts' term: their loop
     tp1 = AutoModelForCausalLM.from_pretrained(f"{tmp}/dense", dtype=torch.float64,
                                                distributed_config=DistributedConfig(tp_size=1))
     losses, records = _trainer_losses(tmp, tp1, "tp1")
