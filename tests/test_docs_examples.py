@@ -11,9 +11,9 @@ Each example runs in its own tmp_path (nothing is written into the repo), agains
   and its tokenizer; "Qwen/Qwen3-30B-A3B" -> the same shape as a qwen3_moe (4 experts, top-2);
   "bigcode/starcoder2-3b" -> a tiny starcoder2 written by transformers (skipped without transformers).
   "tptrain/data/..." becomes this checkout's absolute path.
-- Files the examples name are in the temp dir: corpus.txt (the bundled corpus), my.jsonl ({"text"} lines of
-  it), chat.jsonl and eval.jsonl (chats), my-instruct-model/ (the bundled model with a ChatML tokenizer and
-  Qwen3's chat template).
+- Files the examples name are in the temp dir: corpus.txt (the first 60 kB of the bundled corpus), my.jsonl
+  ({"text"} lines of the same), chat.jsonl and eval.jsonl (chats), my-instruct-model/ (the bundled model with
+  a ChatML tokenizer and Qwen3's chat template).
 - Fewer steps, smaller batches: every step count (--max-steps, --save-steps, --eval-steps, --warmup-steps and
   the TrainingArguments keywords max_steps, save_steps, eval_steps, warmup_steps) N becomes ceil(N / 500)
   (1000 -> 2; a run to 500 resumed to 1000 stays a resume: 1 -> 2); --batch-size and
@@ -276,8 +276,9 @@ def checkpoints(tmp_path_factory) -> Checkpoints:
 @pytest.fixture(scope="session")
 def data_files(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("docs-data")
-    corpus = ROOT / "tptrain" / "data" / "corpus.txt"
-    documents = [d.strip() for d in re.split(r"\n\s*\n\s*\n", corpus.read_text()[:60_000]) if d.strip()]
+    text = (ROOT / "tptrain" / "data" / "corpus.txt").read_text()[:60_000]  # the first ~12k tokens: tokenized fast
+    (directory / "corpus.txt").write_text(text)
+    documents = [d.strip() for d in re.split(r"\n\s*\n\s*\n", text) if d.strip()]
     (directory / "my.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
     (directory / "chat.jsonl").write_text(_chats(24))
     (directory / "eval.jsonl").write_text(_chats(6, offset=24))
@@ -291,8 +292,7 @@ def _prepare(block: Block, workdir: Path, checkpoints: Checkpoints, data_files: 
         if hub_id in code:
             code = code.replace(hub_id, str(checkpoints.get(kind)))
     code = re.sub(r"(?<![\w/.])tptrain/data/", str(ROOT / "tptrain" / "data") + "/", code)
-    (workdir / "corpus.txt").symlink_to(ROOT / "tptrain" / "data" / "corpus.txt")
-    for name in ("my.jsonl", "chat.jsonl", "eval.jsonl"):
+    for name in ("corpus.txt", "my.jsonl", "chat.jsonl", "eval.jsonl"):
         (workdir / name).symlink_to(data_files / name)
     if "my-instruct-model" in code:
         (workdir / "my-instruct-model").symlink_to(checkpoints.get("instruct"))
