@@ -24,8 +24,8 @@ Each example runs in its own tmp_path (nothing is written into the repo), agains
   `torchrun ...` -> `python -m torch.distributed.run --standalone ...` (a free port); `python` -> this
   interpreter; `./test.sh ...` -> `python -m pytest --collect-only -q ... tests/test_docs_examples.py` in the
   repo (running the suite from inside itself would take half an hour; collecting this file checks the options
-  and marker expressions in seconds); `ruff ...` ->
-  `python -m ruff ...` (the case is skipped when ruff is not installed). `.venv/bin/` prefixes are dropped.
+  and marker expressions in seconds); `ruff ...` -> ruff in the repo root, without a cache (the case is skipped
+  when ruff is not installed). `.venv/bin/` prefixes are dropped.
 - Python blocks whose first line is `# torchrun --nproc-per-node N NAME.py` run as NAME.py under
   `python -m torch.distributed.run --standalone --nproc-per-node N` (N <= 2); others as one `python` process.
 
@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -189,7 +190,7 @@ __run_sh() { "$PY" "$DOCS_SHIM" tptrain train "$@"; }
 __test_sh() { "$PY" "$DOCS_SHIM" test.sh "$@"; }
 python() { "$PY" "$@"; }
 python3() { "$PY" "$@"; }
-ruff() { "$PY" -m ruff "$@"; }
+ruff() { (cd "$DOCS_ROOT" && RUFF_NO_CACHE=true RUFF_COMMAND "$@"); }
 """
 
 
@@ -299,10 +300,17 @@ def _prepare(block: Block, workdir: Path, checkpoints: Checkpoints, data_files: 
     return code
 
 
+def _ruff() -> list[str]:
+    """How to run ruff here: the interpreter's module, or one on PATH; [] when there is none."""
+    if importlib.util.find_spec("ruff") is not None:
+        return [sys.executable, "-m", "ruff"]
+    return [shutil.which("ruff")] if shutil.which("ruff") else []
+
+
 def _environment(workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-               PY=sys.executable, DOCS_SHIM=str(Path(__file__).resolve()), HF_HUB_OFFLINE="1",
+               PY=sys.executable, DOCS_SHIM=str(Path(__file__).resolve()), DOCS_ROOT=str(ROOT), HF_HUB_OFFLINE="1",
                HF_HOME=str(workdir / ".hf-home"), OMP_NUM_THREADS="1", MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1")
     return env
 
@@ -327,14 +335,14 @@ def test_example_runs(block: Block, tmp_path: Path, checkpoints: Checkpoints, da
         else:
             cmd = [sys.executable, script.name]
     else:
-        if re.search(r"^\s*ruff\b", code, re.M) and importlib.util.find_spec("ruff") is None:
+        if re.search(r"^\s*ruff\b", code, re.MULTILINE) and not _ruff():
             pytest.skip("ruff is not installed in this environment (CI installs it)")
         code = code.replace(".venv/bin/", "").replace("./run.sh", "__run_sh").replace("./test.sh", "__test_sh")
         script = workdir / "example.sh"
-        script.write_text(SHELL_PREAMBLE + code)
+        script.write_text(SHELL_PREAMBLE.replace("RUFF_COMMAND", shlex.join(_ruff() or ["false"])) + code)
         cmd = ["bash", script.name]
     try:
-        done = subprocess.run(cmd, cwd=workdir, env=_environment(workdir), capture_output=True, text=True,
+        done = subprocess.run(cmd, check=False, cwd=workdir, env=_environment(workdir), capture_output=True, text=True,
                               timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(f"{block.id} did not finish within {TIMEOUT_S} s:\n{script.read_text()}") from exc
@@ -373,7 +381,7 @@ def test_readme_is_a_five_minute_read() -> None:
 
 def test_checkpoints_doc_warns_that_resumable_checkpoints_are_pickles() -> None:
     text = (ROOT / "docs" / "checkpoints.md").read_text()
-    section = re.search(r"^## Security.*?(?=^## )", text, re.S | re.M)
+    section = re.search(r"^## Security.*?(?=^## )", text, re.DOTALL | re.MULTILINE)
     assert section, "docs/checkpoints.md needs its '## Security' section"
     words = " ".join(section.group(0).split())
     for needed in (".metadata", "*.pth", "pickles", "resuming from an untrusted checkpoint can run",
@@ -390,7 +398,7 @@ def _slug(heading: str) -> str:
 def test_relative_links_resolve() -> None:
     broken = []
     for path in DOCS:
-        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+        text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"[a-z]+://|mailto:", target):
                 continue
@@ -399,7 +407,7 @@ def test_relative_links_resolve() -> None:
             if not linked.exists():
                 broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and linked.suffix == ".md":
-                slugs = {_slug(h) for h in re.findall(r"^#+\s+(.*)$", linked.read_text(), re.M)}
+                slugs = {_slug(h) for h in re.findall(r"^#+\s+(.*)$", linked.read_text(), re.MULTILINE)}
                 if anchor not in slugs:
                     broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
