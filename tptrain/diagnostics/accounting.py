@@ -106,8 +106,11 @@ class CommReport:
 
     def table(self) -> str:
         lines = [f"collectives per training step on one rank (tp={self.tp_size}, "
-                 f"sequence_parallel={self.sequence_parallel})",
-                 f"{'phase':<10} {'collective':<15} {'count':>6} {'minimum':>8} {'MiB':>10} {'min MiB':>10}"]
+                 f"sequence_parallel={self.sequence_parallel})"]
+        if not self.rows:  # none issued and none needed: tp 1 (no ep axis) computes as one device does
+            lines.append(f"tp {self.tp_size}: no collectives (single-device computation)")
+        else:
+            lines.append(f"{'phase':<10} {'collective':<15} {'count':>6} {'minimum':>8} {'MiB':>10} {'min MiB':>10}")
         for r in self.rows:
             flag = "" if (r.count, r.bytes) == (r.min_count, r.min_bytes) else "  <- above minimum"
             lines.append(f"{r.phase:<10} {r.op:<15} {r.count:>6} {r.min_count:>8} {r.bytes / 2**20:>10.3f} "

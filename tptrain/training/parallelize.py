@@ -133,7 +133,7 @@ def apply_compile(model: nn.Module, *, backend: str) -> None:
     run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer."""
     layout = getattr(model, "tp_layout", None)
     for layer in decoder_layers(model):
-        if layout is not None:  # a block never reuses the last block's shared TP boundary: starting each without
+        if layout is not None and layout.ctx.size > 1:  # a block never reuses the last block's shared TP boundary: starting each without
             # it (in eager, before the compiled call) spares dynamo a second graph guarded on it being set
             layer.register_forward_pre_hook(lambda module, args: layout.ctx.reset())
         layer.forward = torch.compile(layer.forward, backend=backend)
