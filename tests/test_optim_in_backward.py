@@ -74,6 +74,16 @@ def test_single_device_equals_adamw_and_frees_every_gradient(tmp_path, optim):
         torch.testing.assert_close(q, p, **EXACT, msg=lambda m: f"{name}: {m}")
         assert set(in_bwd.state[q]) == set(opt.state[p]) and float(in_bwd.state[q]["step"]) == 3.0
     assert [g["lr"] for g in in_bwd.param_groups] == [g["lr"] for g in opt.param_groups]
+    # torch's state_dict round trip (the Trainer's checkpoints use DCP on `state` instead) keeps stepping alike.
+    in_bwd.load_state_dict(copy.deepcopy(in_bwd.state_dict()))
+    ids = torch.stack([tiny_dataset()[i] for i in range(4, 8)])
+    model(ids, labels=ids).loss.backward(), opt.step()
+    twin(ids, labels=ids).loss.backward(), in_bwd.step()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(q, p, **EXACT, msg=lambda m: f"after load_state_dict, {name}: {m}")
+        # ... and the table checkpoints read is the one the steps wrote
+        assert float(in_bwd.state[q]["step"]) == 4.0
+        torch.testing.assert_close(in_bwd.state[q]["exp_avg"], opt.state[p]["exp_avg"], **EXACT)
 
 
 def _trainer(tmp: str, tp: int, shard: int | None, **kw) -> Trainer:

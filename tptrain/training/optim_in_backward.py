@@ -66,3 +66,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for p in self._per_param:
             if p.grad is not None:
                 self._step_param(p)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, then the per-parameter AdamWs are pointed at the new state table it installs."""
+        super().load_state_dict(state_dict)
+        for opt, _ in self._per_param.values():
+            opt.state = self.state
