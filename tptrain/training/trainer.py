@@ -40,6 +40,7 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import DataOrder, PackedDataset, load_tokenizer
 from tptrain.training.evaluation import evaluate_loss, split_dataset
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
+from tptrain.training.streaming import TextStream, check_streaming
 from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from tptrain.training.parallelize import compile_error, parallelize_for_training, resolve_parallelism, training_mesh
 from tptrain.training.preemption import StopOnSignal
@@ -59,7 +60,8 @@ class Trainer:
     train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
         strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's);
         instruction records ("messages", "prompt"/"completion": a .jsonl, a list of dicts, a
-        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments).
+        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments);
+        a `StreamingText` is read while training (training/streaming.py; needs max_steps).
     eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
         (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
@@ -76,6 +78,7 @@ class Trainer:
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
         self.dims = resolve_parallelism(model, args.parallelism_config)
+        check_streaming(args, train_dataset, eval_dataset)
         self._check_sequence_length()
         self.dataset = self._dataset(train_dataset)
         self.eval_dataset = self._eval_dataset(eval_dataset)
@@ -84,8 +87,9 @@ class Trainer:
         self.mesh, self.device = training_mesh(model, self.dims)  # the model's own, or the one it moves onto
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
-        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_mesh(self.mesh).get_local_rank(),
-                                    dp_size=self.dims.dp, global_batch=self.global_batch)
+        shares = dict(dp_rank=dp_mesh(self.mesh).get_local_rank(), dp_size=self.dims.dp, global_batch=self.global_batch)
+        self.data_order = self.dataset.order(**shares) if isinstance(self.dataset, TextStream) else \
+            DataOrder(len(self.dataset), seed=args.seed, **shares)
         raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
         if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
             model.to(self.device)
@@ -191,11 +195,13 @@ class Trainer:
         final = self.save_model()
         return TrainOutput(self.global_step, losses, final)
 
-    def training_step(self, indices: list[int]) -> tuple[float, float]:
-        """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
+    def training_step(self, indices: list[Any]) -> tuple[float, float]:
+        """One optimizer step on this dp rank's `indices` (into the dataset; a stream's order gives the rows
+        themselves); returns (global-batch loss, grad norm)."""
         self.model.train()  # as transformers' Trainer: from_pretrained hands out eval mode, evaluation leaves it
         b = self.args.per_device_train_batch_size
-        micro = [self._batch([self.dataset[i] for i in indices[k:k + b]]) for k in range(0, len(indices), b)]
+        rows = [self.dataset[i] if isinstance(i, int) else i for i in indices]
+        micro = [self._batch(rows[k:k + b]) for k in range(0, len(rows), b)]
         num_items = self._global_token_count(micro)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
