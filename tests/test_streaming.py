@@ -173,8 +173,7 @@ def _trainer_worker(tmp: str) -> None:
 
 
 def test_trainer_stopped_and_resumed_gives_the_same_losses(tmp_path):
-    # ~5 global batches of 4 x 16 tokens per epoch: 8 steps run into the second epoch
-    _write(tmp_path / "data", _documents(45, seed=5), "parquet")
-    blocks = len(build_dataset(_documents(45, seed=5), _SmallTokenizer(), SEQ))
-    assert 4 * 3 < blocks < 4 * 8, blocks
+    # 5 global batches of 4 x 16 tokens per epoch and one block dropped: 8 steps run into the second epoch
+    _write(tmp_path / "data", _documents(14, seed=5), "parquet")
+    assert len(build_dataset(_documents(14, seed=5), _SmallTokenizer(), SEQ)) == 21
     run_distributed(_trainer_worker, 2, str(tmp_path), timeout=600)
