@@ -3,6 +3,7 @@ batch, exact resume from a saved position, the Trainer stopped and resumed, and 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tests.dist_utils import run_distributed
 from tests.test_trainer import SEQ, tiny_model, training_args
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.data import ByteTokenizer, build_dataset
+from tptrain.training.sft_data import build_training_data
 from tptrain.training.streaming import StreamingText, check_streaming
 from tptrain.training.trainer import Trainer
 
@@ -139,6 +141,10 @@ def test_trainer_arguments_a_stream_cannot_serve(tmp_path):
         check_streaming(training_args(tmp_path, eval_split=0.1), data, None)
     with pytest.raises(ValueError, match="eval_dataset cannot be a StreamingText"):
         check_streaming(training_args(tmp_path), "corpus.txt", data)
+    stream = StreamingText(_write(tmp_path / "d", _documents(6), "jsonl")).bind(ByteTokenizer(), 16)
+    assert build_training_data(stream, ByteTokenizer(), 16) is stream  # the CLI builds it before the Trainer
+    with pytest.raises(ValueError, match="the TextStream given cuts blocks of 16 tokens but seq_len=32"):
+        build_training_data(stream, ByteTokenizer(), 32)
 
 
 class _SmallTokenizer:
@@ -177,3 +183,30 @@ def test_trainer_stopped_and_resumed_gives_the_same_losses(tmp_path):
     _write(tmp_path / "data", _documents(14, seed=5), "parquet")
     assert len(build_dataset(_documents(14, seed=5), _SmallTokenizer(), SEQ)) == 21
     run_distributed(_trainer_worker, 2, str(tmp_path), timeout=600)
+
+
+def test_cli_streaming_run_resumes_with_the_same_losses(tmp_path, capsys):
+    from tests.test_train_cli import tptrain_train
+    from tptrain.cli import main
+    from tptrain.training.reporting import read_metrics
+
+    data = _write(tmp_path / "data", _documents(200, seed=7), "parquet")
+    a, b = tmp_path / "a", tmp_path / "b"
+    flags = ("--data", str(data), "--streaming", "--max-steps", "6")  # --smoke-test: tp 2, checkpoints every 2 steps
+    run = tptrain_train(*flags, "--output-dir", str(a))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"streaming 3 file(s) of {data} in blocks of 32" in run.stdout, run.stdout
+    resumed = tptrain_train(*flags, "--output-dir", str(b), "--resume", str(a / "checkpoint-4"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    losses = {r["step"]: r["loss"] for r in read_metrics(a / "metrics.jsonl")}
+    again = {r["step"]: r["loss"] for r in read_metrics(b / "metrics.jsonl")}
+    assert again == {5: losses[5], 6: losses[6]}, (losses, again)
+
+    (tmp_path / "none").mkdir()
+    for extra, message in [(("--data", str(tmp_path / "none")), "has no .parquet/.arrow/.jsonl file"),
+                           (("--data", str(data), "--text-column", "body"), r"has no column 'body' \(its columns: "),
+                           (("--data", str(data), "--num-epochs", "1"), "--num-epochs cannot be used")]:
+        capsys.readouterr()
+        code = main(["train", "--smoke-test", "--streaming", *extra, "--output-dir", str(tmp_path / "err")])
+        stderr = capsys.readouterr().err
+        assert code == 2 and re.search(message, stderr), (extra, code, stderr)

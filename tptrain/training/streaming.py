@@ -307,12 +307,22 @@ class StreamOrder:
                 "global_batch": self.global_batch}
 
 
+def as_stream(source: StreamingText | TextStream, tokenizer: Any, seq_len: int) -> TextStream:
+    """`source` bound to `tokenizer` and `seq_len`; a TextStream already bound must have this seq_len."""
+    if isinstance(source, StreamingText):
+        return source.bind(tokenizer, seq_len)
+    if source.seq_len != seq_len:
+        raise ValueError(f"the TextStream given cuts blocks of {source.seq_len} tokens but seq_len={seq_len} was "
+                         "asked for; bind it with the same seq_len, or pass the StreamingText")
+    return source
+
+
 def check_streaming(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     """The Trainer's arguments a stream cannot serve (its length is unknown until it is read)."""
-    if isinstance(eval_dataset, StreamingText):
+    if isinstance(eval_dataset, (StreamingText, TextStream)):
         raise ValueError("eval_dataset cannot be a StreamingText: evaluation reads the whole set every time; pass "
                          "the eval files as a path or list (read into memory)")
-    if not isinstance(train_dataset, StreamingText):
+    if not isinstance(train_dataset, (StreamingText, TextStream)):
         return
     if args.num_train_epochs is not None:
         raise ValueError("a StreamingText (--streaming) has no known length, so num_train_epochs (--num-epochs) "
