@@ -36,7 +36,7 @@ def _write(directory: Path, docs: list[str], fmt: str, shards: int = 3, column: 
     size = -(-len(docs) // shards)
     for s in range(shards):
         part = docs[s * size:(s + 1) * size]
-        path = directory / f"part-{s:05d}.{fmt}"
+        path = directory / f"part-{s:05d}.{fmt.split('_')[0]}"
         table = pa.table({column: pa.array(part, pa.string()), "id": pa.array(range(len(part)))})
         if fmt == "parquet":
             pq.write_table(table, path, row_group_size=4)  # several row groups: resume skips whole ones
@@ -44,12 +44,15 @@ def _write(directory: Path, docs: list[str], fmt: str, shards: int = 3, column: 
             with pa.ipc.new_stream(str(path), table.schema) as writer:
                 for batch in table.to_batches(max_chunksize=5):
                     writer.write_batch(batch)
+        elif fmt == "arrow_file":  # the IPC file format (random access), which pyarrow's writers also make
+            with pa.ipc.new_file(str(path), table.schema) as writer:
+                writer.write_table(table, max_chunksize=5)
         else:
             path.write_text("".join(json.dumps({column: d, "id": i}) + "\n" * (1 + i % 2) for i, d in enumerate(part)))
     return directory
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "arrow", "jsonl"])
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "arrow_file", "jsonl"])
 def test_blocks_equal_packed_dataset(tmp_path, fmt):
     docs = _documents(40)
     stream = StreamingText(_write(tmp_path, docs, fmt)).bind(ByteTokenizer(), 16)
@@ -77,8 +80,9 @@ def test_dp_shares_make_the_global_batch_across_epochs(tmp_path):
     torch.testing.assert_close(single[num_blocks // 4], packed[:4], rtol=0, atol=0)  # epoch 2 starts over
 
 
-def test_resume_at_every_step_mid_file_and_mid_block(tmp_path):
-    stream = StreamingText(_write(tmp_path, _documents(30, seed=3), "parquet")).bind(ByteTokenizer(), 16)
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "arrow_file", "jsonl"])  # each reader skips to a row
+def test_resume_at_every_step_mid_file_and_mid_block(tmp_path, fmt):
+    stream = StreamingText(_write(tmp_path, _documents(30, seed=3), fmt)).bind(ByteTokenizer(), 16)
     full = _steps(stream.order(dp_rank=0, dp_size=1, global_batch=2), 40)
     states = []
     for stop in range(1, 36):

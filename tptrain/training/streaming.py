@@ -144,11 +144,12 @@ def _parquet_rows(path: Path, column: str, start: int) -> Iterator[Any]:
 
 def _arrow_rows(path: Path, column: str, start: int) -> Iterator[Any]:
     ipc = _pyarrow("ipc", path)
-    source = importlib.import_module("pyarrow").memory_map(str(path))
+    pyarrow = importlib.import_module("pyarrow")
+    source = pyarrow.memory_map(str(path))
     try:  # `datasets.save_to_disk` writes the IPC stream format; pyarrow's writers also the file format
         reader = ipc.open_stream(source)
         batches = iter(reader)
-    except Exception:  # noqa: BLE001 - pyarrow raises ArrowInvalid, whose class needs pyarrow.lib to name
+    except pyarrow.ArrowInvalid:
         reader = ipc.open_file(source)
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     if column not in reader.schema.names:
