@@ -13,7 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.test_trainer import SEQ, tiny_model, training_args
 from tptrain.training.args import ParallelismConfig
-from tptrain.training.data import ByteTokenizer, build_dataset
+from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset
 from tptrain.training.sft_data import build_training_data
 from tptrain.training.streaming import StreamingText, check_streaming
 from tptrain.training.trainer import Trainer
@@ -106,6 +106,9 @@ def test_resume_refuses_other_data(tmp_path):
     other = StreamingText(_write(tmp_path / "b", _documents(41), "parquet")).bind(ByteTokenizer(), 16)
     with pytest.raises(ValueError, match="cannot resume the data stream: the checkpoint was saved with stream="):
         other.order(dp_rank=0, dp_size=1, global_batch=2).load_state_dict(state)
+    in_memory = DataOrder(10, seed=0, dp_rank=0, dp_size=1, global_batch=2).state_dict()
+    with pytest.raises(ValueError, match="the checkpoint's data order is not a stream's"):
+        other.order(dp_rank=0, dp_size=1, global_batch=2).load_state_dict(in_memory)
     longer = StreamingText(data).bind(ByteTokenizer(), 32).order(dp_rank=0, dp_size=1, global_batch=2)
     with pytest.raises(ValueError, match="saved with seq_len=16 but this run has seq_len=32"):
         longer.load_state_dict(state)

@@ -215,6 +215,7 @@ class TextStream:
     def __init__(self, spec: StreamingText, files: list[Path], tokenizer: Any, seq_len: int) -> None:
         self.spec, self.files, self.tokenizer, self.seq_len = spec, files, tokenizer, seq_len
         self.name = str(spec.source)
+        self.fingerprint = fingerprint(files)  # once: every checkpoint saves it
 
     def blocks(self, start: Cursor = Cursor()) -> Iterator[tuple[torch.Tensor, Cursor]]:
         """One pass from `start`: each (seq_len,) block with the cursor just after it."""
@@ -293,6 +294,9 @@ class StreamOrder:
                 "offset": c.offset, **self._identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "stream" not in state:
+            raise ValueError("cannot resume the data stream: the checkpoint's data order is not a stream's (that run "
+                             "read its data into memory); resume it without StreamingText / --streaming")
         for key, value in self._identity().items():
             if state.get(key) != value:
                 raise ValueError(f"cannot resume the data stream: the checkpoint was saved with {key}="
@@ -304,7 +308,7 @@ class StreamOrder:
     def _identity(self) -> dict[str, Any]:
         """What a saved position is only valid for (the dp size is not: batches do not depend on it)."""
         s = self.stream
-        return {"stream": fingerprint(s.files), "text_column": s.spec.text_column, "seq_len": s.seq_len,
+        return {"stream": s.fingerprint, "text_column": s.spec.text_column, "seq_len": s.seq_len,
                 "global_batch": self.global_batch}
 
 
