@@ -21,6 +21,8 @@ import sys
 from types import ModuleType
 from typing import Sequence
 
+from tptrain.backends import BACKENDS
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -57,7 +59,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
-    plan.add_argument("--backend", choices=("auto", "native", "transformers"), default="auto",
+    plan.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="model code: tptrain's own (native), transformers' under tptrain's engine (transformers, "
                            "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
     plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")

@@ -18,6 +18,7 @@ import torch
 from tptrain.modeling import resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.expert_parallel import all_to_all_wins
+from tptrain.parallel import contract
 from tptrain.parallel.plan import check_plan, kv_replicas, working_tp_sizes
 from tptrain.parallel.styles import ShardSpec
 
@@ -73,7 +74,7 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
 
 def _head_lines(config: Any, tp_size: int) -> list[str]:
     heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    n_kv = contract.kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     out = [f"attention: {heads} query heads, {n_kv} KV heads, head_dim {head_dim}; "
            f"vocab_size {config.vocab_size}, intermediate_size {getattr(config, 'intermediate_size', None)}"]

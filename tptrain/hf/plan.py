@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from tptrain.parallel import contract
 from tptrain.parallel.styles import canonical_style
 
 # transformers style -> tptrain style (None: no rule, the weight is whole on every rank).
@@ -72,7 +73,7 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     for glob, style in plan.items():
         styles.update({n: style for n in names if _matches(glob, n)})
     heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    n_kv = contract.kv_heads(config)
     for owner, module in model.named_modules():
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
         cols = tuple(n for n in children if canonical_style(styles[f"{owner}.{n}"]) in ("colwise", "fused_colwise"))
@@ -94,7 +95,7 @@ def unplanned_parameters(model: nn.Module, styles: dict[str, str]) -> list[str]:
     norm over all heads cannot run on a shard)."""
     problems = []
     for owner, module in model.named_modules():
-        pairs = getattr(module, "tp_pairs", None)
+        pairs = contract.pairs(module)
         if not pairs:
             continue
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}

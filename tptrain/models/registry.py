@@ -9,6 +9,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+from tptrain.backends import BACKENDS
+
 # model_type -> (config class in tptrain.models.configuration, model class in tptrain.models.decoder)
 NATIVE_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -41,8 +43,9 @@ def check_native(model_type: str | None) -> None:
 def select_backend(model_type: str | None, backend: str = "auto") -> str:
     """"native" (tptrain's model code) or "transformers" (transformers' modeling code under tptrain's engine,
     tptrain.hf). "auto": native for tptrain's model types, transformers for any other when it is installed."""
-    if backend not in ("auto", "native", "transformers"):
-        raise ValueError(f"backend must be 'auto', 'native' or 'transformers', got {backend!r}")
+    if backend not in BACKENDS:
+        *others, last = (repr(b) for b in BACKENDS)
+        raise ValueError(f"backend must be {', '.join(others)} or {last}, got {backend!r}")
     native = ", ".join(sorted(NATIVE_MODEL_TYPES))
     if backend == "native" or (backend == "auto" and model_type in NATIVE_MODEL_TYPES):
         check_native(model_type)
