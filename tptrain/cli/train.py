@@ -282,7 +282,12 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
         return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
                                    chat_template=args.chat_template, packing=args.packing,
                                    assistant_only_loss=args.assistant_only_loss, truncation=args.truncation)
-    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer, build(args.data),
+    data = args.data
+    if args.streaming:
+        from tptrain.training.streaming import StreamingText
+
+        data = StreamingText(args.data, text_column=args.text_column)
+    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer, build(data),
                    training_args, None if args.eval_data is None else build(args.eval_data))
 
 
@@ -308,6 +313,8 @@ def _describe_data(dataset, args: argparse.Namespace) -> str:
     if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
         rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
         return f"{dataset.num_samples:,} samples ({dataset.num_tokens:,} target tokens) from {args.data}, {rows}"
+    if args.streaming:
+        return f"streaming {len(dataset.files):,} file(s) of {args.data} in blocks of {args.seq_len}"
     return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 

@@ -60,7 +60,13 @@ def _data(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--data", default=BUNDLED_DATA,
                    help=".txt (documents separated by two blank lines) or .jsonl file: {\"text\": ...}, "
                         "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} per line "
-                        "(default: the bundled Shakespeare corpus)")
+                        "(default: the bundled Shakespeare corpus); with --streaming a directory, file or glob of "
+                        ".parquet/.arrow/.jsonl shards")
+    g.add_argument("--streaming", action="store_true",
+                   help="read --data while training (files in name order, packed on the fly; the position is saved "
+                        "in checkpoints) instead of tokenizing it all first; needs --max-steps, not --num-epochs")
+    g.add_argument("--text-column", default="text", metavar="NAME",
+                   help="with --streaming: the column (or jsonl key) holding the text (default: text)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: {FULL.seq_len})")
 
 

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from tptrain.losses import IGNORE_INDEX
 from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
 from tptrain.training.data import build_dataset
+from tptrain.training.streaming import StreamingText, TextStream, as_stream
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -270,9 +271,12 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
                         assistant_only_loss: bool = True, truncation: str = "truncate") -> Any:
     """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
     `chat_template` or the checkpoint in `model_dir`, loaded only when a record is a chat); plain text
-    (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is."""
+    (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is; a StreamingText -> its
+    TextStream (training/streaming.py: read while training), a TextStream as it is."""
     if isinstance(source, SFTDataset):
         return source
+    if isinstance(source, (StreamingText, TextStream)):
+        return as_stream(source, tokenizer, seq_len)
     records = read_records(source)
     if records is None:
         return build_dataset(source, tokenizer, seq_len)

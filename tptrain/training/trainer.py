@@ -58,7 +58,8 @@ class Trainer:
     train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
         strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's);
         instruction records ("messages", "prompt"/"completion": a .jsonl, a list of dicts, a
-        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments).
+        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments);
+        a `StreamingText` is read while training (training/streaming.py; needs max_steps).
     eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
         (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
@@ -182,12 +183,13 @@ class Trainer:
         final = self.save_model()
         return TrainOutput(self.global_step, losses, final)
 
-    def training_step(self, indices: list[int]) -> tuple[float, float | None]:
-        """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm: None with
-        optim_in_backward)."""
+    def training_step(self, indices: list[Any]) -> tuple[float, float | None]:
+        """One optimizer step on this dp rank's `indices` (into the dataset; a stream's order gives the rows
+        themselves); returns (global-batch loss, grad norm: None with optim_in_backward)."""
         self.model.train()  # as transformers' Trainer: from_pretrained hands out eval mode, evaluation leaves it
         b = self.args.per_device_train_batch_size
-        micro = [self._batch([self.dataset[i] for i in indices[k:k + b]]) for k in range(0, len(indices), b)]
+        rows = [self.dataset[i] if isinstance(i, int) else i for i in indices]
+        micro = [self._batch(rows[k:k + b]) for k in range(0, len(rows), b)]
         num_items = self._global_token_count(micro)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
