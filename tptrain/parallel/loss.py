@@ -1,8 +1,9 @@
 """Vocab-parallel cross-entropy: the loss straight from vocabulary-sharded logits.
 
-No rank ever holds the full (batch, seq, vocab) logits. The loss needs exactly three all-reduces of
-(tokens,) scalars: the max logit, the target logit, and the sum of exponentials. In training the head and the
-loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp) logits never exist whole either.
+No rank ever holds the full (batch, seq, vocab) logits. From whole local logits the loss needs three all-reduces
+of (tokens,) scalars: the max logit, the target logit, and the sum of exponentials. In training the head and the
+loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp) logits never exist whole either,
+and each chunk of tokens takes two all-reduces (its max, then its target logits and sums of exponentials).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from tptrain.losses import IGNORE_INDEX, chunked_head_cross_entropy, shift_labels
+from tptrain.losses import IGNORE_INDEX, fused_linear_cross_entropy, loss_denominator, shift_labels
 from tptrain.distributed import comm
 from tptrain.parallel.styles import TPContext, vocab_shard_ids
 
@@ -57,26 +58,31 @@ def make_vocab_parallel_causal_lm_loss(ctx: TPContext):
     def loss_function(logits, labels, num_items_in_batch=None):
         target = shift_labels(labels).reshape(-1).to(logits.device)
         per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ctx.group)
-        denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
-        return per_token.sum() / denom
+        return per_token.sum() / loss_denominator(target, num_items_in_batch)
 
     return loss_function
 
 
 def make_vocab_parallel_head_loss(ctx: TPContext):
     """The TP replacement for a model's `head_loss_function(h, weight, labels, num_items_in_batch, transform=)`:
-    the head's input boundary (as its colwise style would cross it), then the chunked cross-entropy over this
-    rank's vocabulary rows, its per-token statistics summed over the group once (3 all-reduces of (tokens,))."""
+    the head's input boundary (as its colwise style would cross it; its backward sums the input gradient over the
+    group), then the fused linear cross-entropy over this rank's vocabulary rows, which computes the gradients in
+    forward chunk by chunk with two all-reduces per chunk: the max (chunk,), then [target logit, sum-exp]
+    (2 * chunk,). At tp 1 it takes none."""
 
     def head_loss(h, weight, labels, num_items_in_batch=None, *, transform):
         x = ctx.enter(h)  # (batch, seq, hidden): the whole sequence under sequence parallelism too
-        group = ctx.group
         target = shift_labels(labels).reshape(-1).to(x.device)
-        per_token = chunked_head_cross_entropy(
-            x.reshape(-1, x.shape[-1]), weight, target, transform=transform, vocab_start=ctx.rank * weight.shape[0],
-            reduce_max=lambda t: comm.all_reduce(t, group, op=dist.ReduceOp.MAX),
-            reduce_sum=lambda t: comm.all_reduce(t, group))
-        denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
-        return per_token.sum() / denom
+        return fused_linear_cross_entropy(x.reshape(-1, x.shape[-1]), weight, target,
+                                          loss_denominator(target, num_items_in_batch), transform=transform,
+                                          vocab_start=ctx.rank * weight.shape[0], **_reducers(ctx))
 
     return head_loss
+
+
+def _reducers(ctx: TPContext) -> dict:
+    """The fused loss's reductions over `ctx`'s group; none at tp 1, where the rank holds the whole vocabulary."""
+    if ctx.size == 1:
+        return {}
+    return dict(reduce_max=lambda t: comm.all_reduce(t, ctx.group, op=dist.ReduceOp.MAX),
+                reduce_sum=lambda t: comm.all_reduce(t, ctx.group))
