@@ -202,11 +202,11 @@ def _tp_worker(tp: int) -> None:
             for case in CASES:
                 _compare_case(fused, whole, case, what)
             _assert_no_vocab_matmul_in_backward(fused, VOCAB // tp, what)
-            # Per chunk: the max (chunk,), then [target logit, sum-exp] (2 * chunk,); from whole logits 3 (tokens,).
+            # Per chunk: the max (chunk,), then [target logit, sum-exp] (2 * chunk,); whole logits are one chunk.
             with CommTracker() as t:
                 fused(ids, labels=labels).loss.backward()
                 fused(ids, labels=labels, return_logits=True).loss.backward()
-            assert _loss_all_reduces(t) == [s for c in chunks for s in ((c,), (2 * c,))] + [(B * S,)] * 3, what
+            assert _loss_all_reduces(t) == [s for c in chunks + [B * S] for s in ((c,), (2 * c,))], what
             for unfused in (False, True):
                 report = comm_report(fused, ids, labels, return_logits=unfused)
                 assert report.matches_minimum and report.full_logit_collectives == 0, (what, report.table())

@@ -10,10 +10,10 @@ down_proj, the vocab-parallel embedding) ends in one sum, and every group of col
 at each, in forward (the sums) and backward (the boundaries). TP+SP: the same bytes as a
 reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
 saving it, except the head's when the loss is fused with it (its gradients are computed in forward).
-The vocab-parallel loss adds 3 all-reduces of (tokens,) scalars from whole logits (`return_logits`, an
-eval-mode forward, a head that is not a plain linear) or, fused with the head (a training forward; issue
-24), 2 per chunk of tokens (`losses.chunk_tokens`): the max (chunk,), then [target logit, sum-exp]
-(2 * chunk,), the same bytes in all. A norm over split features (`distributed_rmsnorm`, OLMo 2's q/k
+The vocab-parallel loss adds 2 all-reduces per chunk of tokens (issue 24): the max (chunk,), then
+[target logit, sum-exp] (2 * chunk,), the bytes of 3 (tokens,) scalars in all; from whole logits
+(`return_logits`, an eval-mode forward, a head that is not a plain linear) the tokens are one chunk, fused
+with the head (a training forward) `losses.chunk_tokens` a chunk. A norm over split features (`distributed_rmsnorm`, OLMo 2's q/k
 norms) adds one in forward and one in backward; partial parameter gradients (norms, q/k norms) travel
 in one bucketed all-reduce. Bytes are each rank's input payload.
 
@@ -215,8 +215,8 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *,
     else:
         add(("forward", "all_reduce"), exits, exits * act)
         add(("backward", "all_reduce"), enters, enters * act)
-    if layout.vocab_parallel_loss:  # max, target, sum-exp: per chunk fused with the head (issue 24), else once
-        add(("forward", "all_reduce"), 2 * chunks or 3, 3 * token_bytes)
+    if layout.vocab_parallel_loss:  # the max, then [target, sum-exp], per chunk (whole logits: one chunk)
+        add(("forward", "all_reduce"), 2 * max(chunks, 1), 3 * token_bytes)
     if dispatch:
         top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
         weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize

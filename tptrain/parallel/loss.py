@@ -1,9 +1,9 @@
 """Vocab-parallel cross-entropy: the loss straight from vocabulary-sharded logits.
 
-No rank ever holds the full (batch, seq, vocab) logits. From whole local logits the loss needs three all-reduces
-of (tokens,) scalars: the max logit, the target logit, and the sum of exponentials. In training the head and the
-loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp) logits never exist whole either,
-and each chunk of tokens takes two all-reduces (its max, then its target logits and sums of exponentials).
+No rank ever holds the full (batch, seq, vocab) logits. The loss needs two all-reduces of per-token scalars: the
+max logit (tokens,), then the target logit and the sum of exponentials together (2 * tokens,), as Megatron batches
+them. In training the head and the loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp)
+logits never exist whole either, and each chunk of tokens takes the same two all-reduces over its tokens.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tptrain.parallel.styles import TPContext, vocab_shard_ids
 
 
 class _VocabParallelCrossEntropy(Function):
-    """per-token CE from local logits (tokens, vocab/tp); 3 all-reduces fwd / none bwd."""
+    """per-token CE from local logits (tokens, vocab/tp); 2 all-reduces fwd (max, [target, sum-exp]) / none bwd."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
@@ -26,9 +26,9 @@ class _VocabParallelCrossEntropy(Function):
         shifted = logits - max_logit.unsqueeze(-1)
         local_target, outside = vocab_shard_ids(target, rank=dist.get_rank(group), local_vocab=logits.shape[-1])
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        comm.all_reduce(target_logit, group)
         exp = shifted.exp_()  # reuse the buffer: saved below as the softmax numerator
-        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)
+        # One all-reduce for both, as Megatron batches them: (2 * tokens,)
+        target_logit, sum_exp = comm.all_reduce(torch.cat([target_logit, exp.sum(dim=-1)]), group).chunk(2)
         loss = torch.log(sum_exp) - target_logit
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
