@@ -40,8 +40,10 @@ MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 
 
 def _reference(h, weight, target, denom, transform):
-    """The unfused loss: the whole logits, transformed, then the summed cross-entropy over `denom`."""
+    """The unfused loss: the whole logits, transformed, in fp32 or wider, then the summed cross-entropy over
+    `denom`."""
     logits = transform(F.linear(h, weight))
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum") / denom
 
 
@@ -102,6 +104,26 @@ def test_function_without_grad_and_all_ignored():
     assert loss.isnan()
     loss.backward()
     assert not h.grad.any() and not weight.grad.any()
+
+
+@pytest.mark.parametrize("transform", ["none", "softcap"])
+def test_function_under_autocast_is_the_unfused_autocast(transform):
+    """Under bf16 autocast the head's matmuls run in bf16, as autograd runs the unfused head's (in fp32 instead,
+    the loss and input gradient would be ~1e-3 off); the gradients come back in the fp32 of `h` and the weight.
+    The weight gradient is summed over 4 chunks in bf16 instead of made by one matmul: equal to bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(10, 16, generator=g), torch.randn(13, 16, generator=g)
+    target = torch.randint(0, 13, (10,), generator=g)
+    fused, whole = [[t.clone().requires_grad_() for t in (h, weight)] for _ in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(*fused, target, 10, transform=TRANSFORMS[transform], chunk=3)
+        ref = _reference(*whole, target, 10, TRANSFORMS[transform])
+    assert loss.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+    (loss * 0.5).backward(), (ref * 0.5).backward()
+    assert fused[0].grad.dtype == fused[1].grad.dtype == torch.float32
+    torch.testing.assert_close(fused[0].grad, whole[0].grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[1].grad, whole[1].grad, rtol=2e-2, atol=4e-3)
 
 
 class _VocabMatmuls(TorchDispatchMode):

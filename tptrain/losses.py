@@ -66,24 +66,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, target, denom, grad_enabled, transform, chunk, vocab_start, reduce_max, reduce_sum):
         # h (tokens, hidden), weight (local vocab, hidden), target (tokens,) global ids or IGNORE_INDEX
         want_h, want_w = (grad_enabled and needs for needs in ctx.needs_input_grad[:2])
+        dtype = _matmul_dtype(h, weight)
+        w = weight.to(dtype)  # autocast's copy of the head, made once (no copy without autocast)
         grad_h = torch.empty_like(h) if want_h else None
-        # Accumulated in the weight's dtype, as the unfused backward returns it (each chunk's matmul accumulates in
-        # fp32 inside): an fp32 accumulator for a half weight would double the buffer kept until backward.
-        grad_w = torch.zeros_like(weight) if want_w else None
+        # Summed over chunks in the matmuls' dtype, then cast to the weight's, as the unfused backward makes it
+        # (each chunk's matmul accumulates in fp32 inside): an fp32 sum for a half weight would double the buffer.
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_w else None
         ignored = target == IGNORE_INDEX
         local_target = target.masked_fill(ignored, 0) - vocab_start
         inside = (local_target >= 0) & (local_target < weight.shape[0])
         local_target = local_target.clamp(0, weight.shape[0] - 1)
-        per_token = torch.empty(h.shape[0], dtype=torch.promote_types(weight.dtype, torch.float32), device=h.device)
+        per_token = torch.empty(h.shape[0], dtype=torch.promote_types(dtype, torch.float32), device=h.device)
         # d loss / d (per-token loss): 1 / denom for a counted token, 0 for an ignored one (0, not 0 / 0, when
         # denom is 0: the loss is then nan, as the unfused path's, but no gradient is)
         scale = torch.where(ignored, 0.0, 1.0 / torch.as_tensor(denom, dtype=per_token.dtype, device=h.device))
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
             per_token[rows] = _fused_chunk(
-                h[rows], weight, local_target[rows], inside[rows], scale[rows], transform, reduce_max, reduce_sum,
-                grad_h=grad_h[rows] if want_h else None, grad_w=grad_w)
-        ctx.grads = grad_h, grad_w
+                h[rows].to(dtype), w, local_target[rows], inside[rows], scale[rows], transform, reduce_max,
+                reduce_sum, grad_h=grad_h[rows] if want_h else None, grad_w=grad_w)
+        ctx.grads = grad_h, None if grad_w is None else grad_w.to(weight.dtype)
         return per_token.masked_fill_(ignored, 0.0).sum() / denom
 
     @staticmethod
@@ -97,10 +99,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def _fused_chunk(h, weight, local_target, inside, scale, transform, reduce_max, reduce_sum, *, grad_h, grad_w):
     """One chunk's per-token losses (chunk,); its input gradient written into `grad_h` (chunk, hidden) and its
-    weight gradient added to `grad_w` (local vocab, hidden), each where given. `local_target` (chunk,) indexes this
-    shard's rows, valid where `inside`."""
+    weight gradient added to `grad_w` (local vocab, hidden), each where given. `h` and `weight` are in the matmuls'
+    dtype; `local_target` (chunk,) indexes this shard's rows, valid where `inside`."""
     want = grad_h is not None or grad_w is not None
-    raw = F.linear(h, weight)  # (chunk, local vocab) in the weight's dtype, as the unfused head computes it
+    raw = F.linear(h, weight)  # (chunk, local vocab) in the matmuls' dtype, as the unfused head computes it
     # The transform's derivative (soft-capping, a divisor) by autograd, as unfused. What it saves lives for this
     # chunk only: the identity hooks, innermost, keep outer ones (SP's shard keeping, meters) from seeing it.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
@@ -118,11 +120,19 @@ def _fused_chunk(h, weight, local_target, inside, scale, transform, reduce_max, 
     grad[torch.arange(grad.shape[0], device=grad.device), local_target] -= inside.to(grad.dtype)
     grad.mul_(scale.unsqueeze(-1))
     grad_raw = grad.to(raw.dtype) if z is raw else torch.autograd.grad(z, raw, grad)[0]
-    if grad_h is not None:
-        torch.mm(grad_raw, weight, out=grad_h)
+    if grad_h is not None:  # copied: h's dtype need not be the matmul's under autocast
+        grad_h.copy_(torch.mm(grad_raw, weight))
     if grad_w is not None:  # in place: no (local vocab, hidden) temporary per chunk
         grad_w.addmm_(grad_raw.t(), h)
     return loss
+
+
+def _matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype `F.linear(h, weight)` computes in: autocast's, which leaves fp64 alone, else the weight's."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
 
 
 def _scaled(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor | None:
