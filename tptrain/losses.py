@@ -145,7 +145,7 @@ def _scaled(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor 
 
 
 def _transformed(raw: torch.Tensor, transform) -> torch.Tensor:
-    """One chunk's logits as the unfused path computes them: in the weights' dtype, transformed, then fp32."""
+    """One chunk's logits as the unfused path computes them: in the matmuls' dtype, transformed, then fp32."""
     z = transform(raw)
     return z.to(torch.promote_types(z.dtype, torch.float32))
 
