@@ -13,9 +13,9 @@ saving it, except the head's when the loss is fused with it (its gradients are c
 The vocab-parallel loss adds 2 all-reduces per chunk of tokens (issue 24): the max (chunk,), then
 [target logit, sum-exp] (2 * chunk,), the bytes of 3 (tokens,) scalars in all; from whole logits
 (`return_logits`, an eval-mode forward, a head that is not a plain linear) the tokens are one chunk, fused
-with the head (a training forward) `losses.chunk_tokens` a chunk. A norm over split features (`distributed_rmsnorm`, OLMo 2's q/k
-norms) adds one in forward and one in backward; partial parameter gradients (norms, q/k norms) travel
-in one bucketed all-reduce. Bytes are each rank's input payload.
+with the head (a training forward) `losses.chunk_tokens` a chunk. A norm over split features
+(`distributed_rmsnorm`, OLMo 2's q/k norms) adds one in forward and one in backward; partial parameter
+gradients (norms, q/k norms) travel in one bucketed all-reduce. Bytes are each rank's input payload.
 
 An MoE block whose experts dispatch by all-to-all (`expert_parallel_all_to_all`) moves, per rank and layer, its
 share of T/p tokens: forward the per-expert counts (E int64), one row of hidden features per (token, expert)
