@@ -126,8 +126,9 @@ def _assert_communication(model, tp: int) -> None:
     fwd = sorted(r.bytes for r in t.records if r.phase == "forward")
     bwd = sorted(r.bytes for r in t.records if r.phase == "backward")
     assert {r.op for r in t.records} == {"all_reduce"}, "no all-gather: q and k stay sharded"
-    # forward: 2 per layer + the embedding (activations), 3 for the vocab-parallel loss, 2 per layer for the norms
-    assert fwd == sorted([act] * (2 * layers + 1) + [tokens * 8] * (3 + 2 * layers)), fwd
+    # forward: 2 per layer + the embedding (activations), 2 per layer for the norms, and the vocab-parallel loss
+    # fused with the head (issue 24): per chunk (one here) the max, then [target, sum-exp]
+    assert fwd == sorted([act] * (2 * layers + 1) + [tokens * 8] * (1 + 2 * layers) + [2 * tokens * 8]), fwd
     # backward: 2 per layer + the head's input boundary, 2 per layer for the norms' sums of squares
     assert bwd == sorted([act] * (2 * layers + 1) + [tokens * 8] * (2 * layers)), bwd
     partial = tp > TINY["num_key_value_heads"]  # only KV-replicated weights (k/v proj, k_norm) hold shares

@@ -191,7 +191,8 @@ def _assert_communication(model, tp: int) -> str:
     fwd = sorted(r.bytes for r in t.records if r.phase == "forward")
     bwd = sorted(r.bytes for r in t.records if r.phase == "backward")
     assert {r.op for r in t.records} == {"all_reduce"}, t.records
-    assert fwd == sorted([act] * (2 * layers + 1) + [tokens * 8] * 3), fwd  # + the vocab-parallel loss
+    # + the vocab-parallel loss fused with the head (issue 24): per chunk (one here) the max, [target, sum-exp]
+    assert fwd == sorted([act] * (2 * layers + 1) + [tokens * 8, 2 * tokens * 8]), fwd
     assert bwd == sorted([act] * (2 * layers + 1)), bwd  # + the head's input boundary
     partial = tp > TINY["num_key_value_heads"]  # only the replicated KV segments of qkv_proj hold shares
     assert t.counts("grad_sync") == ({"all_reduce": 1} if partial else {})

@@ -35,77 +35,126 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     return loss
 
 
-def _no_reduce(x: torch.Tensor) -> torch.Tensor:
+def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class _ChunkedHeadCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of `transform(h @ weight.T)` computed `chunk` tokens at a time: the
-    (tokens, vocab) logits never exist whole and nothing of their size is saved; backward recomputes each
-    chunk's logits from `h`. Over a vocab-sharded `weight` (rows `vocab_start` onwards), `reduce_max` /
-    `reduce_sum` combine the per-token statistics of every shard once, after the last chunk: three
-    (tokens,) reductions in forward however many chunks, none in backward."""
+def loss_denominator(target: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> int | torch.Tensor:
+    """What the summed loss is divided by: `num_items_in_batch` (the step's real tokens over all micro-batches,
+    so gradient accumulation matches one large batch) when given, else this batch's real target tokens."""
+    return num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Liger Kernel's fused linear cross-entropy: sum over tokens of the cross-entropy of `transform(h @ weight.T)`,
+    divided by `denom`, computed `chunk` tokens at a time together with its gradients w.r.t. `h` and `weight`.
+    Each chunk's logits exist once: they become their own gradient in place, feed two matmuls and are dropped,
+    so no logits are recomputed or kept; backward only scales the two gradients by the incoming one.
+
+    Over a vocab-sharded `weight` (rows from `vocab_start`), each chunk combines its statistics over the shards
+    before its softmax: `reduce_max` the max logit (chunk,), then `reduce_sum` [target logit, sum-exp]
+    (2 * chunk,), as Megatron's fused vocab-parallel cross-entropy batches them. `grad_h` is then this shard's
+    part of the input gradient: summing it over the shards is the caller's boundary's backward.
+
+    Kept from forward to backward: grad_h (tokens, hidden) and grad_w (local vocab, hidden), each only if wanted
+    (a frozen head computes no weight gradient). They are results, not activations, so they are held on `ctx`
+    rather than saved: saved-tensor hooks (SP's shard keeping, offloading, SavedTensorMeter) are for what backward
+    computes from, and the unfused path allocates the same two tensors at the start of its backward. Backward
+    hands them over once; a second backward through a retained graph is refused."""
 
     @staticmethod
-    def forward(ctx, h, weight, target, transform, chunk, vocab_start, reduce_max, reduce_sum):
-        # h (tokens, hidden), weight (local vocab, hidden), target (tokens,) global ids, all valid
-        local_vocab = weight.shape[0]
-        local_target = target - vocab_start
-        inside = (local_target >= 0) & (local_target < local_vocab)
-        local_target = local_target.clamp(0, local_vocab - 1)
-        stats = []  # per chunk: (local max, sum of exp(logit - local max), target logit or 0)
+    def forward(ctx, h, weight, target, denom, grad_enabled, transform, chunk, vocab_start, reduce_max, reduce_sum):
+        # h (tokens, hidden), weight (local vocab, hidden), target (tokens,) global ids or IGNORE_INDEX
+        want_h, want_w = (grad_enabled and needs for needs in ctx.needs_input_grad[:2])
+        dtype = _matmul_dtype(h, weight)
+        w = weight.to(dtype)  # autocast's copy of the head, made once (no copy without autocast)
+        grad_h = torch.empty_like(h) if want_h else None
+        # Summed over chunks in the matmuls' dtype, then cast to the weight's, as the unfused backward makes it
+        # (each chunk's matmul accumulates in fp32 inside): an fp32 sum for a half weight would double the buffer.
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_w else None
+        ignored = target == IGNORE_INDEX
+        local_target = target.masked_fill(ignored, 0) - vocab_start
+        inside = (local_target >= 0) & (local_target < weight.shape[0])
+        local_target = local_target.clamp(0, weight.shape[0] - 1)
+        per_token = torch.empty(h.shape[0], dtype=torch.promote_types(dtype, torch.float32), device=h.device)
+        # d loss / d (per-token loss): 1 / denom for a counted token, 0 for an ignored one (0, not 0 / 0, when
+        # denom is 0: the loss is then nan, as the unfused path's, but no gradient is)
+        scale = torch.where(ignored, 0.0, 1.0 / torch.as_tensor(denom, dtype=per_token.dtype, device=h.device))
         for start in range(0, h.shape[0], chunk):
             rows = slice(start, start + chunk)
-            z = _chunk_logits(h[rows], weight, transform)
-            local_max = z.max(dim=-1).values
-            sum_exp = (z - local_max.unsqueeze(-1)).exp_().sum(dim=-1)
-            target_logit = z.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1).masked_fill(~inside[rows], 0.0)
-            stats.append(torch.stack([local_max, sum_exp, target_logit]))
-        local_max, sum_exp, target_logit = torch.cat(stats, dim=1)
-        max_logit = reduce_max(local_max.clone())
-        sum_exp = reduce_sum(sum_exp * (local_max - max_logit).exp())
-        target_logit = reduce_sum(target_logit)
-        ctx.save_for_backward(h, weight, local_target, inside, max_logit, sum_exp)
-        ctx.transform, ctx.chunk = transform, chunk
-        return sum_exp.log() + max_logit - target_logit
+            per_token[rows] = _fused_chunk(
+                h[rows].to(dtype), w, local_target[rows], inside[rows], scale[rows], transform, reduce_max,
+                reduce_sum, grad_h=grad_h[rows] if want_h else None, grad_w=grad_w)
+        ctx.grads = grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+        return per_token.masked_fill_(ignored, 0.0).sum() / denom
 
     @staticmethod
     def backward(ctx, grad_loss):
-        h, weight, local_target, inside, max_logit, sum_exp = ctx.saved_tensors
-        want_h, want_w = ctx.needs_input_grad[:2]
-        grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
-        for start in range(0, h.shape[0], ctx.chunk):
-            rows = slice(start, start + ctx.chunk)
-            hc = h[rows]
-            raw = F.linear(hc, weight)  # (chunk, local vocab) recomputed; `transform` is element-wise
-            with torch.enable_grad():
-                z = _transformed(raw.requires_grad_(), ctx.transform)
-            # d loss / d logits = softmax - onehot(target), times each token's incoming gradient
-            grad = (z.detach() - max_logit[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
-            n = torch.arange(grad.shape[0], device=grad.device)
-            grad[n, local_target[rows]] -= inside[rows].to(grad.dtype)
-            grad.mul_(grad_loss[rows].unsqueeze(-1))
-            grad_raw = grad.to(raw.dtype) if z is raw else torch.autograd.grad(z, raw, grad)[0]
-            if want_h:
-                torch.mm(grad_raw, weight, out=grad_h[rows])
-            if want_w:  # in place: no (vocab, hidden) temporary per chunk
-                grad_w.addmm_(grad_raw.t(), hc)
-        return grad_h, grad_w, None, None, None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError("backward through the fused linear cross-entropy ran twice: its gradients were made in "
+                               "forward and handed over once; run the forward again (retain_graph cannot keep them)")
+        (grad_h, grad_w), ctx.grads = ctx.grads, None
+        return _scaled(grad_h, grad_loss), _scaled(grad_w, grad_loss), None, None, None, None, None, None, None, None
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, transform) -> torch.Tensor:
-    """One chunk's logits as the unfused path computes them: in the weights' dtype, transformed, then fp32."""
-    return _transformed(F.linear(h, weight), transform)
+def _fused_chunk(h, weight, local_target, inside, scale, transform, reduce_max, reduce_sum, *, grad_h, grad_w):
+    """One chunk's per-token losses (chunk,); its input gradient written into `grad_h` (chunk, hidden) and its
+    weight gradient added to `grad_w` (local vocab, hidden), each where given. `h` and `weight` are in the matmuls'
+    dtype; `local_target` (chunk,) indexes this shard's rows, valid where `inside`."""
+    want = grad_h is not None or grad_w is not None
+    raw = F.linear(h, weight)  # (chunk, local vocab) in the matmuls' dtype, as the unfused head computes it
+    # The transform's derivative (soft-capping, a divisor) by autograd, as unfused. What it saves lives for this
+    # chunk only: the identity hooks, innermost, keep outer ones (SP's shard keeping, meters) from seeing it.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        z = _transformed(raw.requires_grad_(want), transform)
+    logits = z.detach()  # fp32 (or fp64)
+    max_logit = reduce_max(logits.max(dim=-1).values)
+    target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    # In place: the transforms keep no logits-sized output for their derivative (autograd would refuse if one did)
+    exp = logits.sub_(max_logit.unsqueeze(-1)).exp_()
+    target_logit, sum_exp = reduce_sum(torch.cat([target_logit, exp.sum(dim=-1)])).chunk(2)
+    loss = sum_exp.log() + max_logit - target_logit
+    if not want:
+        return loss
+    grad = exp.div_(sum_exp.unsqueeze(-1))  # softmax - onehot(target), times each token's d loss / d its loss
+    grad[torch.arange(grad.shape[0], device=grad.device), local_target] -= inside.to(grad.dtype)
+    grad.mul_(scale.unsqueeze(-1))
+    grad_raw = grad.to(raw.dtype) if z is raw else torch.autograd.grad(z, raw, grad)[0]
+    if grad_h is not None:  # copied: h's dtype need not be the matmul's under autocast
+        grad_h.copy_(torch.mm(grad_raw, weight))
+    if grad_w is not None:  # in place: no (local vocab, hidden) temporary per chunk
+        grad_w.addmm_(grad_raw.t(), h)
+    return loss
+
+
+def _matmul_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype `F.linear(h, weight)` computes in: autocast's, which leaves fp64 alone, else the weight's."""
+    device = h.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
+def _scaled(grad: torch.Tensor | None, grad_loss: torch.Tensor) -> torch.Tensor | None:
+    """`grad` times the loss's incoming gradient, in place. A plain `loss.backward()` gives exactly 1, which the
+    CPU skips; on an accelerator reading the value would stall the host, so the multiply (one pass over `grad`)
+    is always done there."""
+    if grad is None or (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0):
+        return grad
+    return grad.mul_(grad_loss)
 
 
 def _transformed(raw: torch.Tensor, transform) -> torch.Tensor:
+    """One chunk's logits as the unfused path computes them: in the matmuls' dtype, transformed, then fp32."""
     z = transform(raw)
     return z.to(torch.promote_types(z.dtype, torch.float32))
 
 
-# One chunk's logits: about 64M floats (256 MiB in fp32). Each chunk adds its (vocab, hidden) weight gradient
-# in place, so much smaller chunks cost memory traffic (on CPU, ~2x the step at 8M on a 152k vocabulary).
+# One chunk's logits in fp32: about 64M floats (256 MiB), their gradient computed in place in the same buffer.
+# Each chunk adds its (local vocab, hidden) weight gradient in place (addmm_ reads and writes all of it), so much
+# smaller chunks cost memory traffic (on CPU, ~2x the step at 8M on a 152k vocabulary). The hidden size does not
+# enter: that per-chunk traffic and the chunk's three matmuls both scale with local vocab x hidden, so their ratio
+# depends on the tokens per chunk alone; the budget bounds the one cost that grows with the vocabulary.
 CHUNK_FLOATS = 1 << 26
 
 
@@ -114,16 +163,14 @@ def chunk_tokens(local_vocab: int) -> int:
     return max(1, CHUNK_FLOATS // local_vocab)
 
 
-def chunked_head_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, transform,
-                               chunk: int | None = None, vocab_start: int = 0, reduce_max=_no_reduce,
-                               reduce_sum=_no_reduce) -> torch.Tensor:
-    """Per-token loss (tokens,) of the head `weight` on hidden states `h` (tokens, hidden) against `target`
-    (tokens,); IGNORE_INDEX positions give 0. See _ChunkedHeadCrossEntropy."""
-    ignored = target == IGNORE_INDEX
+def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                               denom: int | torch.Tensor, *, transform, chunk: int | None = None,
+                               vocab_start: int = 0, reduce_max=_same, reduce_sum=_same) -> torch.Tensor:
+    """Sum over tokens of the cross-entropy of the head `weight` on hidden states `h` (tokens, hidden) against
+    `target` (tokens,), divided by `denom`; IGNORE_INDEX positions count 0. See _FusedLinearCrossEntropy."""
     chunk = chunk or chunk_tokens(weight.shape[0])
-    loss = _ChunkedHeadCrossEntropy.apply(h, weight, target.masked_fill(ignored, 0), transform, chunk, vocab_start,
-                                          reduce_max, reduce_sum)
-    return loss.masked_fill(ignored, 0.0)
+    return _FusedLinearCrossEntropy.apply(h, weight, target, denom, torch.is_grad_enabled(), transform, chunk,
+                                          vocab_start, reduce_max, reduce_sum)
 
 
 def chunked_causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -131,7 +178,5 @@ def chunked_causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.
                            chunk: int | None = None) -> torch.Tensor:
     """`causal_lm_loss(transform(h @ weight.T), labels, num_items_in_batch)` without the whole logits."""
     target = shift_labels(labels).reshape(-1).to(h.device)
-    per_token = chunked_head_cross_entropy(h.reshape(-1, h.shape[-1]), weight, target, transform=transform,
-                                           chunk=chunk)
-    denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
-    return per_token.sum() / denom
+    return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, target,
+                                      loss_denominator(target, num_items_in_batch), transform=transform, chunk=chunk)

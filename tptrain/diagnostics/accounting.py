@@ -9,8 +9,12 @@ down_proj, the vocab-parallel embedding) ends in one sum, and every group of col
 (q/k/v, gate/up, lm_head) begins with one boundary. Plain TP: one all-reduce of (batch, seq, hidden)
 at each, in forward (the sums) and backward (the boundaries). TP+SP: the same bytes as a
 reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
-saving it. The vocab-parallel loss adds 3 all-reduces of (tokens,) scalars, and a norm over split features
-(`distributed_rmsnorm`, OLMo 2's q/k norms) one in forward and one in backward; partial parameter
+saving it, except the head's when the loss is fused with it (its gradients are computed in forward).
+The vocab-parallel loss adds 2 all-reduces per chunk of tokens (issue 24): the max (chunk,), then
+[target logit, sum-exp] (2 * chunk,), the bytes of 3 (tokens,) scalars in all; from whole logits
+(`return_logits`, an eval-mode forward, a head that is not a plain linear) the tokens are one chunk, fused
+with the head (a training forward) `losses.chunk_tokens` a chunk. A norm over split features
+(`distributed_rmsnorm`, OLMo 2's q/k norms) adds one in forward and one in backward; partial parameter
 gradients (norms, q/k norms) travel in one bucketed all-reduce. Bytes are each rank's input payload.
 
 An MoE block whose experts dispatch by all-to-all (`expert_parallel_all_to_all`) moves, per rank and layer, its
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed.comm import CommTracker
+from tptrain.losses import chunk_tokens
 from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
 from tptrain.parallel.styles import STYLES, ColwiseParallel
 
@@ -181,10 +186,18 @@ def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, a
     add(("backward", "all_to_all"), 2 * len(blocks), rows)
 
 
-def megatron_minimum(model: nn.Module, batch: int, seq: int, *, tracker: CommTracker | None = None
-                     ) -> dict[tuple[str, str], tuple[int, int]]:
-    """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels. Experts
-    dispatched over an ep axis need the `tracker` that recorded that step (the rows the routing sent here)."""
+def _fused_loss_chunks(model: nn.Module, tokens: int, return_logits: bool) -> int:
+    """Chunks of tokens the vocab-parallel loss fused with the head takes; 0: the loss is computed from logits."""
+    if return_logits or not getattr(model, "fuses_head_loss", lambda: False)():
+        return 0
+    return -(-tokens // chunk_tokens(model.get_output_embeddings().weight.shape[0]))
+
+
+def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: bool = False,
+                     tracker: CommTracker | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels
+    (`model(ids, labels=labels, return_logits=return_logits)` in the model's current mode). Experts dispatched
+    over an ep axis need the `tracker` that recorded that step (the rows the routing sent here)."""
     layout = model.tp_layout
     if layout is None:
         return {}
@@ -204,16 +217,18 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, tracker: CommTra
     dispatch = _expert_dispatch(model, layout.plan, batch * seq, tp)
     summed = {name for name, how in dispatch.items() if how == "all_reduce"}
     enters, exits = _boundaries(layout.plan, summed)
+    chunks = _fused_loss_chunks(model, batch * seq, return_logits) if layout.vocab_parallel_loss else 0
     if sp:
         add(("forward", "reduce_scatter"), exits, exits * act)
         add(("forward", "all_gather"), enters, enters * act // tp)
-        add(("backward", "all_gather"), exits + enters, (exits + enters) * act // tp)  # incl. the re-gathers
+        regathers = enters - (chunks > 0)  # the fused loss keeps no head input: its gradients are made in forward
+        add(("backward", "all_gather"), exits + regathers, (exits + regathers) * act // tp)
         add(("backward", "reduce_scatter"), enters, enters * act)
     else:
         add(("forward", "all_reduce"), exits, exits * act)
         add(("backward", "all_reduce"), enters, enters * act)
-    if layout.vocab_parallel_loss:
-        add(("forward", "all_reduce"), 3, 3 * token_bytes)  # vocab-parallel loss: max, target, sum-exp
+    if layout.vocab_parallel_loss:  # the max, then [target, sum-exp], per chunk (whole logits: one chunk)
+        add(("forward", "all_reduce"), 2 * max(chunks, 1), 3 * token_bytes)
     if dispatch:
         top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
         weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
@@ -249,7 +264,8 @@ def comm_report(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
     for r in tracker.records:
         counted[(r.phase, r.op)][0] += 1
         counted[(r.phase, r.op)][1] += r.bytes
-    minimum = megatron_minimum(model, *input_ids.shape[:2], tracker=tracker)
+    minimum = megatron_minimum(model, *input_ids.shape[:2], return_logits=forward_kwargs.get("return_logits", False),
+                               tracker=tracker)
     keys = sorted(set(counted) | set(minimum), key=lambda k: (_PHASES.index(k[0]) if k[0] in _PHASES else 9, k[1]))
     rows = [CommRow(p, op, *counted.get((p, op), (0, 0)), *minimum.get((p, op), (0, 0))) for p, op in keys]
     tp = getattr(model, "tp_size", 1)

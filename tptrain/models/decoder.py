@@ -274,14 +274,19 @@ class DecoderForCausalLM(PreTrainedModel):
             logits = logits / self.config.logits_divisor
         return tanh_softcap(logits, self.config.logit_softcap)
 
+    def fuses_head_loss(self) -> bool:
+        """Whether a forward with labels (and not `return_logits`) computes the loss with `head_loss_function`:
+        in training mode, with a plain nn.Linear head (the fused loss needs its weight; any other head module, a
+        LoRA-wrapped one say, computes its logits whole)."""
+        return self.training and isinstance(self.lm_head, nn.Linear)
+
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False) -> CausalLMOutput:
         """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
         `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits."""
         h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        # The loss fused with the head needs the head's weight: any other head module computes its logits whole.
-        if labels is not None and self.training and not return_logits and isinstance(self.lm_head, nn.Linear):
+        if labels is not None and not return_logits and self.fuses_head_loss():
             logits = None
             loss = self.head_loss_function(h, self.lm_head.weight, labels, num_items_in_batch,
                                            transform=self._transform_logits)

@@ -1,8 +1,9 @@
 """Vocab-parallel cross-entropy: the loss straight from vocabulary-sharded logits.
 
-No rank ever holds the full (batch, seq, vocab) logits. The loss needs exactly three all-reduces of
-(tokens,) scalars: the max logit, the target logit, and the sum of exponentials. In training the head and the
-loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp) logits never exist whole either.
+No rank ever holds the full (batch, seq, vocab) logits. The loss needs two all-reduces of per-token scalars: the
+max logit (tokens,), then the target logit and the sum of exponentials together (2 * tokens,), as Megatron batches
+them. In training the head and the loss are fused (`make_vocab_parallel_head_loss`): the local (tokens, vocab / tp)
+logits never exist whole either, and each chunk of tokens takes the same two all-reduces over its tokens.
 """
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from tptrain.losses import IGNORE_INDEX, chunked_head_cross_entropy, shift_labels
+from tptrain.losses import IGNORE_INDEX, fused_linear_cross_entropy, loss_denominator, shift_labels
 from tptrain.distributed import comm
 from tptrain.parallel.styles import TPContext, vocab_shard_ids
 
 
 class _VocabParallelCrossEntropy(Function):
-    """per-token CE from local logits (tokens, vocab/tp); 3 all-reduces fwd / none bwd."""
+    """per-token CE from local logits (tokens, vocab/tp); 2 all-reduces fwd (max, [target, sum-exp]) / none bwd."""
 
     @staticmethod
     def forward(ctx, logits, target, group):
@@ -25,9 +26,9 @@ class _VocabParallelCrossEntropy(Function):
         shifted = logits - max_logit.unsqueeze(-1)
         local_target, outside = vocab_shard_ids(target, rank=dist.get_rank(group), local_vocab=logits.shape[-1])
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        comm.all_reduce(target_logit, group)
         exp = shifted.exp_()  # reuse the buffer: saved below as the softmax numerator
-        sum_exp = comm.all_reduce(exp.sum(dim=-1), group)
+        # One all-reduce for both, as Megatron batches them: (2 * tokens,)
+        target_logit, sum_exp = comm.all_reduce(torch.cat([target_logit, exp.sum(dim=-1)]), group).chunk(2)
         loss = torch.log(sum_exp) - target_logit
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
@@ -57,26 +58,31 @@ def make_vocab_parallel_causal_lm_loss(ctx: TPContext):
     def loss_function(logits, labels, num_items_in_batch=None):
         target = shift_labels(labels).reshape(-1).to(logits.device)
         per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ctx.group)
-        denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
-        return per_token.sum() / denom
+        return per_token.sum() / loss_denominator(target, num_items_in_batch)
 
     return loss_function
 
 
 def make_vocab_parallel_head_loss(ctx: TPContext):
     """The TP replacement for a model's `head_loss_function(h, weight, labels, num_items_in_batch, transform=)`:
-    the head's input boundary (as its colwise style would cross it), then the chunked cross-entropy over this
-    rank's vocabulary rows, its per-token statistics summed over the group once (3 all-reduces of (tokens,))."""
+    the head's input boundary (as its colwise style would cross it; its backward sums the input gradient over the
+    group), then the fused linear cross-entropy over this rank's vocabulary rows, which computes the gradients in
+    forward chunk by chunk with two all-reduces per chunk: the max (chunk,), then [target logit, sum-exp]
+    (2 * chunk,). At tp 1 it takes none."""
 
     def head_loss(h, weight, labels, num_items_in_batch=None, *, transform):
         x = ctx.enter(h)  # (batch, seq, hidden): the whole sequence under sequence parallelism too
-        group = ctx.group
         target = shift_labels(labels).reshape(-1).to(x.device)
-        per_token = chunked_head_cross_entropy(
-            x.reshape(-1, x.shape[-1]), weight, target, transform=transform, vocab_start=ctx.rank * weight.shape[0],
-            reduce_max=lambda t: comm.all_reduce(t, group, op=dist.ReduceOp.MAX),
-            reduce_sum=lambda t: comm.all_reduce(t, group))
-        denom = num_items_in_batch if num_items_in_batch is not None else (target != IGNORE_INDEX).sum()
-        return per_token.sum() / denom
+        return fused_linear_cross_entropy(x.reshape(-1, x.shape[-1]), weight, target,
+                                          loss_denominator(target, num_items_in_batch), transform=transform,
+                                          vocab_start=ctx.rank * weight.shape[0], **_reducers(ctx))
 
     return head_loss
+
+
+def _reducers(ctx: TPContext) -> dict:
+    """The fused loss's reductions over `ctx`'s group; none at tp 1, where the rank holds the whole vocabulary."""
+    if ctx.size == 1:
+        return {}
+    return dict(reduce_max=lambda t: comm.all_reduce(t, ctx.group, op=dist.ReduceOp.MAX),
+                reduce_sum=lambda t: comm.all_reduce(t, ctx.group))
