@@ -54,18 +54,18 @@ class SentencePieceTokenizer:
 
     def encoding(self, text: str) -> "_Encoding":
         """`.ids` and `.char_to_token(i)` of `text` (chat label masks need both)."""
-        ids, starts, at = [], [], 0  # starts[k]: (first char, end char) token k covers
+        ids, spans, at = [], [], 0  # spans[k]: the characters [first, end) token k covers
         for chunk in (self._split.split(text) if self._split else [text]):
             if chunk in self._added:
                 ids.append(self._added[chunk])
-                starts.append((at, at + len(chunk)))
+                spans.append((at, at + len(chunk)))
             elif chunk:
                 chars = _char_of_byte(chunk)
                 for piece in self._sp.encode(chunk, out_type="proto").pieces:  # begin/end: bytes of `chunk`
                     ids.append(piece.id)
-                    starts.append((at + chars[piece.begin], at + chars[piece.end]))
+                    spans.append((at + chars[piece.begin], at + chars[piece.end]))
             at += len(chunk)
-        return _Encoding(ids, starts, len(text))
+        return _Encoding(ids, spans, len(text))
 
     def token_to_id(self, token: str) -> int | None:
         if token in self._added:
