@@ -41,3 +41,19 @@ def check_against_hf(model, expected: dict[str, torch.Tensor], what: str, tol: d
     torch.testing.assert_close(logits, expected["logits"], **tol, msg=lambda m: f"{what} logits: {m}")
     torch.testing.assert_close(loss, expected["loss"], **tol, msg=lambda m: f"{what} loss: {m}")
     return (logits - expected["logits"]).abs().max().item()
+
+
+def save_byte_tokenizer(directory) -> None:
+    """A tokenizer.json of UTF-8 bytes (ids 0..255, eos 256) in `directory`, for checkpoints that tests write
+    without one: a checkpoint with weights is trained only on a tokenizer of its own (no byte-level fallback)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))

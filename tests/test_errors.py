@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def bad(tmp_path_factory):
         "truncated": _save(root, "truncated", max_shard_size="40KB"),
         "shape": _save(root, "shape"),
         "model_type": _save(root, "model_type"),
+        "negative_size": _save(root, "negative_size"),
     }
     sorted(paths["missing_shard"].glob("model-*.safetensors"))[1].unlink()  # model-00002-of-0000N
     shard = sorted(paths["truncated"].glob("model-*.safetensors"))[2]  # model-00003-of-0000N
@@ -55,7 +57,13 @@ def bad(tmp_path_factory):
     save_checkpoint(state, paths["shape"], extra_files={"config.json": (paths["shape"] / "config.json").read_text()})
     config = json.loads((paths["model_type"] / "config.json").read_text())
     (paths["model_type"] / "config.json").write_text(json.dumps({**config, "model_type": "acme_lm"}))
+    _edit_config(paths["negative_size"], intermediate_size=-64)
     return paths
+
+
+def _edit_config(path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
 
 
 def _load(path, tp_size=2, **kwargs):
@@ -115,6 +123,8 @@ CASES = [
       ", ".join(sorted(MODEL_REGISTRY))]),
     ("missing_shard", lambda p: _load(p["missing_shard"]), FileNotFoundError,
      ["model-00002-of-", ".safetensors", "missing"]),
+    ("negative_size", lambda p: _load(p["negative_size"]), ValueError,
+     ["Qwen3Config: intermediate_size must be a positive integer, got -64 (config.json's \"intermediate_size\")"]),
     ("truncated", lambda p: _load(p["truncated"]), ValueError,
      ["model-00003-of-", ".safetensors is truncated"]),
     ("shape", lambda p: _load(p["shape"]), ValueError,
@@ -161,3 +171,30 @@ def test_kv_heads_neither_divisor_nor_multiple():
     problems = check_plan(model, "auto", 4).problems
     assert problems == ["tp_size=4 exceeds num_key_value_heads=3 and is not a multiple of it, so KV heads cannot be "
                         "replicated evenly; use a tp_size that divides 3 or is a multiple of it"]
+
+
+SIZES = [("qwen3", "intermediate_size", -64, ""), ("qwen3", "num_attention_heads", 0, ""),
+         ("qwen3", "hidden_size", True, ""), ("qwen3", "vocab_size", 12.5, ""), ("qwen3", "num_hidden_layers", "2", ""),
+         ("qwen3", "head_dim", -16, " or null"), ("qwen3_moe", "moe_intermediate_size", -8, " or null"),
+         ("qwen3_moe", "num_experts_per_tok", 0, ""), ("mixtral", "num_local_experts", -4, ""),
+         ("mistral", "sliding_window", 0, " or null"), ("smollm3", "no_rope_layer_interval", 0, "")]
+
+
+@pytest.mark.parametrize("model_type, field, value, null", SIZES)
+def test_a_size_that_is_not_a_positive_integer_names_the_field(tmp_path, capsys, model_type, field, value, null):
+    """Named by the config check, read from config.json (AutoConfig, AutoModelForCausalLM, `tptrain plan`) or given
+    as a keyword, instead of torch's "negative dimension" (or a ZeroDivisionError) from inside the model build."""
+    AutoConfig.for_model(model_type, **TINY).save_pretrained(tmp_path)
+    _edit_config(tmp_path, **{field: value})
+    expected = f"{field} must be a positive integer{null}, got {value!r} (config.json's \"{field}\")"
+    for load in (AutoConfig.from_pretrained, lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)):
+        with pytest.raises(ValueError) as info:
+            load(tmp_path)
+        assert expected in str(info.value), info.value
+    if field != "num_local_experts":  # the keyword is num_experts; config.json's spelling is Mixtral's
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            AutoConfig.for_model(model_type, **{**TINY, field: value})
+    from tptrain.cli import main
+    assert main(["plan", str(tmp_path), "--tp-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tptrain plan: error: ") and expected in err and "Traceback" not in err, err

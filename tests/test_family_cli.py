@@ -12,12 +12,12 @@ import torch
 
 from tests import (test_families_simple, test_family_gemma, test_family_olmo2, test_family_olmo3, test_family_phi3,
                    test_moe)
-from tests.family_utils import randomize
+from tests.family_utils import randomize, save_byte_tokenizer
 from tests.test_train_cli import read_metrics, tptrain_train
 from tptrain import AutoModelForCausalLM
 from tptrain.models import MODEL_REGISTRY
 
-# Byte-level tokenizer (the checkpoints have no tokenizer.json): 257 ids, so a vocabulary of 320.
+# A tokenizer.json of bytes beside the weights (save_byte_tokenizer): 257 ids, so a vocabulary of 320.
 CLI_VOCAB = 320
 FAMILIES = {
     "llama": dict(test_families_simple.TINY),
@@ -48,6 +48,7 @@ def test_train_cli_smoke(model_type, tmp_path):
         hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs))
     randomize(hf, norm_weight=0.0 if model_type.startswith("gemma") else 1.0)
     hf.save_pretrained(tmp_path / "model")
+    save_byte_tokenizer(tmp_path / "model")
 
     run = tptrain_train("--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run"))
     assert run.returncode == 0, run.stdout + run.stderr

@@ -1,7 +1,8 @@
 """Faults at launch and while running, each reported as what it is, promptly, on every rank:
 
 * `tptrain train` refuses bad flags, models, data and output directories before any worker starts;
-* a load error seen by one rank only reaches the other rank too, also without torchrun (RANK set by hand);
+* a load error seen by one rank only reaches the other rank too, also without torchrun (RANK set by hand),
+  even one met before the checkpoint's config.json is read (no such checkpoint);
 * a rank that is never started makes the others fail after TPTRAIN_RENDEZVOUS_TIMEOUT, saying so;
 * a rank killed mid-run is named with its signal, not hidden behind the survivor's "Connection closed";
 * --seq-len beyond max_position_embeddings, impossible layouts and config-only directories say what is wrong;
@@ -147,6 +148,22 @@ def test_one_rank_load_error_reaches_every_rank_and_a_missing_rank_times_out(tmp
     assert code != 0 and ("TimeoutError: rank 0 waited 3 s for WORLD_SIZE=2 processes at 127.0.0.1:" in output
                           and "are all ranks started" in output), output
     assert time.monotonic() - start < 60
+
+
+def test_a_rank_given_a_missing_checkpoint_stops_the_others_at_once(tmp_path):
+    """Rank 1's checkpoint does not exist, so AutoModelForCausalLM cannot even read its config.json: rank 0 still
+    fails within seconds with rank 1's error (the path, "(on rank 1 of 2)"), not after the rendezvous timeout."""
+    good, missing = _save(tmp_path / "good"), tmp_path / "no-such-checkpoint"
+    port = free_port()
+    start = time.monotonic()
+    ranks = [_start_rank(0, port, good, 120), _start_rank(1, port, missing, 120)]
+    results = [_finish(p, timeout=180) for p in ranks]
+    elapsed = time.monotonic() - start
+    for code, output in results:
+        assert code != 0 and "loaded OK" not in output, output
+        assert "FileNotFoundError" in output and str(missing) in output and "(on rank 1 of 2)" in output, output
+        assert "waited 120 s" not in output, output
+    assert elapsed < 60, f"rank 0 learnt of rank 1's error after {elapsed:.0f} s"
 
 
 # ------------------------------------------------------------------ a rank dies mid-run

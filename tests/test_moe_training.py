@@ -107,3 +107,57 @@ def _fsdp_worker(tmp: str) -> None:
 
 def test_ep2_with_fsdp2_and_activation_checkpointing_match_one_device(tmp_path):
     run_distributed(_fsdp_worker, 4, str(tmp_path), timeout=500)
+
+
+VIEW_WARNING = "returned a view tensor"
+
+
+def _view_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if VIEW_WARNING in str(w.message)]
+
+
+def _no_view_output_worker(tmp: str) -> None:
+    """The experts under FSDP2 return a tensor of their own: the all-to-all path's all-gathered output (experts
+    wrapped by fully_shard on their own) and a Trainer run with dp_shard over the experts (ep 2) raise no "returned a
+    view tensor" warning, and the collectives' results are no views of their buffers (bit for bit the gather)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for wrap in (False, True):
+        model = tiny_moe().parallelize(DistributedConfig(tp_size=2, enable_expert_parallel=True))
+        assert model.model.layers[0].mlp.experts.tp_dispatch == "all_to_all"  # top-1 at 2 ranks
+        if wrap:
+            for layer in model.model.layers:
+                fully_shard(layer.mlp.experts, mesh=model.device_mesh["dp_shard"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        assert not _view_warnings(caught), _view_warnings(caught)
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1]), losses
+
+    from tptrain.distributed import comm
+    group, rank = dist.group.WORLD, dist.get_rank()
+    for shape, dim in [((3, 4), 0), ((1, 3, 4), 1), ((2, 3, 4), 1), ((1, 1, 4), 2), ((2, 3, 4), -1)]:
+        x = torch.arange(24.0)[:torch.Size(shape).numel()].reshape(shape) + 100 * rank
+        gathered = comm.gather_from_tp(x, group, dim=dim)
+        assert gathered._base is None and gathered.is_contiguous(), (shape, dim)
+        torch.testing.assert_close(gathered, torch.cat([x - 100 * rank, x - 100 * rank + 100], dim=dim), rtol=0, atol=0)
+        summed = comm.reduce_scatter_to_sp(gathered, group, dim=dim)
+        assert summed._base is None and torch.equal(summed, 2 * x), (shape, dim)
+
+    model = tiny_moe().parallelize(DistributedConfig(ep_size=2))
+    args = training_args(f"{tmp}/ep", max_steps=2, parallelism_config=ParallelismConfig(ep_size=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(model=model, args=args, train_dataset=tiny_dataset()).train()
+    assert not _view_warnings(caught), _view_warnings(caught)
+
+
+def test_fsdp2_wrapped_experts_return_no_view(tmp_path):
+    run_distributed(_no_view_output_worker, 2, str(tmp_path), timeout=300)

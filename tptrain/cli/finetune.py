@@ -65,13 +65,14 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:
-    """Checks before any worker starts: the data files (records parsed, chat template present when a record is
-    a chat), the eval flags, LoRA's values. Raises the first problem found."""
+    """Checks before any worker starts: the tokenizer, the data files (records parsed, chat template present when a
+    record is a chat), the eval flags, LoRA's values. Raises the first problem found."""
     from tptrain.training.chat_template import load_chat_template
-    from tptrain.training.data import read_documents
+    from tptrain.training.data import load_tokenizer, read_documents
     from tptrain.training.sft_data import read_records, record_format
 
     _check_streaming(args)
+    load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is None or (flag == "--data" and args.streaming):
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
 from tptrain.models import configuration, decoder
 from tptrain.models.configuration import PretrainedConfig, absorb_rope_parameters, load_config_dict
 from tptrain.models.decoder import DecoderForCausalLM
@@ -59,12 +60,30 @@ class AutoModelForCausalLM:
     @staticmethod
     def from_pretrained(path_or_id: str | os.PathLike, *, backend: str = "auto", **kwargs: Any) -> DecoderForCausalLM:
         """Resolve the class from config.json, then `cls.from_pretrained(path_or_id, **kwargs)`. The backend is
-        `distributed_config.backend` when given, else `backend` (see `select_backend`)."""
+        `distributed_config.backend` when given, else `backend` (see `select_backend`). With a
+        `distributed_config`, a checkpoint this rank cannot resolve (or whose model_type it cannot run) is raised
+        on every rank, naming this one, as `from_pretrained` raises the errors of its own checks."""
         if kwargs.pop("trust_remote_code", False):
             raise ValueError("trust_remote_code is out of scope: tptrain runs its own model code, or transformers' "
                              "own model classes (backend='transformers'), never modeling code from the hub")
-        model_type = load_config_dict(path_or_id).get("model_type")
         config = kwargs.get("distributed_config")
-        if select_backend(model_type, config.backend if config is not None else backend) == "transformers":
+        try:
+            model_type = load_config_dict(path_or_id).get("model_type")
+            chosen = select_backend(model_type, config.backend if config is not None else backend)
+        except Exception as exc:
+            if config is not None:
+                _raise_on_every_rank(config, exc)
+            raise
+        if chosen == "transformers":
             return _transformers_backend().TransformersCausalLM.from_pretrained(path_or_id, **kwargs)
         return _lookup(model_type)[1].from_pretrained(path_or_id, **kwargs)
+
+
+def _raise_on_every_rank(distributed_config: DistributedConfig, error: Exception) -> None:
+    """Raise `error`, met before the process group starts, where every other rank's `from_pretrained` shares the
+    outcome of its own checks: right after the rendezvous, so the others raise it too, naming this rank, at once
+    (each rank may load its own copy of the checkpoint, e.g. one per node), instead of waiting for this rank until
+    the rendezvous times out."""
+    distributed_config.sizes()  # a bad layout first, as the other ranks raise it: before the rendezvous
+    init_distributed()
+    raise_on_any_rank(error)

@@ -1,6 +1,6 @@
 """Training data: tokenize text, pack it into fixed-length blocks, and hand each data-parallel rank its batch.
 
-    tokenizer = load_tokenizer("path/to/checkpoint")          # its tokenizer.json, or bytes
+    tokenizer = load_tokenizer("path/to/checkpoint")          # its tokenizer.json (or .model), or bytes
     dataset = build_dataset("corpus.txt", tokenizer, seq_len=128)
     order = DataOrder(len(dataset), seed=0, dp_rank=0, dp_size=1, global_batch=8)
     batch = torch.stack([dataset[i] for i in order.next_batch()])  # (8, 128)
@@ -20,6 +20,9 @@ from typing import Any, Iterable, Protocol
 
 import torch
 from torch.utils.data import Dataset
+
+from tptrain.io import INDEX_FILE, SINGLE_FILE
+from tptrain.training.spm_tokenizer import SPM_FILE, SentencePieceTokenizer
 
 # Inside a document a single blank line separates paragraphs; two or more separate documents.
 _DOCUMENT_BREAK = re.compile(r"\n[ \t\r]*\n[ \t\r]*\n\s*")
@@ -45,6 +48,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         self.path = path
+        self.description = f"{path} (tokenizer.json)"
         self._tok = _Tokenizer.from_file(str(path))
         self.eos_token_id = _eos_id(self._tok, path, config)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -67,10 +71,11 @@ class HFTokenizer:
 
 
 class ByteTokenizer:
-    """Fallback when a checkpoint has no tokenizer.json: UTF-8 bytes are ids 0..255, eos is 256."""
+    """For a model without weights that has no tokenizer: UTF-8 bytes are ids 0..255, eos is 256."""
 
     eos_token_id = 256
     vocab_size = 257
+    description = "byte-level fallback (the model has no weights)"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -99,10 +104,13 @@ class _ByteEncoding:
         return self._starts[index] if 0 <= index < len(self._starts) else None
 
 
-def load_tokenizer(model_dir: str | Path | None) -> HFTokenizer | ByteTokenizer:
-    """The tokenizer of the checkpoint in `model_dir` (a local directory), or bytes when it has none.
+def load_tokenizer(model_dir: str | Path | None) -> Any:
+    """The tokenizer of the checkpoint in `model_dir` (a local directory): its tokenizer.json, else its SentencePiece
+    tokenizer.model; bytes only for a model without weights (a config to train from scratch, or no directory).
+    Its `description` says which (path and kind), for the run to print.
 
-    Raises ValueError when the model's embedding (config.json `vocab_size`) cannot hold the
+    Raises FileNotFoundError for a checkpoint with weights but neither file (byte ids would be noise to its
+    embedding), and ValueError when the model's embedding (config.json `vocab_size`) cannot hold the
     tokenizer's ids, e.g. a byte-level fallback (257 ids) for a model with a smaller vocabulary.
     """
     directory = None if model_dir is None else Path(model_dir)
@@ -110,13 +118,12 @@ def load_tokenizer(model_dir: str | Path | None) -> HFTokenizer | ByteTokenizer:
         raise FileNotFoundError(f"load_tokenizer: {directory} is not a directory; pass the checkpoint directory "
                                 "(it holds config.json and, usually, tokenizer.json)")
     config = _read_json(directory / "config.json") if directory and (directory / "config.json").is_file() else {}
-    if directory is not None and (directory / "tokenizer.json").is_file():
-        path = directory / "tokenizer.json"
-        tokenizer: HFTokenizer | ByteTokenizer = HFTokenizer(path, config)
-        source = f"tokenizer {path}"
-    else:
+    tokenizer = _checkpoint_tokenizer(directory, config) if directory is not None else None
+    if tokenizer is None:
         tokenizer = ByteTokenizer()
         source = f"the byte-level fallback tokenizer (no tokenizer.json in {directory})"
+    else:
+        source = f"tokenizer {tokenizer.path}"
     model_vocab = config.get("vocab_size")
     if isinstance(model_vocab, int) and model_vocab < tokenizer.vocab_size:
         raise ValueError(f"{source} produces ids up to {tokenizer.vocab_size - 1}, but the model in {directory} "
@@ -126,6 +133,21 @@ def load_tokenizer(model_dir: str | Path | None) -> HFTokenizer | ByteTokenizer:
     return tokenizer
 
 
+def _checkpoint_tokenizer(directory: Path, config: dict[str, Any]) -> Any:
+    """The tokenizer `directory` ships (None: none, and no weights either)."""
+    if (directory / "tokenizer.json").is_file():
+        return HFTokenizer(directory / "tokenizer.json", config)
+    if (directory / SPM_FILE).is_file():
+        tokenizer = SentencePieceTokenizer(directory / SPM_FILE)
+        tokenizer.eos_token_id = _eos_id(tokenizer, tokenizer.path, config)
+        return tokenizer
+    if (directory / SINGLE_FILE).is_file() or (directory / INDEX_FILE).is_file():
+        raise FileNotFoundError(
+            f"the checkpoint {directory} has weights but no tokenizer (looked for tokenizer.json and {SPM_FILE}): "
+            "its embedding was trained on its own tokenizer's ids, so the byte-level fallback (for models without "
+            f"weights) would train it on noise. Copy the model's tokenizer files (tokenizer.json, "
+            f"tokenizer_config.json) into {directory}, or pass the Trainer its tokenizer (tokenizer=)")
+    return None
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

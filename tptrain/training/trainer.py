@@ -98,6 +98,7 @@ class Trainer:
         self.grad_sync = layout.grad_sync if layout else None
         self.global_step = 0
         self.best_eval_loss: float | None = None
+        self._report_tokenizer()
         self._report_truncation()
         self.run_id = uuid.uuid4().hex  # marks this run's checkpoints (rank 0's is the one written); kept on resume
 
@@ -233,6 +234,12 @@ class Trainer:
                         tensorboard=self.args.report_to == "tensorboard")
 
     # ------------------------------------------------------------------ fine-tuning data and evaluation
+
+    def _report_tokenizer(self) -> None:
+        """Which tokenizer the run's ids come from (path and kind, or the byte-level fallback), once, on rank 0."""
+        if self.tokenizer is not None and self.is_rank0:
+            kind = getattr(self.tokenizer, "description", f"{type(self.tokenizer).__name__} (given to the Trainer)")
+            print(f"tptrain: tokenizer {kind}", flush=True)
 
     def _report_truncation(self) -> None:
         for name, data in (("train", self.dataset), ("eval", self.eval_dataset)):

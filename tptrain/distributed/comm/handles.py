@@ -4,6 +4,8 @@ backward can compute while the collective runs (parallel/colwise_block.py). The 
 issued or recorded, and the result is what the collective would give (a new tensor where it makes one)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -47,11 +49,11 @@ def start_all_gather(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: s
     if world == 1:
         return _alone(t)
     t = t.movedim(dim, 0).contiguous()
-    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+    out, result = _output(t, dim, world * t.shape[0])
     record("all_gather", t, phase or current_phase(), group)
     # Contiguous, so the consumers (q/k/v, gate/up) fold it into their matmuls without one copy
     # each, and sequence_parallel.py can recognise the views autograd saves of it.
-    return Pending(_all_gather_single(out, t, group=group, async_op=True), lambda: out.movedim(0, dim).contiguous())
+    return Pending(_all_gather_single(out, t, group=group, async_op=True), result)
 
 
 def start_reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phase: str | None = None) -> Pending:
@@ -62,12 +64,27 @@ def start_reduce_scatter(t: torch.Tensor, group: ProcessGroup, *, dim: int, phas
     t = t.movedim(dim, 0).contiguous()
     if t.shape[0] % world:
         raise ValueError(f"reduce_scatter: size {t.shape[0]} of dim {dim} is not divisible by {world} ranks")
-    out = t.new_empty((t.shape[0] // world, *t.shape[1:]))
+    out, result = _output(t, dim, t.shape[0] // world)
     record("reduce_scatter", t, phase or current_phase(), group)
     # Contiguous, as the custom op's result is: a strided view would change the reduction order of what reads it
     # (a norm's weight gradient sums over its tokens), and the overlapped and unfused paths must agree bit for bit.
-    return Pending(_reduce_scatter_single(out, t, group=group, async_op=True),
-                   lambda: out.movedim(0, dim).contiguous())
+    return Pending(_reduce_scatter_single(out, t, group=group, async_op=True), result)
+
+
+def _output(t: torch.Tensor, dim: int, rows: int) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """(the buffer a collective along dim 0 of `t` (dim `dim` moved first) writes `rows` rows into, the function that
+    returns the result with that dim moved back). The result is contiguous and a tensor of its own, never a view of
+    the buffer: FSDP2 hooks a wrapped module's output for backward, and warns that an in-place op on a view would
+    skip that hook (the experts' all-gathered output under expert parallelism was one). Where the moved dim is
+    outermost in memory anyway (dim 0, or only size-1 dims before it), the buffer is a view of the result instead,
+    so no copy is made; otherwise the result is one copy of it, as `.contiguous()` made."""
+    shape = (*t.shape[1:dim + 1], rows, *t.shape[dim + 1:])
+    result = t.new_empty(shape)
+    out = result.movedim(dim, 0)
+    if out.is_contiguous():
+        return out, lambda: result
+    out = t.new_empty((rows, *t.shape[1:]))
+    return out, lambda: result.copy_(out.movedim(0, dim))
 
 
 def _alone(t: torch.Tensor) -> Pending:

@@ -25,6 +25,12 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation (tanh-approximated GELU: Gemma)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+# Fields that size a tensor, a loop or a window: positive ints wherever a config has them (`int | None` ones may be
+# null: a default fills them in, or None means none, as for sliding_window).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
+               "sliding_window", "original_max_position_embeddings", "no_rope_layer_interval")
 
 # HF's plan for LlamaModel / Qwen2Model, plus our vocab-parallel embedding.
 _DECODER_TP_PLAN = {
@@ -101,11 +107,30 @@ class PretrainedConfig:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # unknown keys, kept for round-trip
 
     def __post_init__(self) -> None:
+        self._check_sizes()  # first: the defaults below divide by them and build per-layer lists of them
+        self._fill_defaults()
+        self._validate()
+
+    def _fill_defaults(self) -> None:
+        """The fields config.json may leave out, derived from the others (families add theirs)."""
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        self._validate()
+
+    def _check_sizes(self) -> None:
+        """Every SIZE_FIELDS field this config has is a positive int (or null where its type allows None), so a bad
+        config.json is this error, raised wherever the config is read (every rank), not torch's "negative
+        dimension" from deep inside the model build."""
+        for f in dataclasses.fields(self):
+            value, nullable = getattr(self, f.name), "None" in str(f.type)  # typed `int | None`
+            if f.name not in SIZE_FIELDS or (value is None and nullable):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                key = getattr(self, "experts_key", f.name) if f.name == "num_experts" else f.name  # Mixtral's
+                null = " or null" if nullable else ""
+                raise ValueError(f"{type(self).__name__}: {key} must be a positive integer{null}, got {value!r} "
+                                 f"(config.json's \"{key}\")")
 
     def _validate(self) -> None:
         name = type(self).__name__
@@ -319,9 +344,7 @@ def _sliding_windows(config: PretrainedConfig, layer_types: list[str]) -> list[i
     if unknown:
         raise ValueError(f"{name}: layer_types value(s) {unknown} not implemented; supported: "
                          f"{', '.join(SUPPORTED_LAYER_TYPES)}.")
-    window = config.sliding_window
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"{name}: sliding_window={window!r} must be a positive integer or null.")
+    window = config.sliding_window  # a positive int or None (PretrainedConfig._check_sizes)
     if window is None and "sliding_attention" in layer_types:
         raise ValueError(f"{name}: layer_types has 'sliding_attention' layers but sliding_window is null.")
     return [window if t == "sliding_attention" else None for t in layer_types]

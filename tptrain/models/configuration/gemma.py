@@ -50,12 +50,12 @@ class Gemma2Config(PretrainedConfig):
     attn_logit_softcapping: float | None = 50.0  # scores = tanh(scores / cap) * cap; None: none
     attention_dropout: float = 0.0  # only 0 is implemented
 
-    def __post_init__(self) -> None:
+    def _fill_defaults(self) -> None:
         if self.layer_types is None:  # transformers' default: every n-th layer full, the others sliding
             n = self._full_attention_every()
             self.layer_types = ["sliding_attention" if (i + 1) % n else "full_attention"
                                 for i in range(self.num_hidden_layers)]
-        super().__post_init__()
+        super()._fill_defaults()
 
     def _full_attention_every(self) -> int:
         return 2

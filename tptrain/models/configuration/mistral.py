@@ -40,11 +40,11 @@ class MinistralConfig(MistralConfig):
 
     layer_types: list[str] | None = None  # per layer; None -> all "sliding_attention" (or full if no window)
 
-    def __post_init__(self) -> None:
+    def _fill_defaults(self) -> None:
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers
-        super().__post_init__()
+        super()._fill_defaults()
 
     @property
     def layer_sliding_windows(self) -> list[int | None]:

@@ -50,18 +50,14 @@ class MoeConfig(PretrainedConfig):
     router_aux_loss_coef: float = 0.001  # its weight in the loss
     router_jitter_noise: float = 0.0  # only 0 is implemented
 
-    def __post_init__(self) -> None:
+    def _fill_defaults(self) -> None:
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
-        super().__post_init__()
+        super()._fill_defaults()
 
     def _validate(self) -> None:
         super()._validate()
         name = type(self).__name__
-        for key in ("num_experts", "num_experts_per_tok", "decoder_sparse_step"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: {key}={value!r} must be a positive integer.")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"{name}: num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts="
                              f"{self.num_experts}; a token cannot be routed to more experts than exist.")

@@ -62,11 +62,11 @@ class Olmo3Config(Olmo2Config):
     sliding_window: int | None = 4096  # keys a sliding-attention query sees, itself included
     layer_types: list[str] | None = None  # per layer; None -> transformers' default (every 4th layer full)
 
-    def __post_init__(self) -> None:
+    def _fill_defaults(self) -> None:
         if self.layer_types is None:
             self.layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                 for i in range(self.num_hidden_layers)]
-        super().__post_init__()
+        super()._fill_defaults()
 
     @property
     def layer_sliding_windows(self) -> list[int | None]:

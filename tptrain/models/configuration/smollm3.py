@@ -30,11 +30,11 @@ class SmolLM3Config(PretrainedConfig):
     no_rope_layers: list[int] | None = None
     no_rope_layer_interval: int = 4  # only used to fill in no_rope_layers
 
-    def __post_init__(self) -> None:
+    def _fill_defaults(self) -> None:
         if self.no_rope_layers is None:
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0)
                                    for i in range(self.num_hidden_layers)]
-        super().__post_init__()
+        super()._fill_defaults()
 
     @property
     def layer_uses_rope(self) -> list[bool]:
