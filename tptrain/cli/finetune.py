@@ -15,7 +15,8 @@ from typing import Any
 # --help sections: (title, flags); flags added elsewhere and not named here stay under "options".
 HELP_GROUPS = (
     ("model", ("--model", "--dtype", "--seed")),
-    ("data", ("--data", "--seq-len", "--packing", "--assistant-only-loss", "--chat-template", "--truncation")),
+    ("data", ("--data", "--seq-len", "--packing", "--assistant-only-loss", "--chat-template", "--truncation",
+              "--data-cache")),
     ("evaluation", ("--eval-data", "--eval-split", "--eval-steps", "--save-best")),
     ("parallelism", ("--tp-size", "--nproc-per-node")),
     ("optimisation", ("--max-steps", "--num-epochs", "--batch-size", "--grad-accum", "--lr", "--warmup-steps",
@@ -39,6 +40,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                                                             "(default: the checkpoint's)")
     p.add_argument("--truncation", choices=("truncate", "error"), default="truncate",
                    help="a sample longer than --seq-len is cut (default; the count is reported) or an error")
+    p.add_argument("--data-cache", metavar="DIR", default=None,
+                   help="where --data / --eval-data files are tokenized once and memory-mapped by every rank "
+                        "(default: $TPTRAIN_CACHE, else ~/.cache/tptrain/data; `tptrain prepare-data` fills it)")
     p.add_argument("--eval-data", metavar="FILE", help="evaluation set (the same formats as --data)")
     p.add_argument("--eval-split", type=float, default=0.0, metavar="FRACTION",
                    help="hold out this fraction of --data for evaluation, e.g. 0.05")
@@ -81,7 +85,8 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(num_train_epochs=args.num_epochs, gradient_accumulation_steps=args.grad_accum, packing=args.packing,
                 assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
                 chat_template=args.chat_template, eval_steps=args.eval_steps, eval_split=args.eval_split,
-                save_best=args.save_best, report_to=None if args.report_to == "none" else args.report_to)
+                save_best=args.save_best, report_to=None if args.report_to == "none" else args.report_to,
+                data_cache_dir=args.data_cache)
 
 
 def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:

@@ -85,7 +85,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
         self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_mesh(self.mesh).get_local_rank(),
-                                    dp_size=self.dims.dp, global_batch=self.global_batch)
+                                    dp_size=self.dims.dp, global_batch=self.global_batch,
+                                    data_key=getattr(self.dataset, "data_key", None))
         raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
         if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
             model.to(self.device)
@@ -122,7 +123,8 @@ class Trainer:
         a = self.args
         return build_training_data(source, self.tokenizer, a.seq_len, model_dir=self._model_dir(),
                                    chat_template=a.chat_template, packing=a.packing,
-                                   assistant_only_loss=a.assistant_only_loss, truncation=a.truncation)
+                                   assistant_only_loss=a.assistant_only_loss, truncation=a.truncation,
+                                   cache_dir=a.data_cache_dir, vocab_size=self.inner.config.vocab_size)
 
     def _model_dir(self) -> Path | None:
         name = getattr(self.inner, "name_or_path", None)
