@@ -241,3 +241,18 @@ def test_two_ranks_one_tokenizes_both_map_the_same_cache(tmp_path):
     assert torch.equal(ranks[0]["blocks"], ranks[1]["blocks"])
     assert torch.equal(ranks[0]["blocks"], build_dataset(path, load_tokenizer(TINY_QWEN3), 16).blocks)
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []  # no status or temporary file left
+
+
+def test_prepare_data_fills_the_cache_that_training_then_hits(tmp_path, capsys):
+    from tptrain.cli import main
+
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    path.write_text(TEXT)
+    argv = ["prepare-data", "--model", str(TINY_QWEN3), "--data", str(path), "--data-cache", str(cache)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("data cache: miss (tokenizing c.txt, 0 MB) -> ") and f"tokens (uint16) in {len(read_documents(path)[1])} documents" in out
+    build_training_data(path, load_tokenizer(TINY_QWEN3), 8, cache_dir=cache)
+    assert capsys.readouterr().out.startswith(f"data cache: hit {_stores(cache)[0]}")
+    assert main(argv[:-4] + ["--data", str(tmp_path / "missing.txt")]) == 1
+    assert "--data " in capsys.readouterr().err

@@ -312,8 +312,8 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
     if isinstance(source, SFTDataset):
         return source
     if isinstance(source, (str, Path)) and Path(source).expanduser().is_file():
-        store = _cached(Path(source).expanduser(), tokenizer, model_dir=model_dir, chat_template=chat_template,
-                        assistant_only_loss=assistant_only_loss, cache_dir=cache_dir, vocab_size=vocab_size)
+        store = cache_store(Path(source).expanduser(), tokenizer, model_dir=model_dir, chat_template=chat_template,
+                            assistant_only_loss=assistant_only_loss, cache_dir=cache_dir, vocab_size=vocab_size)
         if store is not None:
             return _from_store(store, seq_len, packing=packing, truncation=truncation, pad_id=tokenizer.eos_token_id)
     records = read_records(source)
@@ -325,8 +325,8 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
                              assistant_only_loss=assistant_only_loss, truncation=truncation)
 
 
-def _cached(path: Path, tokenizer: Any, *, model_dir: str | Path | None, chat_template: str | Path | None,
-            assistant_only_loss: bool, cache_dir: str | Path | None, vocab_size: int | None) -> Store | None:
+def cache_store(path: Path, tokenizer: Any, *, model_dir: str | Path | None, chat_template: str | Path | None,
+                assistant_only_loss: bool, cache_dir: str | Path | None, vocab_size: int | None) -> Store | None:
     """The token cache's store of a data file (None: not cached). A .jsonl file may hold chats, so its key
     covers the chat template's text (the checkpoint's, if any) and assistant_only_loss."""
     encoder, options = None, {}

@@ -99,6 +99,7 @@ class TokenWriter:
         self.targets = open(directory / TARGETS, "wb") if targets else None
         self.lengths = array("q")  # tokens per document
         self.max_id, self.num_tokens = -1, 0
+        self.on_write: Callable[[], None] = lambda: None  # the progress bar's tokens/s
 
     def write(self, ids: list[list[int]], targets: list[list[bool]] | None = None) -> None:
         count = sum(len(d) for d in ids)
@@ -112,6 +113,7 @@ class TokenWriter:
                                .tobytes())
         self.lengths.extend(len(d) for d in ids)
         self.num_tokens += count
+        self.on_write()
 
     def close(self, *, keep_targets: bool) -> dict[str, int]:
         """Flush the files, write the offsets; drop the target flags when no record needed them."""
@@ -137,11 +139,9 @@ def tokenize_file(path: Path, directory: Path, tokenizer: Any, *, encoder: Any, 
     start = time.perf_counter()
     with tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"tokenizing {path.name}",
               file=sys.stderr, disable=not show_progress, mininterval=1.0) as bar:
-        def progress(nbytes: int) -> None:
-            bar.update(nbytes)
-            if bar.n == bar.total or nbytes >= _READ_BYTES:
-                bar.set_postfix_str(f"{writer.num_tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
-
+        writer.on_write = lambda: bar.set_postfix_str(
+            f"{writer.num_tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
+        progress = bar.update
         if encoder is None:
             kind, texts = "text", _encode_texts(text_documents(path, progress), tokenizer, writer, targets=False)
         else:
