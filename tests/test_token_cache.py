@@ -199,8 +199,11 @@ def test_a_waiting_rank_raises_local_rank_0s_failure(tmp_path, monkeypatch):
     key, _ = token_cache.cache_key(path, ByteTokenizer(), {})
     status = token_cache._status_file(cache / f"c-{key}")
     cache.mkdir()
-    status.write_text(json.dumps({"pid": os.getpid(), "state": "failed", "error": "ValueError: bad line 3"}))
-    with pytest.raises(ValueError, match="local rank 0 could not build the data cache .*bad line 3"):
+    status.write_text(json.dumps({"pid": os.getpid(), "state": "failed", "type": "ValueError", "error": "bad line 3"}))
+    with pytest.raises(ValueError, match="^bad line 3$"):  # the same error as rank 0's: reported once for both
+        build_training_data(path, ByteTokenizer(), 8, cache_dir=cache)
+    status.write_text(json.dumps({"pid": os.getpid(), "state": "failed", "type": "KeyError", "error": "'x'"}))
+    with pytest.raises(RuntimeError, match="local rank 0 could not build the data cache .*KeyError: 'x'"):
         build_training_data(path, ByteTokenizer(), 8, cache_dir=cache)
     status.write_text(json.dumps({"pid": 2 ** 22 + 12345, "state": "building"}))  # no such process
     with pytest.raises(RuntimeError, match=r"local rank 0 \(pid \d+\) died while building"):

@@ -94,20 +94,14 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
     a chat), the eval flags, LoRA's values. Raises the first problem found."""
     from tptrain.training.chat_template import load_chat_template
     from tptrain.training.data import read_documents
-    from tptrain.training.sft_data import read_records, record_format
+    from tptrain.training.sft_data import scan_data_file
 
-    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+    for path in (args.data, args.eval_data):
         if path is None:
             continue
-        records = read_records(path)
-        if records is None:
-            read_documents(path)
-            continue
-        name, items = records
-        chat = False
-        for index, record in enumerate(items):
-            chat |= record_format(record, index, name) == "messages" or isinstance(record.get("prompt"), list)
-        if chat:
+        if not Path(path).expanduser().is_file():
+            read_documents(path)  # raises, naming the path
+        if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
             load_chat_template(model_dir, args.chat_template)
     if args.eval_data and args.eval_split:
         raise ValueError("pass --eval-data or --eval-split, not both")

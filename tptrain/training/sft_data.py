@@ -30,6 +30,7 @@ from tptrain.losses import IGNORE_INDEX
 from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
 from tptrain.training.data import build_dataset, packed_dataset
 from tptrain.training.token_cache import Store, open_or_build
+from tptrain.training.token_stream import jsonl_records, text_documents
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -64,6 +65,25 @@ def read_records(source: Any) -> tuple[str, list[dict[str, Any]]] | None:
     if not records:
         raise ValueError(f"dataset {name} is empty: it has no records to train on")
     return name, records
+
+
+def scan_data_file(path: Path) -> bool:
+    """Read and parse a .txt / .jsonl file piece by piece, without tokenizing, raising what building it would
+    (a bad line, an unknown record, no text); whether a record is a chat (so a chat template is needed)."""
+    def ignore(nbytes: int) -> None:
+        pass
+
+    if path.suffix != ".jsonl":
+        if next(text_documents(path, ignore), None) is None:
+            raise ValueError(f"dataset {path} is empty: it has no text to train on")
+        return False
+    chat, count = False, 0
+    for count, record in enumerate(jsonl_records(path, ignore), start=1):
+        fmt = record_format(record, count - 1, str(path))
+        chat |= fmt == "messages" or isinstance(record.get("prompt"), list)
+    if not count:
+        raise ValueError(f"dataset {path} is empty: it has no records to train on")
+    return chat
 
 
 def record_format(record: Any, index: int, name: str) -> str:

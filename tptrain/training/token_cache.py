@@ -48,6 +48,7 @@ CACHE_ENV = "TPTRAIN_CACHE"
 DEFAULT_ROOT = "~/.cache/tptrain/data"
 FORMAT_VERSION = 1
 _MOVE_IT = f"move it with --data-cache DIR (TrainingArguments.data_cache_dir, ${CACHE_ENV})"
+_USER_ERRORS = {e.__name__: e for e in (ValueError, TypeError, OSError, FileNotFoundError)}
 _BUILDER_GRACE = 600.0  # seconds a waiting rank gives local rank 0 to start building before giving up
 
 
@@ -197,11 +198,11 @@ def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[st
         _publish(tmp, directory)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        _write_status(status, state="failed", error=f"{type(exc).__name__}: {exc}")
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"data cache: no space left on the device while writing {tmp} (removed); "
-                                        f"free space or {_MOVE_IT}") from None
-        raise
+            exc = OSError(errno.ENOSPC, f"data cache: no space left on the device while writing {tmp} (removed); "
+                                        f"free space or {_MOVE_IT}")
+        _write_status(status, state="failed", type=type(exc).__name__, error=str(exc))
+        raise exc from None
     status.unlink(missing_ok=True)
     store, why = open_store(directory, key)
     assert store is not None, f"the store just written does not verify: {why}"
@@ -233,8 +234,10 @@ def _wait(directory: Path, key: str) -> Store:
         if store is not None:
             return store
         state = _read_status(status)
-        if state.get("state") == "failed":
-            raise ValueError(f"local rank 0 could not build the data cache {directory}: {state.get('error')}")
+        if state.get("state") == "failed":  # rank 0's error as it is: the launcher reports it once for all
+            error = _USER_ERRORS.get(state["type"])
+            raise error(state["error"]) if error else RuntimeError(
+                f"local rank 0 could not build the data cache {directory}: {state['type']}: {state['error']}")
         if state.get("state") == "building" and not _alive(state["pid"]):
             raise RuntimeError(f"local rank 0 (pid {state['pid']}) died while building the data cache {directory}; "
                                "run again (nothing partial was kept), or build it first with `tptrain prepare-data`")
