@@ -129,7 +129,8 @@ def main() -> None:
                 result = train_once(corpus, args.model, layout, cache, workdir / f"run-{size_text}-{layout}")
                 rows.append((size_text, layout, run, result))
                 print(f"  {layout} {run} run: {json.dumps(result)}", flush=True)
-    print(f"\n{'corpus':>8} {'layout':>6} {'run':>6} {'cache':>5} {'first step s':>12} {'total s':>8} {'max RSS MB':>10}")
+    print(f"\n{'corpus':>8} {'layout':>6} {'run':>6} {'cache':>5} {'first step s':>12} {'total s':>8} "
+          f"{'max RSS MB':>10}")
     for size_text, layout, run, r in rows:
         print(f"{size_text:>8} {layout:>6} {run:>6} {r['cache']:>5} {r['first step s']:>12.1f} {r['total s']:>8.1f} "
               f"{r['max RSS MB']:>10.0f}")

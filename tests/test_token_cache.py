@@ -254,7 +254,8 @@ def test_prepare_data_fills_the_cache_that_training_then_hits(tmp_path, capsys):
     argv = ["prepare-data", "--model", str(TINY_QWEN3), "--data", str(path), "--data-cache", str(cache)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("data cache: miss (tokenizing c.txt, 0 MB) -> ") and f"tokens (uint16) in {len(read_documents(path)[1])} documents" in out
+    assert out.startswith("data cache: miss (tokenizing c.txt, 0 MB) -> ")
+    assert f"tokens (uint16) in {len(read_documents(path)[1])} documents" in out
     build_training_data(path, load_tokenizer(TINY_QWEN3), 8, cache_dir=cache)
     assert capsys.readouterr().out.startswith(f"data cache: hit {_stores(cache)[0]}")
     assert main(argv[:-4] + ["--data", str(tmp_path / "missing.txt")]) == 1

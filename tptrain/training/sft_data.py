@@ -209,7 +209,7 @@ class SampleTable:
     offsets: np.ndarray  # (num_samples + 1,) int64
 
     @classmethod
-    def of(cls, samples: list[Sample]) -> "SampleTable":
+    def of(cls, samples: list[Sample]) -> SampleTable:
         ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int64)
         targets = np.fromiter((label != IGNORE_INDEX for s in samples for label in s.labels), dtype=bool)
         return cls(ids, targets, np.cumsum([0] + [len(s.input_ids) for s in samples], dtype=np.int64))

@@ -176,7 +176,8 @@ def _unwritable(root: Path) -> str | None:
     return None if os.access(root, os.W_OK | os.X_OK) else "permission denied"
 
 
-def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[str, Any], encoder: Any, why: str) -> Store:
+def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[str, Any], encoder: Any,
+           why: str) -> Store:
     """Tokenize `path` into a temporary directory and publish it as `directory` (local rank 0)."""
     status = _status_file(directory)
     if why != "absent":

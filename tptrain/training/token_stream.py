@@ -95,8 +95,8 @@ class TokenWriter:
 
     def __init__(self, directory: Path, dtype: np.dtype, *, targets: bool) -> None:
         self.directory, self.dtype = directory, dtype
-        self.ids = open(directory / TOKENS, "wb")
-        self.targets = open(directory / TARGETS, "wb") if targets else None
+        self.ids = open(directory / TOKENS, "wb")  # noqa: SIM115 - appended to batch by batch, closed by close()
+        self.targets = open(directory / TARGETS, "wb") if targets else None  # noqa: SIM115
         self.lengths = array("q")  # tokens per document
         self.max_id, self.num_tokens = -1, 0
         self.on_write: Callable[[], None] = lambda: None  # the progress bar's tokens/s
@@ -115,11 +115,14 @@ class TokenWriter:
         self.num_tokens += count
         self.on_write()
 
-    def close(self, *, keep_targets: bool) -> dict[str, int]:
-        """Flush the files, write the offsets; drop the target flags when no record needed them."""
+    def close_files(self) -> None:
         for f in (self.ids, self.targets):
             if f is not None:
                 f.close()
+
+    def close(self, *, keep_targets: bool) -> dict[str, int]:
+        """Flush the files, write the offsets; drop the target flags when no record needed them."""
+        self.close_files()
         if self.targets is not None and not keep_targets:
             (self.directory / TARGETS).unlink()
         offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
@@ -141,11 +144,13 @@ def tokenize_file(path: Path, directory: Path, tokenizer: Any, *, encoder: Any, 
               file=sys.stderr, disable=not show_progress, mininterval=1.0) as bar:
         writer.on_write = lambda: bar.set_postfix_str(
             f"{writer.num_tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
-        progress = bar.update
-        if encoder is None:
-            kind, texts = "text", _encode_texts(text_documents(path, progress), tokenizer, writer, targets=False)
-        else:
-            kind, texts = _encode_records(jsonl_records(path, progress), tokenizer, writer, encoder)
+        try:
+            if encoder is None:
+                kind, texts = "text", _encode_texts(text_documents(path, bar.update), tokenizer, writer, targets=False)
+            else:
+                kind, texts = _encode_records(jsonl_records(path, bar.update), tokenizer, writer, encoder)
+        finally:  # on an error too: the caller removes the directory
+            writer.close_files()
     if kind == "text" and not texts:
         raise ValueError(f"dataset {path} is empty: it has no text to train on")
     return {"kind": kind, "dtype": dtype.name, **writer.close(keep_targets=kind == "records")}
