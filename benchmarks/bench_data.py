@@ -126,7 +126,8 @@ def main() -> None:
         for layout in args.layouts.split(","):
             cache = workdir / f"cache-{size_text}-{layout}"
             for run in ("first", "second"):
-                result = train_once(corpus, args.model, layout, cache, workdir / f"run-{size_text}-{layout}")
+                output = workdir / f"run-{size_text}-{layout}-{run}"  # no earlier metrics.jsonl to mistake
+                result = train_once(corpus, args.model, layout, cache, output)
                 rows.append((size_text, layout, run, result))
                 print(f"  {layout} {run} run: {json.dumps(result)}", flush=True)
     print(f"\n{'corpus':>8} {'layout':>6} {'run':>6} {'cache':>5} {'first step s':>12} {'total s':>8} "
