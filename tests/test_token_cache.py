@@ -169,6 +169,19 @@ def test_a_failed_write_leaves_nothing_complete_and_the_next_run_rebuilds(tmp_pa
     assert (directory / token_stream.TOKENS).stat().st_size == meta["num_tokens"] * 2
 
 
+def test_a_killed_build_leaves_nothing_complete_and_its_leftovers_are_removed(tmp_path):
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    path.write_text(TEXT)
+    key, _ = token_cache.cache_key(path, ByteTokenizer(), {})
+    leftover = cache / f".c-{key}.tmp-{os.uname().nodename}-{2 ** 22 + 12345}"  # a dead pid's half-written store
+    leftover.mkdir(parents=True)
+    (leftover / token_stream.TOKENS).write_bytes(b"\1" * 10)
+    assert token_cache.open_store(cache / f"c-{key}", key)[0] is None
+    data = build_training_data(path, ByteTokenizer(), 8, cache_dir=cache)
+    assert torch.equal(data[1], build_dataset(path, ByteTokenizer(), 8)[1])
+    assert not leftover.exists() and [p.name for p in cache.iterdir()] == [f"c-{key}"]
+
+
 def test_vocab_check_names_the_id_the_vocab_and_the_tokenizer(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("é" * 20)  # UTF-8 bytes 195, 169

@@ -185,9 +185,12 @@ def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[st
     print(f"data cache: miss (tokenizing {path.name}, {path.stat().st_size / 1e6:,.0f} MB) -> {directory}",
           flush=True)
     _write_status(status, state="building")
-    tmp = directory.parent / f".{directory.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    prefix = f".{directory.name}.tmp-{socket.gethostname()}-"
+    tmp = directory.parent / f"{prefix}{os.getpid()}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in directory.parent.glob(f"{prefix}*"):  # left by a build on this host that was killed
+            if not _alive(int(stale.name[len(prefix):])):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
         stats = tokenize_file(path, tmp, tokenizer, encoder=encoder, show_progress=True)
         meta = {"key": key, "version": FORMAT_VERSION, "source": str(path),
