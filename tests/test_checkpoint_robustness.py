@@ -198,6 +198,24 @@ def _damage(path: Path, how: str) -> bytes:
     return data
 
 
+def test_resume_names_its_checkpoint_and_a_fallback_names_both(tmp_path, capsys):
+    _trainer(tmp_path, max_steps=2).train()  # checkpoints 1 and 2
+    _trainer(tmp_path, max_steps=3).train(resume_from_checkpoint=True)
+    assert f"tptrain: resuming from {tmp_path / 'checkpoint-2'} (step 2)\n" in capsys.readouterr().out
+    _damage(tmp_path / "checkpoint-3" / "trainer_state.json", "truncate")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+    out = capsys.readouterr().out
+    assert out.count("resuming from") == 1 and f"resuming from {tmp_path / 'checkpoint-2'} (step 2)\n" in out, out
+    messages = [str(w.message) for w in caught if "resuming" in str(w.message)]
+    assert len(messages) == 1, messages
+    skipped = tmp_path / "checkpoint-3"
+    assert messages[0].startswith(f"not resuming from {skipped} ({skipped / 'trainer_state.json'} has "), messages
+    assert "it is truncated" in messages[0], messages
+    assert messages[0].endswith(f"falling back to {tmp_path / 'checkpoint-2'}, the latest intact checkpoint"), messages
+
+
 def _integrity_worker(tmp: str) -> None:
     def run(output_dir, **kw):
         model = tiny_model().parallelize(DistributedConfig(tp_size=2))

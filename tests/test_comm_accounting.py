@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import batch, make_config
+from tests.test_tensor_parallel import TINY, batch, make_config
 from tptrain import DistributedConfig
-from tptrain.models import AutoModelForCausalLM
+from tptrain.distributed import comm
+from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.diagnostics.accounting import CommReport, CommRow, SavedTensorMeter, comm_report, megatron_minimum
 
 
@@ -69,3 +72,59 @@ def test_report_flags_collectives_above_the_minimum():
     lines = report.table().splitlines()
     assert "above minimum" in lines[3] and "above minimum" not in lines[2]
     assert "full-logit collectives: 1" in lines[-1]
+
+
+class _NoteInBackward(torch.autograd.Function):
+    """identity fwd and bwd, noting one row in each (the phase a recomputed forward's note gets)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        comm.note("rows_received", 1, "g")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm.note("rows_received", 1, "g")
+        return grad
+
+
+def test_tracker_notes_sum_per_group_and_phase_and_cost_nothing_untracked():
+    comm.note("rows_received", 7, "g")  # no tracker: dropped
+    with comm.CommTracker() as tracker:
+        comm.note("rows_received", 5, "g")
+        comm.note("rows_received", 3, "other")
+        _NoteInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert [(n.value, n.group, n.phase) for n in tracker.notes] == [(5, "g", "forward"), (3, "other", "forward"),
+                                                                    (1, "g", "forward"), (1, "g", "backward")]
+    assert tracker.noted("rows_received", "g") == 6 and tracker.noted("rows_received", "other") == 3
+    assert tracker.noted("rows_received", "g", phase="backward") == 1 and tracker.records == []
+
+
+def _ep_report_worker() -> None:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", **{**TINY, "num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 16, "output_router_logits": False})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).parallelize(DistributedConfig(ep_size=2))
+    ids, labels = batch(config.vocab_size, seed=1 + dist.get_rank())  # each ep rank routes its own tokens
+    report = comm_report(model, ids, labels)
+    a2a = [r for r in report.rows if r.op == "all_to_all"]
+    assert a2a and all((r.count, r.bytes) == (r.min_count, r.min_bytes) for r in a2a), report.table()
+    blocks = [m for m in model.modules() if hasattr(m, "router_logits")]
+    assert blocks and not any(hasattr(b.experts, "rows_received") for b in blocks)  # the tracker holds it
+    # The rows this rank's experts received: every rank's routing of the last forward, counted here.
+    mine = torch.zeros((), dtype=torch.int64)
+    for block in blocks:
+        ids_here = torch.topk(block.router_logits, config.num_experts_per_tok, dim=-1).indices
+        every = [torch.empty_like(ids_here) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, ids_here)
+        lo, hi = block.experts.expert_offset, block.experts.expert_offset + block.experts.gate_proj.shape[0]
+        mine += sum(((i >= lo) & (i < hi)).sum() for i in every)
+    with comm.CommTracker() as tracker:
+        model(ids, labels=labels)
+    assert tracker.noted("rows_received", model.tp_layout.ctx.ep_group_name) == int(mine)
+    with pytest.raises(ValueError, match="pass the CommTracker that recorded the step"):
+        megatron_minimum(model, *ids.shape)
+
+
+def test_ep_dispatch_minimum_reads_the_rows_received_from_the_tracker():
+    run_distributed(_ep_report_worker, 2)

@@ -75,6 +75,19 @@ def test_backend_choices_and_sequence_parallel():
         model._check_plan(DistributedConfig(tp_size=1, enable_sequence_parallel=True))
 
 
+def test_the_backends_are_one_list_everywhere(capsys):
+    import tptrain.distributed
+    from tptrain.backends import BACKENDS
+    assert tptrain.distributed.BACKENDS is BACKENDS
+    with pytest.raises(ValueError, match=r"backend must be 'auto', 'native' or 'transformers', got 'hf'"):
+        select_backend("llama", "hf")
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "x", "--tp-size", "1", "--backend", "hf"])
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and all(backend in err.rpartition("choose from")[2] for backend in BACKENDS)
+    assert BACKENDS == ("auto", "native", "transformers")
+
+
 def test_plan_cli_says_which_backend(tmp_path, capsys):
     starcoder, llama = _config_dir(tmp_path, "starcoder2"), _config_dir(tmp_path, "llama")
     assert cli_main(["plan", str(starcoder), "--tp-size", "4"]) == 0

@@ -128,3 +128,24 @@ def test_train_is_imported_only_when_it_is_the_command(qwen3_dir, monkeypatch, c
     assert main(["plan", str(qwen3_dir), "--tp-size", "2"]) == 0
     assert main(["train", "--max-steps", "1"]) == 1
     assert "tptrain train: error: the training stack cannot be imported (ModuleNotFoundError" in capsys.readouterr().err
+
+
+def test_a_size_that_does_not_divide_lists_the_sizes_that_do(qwen3_dir, tmp_path, capsys):
+    """Every constraint counts: heads and KV heads (with replication), widths, vocab; experts with --expert-parallel."""
+    assert main(["plan", str(qwen3_dir), "--tp-size", "3"]) == 2
+    assert "\nsizes that work: 1, 2, 4\n" in capsys.readouterr().out
+    moe = tmp_path / "moe"  # 6 experts: with --expert-parallel only 1 and 2 also split the experts evenly
+    AutoConfig.for_model("qwen3_moe", vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                         num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D, num_experts=6,
+                         num_experts_per_tok=2, moe_intermediate_size=32).save_pretrained(moe)
+    assert main(["plan", str(moe), "--tp-size", "4"]) == 0
+    assert main(["plan", str(moe), "--tp-size", "4", "--expert-parallel"]) == 2
+    out = capsys.readouterr().out
+    assert "num_experts=6 must be a multiple of 4" in out, out
+    assert "\nsizes that work: 1, 2\n" in out, out
+
+    # `tptrain train` runs the same check before starting any worker: its one line names the sizes too.
+    assert main(["train", "--model", str(qwen3_dir), "--tp-size", "3", "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "--tp-size 3 cannot shard Qwen3ForCausalLM: num_attention_heads=4 is not divisible by tp_size=3" in err, err
+    assert "; sizes that work: 1, 2, 4; `tptrain plan" in err, err

@@ -38,6 +38,8 @@ def test_smoke_run_writes_everything_and_resumes(tmp_path):
 
     resumed = tptrain_train("--output-dir", str(out), "--resume", "--max-steps", "6")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert resumed.stdout.count("resuming from") == 1, resumed.stdout  # rank 0 only
+    assert f"tptrain: resuming from {out / 'checkpoint-4'} (step 4)" in resumed.stdout, resumed.stdout
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
 

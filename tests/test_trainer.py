@@ -14,10 +14,12 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
+from tptrain.distributed import ParallelDims
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import OPTIMIZERS, ParallelismConfig, TrainingArguments
 from tptrain.training.data import DataOrder, PackedDataset
 from tptrain.training.optim import build_optimizer, lr_multiplier, param_groups
+from tptrain.training.setup import optimizer_and_schedule, training_data
 from tptrain.training.trainer import Trainer
 from tptrain.distributed.comm import CommTracker
 
@@ -187,3 +189,31 @@ def test_schedule_param_groups_and_argument_checks():
     assert not torch.equal(a, model.get_parameter(name).double())  # the steps moved it
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a positive int, got 0"):
         TrainingArguments(output_dir="x", gradient_accumulation_steps=0)
+
+
+def test_setup_data_stage_is_pure_and_the_schedule_reads_its_steps():
+    """Stage 2 of the Trainer's set-up: rows, eval rows, global batch and max_steps as values, no process group,
+    the arguments untouched; the schedule ends at the steps it computed."""
+    built = []
+
+    def build(rows: int) -> list[int]:
+        built.append(rows)
+        return list(range(rows))
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2)
+    args = TrainingArguments(output_dir="x", per_device_train_batch_size=2, gradient_accumulation_steps=3,
+                             eval_split=0.25, num_train_epochs=1.5)
+    data = training_data(args, dims, 40, None, build=build)
+    assert (len(data.train), len(data.eval), data.global_batch) == (30, 10, 12)
+    assert data.max_steps == 3 and args.max_steps == 100 and built == [40]  # ceil(1.5 * (30 // 12)), args as given
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="either eval_dataset or TrainingArguments.eval_split"):
+        training_data(args, dims, 40, 5, build=build)
+    assert built == [40, 40]  # the training rows are built (and checked) first, as they always were
+    plain = dict(output_dir="x", per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match="save_best need an eval set"):
+        training_data(TrainingArguments(**plain, eval_steps=5), dims, 8, None, build=build)
+    given = training_data(TrainingArguments(**plain), dims, 8, 3, build=build)
+    assert (len(given.train), len(given.eval), given.max_steps) == (8, 3, 100)
+    _, schedule = optimizer_and_schedule(torch.nn.Linear(2, 2), args, data.max_steps)
+    assert schedule.lr_lambdas[0](data.max_steps - 1) > 0.0 == schedule.lr_lambdas[0](data.max_steps)

@@ -99,6 +99,8 @@ class PreTrainedModel(nn.Module):
         and shapes, the plan) is checked before the process group starts, and the outcome is shared right
         after the rendezvous, before any other collective: every rank raises the error, naming the rank(s)
         it happened on. A directory with only config.json is refused: use `from_config` for random weights.
+        The model is returned in eval mode (dropout off), as transformers returns it; the Trainer switches it to
+        train mode for each step, and a hand-written loop calls `model.train()`.
         """
         if device_map is not None and distributed_config is not None:
             raise ValueError("device_map cannot be combined with distributed_config: under tensor parallelism "
@@ -115,7 +117,7 @@ class PreTrainedModel(nn.Module):
             model, reader, dtype = cls._open_checkpoint(pretrained, revision, dtype)
             target = torch.device(device or (device_map if isinstance(device_map, (str, torch.device)) else "cpu"))
             model._load(reader, target, dtype, rank=0)
-            return model
+            return model.eval()
         distributed_config.sizes()  # a bad layout is the same error on every rank: raised before the rendezvous
         error = None
         try:
@@ -125,7 +127,7 @@ class PreTrainedModel(nn.Module):
             error = exc
         init_distributed()
         raise_on_any_rank(error)
-        return model._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
+        return model._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype).eval()
 
     @classmethod
     def _open_checkpoint(cls, pretrained: str | os.PathLike, revision: str | None, dtype: torch.dtype | str | None):

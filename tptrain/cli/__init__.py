@@ -8,6 +8,7 @@
     python -m tptrain plan ...                                # the same
     tptrain train --help
     tptrain prepare-data --model ./ckpt --data corpus.txt     # tokenize into the token cache before training
+    tptrain --version
 
 `plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
 when the config cannot be read. `train` lives in tptrain/cli/train.py and is imported only when it
@@ -20,6 +21,8 @@ import json
 import sys
 from types import ModuleType
 from typing import Sequence
+
+from tptrain.backends import BACKENDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,8 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     """`train`'s own flags are added only when it is the command (`train` is tptrain.cli.train then)."""
+    from tptrain import __version__
+
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
@@ -54,7 +60,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
-    plan.add_argument("--backend", choices=("auto", "native", "transformers"), default="auto",
+    plan.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="model code: tptrain's own (native), transformers' under tptrain's engine (transformers, "
                            "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
     plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")

@@ -1,10 +1,11 @@
-"""`tptrain train`'s fine-tuning options: instruction data, evaluation, LoRA, logging; and the grouped --help.
+"""`tptrain train`'s fine-tuning options: instruction data, evaluation, LoRA, logging.
 
     tptrain train --model ./ckpt --data chat.jsonl --eval-split 0.05 --eval-steps 50 --save-best \
         --lora-r 16 --lora-alpha 32 --lora-dropout 0.05 --lora-target-modules all-linear --merge --tp-size 2
 
-cli/train.py calls in here at five points (flags, preflight, TrainingArguments, inputs, LoRA at the
-start and end of a run), so the launcher stays one file and this concern another.
+cli/train_arguments.py adds these flags to its --help sections, and cli/train.py calls in here at four points
+(preflight, TrainingArguments, LoRA at the start and at the end of a run), so the launcher stays one file and
+this concern another.
 """
 from __future__ import annotations
 
@@ -12,72 +13,50 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-# --help sections: (title, flags); flags added elsewhere and not named here stay under "options".
-HELP_GROUPS = (
-    ("model", ("--model", "--dtype", "--seed")),
-    ("data", ("--data", "--seq-len", "--packing", "--assistant-only-loss", "--chat-template", "--truncation",
-              "--data-cache")),
-    ("evaluation", ("--eval-data", "--eval-split", "--eval-steps", "--save-best")),
-    ("parallelism", ("--tp-size", "--nproc-per-node")),
-    ("optimisation", ("--max-steps", "--num-epochs", "--batch-size", "--grad-accum", "--lr", "--warmup-steps",
-                      "--bf16", "--compile")),
-    ("checkpoints and output", ("--output-dir", "--save-steps", "--save-total-limit", "--resume",
-                                "--overwrite-output-dir", "--report-to", "--prompt", "--max-new-tokens",
-                                "--smoke-test")),
-    ("LoRA", ("--lora-r", "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--lora-target-parameters",
-              "--merge")),
-)
+def add_finetune_arguments(sections: dict[str, argparse._ArgumentGroup]) -> None:
+    """The fine-tuning flags, each in its --help section of `tptrain train` (train_arguments.SECTIONS)."""
+    data, evaluation, optimisation = sections["data"], sections["evaluation"], sections["optimisation"]
+    data.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                      help="instruction data: pack whole samples into --seq-len rows, each attending only to itself "
+                           "(default); --no-packing: one sample per row, padded to the longest in the batch")
+    data.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
+                      help="\"messages\" records: train on the assistant turns only (default)")
+    data.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records "
+                                                               "(default: the checkpoint's)")
+    data.add_argument("--truncation", choices=("truncate", "error"), default="truncate",
+                      help="a sample longer than --seq-len is cut (default; the count is reported) or an error")
+    data.add_argument("--data-cache", metavar="DIR", default=None,
+                      help="where --data / --eval-data files are tokenized once and memory-mapped by every rank "
+                           "(default: $TPTRAIN_CACHE, else ~/.cache/tptrain/data; `tptrain prepare-data` fills it)")
+    evaluation.add_argument("--eval-data", metavar="FILE", help="evaluation set (the same formats as --data)")
+    evaluation.add_argument("--eval-split", type=float, default=0.0, metavar="FRACTION",
+                            help="hold out this fraction of --data for evaluation, e.g. 0.05")
+    evaluation.add_argument("--eval-steps", type=int, default=0, metavar="N",
+                            help="evaluate every N steps (default 0: only at the end); eval_loss/eval_ppl in "
+                                 "metrics.jsonl")
+    evaluation.add_argument("--save-best", action="store_true",
+                            help="keep the model (or adapter) with the lowest eval loss in --output-dir/best")
+    optimisation.add_argument("--num-epochs", type=float, help="passes over the data, instead of --max-steps")
+    optimisation.add_argument("--grad-accum", type=int, default=1,
+                              help="micro-batches per optimizer step (default: 1)")
+    sections["checkpoints and output"].add_argument(
+        "--report-to", choices=("none", "tensorboard"), default="none",
+        help="also log to TensorBoard (--output-dir/runs; needs `pip install tensorboard`)")
+    _lora_arguments(sections["LoRA"])
 
 
-def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
-    """The fine-tuning flags, then the --help sections."""
-    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
-                   help="instruction data: pack whole samples into --seq-len rows, each attending only to itself "
-                        "(default); --no-packing: one sample per row, padded to the longest in the batch")
-    p.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
-                   help="\"messages\" records: train on the assistant turns only (default)")
-    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records "
-                                                            "(default: the checkpoint's)")
-    p.add_argument("--truncation", choices=("truncate", "error"), default="truncate",
-                   help="a sample longer than --seq-len is cut (default; the count is reported) or an error")
-    p.add_argument("--data-cache", metavar="DIR", default=None,
-                   help="where --data / --eval-data files are tokenized once and memory-mapped by every rank "
-                        "(default: $TPTRAIN_CACHE, else ~/.cache/tptrain/data; `tptrain prepare-data` fills it)")
-    p.add_argument("--eval-data", metavar="FILE", help="evaluation set (the same formats as --data)")
-    p.add_argument("--eval-split", type=float, default=0.0, metavar="FRACTION",
-                   help="hold out this fraction of --data for evaluation, e.g. 0.05")
-    p.add_argument("--eval-steps", type=int, default=0, metavar="N",
-                   help="evaluate every N steps (default 0: only at the end); eval_loss/eval_ppl in metrics.jsonl")
-    p.add_argument("--save-best", action="store_true",
-                   help="keep the model (or adapter) with the lowest eval loss in --output-dir/best")
-    p.add_argument("--num-epochs", type=float, help="passes over the data, instead of --max-steps")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default: 1)")
-    p.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
-                   help="also log to TensorBoard (--output-dir/runs; needs `pip install tensorboard`)")
-    p.add_argument("--lora-r", type=int, default=0, help="train a LoRA adapter of this rank (0: full fine-tuning)")
-    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha / r (default: 2 x --lora-r)")
-    p.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default: 0)")
-    p.add_argument("--lora-target-modules", default=None,
+def _lora_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--lora-r", type=int, default=0, help="train a LoRA adapter of this rank (0: full fine-tuning)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha / r (default: 2 x --lora-r)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input (default: 0)")
+    g.add_argument("--lora-target-modules", default=None,
                    help="'all-linear' (the default without --lora-target-parameters) or comma-separated module names, "
                         "e.g. q_proj,v_proj")
-    p.add_argument("--lora-target-parameters", default=None,
+    g.add_argument("--lora-target-parameters", default=None,
                    help="comma-separated parameter names (peft's target_parameters), e.g. the MoE experts: "
                         "mlp.experts.gate_up_proj,mlp.experts.down_proj")
-    p.add_argument("--merge", action="store_true",
+    g.add_argument("--merge", action="store_true",
                    help="with --lora-r: also write the merged full checkpoint to --output-dir/final/merged")
-    group_help(p)
-
-
-def group_help(p: argparse.ArgumentParser) -> None:
-    """Move each flag named in HELP_GROUPS from the "options" section into its own section of --help."""
-    by_flag = {flag: action for action in p._actions for flag in action.option_strings}
-    for title, flags in HELP_GROUPS:
-        group = p.add_argument_group(title)
-        for flag in flags:
-            action = by_flag.get(flag)
-            if action is not None and action in p._optionals._group_actions:
-                p._optionals._group_actions.remove(action)
-                group._group_actions.append(action)
 
 
 def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:

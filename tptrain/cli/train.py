@@ -20,103 +20,14 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-BUNDLED_MODEL = str(files("tptrain") / "data" / "tiny-qwen3")
-BUNDLED_DATA = str(files("tptrain") / "data" / "corpus.txt")
-DEFAULT_PROMPT = "Ham.\nTo be, or not to be"
-SCRATCH_LR, FINETUNE_LR = 6e-3, 3e-5  # the first is tuned on the bundled 4.2M-parameter model
+from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, SMOKE, add_train_arguments
 
-
-@dataclass(frozen=True)
-class _Defaults:
-    """The flags a run leaves unset: the embedded default run, and a seconds-long smoke run."""
-
-    max_steps: int
-    batch_size: int
-    seq_len: int
-    save_steps: int
-    max_new_tokens: int
-
-
-FULL = _Defaults(max_steps=300, batch_size=16, seq_len=128, save_steps=100, max_new_tokens=32)
-SMOKE = _Defaults(max_steps=4, batch_size=2, seq_len=32, save_steps=2, max_new_tokens=8)
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `tptrain train` flags; unset sizes come from the default run (or --smoke-test)."""
-    p = parser
-    p.add_argument("--model", default=BUNDLED_MODEL,
-                   help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
-                        "tiny Qwen3 config) is initialised at random (--seed)")
-    p.add_argument("--data", default=BUNDLED_DATA,
-                   help=".txt (documents separated by two blank lines) or .jsonl file: {\"text\": ...}, "
-                        "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} per line "
-                        "(default: the bundled Shakespeare corpus)")
-    p.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="split a mixture-of-experts model's experts by expert over the --tp-size ranks (ep = tp)")
-    p.add_argument("--ep-size", type=int, default=None,
-                   help="split a mixture-of-experts model's experts by expert over N data-parallel ranks (an ep axis "
-                        "of its own; each expert over the --tp-size ranks); --nproc-per-node a multiple of "
-                        "N x --tp-size")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="worker processes to start (default: --tp-size); extra ranks become FSDP2 data-parallel")
-    p.add_argument("--output-dir", default="runs/default", help="checkpoints, metrics.jsonl, loss.png, final/")
-    p.add_argument("--max-steps", type=int, help=f"optimizer steps (default: {FULL.max_steps})")
-    p.add_argument("--batch-size", type=int, help=f"sequences per device per step (default: {FULL.batch_size})")
-    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: {FULL.seq_len})")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"peak learning rate (default: {SCRATCH_LR} for a model trained from scratch, {FINETUNE_LR} "
-                        "for a checkpoint with weights)")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="linear warmup steps (default: 10%% of max steps; 0 with --num-epochs)")
-    p.add_argument("--save-steps", type=int, help=f"resumable checkpoint every N steps, 0: never "
-                                                  f"(default: {FULL.save_steps})")
-    p.add_argument("--save-total-limit", type=int, default=2, help="resumable checkpoints kept (default: 2)")
-    p.add_argument("--async-checkpoint", action="store_true",
-                   help="write checkpoints in the background while training continues (costs a copy of each "
-                        "rank's shards in memory until written)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order (default: 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="parameter dtype (default: float32)")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler, e.g. g++)")
-    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                   help="resume from the latest valid checkpoint in --output-dir, or from CHECKPOINT")
-    p.add_argument("--overwrite-output-dir", action="store_true",
-                   help="start fresh in an --output-dir that holds an earlier run, deleting its checkpoints and "
-                        "metrics (without this or --resume such a directory is refused)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="greedy continuation printed after training")
-    p.add_argument("--max-new-tokens", type=int, help=f"length of that continuation (default: {FULL.max_new_tokens})")
-    p.add_argument("--preemption-grace", type=float, default=60.0, metavar="SECONDS",
-                   help="on SIGTERM / SIGINT finish the current step, write a checkpoint and exit 0 within this "
-                        "many seconds (default: 60)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="when a rank dies, restart the whole group up to N times; each restart resumes from the "
-                        "latest complete checkpoint (default: 0)")
-    p.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
-                   help="how long a collective waits for a rank that hangs before failing "
-                        "(default: $TPTRAIN_PG_TIMEOUT or 600)")
-    p.add_argument("--nnodes", type=int, default=1, help="machines in the job, each running this command "
-                                                         "(default: 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank (--rdzv-backend static only; "
-                                                            "c10d assigns ranks itself)")
-    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="the rendezvous every node joins (required with --nnodes > 1)")
-    p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"],
-                   help="torchrun's rendezvous backend for --nnodes > 1 (default: c10d)")
-    p.add_argument("--rdzv-id", default="tptrain", help="job id shared by the nodes (default: tptrain)")
-    p.add_argument("--smoke-test", action="store_true",
-                   help=f"seconds-long run for tests: {SMOKE.max_steps} steps of batch {SMOKE.batch_size} x "
-                        f"{SMOKE.seq_len} tokens, unless the flags above say otherwise")
-    from tptrain.cli.finetune import add_finetune_arguments
-
-    add_finetune_arguments(p)  # instruction data, evaluation, LoRA, logging; and the --help sections
+__all__ = ["add_train_arguments", "run_train"]
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -130,6 +41,8 @@ def run_train(args: argparse.Namespace) -> int:
         args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
     nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
     try:
+        _check_sizes(args, nproc)
+        model_dir = _check_model_type(args.model)  # before torch is imported
         from tptrain.distributed.comm import PG_TIMEOUT_ENV, process_group_timeout
         from tptrain.training.checkpoint.dirs import resume_after_restart
 
@@ -138,7 +51,7 @@ def run_train(args: argparse.Namespace) -> int:
         process_group_timeout()  # a bad value is refused here, not in every worker
         args.resume, args.overwrite_output_dir = resume_after_restart(args.resume, args.overwrite_output_dir,
                                                                       args.output_dir)  # under torchrun
-        _preflight(args, nproc)
+        _preflight(args, nproc, model_dir)
     except (OSError, ValueError, TypeError) as exc:
         print(f"tptrain train: error: {exc}", file=sys.stderr)
         return 2
@@ -150,15 +63,8 @@ def run_train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ checks before any worker starts
 
 
-def _preflight(args: argparse.Namespace, nproc: int) -> None:
-    """Everything that needs no process group, in a second or two: sizes, the model's config and plan,
-    --seq-len, the flags, the data file, the output directory. Raises the first problem found."""
-    from tptrain.io import resolve_checkpoint, writable_error
-    from tptrain.models import AutoConfig
-    from tptrain.training.args import check_seq_len
-    from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
-    from tptrain.cli import finetune as finetune_cli
-
+def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
+    """The flags' sizes, against each other (nothing read, nothing imported)."""
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
                         ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1)):
         if not value > 0:
@@ -176,10 +82,33 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
                                                else "")
         raise ValueError(f"{procs} is not a multiple of --tp-size {args.tp_size}; each tensor-parallel group needs "
                          f"--tp-size processes (use {args.tp_size} or a multiple)")
-    model_dir = resolve_checkpoint(args.model, config_only=True)  # a hub id: its weights come in the workers
+
+
+def _check_model_type(model: str) -> Path:
+    """The checkpoint's directory, once its config.json names a model type tptrain can run. Neither torch nor
+    transformers is imported for it: an unknown model_type is answered in well under a second, not after seconds
+    of imports."""
+    from tptrain.io.hub import resolve_checkpoint
+    from tptrain.models.configuration import load_config_dict
+    from tptrain.models.registry import select_backend
+
+    model_dir = resolve_checkpoint(model, config_only=True)  # a hub id: its weights come in the workers
+    select_backend(load_config_dict(model_dir).get("model_type"))
+    return model_dir
+
+
+def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
+    """Everything else that needs no process group, in a second or two: the model's config and plan, --seq-len,
+    the flags, the data file, the output directory. Raises the first problem found."""
+    from tptrain.io import writable_error
+    from tptrain.models import AutoConfig
+    from tptrain.training.args import check_seq_len
+    from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
+    from tptrain.cli import finetune as finetune_cli
+
     config = AutoConfig.from_pretrained(model_dir)
-    _distributed_config(args).parallel_dims(world, described=f"--tp-size {args.tp_size} --ep-size {args.ep_size}"
-                                            if args.ep_size else None)
+    described = f"--tp-size {args.tp_size} --ep-size {args.ep_size}" if args.ep_size else None
+    _distributed_config(args).parallel_dims(nproc * args.nnodes, described=described)
     _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
@@ -197,7 +126,9 @@ def _preflight(args: argparse.Namespace, nproc: int) -> None:
     error = earlier_run_error(args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir)
     if error:
         raise ValueError(error)
-    resolve_resume(args.resume, args.output_dir)
+    with warnings.catch_warnings():  # a fall-back is said once, by the Trainer's rank 0, not by every preflight
+        warnings.simplefilter("ignore")
+        resolve_resume(args.resume, args.output_dir)
 
 
 def _distributed_config(args: argparse.Namespace):
@@ -206,9 +137,10 @@ def _distributed_config(args: argparse.Namespace):
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
-    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem."""
+    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem, and the
+    sizes that would work."""
     from tptrain.models import AutoModelForCausalLM
-    from tptrain.parallel.plan import check_plan
+    from tptrain.parallel.plan import check_plan, working_tp_sizes
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
@@ -218,7 +150,9 @@ def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = 
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         ep = " --expert-parallel" if expert_parallel else f" --ep-size {ep_size}" if ep_size > 1 else ""
-        raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}; "
+        sizes = working_tp_sizes(meta, "auto", expert_parallel=expert_parallel, ep_size=ep_size)
+        works = f"; sizes that work: {', '.join(map(str, sizes))}" if sizes else ""
+        raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}{works}; "
                          f"`tptrain plan {model} --tp-size {tp_size}{ep}` shows the layout")
 
 

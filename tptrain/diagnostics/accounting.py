@@ -22,7 +22,7 @@ rank knows every share's experts): one row per assignment each way is the minimu
 de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split into p equal shares
 takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
 the ep group the same way (no share, no all-gather), and the rows its experts received come from the other ranks'
-routing, which the last dispatch recorded (`experts.rows_received`).
+routing, which each dispatch notes in the CommTracker recording the step ("rows_received", `CommTracker.noted`).
 """
 from __future__ import annotations
 
@@ -106,8 +106,11 @@ class CommReport:
 
     def table(self) -> str:
         lines = [f"collectives per training step on one rank (tp={self.tp_size}, "
-                 f"sequence_parallel={self.sequence_parallel})",
-                 f"{'phase':<10} {'collective':<15} {'count':>6} {'minimum':>8} {'MiB':>10} {'min MiB':>10}"]
+                 f"sequence_parallel={self.sequence_parallel})"]
+        if not self.rows:  # none issued and none needed: tp 1 (no ep axis) computes as one device does
+            lines.append(f"tp {self.tp_size}: no collectives (single-device computation)")
+        else:
+            lines.append(f"{'phase':<10} {'collective':<15} {'count':>6} {'minimum':>8} {'MiB':>10} {'min MiB':>10}")
         for r in self.rows:
             flag = "" if (r.count, r.bytes) == (r.min_count, r.min_bytes) else "  <- above minimum"
             lines.append(f"{r.phase:<10} {r.op:<15} {r.count:>6} {r.min_count:>8} {r.bytes / 2**20:>10.3f} "
@@ -158,20 +161,30 @@ def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: i
         add(("backward", "all_gather"), 2, share * row + share * k * weight_size)
 
 
-def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, act_size: int) -> None:
+def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, act_size: int,
+                     tracker: CommTracker | None) -> None:
     """`add` the ep axis's dispatch (see the module doc): per MoE block, forward the counts, one row per assignment
-    out and one per row received back; backward the two reverse exchanges."""
+    out and one per row received back; backward the two reverse exchanges. The rows received are the ones
+    `tracker` saw noted over the ep group in forward, every block's together."""
     hidden, k = model.config.hidden_size, getattr(model.config, "num_experts_per_tok", 0)
-    for name in plan:
-        experts = model.get_submodule(name)
-        if getattr(experts, "ep_dispatch", None) == "all_to_all":
-            rows = (tokens * k + experts.rows_received) * hidden * act_size
-            add(("forward", "all_to_all"), 3, experts.num_experts * 8 + rows)
-            add(("backward", "all_to_all"), 2, rows)
+    blocks = [model.get_submodule(name) for name in plan]
+    blocks = [experts for experts in blocks if getattr(experts, "ep_dispatch", None) == "all_to_all"]
+    if not blocks:
+        return
+    if tracker is None:
+        raise ValueError("the minimum of an expert dispatch over an ep axis depends on the rows the other ranks' "
+                         "routing sent here: pass the CommTracker that recorded the step (megatron_minimum(..., "
+                         "tracker=)), or use comm_report")
+    received = tracker.noted("rows_received", model.tp_layout.ctx.ep_group_name)
+    rows = (len(blocks) * tokens * k + received) * hidden * act_size
+    add(("forward", "all_to_all"), 3 * len(blocks), sum(experts.num_experts for experts in blocks) * 8 + rows)
+    add(("backward", "all_to_all"), 2 * len(blocks), rows)
 
 
-def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, str], tuple[int, int]]:
-    """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels."""
+def megatron_minimum(model: nn.Module, batch: int, seq: int, *, tracker: CommTracker | None = None
+                     ) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels. Experts
+    dispatched over an ep axis need the `tracker` that recorded that step (the rows the routing sent here)."""
     layout = model.tp_layout
     if layout is None:
         return {}
@@ -182,7 +195,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int) -> dict[tuple[str, 
         c, b = out[key]
         out[key] = (c + count, b + nbytes)
 
-    _add_ep_dispatch(add, model, layout.plan, batch * seq, dtype.itemsize)
+    _add_ep_dispatch(add, model, layout.plan, batch * seq, dtype.itemsize, tracker)
     if layout.ctx.size == 1:
         return dict(out)
     tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
@@ -236,7 +249,7 @@ def comm_report(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
     for r in tracker.records:
         counted[(r.phase, r.op)][0] += 1
         counted[(r.phase, r.op)][1] += r.bytes
-    minimum = megatron_minimum(model, *input_ids.shape[:2])
+    minimum = megatron_minimum(model, *input_ids.shape[:2], tracker=tracker)
     keys = sorted(set(counted) | set(minimum), key=lambda k: (_PHASES.index(k[0]) if k[0] in _PHASES else 9, k[1]))
     rows = [CommRow(p, op, *counted.get((p, op), (0, 0)), *minimum.get((p, op), (0, 0))) for p, op in keys]
     tp = getattr(model, "tp_size", 1)

@@ -18,9 +18,9 @@ import torch
 from tptrain.modeling import resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.expert_parallel import all_to_all_wins
-from tptrain.parallel.plan import kv_replicas
+from tptrain.parallel import contract
+from tptrain.parallel.plan import check_plan, kv_replicas, working_tp_sizes
 from tptrain.parallel.styles import ShardSpec
-from tptrain.parallel.plan import check_plan
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -62,7 +62,11 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
              f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
     if problems:
-        lines += ["", f"IMPOSSIBLE LAYOUT: {len(problems)} problem(s):", *(f"  - {p}" for p in problems)]
+        sizes = working_tp_sizes(model, tp_plan, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                                 ep_size=ep_size)
+        lines += ["", f"IMPOSSIBLE LAYOUT: {len(problems)} problem(s):", *(f"  - {p}" for p in problems),
+                  f"sizes that work: {', '.join(map(str, sizes))}" if sizes else
+                  "no tp size up to the number of attention heads works with these options"]
     else:
         lines += ["layout OK"]
     return PlanReport("\n".join(lines) + "\n", problems, per_rank, total)
@@ -70,7 +74,7 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
 
 def _head_lines(config: Any, tp_size: int) -> list[str]:
     heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    n_kv = contract.kv_heads(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     out = [f"attention: {heads} query heads, {n_kv} KV heads, head_dim {head_dim}; "
            f"vocab_size {config.vocab_size}, intermediate_size {getattr(config, 'intermediate_size', None)}"]

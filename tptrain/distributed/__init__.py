@@ -14,11 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tptrain.backends import BACKENDS
 from tptrain.distributed import comm
 from tptrain.distributed.comm import raise_on_any_rank
 from tptrain.distributed.topology import MESH_AXES, ParallelDims
-
-BACKENDS = ("auto", "native", "transformers")
 
 __all__ = ["BACKENDS", "MESH_AXES", "DistributedConfig", "ParallelDims", "comm", "init_distributed", "local_device",
            "raise_on_any_rank"]

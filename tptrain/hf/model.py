@@ -34,6 +34,7 @@ from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel, _SkipInit
 from tptrain.models.configuration import load_config_dict
 from tptrain.models.decoder import CausalLMOutput
+from tptrain.parallel import contract
 
 TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
 
@@ -175,7 +176,7 @@ class TransformersCausalLM(PreTrainedModel):
         """transformers' attention repeats KV heads `num_key_value_groups` times: make it this rank's ratio of
         query heads to KV heads (with KV replicas, fewer KV heads per rank than transformers assumes)."""
         for name, module in self.named_modules():
-            query, kv = getattr(module, "tp_query_projection", None), getattr(module, "tp_kv_projections", ())
+            query, kv = getattr(module, "tp_query_projection", None), contract.kv_projections(module)
             if query is None or not kv:
                 continue
             head_dim = module.head_dim

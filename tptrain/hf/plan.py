@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from tptrain.parallel import contract
+from tptrain.parallel.styles import canonical_style
+
 # transformers style -> tptrain style (None: no rule, the weight is whole on every rank).
 STYLE_NAMES: dict[str, str | None] = {
     "colwise": "colwise",
@@ -18,7 +21,7 @@ STYLE_NAMES: dict[str, str | None] = {
     "colwise_gather_output": "colwise_gather_output",
     "rowwise_rep": "rowwise",  # tptrain's rowwise already ends in the all-reduce that replicates the output
     "embedding_rowwise": "embedding_rowwise",
-    "packed_colwise": "fused_colwise",
+    "packed_colwise": "packed_colwise",  # tptrain's alias of fused_colwise
     "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
     "replicate": None,
 }
@@ -70,10 +73,10 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     for glob, style in plan.items():
         styles.update({n: style for n in names if _matches(glob, n)})
     heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    n_kv = contract.kv_heads(config)
     for owner, module in model.named_modules():
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
-        cols = tuple(n for n in children if styles[f"{owner}.{n}"] in ("colwise", "fused_colwise"))
+        cols = tuple(n for n in children if canonical_style(styles[f"{owner}.{n}"]) in ("colwise", "fused_colwise"))
         rows = [n for n in children if styles[f"{owner}.{n}"] == "rowwise"]
         if cols and rows:
             module.tp_pairs = {row: cols for row in rows}
@@ -92,7 +95,7 @@ def unplanned_parameters(model: nn.Module, styles: dict[str, str]) -> list[str]:
     norm over all heads cannot run on a shard)."""
     problems = []
     for owner, module in model.named_modules():
-        pairs = getattr(module, "tp_pairs", None)
+        pairs = contract.pairs(module)
         if not pairs:
             continue
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}

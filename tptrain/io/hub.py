@@ -8,10 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import constants, snapshot_download
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-from huggingface_hub.utils import validate_repo_id
-
 # Tokenizer (and generation) files: downloaded with the weights, copied next to a trained model.
 TOKENIZER_PATTERNS = (
     "generation_config.json",
@@ -49,6 +45,11 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
 
 
 def _resolve_hub_id(repo_id: str, revision: str | None, allow_patterns: list[str]) -> Path:
+    # Imported here: a local directory (the common case, and the CLI's first check) skips its ~0.4 s import.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
     try:
         validate_repo_id(repo_id)
     except HFValidationError as e:
@@ -71,6 +72,8 @@ def _resolve_hub_id(repo_id: str, revision: str | None, allow_patterns: list[str
 
 
 def _not_found_message(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import constants
+
     at = f" at revision {revision!r}" if revision else ""
     # The effective values (env vars are read once, when huggingface_hub is imported).
     return (

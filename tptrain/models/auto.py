@@ -5,74 +5,24 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
-from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
-                                          MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
-                                          OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
-                                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config, absorb_rope_parameters,
-                                          load_config_dict)
-from tptrain.models.decoder import (DecoderForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GraniteForCausalLM,
-                                    LlamaForCausalLM, Ministral3ForCausalLM, MinistralForCausalLM, MistralForCausalLM,
-                                    MixtralForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM,
-                                    Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM,
-                                    Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
+from tptrain.models import configuration, decoder
+from tptrain.models.configuration import PretrainedConfig, absorb_rope_parameters, load_config_dict
+from tptrain.models.decoder import DecoderForCausalLM
+from tptrain.models.registry import NATIVE_MODEL_TYPES, check_native, select_backend
+
+__all__ = ["MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM", "select_backend"]
 
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-    "ministral": (MinistralConfig, MinistralForCausalLM),
-    "ministral3": (Ministral3Config, Ministral3ForCausalLM),
-    "granite": (GraniteConfig, GraniteForCausalLM),
-    "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
-    "olmo2": (Olmo2Config, Olmo2ForCausalLM),
-    "olmo3": (Olmo3Config, Olmo3ForCausalLM),
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
-    "phi3": (Phi3Config, Phi3ForCausalLM),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-    "mixtral": (MixtralConfig, MixtralForCausalLM),
-    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-    "olmoe": (OlmoeConfig, OlmoeForCausalLM),
-}
+    model_type: (getattr(configuration, config_name), getattr(decoder, model_name))
+    for model_type, (config_name, model_name) in NATIVE_MODEL_TYPES.items()}
 
 
 def _lookup(model_type: str | None) -> tuple[type[PretrainedConfig], type[DecoderForCausalLM]]:
-    if model_type not in MODEL_REGISTRY:
-        raise ValueError(f"model_type {model_type!r} is not supported by tptrain; supported: "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}.")
+    check_native(model_type)
     return MODEL_REGISTRY[model_type]
-
-
-def select_backend(model_type: str | None, backend: str = "auto") -> str:
-    """"native" (tptrain's model code) or "transformers" (transformers' modeling code under tptrain's engine,
-    tptrain.hf). "auto": native for tptrain's model types, transformers for any other when it is installed."""
-    if backend not in ("auto", "native", "transformers"):
-        raise ValueError(f"backend must be 'auto', 'native' or 'transformers', got {backend!r}")
-    if backend == "native" or (backend == "auto" and model_type in MODEL_REGISTRY):
-        _lookup(model_type)
-        return "native"
-    if not _installed("transformers"):
-        why = "is not implemented natively by tptrain" if backend == "auto" else "was asked for backend='transformers'"
-        raise ValueError(f"model_type {model_type!r} {why}, and transformers is not installed. Either "
-                         f"`pip install \"tptrain[hf]\"` (tptrain's engine on transformers' modeling code), or use "
-                         f"one of tptrain's native model types: {', '.join(sorted(MODEL_REGISTRY))}.")
-    if not _transformers_backend().knows(model_type):
-        raise ValueError(f"model_type {model_type!r} is not supported: tptrain implements "
-                         f"{', '.join(sorted(MODEL_REGISTRY))}, and the installed transformers has no causal LM of "
-                         f"that type for tptrain's transformers backend either.")
-    return "transformers"
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:  # a finder that refuses it
-        return False
 
 
 def _transformers_backend():

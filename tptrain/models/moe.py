@@ -10,6 +10,8 @@ the first expert held here.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,8 +42,24 @@ class Experts(nn.Module):
         return x.new_zeros(x.shape).index_add_(0, tokens, (ys * w).to(x.dtype))
 
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here.
-        Every held expert runs, with no row too, so each weight has a gradient (zero when it got no token)."""
+        """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here; returns
+        (n, hidden). torch's grouped GEMM where it runs (`grouped_mm_dtype`); else (fp64, or an adapter that replaced
+        `project` on this instance: LoRA's per-expert term, which only the loop calls) one matmul per expert
+        (`loop`, the reference). Either way each held weight has a gradient, zero for an expert given no row."""
+        dtype = None if "project" in vars(self) else grouped_mm_dtype(rows, self.gate_proj, self.up_proj,
+                                                                       self.down_proj)
+        if dtype is None:
+            return self.loop(rows, counts)
+        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)  # (held,)
+        # (held, in, out): the stacked (held, out, in) weights as column-major matrices, as the kernel takes them
+        gate, up, down = (w.to(dtype).transpose(1, 2) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        x = rows.to(dtype)
+        h = F.silu(F.grouped_mm(x, gate, offs=ends)) * F.grouped_mm(x, up, offs=ends)  # (n, inner)
+        return F.grouped_mm(h, down, offs=ends)
+
+    def loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`grouped` as one matmul per held expert (each through `project`); every held expert runs, with no row
+        too, so each weight has a gradient (zero when it got no token)."""
         outs = []
         # unbind, not gate_proj[i]: its backward stacks the experts' gradients once, where indexing would fill a
         # zero tensor of the whole stack for every expert (a quarter of this function's time on CPU).
@@ -55,6 +73,37 @@ class Experts(nn.Module):
         """x @ W_i^T for held expert i of stacked weight `name` (`weight` = its slice W_i). Adapters (LoRA on the
         experts) replace it on the instance to add their per-expert term."""
         return x @ weight.T
+
+
+def grouped_mm_dtype(rows: torch.Tensor, *weights: torch.Tensor) -> torch.dtype | None:
+    """The dtype torch's grouped GEMM (`F.grouped_mm`) computes `rows` (n, in) times each stacked weight
+    (experts, out, in) in here (autocast's, as the loop's matmuls would), or None where it does not run
+    (`grouped_mm_runs`), for an fp64 operand, for operands of different dtypes outside autocast (the loop raises the
+    usual error), and for rows not a multiple of 16 bytes apart or not 16-byte aligned (the kernel's layout)."""
+    device = rows.device
+    autocast = torch.is_autocast_enabled(device.type)
+    dtype = torch.get_autocast_dtype(device.type) if autocast else rows.dtype
+    operands = (rows, *weights)
+    if not grouped_mm_runs(device, dtype) or any(
+            t.dtype == torch.float64 or not autocast and t.dtype != dtype for t in operands):
+        return None
+    # A cast operand is a new tensor with the same strides (the allocator aligns it); one used as is must be aligned.
+    if not all(t.stride(-1) == 1 and t.stride(-2) * dtype.itemsize % 16 == 0
+               and (t.dtype != dtype or t.data_ptr() % 16 == 0) for t in operands):
+        return None
+    return dtype
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `F.grouped_mm` (torch >= 2.10) computes in `dtype` on `device`: fp32 and bf16 on the CPU and on CUDA
+    sm80+ (fp16 is left to the loop); inside a compiled graph bf16 only (inductor lowers no other)."""
+    if not hasattr(F, "grouped_mm") or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device.type == "cpu"
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[list[int], torch.Tensor]:

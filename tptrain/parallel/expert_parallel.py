@@ -1,11 +1,11 @@
 """Experts over the TP group: split inside each expert (expert tensor parallelism) or split by expert (expert
 parallelism), and the token dispatch / combine by all-to-all.
 
-The experts module (tptrain.models.moe.Experts, named here only through its interface: stacked `gate_proj`,
-`up_proj` (experts, inner, hidden), `down_proj` (experts, hidden, inner), `num_experts`, `expert_offset`,
-`grouped(rows, counts)`, and forward(x, expert_ids, weights)) is called on the MoE block's input, which under plain
-TP every rank of the group holds whole (attention's all-reduce made it so). The router is replicated and computed
-on every rank, identically.
+The experts module (tptrain.models.moe.Experts, named here only through its interface, `contract.TPExperts`: stacked
+`gate_proj`, `up_proj` (experts, inner, hidden), `down_proj` (experts, hidden, inner), `num_experts`, `top_k`,
+`expert_offset`, `grouped(rows, counts)`, and forward(x, expert_ids, weights)) is called on the MoE block's input,
+which under plain TP every rank of the group holds whole (attention's all-reduce made it so). The router is
+replicated and computed on every rank, identically.
 
 * `expert_tensor_parallel` (the default): each expert's gate/up split along the inner dim, down along its input
   dim. Every rank runs every token through its slice of its experts; the partial outputs are summed by the one
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.parallel import contract
 from tptrain.parallel.styles import ParallelStyle, ShardSpec, TPContext, replace_forward, register_style
 
 __all__ = ["ExpertTensorParallel", "ExpertParallelAllReduce", "ExpertParallelAllToAll", "ExpertParallel",
@@ -56,10 +57,11 @@ class _ExpertStyle(ParallelStyle):
     sequence_parallel_ok = False
 
     def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
-        missing = [n for n in ("gate_proj", "up_proj", "down_proj", "grouped") if not hasattr(module, n)]
+        missing = contract.missing(module, contract.TPExperts)
         if missing:
-            raise TypeError(f"style {self.name!r} needs a stacked-experts module (gate_proj, up_proj, down_proj, "
-                            f"grouped), got a {type(module).__name__} without {missing}")
+            raise TypeError(f"style {self.name!r} needs a stacked-experts module "
+                            f"({', '.join(contract.members(contract.TPExperts))}), got a {type(module).__name__} "
+                            f"without {missing}")
         return self.specs()
 
     def specs(self) -> dict[str, ShardSpec]:
@@ -145,9 +147,7 @@ class ExpertParallel(ExpertParallelAllToAll):
     name = "expert_parallel"
 
     def install(self, module, ctx):
-        top_k = getattr(module, "top_k", None)
-        assert top_k is not None, "the MoE block sets experts.top_k (the router's k) before parallelising"
-        if all_to_all_wins(ctx.size, top_k):
+        if all_to_all_wins(ctx.size, module.top_k):  # a TPExperts: param_specs checked it in check_plan
             super().install(module, ctx)
         else:
             ExpertParallelAllReduce.install(self, module, ctx)
@@ -168,7 +168,7 @@ def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.
     return comm.gather_from_tp(combined, group, dim=0)
 
 
-def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group,
+def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group: str,
              p: int) -> torch.Tensor:
     """This rank's tokens x (tokens, hidden) through their experts, held by the p ranks of `group` (E/p each, in
     rank order): (tokens, hidden), the weighted sum over each token's experts (partial over tp when the owners
@@ -182,7 +182,7 @@ def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weig
     send_splits = sent.view(p, held).sum(1).tolist()
     recv_splits = got.sum(1).tolist()
     rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
-    experts.rows_received = rows.shape[0]  # for comm_report: the bytes back are the routing's, not this rank's
+    comm.note("rows_received", rows.shape[0], group)  # comm_report: the rows sent back are the others' routing
     held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
     by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
     out = rows.new_empty((rows.shape[0], experts.down_proj.shape[1]))

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from tptrain.parallel import contract
 from tptrain.parallel import expert_parallel as _expert_styles
 from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, canonical_style, make_style
 
@@ -21,31 +22,24 @@ assert _expert_styles.ExpertParallel.name in STYLES  # importing expert_parallel
 
 
 def model_plan(model: nn.Module, *, sequence_parallel: bool = False, expert_parallel: bool = False) -> dict[str, str]:
-    """The model's own plan in full module names: the config's base plan (plus its
+    """The model's own plan in full module names: the base plan (`contract.base_plan`, plus the config's
     `base_model_sp_plan` under sequence parallelism, its `base_model_ep_plan` under expert parallelism)
     under the base-model prefix, plus the head's class-level `_tp_plan`."""
-    prefix = getattr(model, "base_model_prefix", "model")
-    base = dict(base_plan(model))
+    prefix = contract.prefix(model)
+    base = contract.base_plan(model)
     if sequence_parallel and base:  # the config's own SP rules (norms on the residual stream)
-        base.update(getattr(model.config, "base_model_sp_plan", None) or {})
+        base.update(contract.sp_plan(model.config))
     if expert_parallel:  # the config's own EP rules (experts split by expert)
-        base.update(getattr(model.config, "base_model_ep_plan", None) or {})
+        base.update(contract.ep_plan(model.config))
     plan = {f"{prefix}.{glob}": style for glob, style in base.items()}
-    plan.update(getattr(model, "_tp_plan", {}) or {})
+    plan.update(contract.head_plan(model))
     return plan
-
-
-def base_plan(model: nn.Module) -> dict[str, str]:
-    """The base model's plan: the model's own `tp_base_plan` if it has one (a transformers model, its config's plan
-    in tptrain's style names), else its config's `base_model_tp_plan`."""
-    plan = getattr(model, "tp_base_plan", None)
-    return plan if plan is not None else getattr(model.config, "base_model_tp_plan", None) or {}
 
 
 def merge_overrides(model: nn.Module, plan: dict[str, str], overrides: Mapping[str, Any]) -> dict:
     """User overrides replace rules with the same glob and add new ones; a value of None removes a
     rule. Keys may be spelled as in `base_model_tp_plan` (relative to the base model) or in full."""
-    prefix = getattr(model, "base_model_prefix", "model")
+    prefix = contract.prefix(model)
     top_level = {name for name, _ in model.named_children()}
     merged = dict(plan)
     for key, style in overrides.items():
@@ -91,13 +85,12 @@ def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "au
 
 
 def kv_replicas(config: Any, tp_size: int) -> int:
-    n_kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
+    n_kv = contract.kv_heads(config) or 1
     return tp_size // n_kv if tp_size > n_kv and tp_size % n_kv == 0 else 1
 
 
 def head_problems(config: Any, tp_size: int) -> list[str]:
-    heads = getattr(config, "num_attention_heads", None)
-    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    heads, n_kv = contract.attention_heads(config), contract.kv_heads(config)
     if heads is None:
         return []
     out = []
@@ -135,9 +128,9 @@ def _kv_parent(model: nn.Module, name: str) -> bool:
     k_proj's output is laid out like k_proj)."""
     parent, _, leaf = name.rpartition(".")
     owner = model.get_submodule(parent)
-    kv = getattr(owner, "tp_kv_projections", ())
-    producers = getattr(owner, "tp_pairs", {}).get(leaf, ())
-    fused_kv = any(is_kv for _, is_kv in getattr(model.get_submodule(name), "tp_segments", ()))
+    kv = contract.kv_projections(owner)
+    producers = contract.pairs(owner).get(leaf, ())
+    fused_kv = any(is_kv for _, is_kv in contract.segments(model.get_submodule(name)))
     return leaf in kv or fused_kv or bool(producers) and all(p in kv for p in producers)
 
 
@@ -172,14 +165,14 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     """Resolve and validate `tp_plan` for `model` without touching the model or any process group.
     `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size). `ep_size` > 1: split by
     expert over an ep axis of their own, each expert tensor-parallel over tp (`ep_problems`)."""
-    if expert_parallel and not getattr(model.config, "base_model_ep_plan", None):
+    if expert_parallel and not contract.ep_plan(model.config):
         raise ValueError(f"enable_expert_parallel=True, but {type(model).__name__} ({model.config.model_type!r}) has "
                          f"no experts to split: expert parallelism is for mixture-of-experts models; drop "
                          f"enable_expert_parallel")
     styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel,
                                     expert_parallel=expert_parallel)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
-    if tp_size > 1 and not problems and not base_plan(model) and not user_rules:
+    if tp_size > 1 and not problems and not contract.base_plan(model) and not user_rules:
         # The head's own plan alone would split only the output head: that is not tensor parallelism of the model.
         problems.append(f"{type(model).__name__}'s config declares no base_model_tp_plan, so tptrain does not know "
                         f"how to shard it at tp_size={tp_size}; pass DistributedConfig(tp_plan={{module-glob: style}}) "
@@ -191,8 +184,7 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     objects = {name: make_style(style, where=name, kv_replicas=replicas if _kv_parent(model, name) else 1)
                for name, style in styles.items()}
     specs, layout_problems = _layout_specs(model, objects, tp_size)
-    if hasattr(model, "tp_plan_problems"):  # what only the model can see (tptrain.hf: unplanned weights)
-        layout_problems += model.tp_plan_problems(styles, tp_size)
+    layout_problems += contract.plan_problems(model, styles, tp_size)  # tptrain.hf: the weights it leaves unplanned
     if sequence_parallel and tp_size > 1:
         layout_problems += sorted({f"{_generic(n)} ({s.name!r}) does not work under sequence parallelism yet (the "
                                    f"router would route a sequence shard); disable enable_sequence_parallel"
@@ -209,6 +201,21 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
                         vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)
 
 
+def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
+                     sequence_parallel: bool = False, expert_parallel: bool = False, ep_size: int = 1) -> list[int]:
+    """The tp sizes from 1 to the model's query head count (64 for a model without one) at which `check_plan` finds
+    no problem, every constraint counted: what to suggest for a size that does not work."""
+    def check(size: int) -> ResolvedPlan:
+        return check_plan(model, tp_plan, size, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                          ep_size=ep_size)
+
+    limit = contract.attention_heads(model.config) or 64
+    heads = _splits_heads(model, check(1).objects)  # the styles are the same at every size
+    # The head counts rule out most sizes by arithmetic alone: each check of a large model's plan takes ~0.2 s.
+    candidates = [size for size in range(1, limit + 1) if not (heads and head_problems(model.config, size))]
+    return [size for size in candidates if not check(size).problems]
+
+
 def _experts(objects: Mapping[str, ParallelStyle]) -> list[str]:
     """The modules planned as stacked experts (any expert style)."""
     return [name for name, style in objects.items() if isinstance(style, _expert_styles._ExpertStyle)]
@@ -219,8 +226,7 @@ def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size:
     is a ValueError of its own (nothing to split); the rest are plan problems."""
     experts = _experts(objects)
     if not experts:
-        config = model.config
-        raise ValueError(f"ep_size={ep_size}, but {type(model).__name__} ({getattr(config, 'model_type', '?')!r}) "
+        raise ValueError(f"ep_size={ep_size}, but {type(model).__name__} ({model.config.model_type!r}) "
                          f"has no experts to split: expert parallelism is for mixture-of-experts models; drop ep_size")
     problems = []
     for name in experts:
@@ -238,26 +244,29 @@ def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size:
 
 def _output_head(model: nn.Module) -> str | None:
     """Module name of the model's output head (`get_output_embeddings()`, as in transformers)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = contract.output_head(model)
     return next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _splits_heads(model: nn.Module, objects: Mapping[str, ParallelStyle]) -> bool:
+    """Whether the plan splits an attention module by heads (whatever the tp size: styles do not depend on it)."""
+    return any(isinstance(model.get_submodule(name.rpartition(".")[0]), contract.TPAttention)
+               and (style.splits_output or style.needs_split_input) for name, style in objects.items())
 
 
 def _layout_specs(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_size: int
                   ) -> tuple[dict[str, ShardSpec], list[str]]:
     """ShardSpec for every parameter the plan touches (full names), and every divisibility problem."""
     specs: dict[str, ShardSpec] = {}
-    problems: list[str] = []
-    if any(hasattr(model.get_submodule(name.rpartition(".")[0]), "tp_kv_projections")
-           and (style.splits_output or style.needs_split_input) for name, style in objects.items()):
-        problems += head_problems(model.config, tp_size)  # an attention module is split by heads
+    problems: list[str] = head_problems(model.config, tp_size) if _splits_heads(model, objects) else []
     for name, style in objects.items():
         module = model.get_submodule(name)
         if not isinstance(module, style.module_types):
             problems.append(f"module {name!r} is a {type(module).__name__}, but style {style.name!r} supports "
                             f"only {', '.join(t.__name__ for t in style.module_types)}")
             continue
-        if getattr(module, "tp_segments", None) and style.splits_output and not style.fused:
-            problems.append(f"module {name!r} packs {len(module.tp_segments)} projections in its rows, so style "
+        if contract.segments(module) and style.splits_output and not style.fused:
+            problems.append(f"module {name!r} packs {len(contract.segments(module))} projections in its rows, so style "
                             f"{style.name!r} would hand a rank rows of the wrong ones; use 'fused_colwise'")
             continue
         for pname, spec in style.param_specs(module).items():
@@ -280,7 +289,7 @@ def _pair_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], seque
     module that wants a split input, and the other way round."""
     problems = []
     for owner, module in model.named_modules():
-        for consumer, producers in getattr(module, "tp_pairs", {}).items():
+        for consumer, producers in contract.pairs(module).items():
             names = [f"{owner}.{p}" for p in producers if hasattr(module, p)]
             if not hasattr(module, consumer) or not names:
                 continue

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.parallel import contract
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
@@ -72,7 +73,10 @@ class TPLayout:
         return self._params[name].spec if name in self._params else ShardSpec()
 
     def partial_grad_specs(self) -> dict[str, ShardSpec]:
-        """{name: spec} of the parameters whose gradient is a per-rank share, in table order."""
+        """{name: spec} of the parameters whose gradient is a per-rank share, in table order (none over one TP rank:
+        its share is the whole gradient)."""
+        if self.ctx.size == 1:
+            return {}
         return {name: p.spec for name, p in self._params.items() if p.spec.partial_grad}
 
     def add(self, name: str, spec: ShardSpec, global_shape: tuple[int, ...]) -> None:
@@ -107,7 +111,7 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
         if id(p) not in new:
             # A copy, so the full tensor can be freed (on meta it is a shape only).
             local = p.data
-            if spec.dim is not None or spec.ep_split:  # this rank's experts first, then its TP chunk of them
+            if spec.ep_split or spec.dim is not None and ctx.size > 1:  # its experts, then its TP chunk of them
                 local = spec.local_chunk(spec.ep_chunk(local, ctx.ep_size, ctx.ep_rank), ctx.size, ctx.rank).clone()
             new[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
     for name, p in old.items():
@@ -167,7 +171,11 @@ def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[
 
 def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group, ep_group=None) -> TPLayout:
     """Shard `model` in place over `tp_group` as `resolved` (from `check_plan`, problem-free) says; the experts of a
-    plan resolved at ep_size > 1 also over `ep_group` (the mesh's "ep" axis)."""
+    plan resolved at ep_size > 1 also over `ep_group` (the mesh's "ep" axis).
+
+    Over one TP rank the layout is recorded (the specs as resolved, each one chunk: saving, DCP and LoRA read it as
+    at any size) but nothing is installed: no style, hook, boundary or TP loss, so the model computes as on one
+    device; only experts split over an ep axis get their style (their exchange over ep)."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     assert not resolved.problems and resolved.tp_size == tp_size, (resolved.problems, resolved.tp_size, tp_size)
     ep = {}
@@ -176,14 +184,24 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group,
         ep = dict(ep_group_name=comm.group_name(ep_group), ep_size=resolved.ep_size, ep_rank=dist.get_rank(ep_group))
     ctx = TPContext(comm.group_name(tp_group), tp_size, tp_rank, sequence_parallel=resolved.sequence_parallel, **ep)
     params = _shard_parameters(model, resolved.specs, ctx)
+    layout = TPLayout(dict(resolved.styles), params, ctx, vocab_parallel_loss=resolved.vocab_parallel_loss)
+    if tp_size == 1:
+        for name in dict.fromkeys(n.rpartition(".")[0] for n, spec in resolved.specs.items() if spec.ep_split):
+            resolved.objects[name].install(model.get_submodule(name), ctx)
+        return layout
     for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)
     ctx.blocks = colwise_blocks(model, resolved)
+    _install_model_hooks(model, resolved, ctx)
+    return layout
 
+
+def _install_model_hooks(model: nn.Module, resolved: ResolvedPlan, ctx: TPContext) -> None:
+    """What spans the whole model: the vocab-parallel loss, the per-forward reset of the shared boundary, SP."""
     if resolved.vocab_parallel_loss:
         # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
         model.loss_function = make_vocab_parallel_causal_lm_loss(ctx)
-        if hasattr(model, "head_loss_function"):
+        if contract.has_head_loss(model):
             model.head_loss_function = make_vocab_parallel_head_loss(ctx)
         labels_given = _labels_given(model.forward)
 
@@ -197,4 +215,3 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group,
     model.register_forward_hook(lambda module, args, out: ctx.reset())
     if resolved.sequence_parallel:
         install_sequence_parallel(model, ctx)
-    return TPLayout(dict(resolved.styles), params, ctx, vocab_parallel_loss=resolved.vocab_parallel_loss)

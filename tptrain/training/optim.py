@@ -56,9 +56,11 @@ def lr_multiplier(kind: str, *, warmup_steps: int, total_steps: int) -> Callable
     return multiplier
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, *,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """`args`' schedule, decaying to 0 at `total_steps`: the run's max_steps (num_train_epochs may set it)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(
-        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
+        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=total_steps))
 
 
 @torch.no_grad()

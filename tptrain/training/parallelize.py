@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tptrain.distributed import ParallelDims, init_distributed
 from tptrain.distributed.topology import expert_dp_mesh
+from tptrain.parallel import contract
 from tptrain.training.args import ParallelismConfig
 
 
@@ -59,7 +60,7 @@ def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, tor
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    base = getattr(model, contract.prefix(model), None)
     return list(getattr(base, "layers", []))
 
 
@@ -132,7 +133,7 @@ def apply_compile(model: nn.Module, *, backend: str) -> None:
     run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer."""
     layout = getattr(model, "tp_layout", None)
     for layer in decoder_layers(model):
-        if layout is not None:  # a block never reuses the last block's shared TP boundary: starting each without
+        if layout is not None and layout.ctx.size > 1:  # a block never reuses the last block's shared TP boundary: starting each without
             # it (in eager, before the compiled call) spares dynamo a second graph guarded on it being set
             layer.register_forward_pre_hook(lambda module, args: layout.ctx.reset())
         layer.forward = torch.compile(layer.forward, backend=backend)

@@ -16,8 +16,9 @@ import json
 import sys
 import time
 from array import array
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 import time
@@ -28,21 +27,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.io import writable_error
 from tptrain.io.hub import TOKENIZER_PATTERNS
-from tptrain.distributed import comm, raise_on_any_rank
+from tptrain.distributed import ParallelDims, comm, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training.checkpoint import dirs as dirs
 from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
-from tptrain.training.data import DataOrder, PackedDataset, load_tokenizer
-from tptrain.training.evaluation import evaluate_loss, split_dataset
+from tptrain.training.data import PackedDataset, load_tokenizer
+from tptrain.training.evaluation import evaluate_loss
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
-from tptrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from tptrain.training.parallelize import compile_error, parallelize_for_training, resolve_parallelism, training_mesh
+from tptrain.training.optim import clip_grad_norm_
+from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
+from tptrain.training.setup import optimizer_and_schedule, parallelize, place, training_data
 
 
 @dataclass
@@ -63,7 +62,9 @@ class Trainer:
     eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
         (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
-    constructor, identically on every rank, before any collective.
+    constructor, identically on every rank, before any collective. The constructor is one ordered pass
+    (training/setup.py): layout, data, mesh, parallelisms, optimizer. `args` are the arguments as run,
+    max_steps resolved from num_train_epochs.
     """
 
     def __init__(self, model: nn.Module, *, args: TrainingArguments, train_dataset: Any, tokenizer: Any = None,
@@ -75,29 +76,18 @@ class Trainer:
         # while forward and the final save (which then writes the adapter) go through the wrapper.
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
+        # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config)
-        self._check_sequence_length()
-        self.dataset = self._dataset(train_dataset)
-        self.eval_dataset = self._eval_dataset(eval_dataset)
-        self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.dims.dp
-        self._epochs_to_steps()
-        self.mesh, self.device = training_mesh(model, self.dims)  # the model's own, or the one it moves onto
-        self.rank = dist.get_rank()
-        self.is_rank0 = self.rank == 0
-        self.data_order = DataOrder(len(self.dataset), seed=args.seed, dp_rank=dp_mesh(self.mesh).get_local_rank(),
-                                    dp_size=self.dims.dp, global_batch=self.global_batch,
-                                    data_key=getattr(self.dataset, "data_key", None))
-        raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if self.is_rank0 else None)
-        if any(p.device != self.device for p in model.parameters()):  # a model built or loaded elsewhere
-            model.to(self.device)
-        torch.manual_seed(args.seed)
-        if args.torch_compile:  # the same machine image on every rank, but say which rank lacks the compiler
-            raise_on_any_rank(compile_error(args.torch_compile_backend, self.device), exc_type=ValueError)
-        self.fsdp = parallelize_for_training(model, self.mesh, gradient_checkpointing=args.gradient_checkpointing,
-                                             bf16=args.bf16,
-                                             compile_backend=args.torch_compile_backend if args.torch_compile else None)
-        self.optimizer = build_optimizer(model, args)
-        self.scheduler = build_scheduler(self.optimizer, self.args)  # max_steps may come from num_train_epochs
+        self._check_sequence_length(self.dims)
+        data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
+        self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
+        if data.max_steps != args.max_steps:
+            self.args = args = dataclasses.replace(args, max_steps=data.max_steps)
+        placement = place(model, args, self.dims, data)  # the first collective
+        self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
+        self.is_rank0, self.data_order = self.rank == 0, placement.data_order
+        self.fsdp = parallelize(model, args, placement)
+        self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
         self.converter = ckpt.StateConverter(model, self.mesh)
         # --async-checkpoint: DCP's background writes run their collectives on a group of their own.
         self.async_group = comm.side_group() if args.async_checkpoint else None
@@ -134,11 +124,11 @@ class Trainer:
 
         return resolve_checkpoint(name)
 
-    def _check_sequence_length(self) -> None:
+    def _check_sequence_length(self, dims: ParallelDims) -> None:
         check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
         layout = getattr(self.inner, "tp_layout", None)
         if layout is not None and layout.ctx.sequence_parallel:
-            check_sequence_length(self.inner, self.args.seq_len, self.dims.tp,
+            check_sequence_length(self.inner, self.args.seq_len, dims.tp,
                                   what=f"TrainingArguments.seq_len={self.args.seq_len}")
 
     # ------------------------------------------------------------------ training
@@ -159,9 +149,10 @@ class Trainer:
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
+            if self.is_rank0:
+                print(f"tptrain: resuming from {path} (step {self.global_step})", flush=True)
         reporter = self._reporter()
         losses = []
-        self.model.train()
         while self.global_step < args.max_steps:
             start, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the lr this step uses
             loss, grad_norm = self.training_step(self.data_order.next_batch())
@@ -194,6 +185,7 @@ class Trainer:
 
     def training_step(self, indices: list[int]) -> tuple[float, float]:
         """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
+        self.model.train()  # as transformers' Trainer: from_pretrained hands out eval mode, evaluation leaves it
         b = self.args.per_device_train_batch_size
         micro = [self._batch([self.dataset[i] for i in indices[k:k + b]]) for k in range(0, len(indices), b)]
         num_items = self._global_token_count(micro)
@@ -235,25 +227,6 @@ class Trainer:
                         tensorboard=self.args.report_to == "tensorboard")
 
     # ------------------------------------------------------------------ fine-tuning data and evaluation
-
-    def _eval_dataset(self, source: Any) -> Any:
-        if self.args.eval_split:
-            if source is not None:
-                raise ValueError("pass either eval_dataset or TrainingArguments.eval_split (--eval-data or "
-                                 "--eval-split), not both")
-            self.dataset, held = split_dataset(self.dataset, self.args.eval_split, self.args.seed)
-            return held
-        if source is None and (self.args.eval_steps or self.args.save_best):
-            raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
-                             "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
-        return None if source is None else self._dataset(source)
-
-    def _epochs_to_steps(self) -> None:
-        """num_train_epochs -> max_steps (steps per epoch: the rows that fill whole global batches)."""
-        epochs = self.args.num_train_epochs
-        if epochs is not None:
-            steps = max(1, math.ceil(epochs * (len(self.dataset) // max(1, self.global_batch))))
-            self.args = dataclasses.replace(self.args, max_steps=steps)
 
     def _report_truncation(self) -> None:
         for name, data in (("train", self.dataset), ("eval", self.eval_dataset)):

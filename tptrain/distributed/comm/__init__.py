@@ -1,6 +1,6 @@
 """Every collective tptrain issues: the only package that talks to c10d. One file per concern:
 
-    tracker.py        CommTracker: what passed through here (op, shape, bytes, phase, group size)
+    tracker.py        CommTracker: what passed through here (op, shape, bytes, phase, group size), and notes
     handles.py        collectives started without waiting (`start_*` -> `Pending.wait()`)
     collectives.py    the blocking collectives on plain tensors; a group's name
     ops.py            the activation collectives: Megatron's conjugate pairs as autograd functions over custom ops
@@ -21,14 +21,14 @@ from tptrain.distributed.comm.process_group import (DEFAULT_PG_TIMEOUT, DEFAULT_
                                                     RENDEZVOUS_TIMEOUT_ENV, destroy_process_group,
                                                     init_process_group, process_group_timeout, rendezvous_timeout,
                                                     track_mesh)
-from tptrain.distributed.comm.tracker import CommRecord, CommTracker
+from tptrain.distributed.comm.tracker import CommNote, CommRecord, CommTracker, note
 
 __all__ = [
-    "DEFAULT_PG_TIMEOUT", "DEFAULT_RENDEZVOUS_TIMEOUT", "PG_TIMEOUT_ENV", "RENDEZVOUS_TIMEOUT_ENV", "CommRecord",
-    "CommTracker", "Pending", "ProcessGroup", "all_gather", "all_gather_object", "all_reduce", "all_to_all",
-    "any_rank", "barrier", "copy_to_tp", "destroy_process_group", "dispatch_to_ranks", "exchange_counts",
-    "gather_from_tp", "gather_to_sp", "group_name", "init_process_group", "process_group_timeout", "raise_on_any_rank",
-    "reduce_from_tp", "reduce_scatter", "reduce_scatter_to_sp", "rendezvous_timeout", "resolve_group", "side_group",
-    "split", "split_to_tp", "start_all_gather", "start_all_reduce", "start_reduce_scatter", "sum_over_tp",
-    "track_mesh",
+    "DEFAULT_PG_TIMEOUT", "DEFAULT_RENDEZVOUS_TIMEOUT", "PG_TIMEOUT_ENV", "RENDEZVOUS_TIMEOUT_ENV", "CommNote",
+    "CommRecord", "CommTracker", "Pending", "ProcessGroup", "all_gather", "all_gather_object", "all_reduce",
+    "all_to_all", "any_rank", "barrier", "copy_to_tp", "destroy_process_group", "dispatch_to_ranks", "exchange_counts",
+    "gather_from_tp", "gather_to_sp", "group_name", "init_process_group", "note", "process_group_timeout",
+    "raise_on_any_rank", "reduce_from_tp", "reduce_scatter", "reduce_scatter_to_sp", "rendezvous_timeout",
+    "resolve_group", "side_group", "split", "split_to_tp", "start_all_gather", "start_all_reduce",
+    "start_reduce_scatter", "sum_over_tp", "track_mesh",
 ]

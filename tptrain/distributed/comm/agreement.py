@@ -12,8 +12,10 @@ ProcessGroup = dist.ProcessGroup
 
 
 def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
-    """Every rank's picklable `obj`, in rank order."""
+    """Every rank's picklable `obj`, in rank order (over one rank: `[obj]`, nothing sent)."""
     out: list = [None] * dist.get_world_size(group)
+    if len(out) == 1:
+        return [obj]
     record_object("all_gather_object", obj, group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -27,13 +29,17 @@ def side_group() -> ProcessGroup:
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here."""
+    if dist.get_world_size(group) == 1:
+        return
     record_object("barrier", None, group)
     dist.barrier(group=group)
 
 
 def any_rank(flag: bool, group: ProcessGroup | None = None, *, phase: str) -> bool:
     """True on every rank if `flag` is True on any rank of `group` (default: the world): one all-reduce
-    of one int."""
+    of one int (none over one rank)."""
+    if dist.get_world_size(group) == 1:
+        return bool(flag)
     t = torch.tensor([int(flag)], dtype=torch.int32)
     if dist.get_backend(group) == "nccl":
         t = t.cuda()

@@ -38,6 +38,8 @@ def all_to_all(t: torch.Tensor, group: ProcessGroup, *, send_splits: list[int], 
     """Rows `t[sum(send_splits[:r]):][:send_splits[r]]` go to rank r; returns the rows every rank sent here,
     concatenated by source rank (`recv_splits[r]` from rank r). Splits may be 0 (a rank that sends or
     receives nothing still takes part)."""
+    if dist.get_world_size(group) == 1:  # every row stays here
+        return t.clone(memory_format=torch.contiguous_format)
     t = t.contiguous()
     out = t.new_empty((sum(recv_splits), *t.shape[1:]))
     record("all_to_all", t, phase or current_phase(), group)

@@ -65,6 +65,13 @@ def _name(group: ProcessGroup | str) -> str:
     return group if isinstance(group, str) else group_name(group)
 
 
+def _alone(group: str) -> bool:
+    """Whether group `group` (a name) has one rank, in eager code: the entry points below then return their input,
+    with no autograd function and nothing issued. Traced code keeps the function (looking a group up would break
+    the graph), whose collectives over one rank issue nothing either (handles.py)."""
+    return not torch.compiler.is_compiling() and _world(group) == 1
+
+
 class _CopyToTP(Function):
     """identity fwd / all-reduce bwd (Megatron's f: entering a column-parallel region)."""
 
@@ -135,50 +142,61 @@ class _AllToAll(Function):
         return _all_to_all_op(grad, ctx.group, recv, send), None, None, None
 
 
+def _along_dim(x: torch.Tensor, group: ProcessGroup | str, dim: int, fwd: str, bwd: str) -> torch.Tensor:
+    name = _name(group)
+    return x if _alone(name) else _AlongDim.apply(x, name, dim % x.dim(), fwd, bwd)
+
+
 def dispatch_to_ranks(x: torch.Tensor, group: ProcessGroup | str, send_splits: list[int],
                       recv_splits: list[int]) -> torch.Tensor:
     """all-to-all fwd / the reverse all-to-all bwd (expert parallelism: rows to the ranks owning their experts,
     and, with the splits swapped, the results back)."""
-    return _AllToAll.apply(x, _name(group), list(send_splits), list(recv_splits))
+    name = _name(group)
+    return x if _alone(name) else _AllToAll.apply(x, name, list(send_splits), list(recv_splits))
 
 
 def exchange_counts(counts: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
     """(ranks * n,) int64 counts, n for each rank -> the (ranks * n,) counts every rank sent here (no gradient)."""
     name = _name(group)
+    if _alone(name):
+        return counts
     world = _world(name)
     n = counts.numel() // world
     return _all_to_all_op(counts, name, [n] * world, [n] * world)
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
-    return _CopyToTP.apply(x, _name(group))
+    name = _name(group)
+    return x if _alone(name) else _CopyToTP.apply(x, name)
 
 
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, _name(group))
+    name = _name(group)
+    return x if _alone(name) else _ReduceFromTP.apply(x, name)
 
 
 def sum_over_tp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
     """all-reduce fwd / all-reduce bwd (a statistic over features split across the ranks, e.g. a norm's sum of
     squares)."""
-    return _SumOverTP.apply(x, _name(group))
+    name = _name(group)
+    return x if _alone(name) else _SumOverTP.apply(x, name)
 
 
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup | str, dim: int = -1) -> torch.Tensor:
     """all-gather fwd / split bwd (un-shard an output, e.g. logits along the vocabulary)."""
-    return _AlongDim.apply(x, _name(group), dim % x.dim(), "all_gather", "split")
+    return _along_dim(x, group, dim, "all_gather", "split")
 
 
 def split_to_tp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 0) -> torch.Tensor:
     """split fwd / all-gather bwd (a replicated tensor's share for this rank to work on alone)."""
-    return _AlongDim.apply(x, _name(group), dim % x.dim(), "split", "all_gather")
+    return _along_dim(x, group, dim, "split", "all_gather")
 
 
 def gather_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 1) -> torch.Tensor:
     """all-gather fwd / reduce-scatter bwd (sequence-parallel -> tensor-parallel region)."""
-    return _AlongDim.apply(x, _name(group), dim % x.dim(), "all_gather", "reduce_scatter")
+    return _along_dim(x, group, dim, "all_gather", "reduce_scatter")
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 1) -> torch.Tensor:
     """reduce-scatter fwd / all-gather bwd (tensor-parallel -> sequence-parallel region)."""
-    return _AlongDim.apply(x, _name(group), dim % x.dim(), "reduce_scatter", "all_gather")
+    return _along_dim(x, group, dim, "reduce_scatter", "all_gather")

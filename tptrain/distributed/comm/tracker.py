@@ -1,5 +1,6 @@
-"""CommTracker: what passes through the comm package (op, shape, bytes, phase, group size), for the
-communication report and the tests that assert the Megatron minimum. A debugging aid, not communication state."""
+"""CommTracker: what passes through the comm package (op, shape, bytes, phase, group size), and the facts of an
+exchange only the code that ran it knows (`note`), for the communication report and the tests that assert the
+Megatron minimum. A debugging aid, not communication state."""
 from __future__ import annotations
 
 import pickle
@@ -21,10 +22,23 @@ class CommRecord:
 
 
 @dataclass
+class CommNote:
+    """A fact of an exchange that its bytes do not say and only the code that ran it knows: "rows_received", the
+    rows an expert dispatch brought to this rank's experts (the other ranks' routing decides them)."""
+
+    what: str
+    value: int
+    group: str  # the name of the process group the exchange ran over
+    phase: str  # as CommRecord's: "backward" for a forward recomputed in backward
+
+
+@dataclass
 class CommTracker:
-    """Records every collective issued through this module while active (`with CommTracker() as t`)."""
+    """Records every collective issued through this module while active (`with CommTracker() as t`), and the
+    notes of its exchanges."""
 
     records: list[CommRecord] = field(default_factory=list)
+    notes: list[CommNote] = field(default_factory=list)
 
     def __enter__(self) -> "CommTracker":
         _TRACKERS.append(self)
@@ -38,6 +52,10 @@ class CommTracker:
 
     def total_bytes(self, phase: str | None = None) -> int:
         return sum(r.bytes for r in self.records if phase is None or r.phase == phase)
+
+    def noted(self, what: str, group: str, phase: str = "forward") -> int:
+        """The sum of the `what` notes of exchanges over `group` in `phase`."""
+        return sum(n.value for n in self.notes if (n.what, n.group, n.phase) == (what, group, phase))
 
 
 # Trackers are a debugging aid, not communication state: process groups are always passed explicitly.
@@ -55,6 +73,12 @@ def record_object(op: str, obj: object, group: dist.ProcessGroup | None) -> None
     """Record an object collective (its pickled size) in every active tracker, as "setup"."""
     for tracker in _TRACKERS:
         tracker.records.append(CommRecord(op, (), len(pickle.dumps(obj)), "setup", dist.get_world_size(group)))
+
+
+def note(what: str, value: int, group: str) -> None:
+    """Note a fact of an exchange over the group named `group` (see CommNote) in every active tracker."""
+    for tracker in _TRACKERS:
+        tracker.notes.append(CommNote(what, int(value), group, current_phase()))
 
 
 def current_phase() -> str:

@@ -56,7 +56,10 @@ class TPContext:
         Siblings reading the same tensor (q/k/v, gate/up) share one boundary, so backward issues a
         single all-reduce (or reduce-scatter under SP) for all of them: the Megatron minimum. With
         `overlap`, the first member to enter runs the whole block as one function (`colwise_block.Block`).
+        Over one rank there is no boundary: `x` itself (the experts of a tp-1 model split over an ep axis).
         """
+        if self.size == 1:
+            return x
         if self._boundary is not None and self._boundary[0]() is x:
             block = self._boundary[2]
             return self._boundary[1] if block is None else block.entered(module)
@@ -81,7 +84,9 @@ class TPContext:
         return block.take(module) if block is not None and block.y is y else None
 
     def exit(self, partial: torch.Tensor) -> torch.Tensor:
-        """Output boundary of a row-parallel block: sum the per-rank partial results."""
+        """Output boundary of a row-parallel block: sum the per-rank partial results (over one rank: `partial`)."""
+        if self.size == 1:
+            return partial
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sp(partial, self.group_name, dim=1)
         return comm.reduce_from_tp(partial, self.group_name)

@@ -3,6 +3,7 @@ norm over features a colwise projection split (its sum of squares summed over TP
 from __future__ import annotations
 
 from tptrain.distributed import comm
+from tptrain.parallel import contract
 from tptrain.parallel.styles.base import ParallelStyle, own_params, register_style
 from tptrain.parallel.styles.spec import ShardSpec
 
@@ -47,7 +48,7 @@ class DistributedRMSNorm(ParallelStyle):
         return {n: spec for n in own_params(module)}
 
     def install(self, module, ctx):
-        if not callable(getattr(module, "mean_square", None)):
+        if not isinstance(module, contract.SplitNorm):
             raise TypeError(f"style {self.name!r} needs a norm with a mean_square(h) method (tptrain's RMSNorm), "
                             f"got a {type(module).__name__}")
         width = module.weight.shape[0] * (ctx.size // self.kv_replicas)  # the unsplit feature count

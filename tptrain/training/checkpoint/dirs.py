@@ -10,7 +10,7 @@ Nothing a user saved is lost, whenever the process dies:
 * pruning removes only checkpoints with this run's run id (kept across resumes);
 * resuming checks every file against the manifest first (each rank a share of the files), so a
   truncated or corrupt file is named before DCP reads anything; `resume_from_checkpoint=True` then
-  falls back to the previous valid checkpoint, with a warning.
+  falls back to the previous valid checkpoint, with a warning naming both.
 """
 from __future__ import annotations
 
@@ -261,15 +261,19 @@ def _latest_valid(output_dir: Path) -> Path:
     if not found:
         raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} holds no complete "
                                 f"{PREFIX}<step> directory; train without resuming, or pass a checkpoint path")
+    skipped = []
     for path in reversed(found):
         try:
             verify_checkpoint(path)
-            return path
         except CorruptCheckpointError as exc:
-            if rank == 0:
-                warnings.warn(f"not resuming from {path}: {exc}; trying the previous checkpoint", stacklevel=3)
-    raise CorruptCheckpointError(f"no checkpoint in {output_dir} is intact ({', '.join(p.name for p in found)} all "
-                                 "fail their manifest check, see the warnings); train without resuming")
+            skipped.append(f"{path} ({exc})")
+            continue
+        if skipped and rank == 0:  # one warning naming what was passed over and why, and what is used instead
+            warnings.warn(f"not resuming from {'; nor from '.join(skipped)}: falling back to {path}, the latest "
+                          "intact checkpoint", stacklevel=3)
+        return path
+    raise CorruptCheckpointError(f"no checkpoint in {output_dir} is intact: {'; '.join(skipped)}; train without "
+                                 "resuming")
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:

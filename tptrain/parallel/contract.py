@@ -1,0 +1,231 @@
+"""The model-engine contract: every fact a model gives the tensor-parallel engine, in one place.
+
+`parallel/` never names a model's modules (`k_proj`, `lm_head`): what it must know, the model declares as data on
+itself, on its modules and on its config. The Protocols below are that contract, one per kind of object;
+tptrain's native models (`models/decoder.py`, `models/layers.py`, `models/moe.py`) and the transformers backend
+(`hf/model.py`, `hf/plan.py`) satisfy them (tests/test_contract.py checks it on a built model of each family).
+
+    TPConfig          the config: model_type, the base TP plan (plus the SP / EP plans), the head counts
+    TPModel           the model: its config, base_model_prefix, the head's `_tp_plan`, get_output_embeddings()
+    TPBlock           a module whose children the plan splits column- then row-wise: `tp_pairs`
+    TPAttention       a module split by attention heads: `tp_kv_projections`
+    FusedProjection   a linear holding several projections in its rows: `tp_segments`
+    SplitNorm         a norm that can run over split features: `mean_square(h)`
+    TPExperts         stacked experts: num_experts, top_k, expert_offset, gate/up/down_proj, grouped()
+
+A Protocol's members are what every model tptrain builds declares. The engine reads a fact a model may leave out
+(an optional one, or any fact of a foreign nn.Module handed to `check_plan`) only through the accessor functions
+at the end of this file, so each default is stated once, here. Some facts go the other way: the engine writes
+them on the model's modules at `install` (each named in its Protocol), and the model or the reports read them.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+Plan = Mapping[str, str]  # {module glob: style name}, as HF configs spell it ("layers.*.self_attn.q_proj": "colwise")
+Segments = tuple[tuple[int, bool], ...]  # ((global rows, holds KV heads), ...) of a fused projection
+
+
+@runtime_checkable
+class TPConfig(Protocol):
+    """A model's config: tptrain's `PretrainedConfig`, or transformers' own (transformers backend).
+
+    model_type: named in errors.
+    base_model_tp_plan: {glob under the base model: style}, HF's field (`config_plan`; absent or None: {}: the
+        model cannot be sharded beyond its head's `_tp_plan`, which `check_plan` reports).
+    num_attention_heads: the query heads (`attention_heads`; absent: no head-count checks).
+    Optional:
+    num_key_value_heads: the KV heads (`kv_heads`; absent or None: num_attention_heads, no grouped queries).
+    base_model_sp_plan: rules added under sequence parallelism, the norms on the residual stream (`sp_plan`;
+        absent: {}).
+    base_model_ep_plan: rules `enable_expert_parallel` adds, the experts split by expert (`ep_plan`; absent or
+        empty: the model has no experts to split, and expert parallelism is refused).
+    Any other int field is read only to name the one behind a size that does not split (`plan._fix_hint`).
+    """
+
+    model_type: str
+    base_model_tp_plan: Plan | None
+    num_attention_heads: int
+
+
+@runtime_checkable
+class TPModel(Protocol):
+    """The model `check_plan` / `apply_tensor_parallel` take: an nn.Module with HF parameter names.
+
+    config: its TPConfig.
+    base_model_prefix: the base model's attribute name, under which the config's plans apply (`prefix`; absent:
+        "model").
+    _tp_plan: rules in full module names for what sits outside the base model, the output head (`head_plan`;
+        absent or None: {}).
+    get_output_embeddings(): the output head (`output_head`; absent or None: no head, so no vocab-parallel
+        loss). When its style keeps logits vocab-sharded, the engine replaces `loss_function`, a (logits, labels,
+        num_items_in_batch) -> loss attribute every model has, and `forward` must take `labels`.
+    Optional:
+    head_loss_function: the chunked head + loss the model calls from its final hidden states (native models;
+        `has_head_loss`: the engine replaces it by the vocab-parallel one; absent: nothing to replace).
+    tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
+        transformers backend, whose config spells transformers' styles; absent or None: the config's).
+    tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
+        check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
+    """
+
+    config: TPConfig
+    base_model_prefix: str
+    _tp_plan: Plan
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+
+@runtime_checkable
+class TPBlock(Protocol):
+    """A module whose children form a column- then row-parallel region (attention, MLP).
+
+    tp_pairs: {consumer child: (producer children, ...)} (`pairs`; absent: {}): a producer's split output must
+        feed a consumer that takes a split input, and a whole one a whole one (`plan._pair_problems`); a child
+        reading only KV projections is laid out like them (a norm over k_proj's output). Names the module lacks
+        are skipped, so one class can declare the pairs of all its variants.
+    """
+
+    tp_pairs: Mapping[str, tuple[str, ...]]
+
+
+@runtime_checkable
+class TPAttention(Protocol):
+    """A module split by attention heads: the plan check then applies the config's head counts.
+
+    tp_kv_projections: its children whose output rows are KV heads, replicated when tp_size exceeds
+        num_key_value_heads (`kv_projections`; absent: (), and the module is not split by heads; () on an
+        attention whose projections are fused: `tp_segments` says which rows are KV heads).
+    """
+
+    tp_kv_projections: tuple[str, ...]
+
+
+@runtime_checkable
+class FusedProjection(Protocol):
+    """A linear whose output rows are several projections one after another (Phi-3's qkv_proj, gate_up_proj).
+
+    tp_segments: ((global rows, holds KV heads), ...) in the checkpoint's order (`segments`; absent or empty: an
+        ordinary projection; the 'fused_colwise' style refuses it, the others refuse a fused one).
+    Written by the engine: `segment_sizes`, this rank's rows of each segment, by which the model splits its
+    local output.
+    """
+
+    tp_segments: Segments
+
+
+@runtime_checkable
+class SplitNorm(Protocol):
+    """A norm over features that may be split over the TP ranks ('distributed_rmsnorm', OLMo 2's q/k norms).
+
+    mean_square(h): (..., features) -> (..., 1), the mean of squares the norm divides by. Written by the engine:
+    the style replaces it with the sum over ranks of each rank's share, over the global width.
+    """
+
+    def mean_square(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TPExperts(Protocol):
+    """Stacked experts, one module with one style (`parallel/expert_parallel.py`), called on the MoE block's input.
+
+    num_experts: the global expert count (the module may hold a contiguous share of them).
+    top_k: experts per token, the router's k: what 'expert_parallel' sizes its choice by.
+    expert_offset: the global index of gate_proj[0]; 0 until an expert-parallel style writes this rank's.
+    gate_proj, up_proj (experts, inner, hidden), down_proj (experts, hidden, inner): the stacked weights.
+    grouped(rows, counts): rows (n, hidden) sorted by held expert, counts[i] rows for held expert i ->
+        (n, hidden); every held expert runs, with no row too.
+    forward(x, expert_ids, weights): x (tokens, hidden), expert_ids and weights (tokens, k) -> (tokens, hidden),
+        the weighted sum over the experts held here.
+    Written by the engine for the reports: `tp_dispatch` ("all_reduce" / "all_to_all": how the TP group
+    exchanged the experts' work) and, over an ep axis, `ep_dispatch` ("all_to_all").
+    """
+
+    num_experts: int
+    top_k: int
+    expert_offset: int
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+    def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor: ...
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+def members(protocol: type) -> tuple[str, ...]:
+    """The attribute and method names `protocol` declares (what `isinstance(obj, protocol)` looks for)."""
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    return tuple(sorted(names))
+
+
+def missing(obj: Any, protocol: type) -> list[str]:
+    """The members of `protocol` that `obj` lacks (empty: it satisfies it)."""
+    return [name for name in members(protocol) if not hasattr(obj, name)]
+
+
+# ---------------------------------------------------------------------- accessors: each optional fact's default
+
+
+def config_plan(config: Any) -> dict[str, str]:
+    return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def sp_plan(config: Any) -> dict[str, str]:
+    return dict(getattr(config, "base_model_sp_plan", None) or {})
+
+
+def ep_plan(config: Any) -> dict[str, str]:
+    return dict(getattr(config, "base_model_ep_plan", None) or {})
+
+
+def attention_heads(config: Any) -> int | None:
+    return getattr(config, "num_attention_heads", None)
+
+
+def kv_heads(config: Any) -> int | None:
+    return getattr(config, "num_key_value_heads", None) or attention_heads(config)
+
+
+def prefix(model: nn.Module) -> str:
+    return getattr(model, "base_model_prefix", "model")
+
+
+def head_plan(model: nn.Module) -> dict[str, str]:
+    return dict(getattr(model, "_tp_plan", None) or {})
+
+
+def base_plan(model: nn.Module) -> dict[str, str]:
+    """The base model's plan: the model's own `tp_base_plan` if it has one, else its config's."""
+    plan = getattr(model, "tp_base_plan", None)
+    return dict(plan) if plan is not None else config_plan(model.config)
+
+
+def plan_problems(model: nn.Module, styles: dict[str, str], tp_size: int) -> list[str]:
+    check = getattr(model, "tp_plan_problems", None)
+    return list(check(styles, tp_size)) if check is not None else []
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if get is not None else None
+
+
+def has_head_loss(model: nn.Module) -> bool:
+    return hasattr(model, "head_loss_function")
+
+
+def pairs(module: nn.Module) -> Mapping[str, tuple[str, ...]]:
+    return module.tp_pairs if isinstance(module, TPBlock) else {}
+
+
+def kv_projections(module: nn.Module) -> tuple[str, ...]:
+    return tuple(module.tp_kv_projections) if isinstance(module, TPAttention) else ()
+
+
+def segments(module: nn.Module) -> Segments:
+    return tuple(getattr(module, "tp_segments", None) or ())

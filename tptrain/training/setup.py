@@ -1,0 +1,110 @@
+"""The Trainer's set-up: one ordered pass of stages, each a function of what the stages before produced.
+
+    dims = resolve_parallelism(model, args.parallelism_config)        # 1. the layout            no collective
+    data = training_data(args, dims, train, eval, build=...)           # 2. rows, global batch,   no collective
+                                                                       #    max_steps
+    placement = place(model, args, dims, data)                         # 3. the mesh: the first collective
+    fsdp = parallelize(model, args, placement)                         # 4. agreements, then TP -> activation
+                                                                       #    checkpointing -> compile -> FSDP2
+    optimizer, scheduler = optimizer_and_schedule(model, args, data.max_steps)    # 5.
+
+Stages 1 and 2 are pure, so whatever one rank can get wrong there (the layout, the sequence length, a data file, the
+eval options) is raised on every rank before any collective could hang; stage 4 agrees on what only one rank
+checks (final/ writable, the compiler) before it wraps the model. No stage rewrites another's result: the run's
+max_steps (num_train_epochs resolved against the data) is stage 2's value, which the schedule reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tptrain.distributed import ParallelDims, raise_on_any_rank
+from tptrain.distributed.topology import dp_mesh
+from tptrain.io import writable_error
+from tptrain.training.args import TrainingArguments
+from tptrain.training.data import DataOrder
+from tptrain.training.evaluation import split_dataset
+from tptrain.training.optim import build_optimizer, build_scheduler
+from tptrain.training.parallelize import compile_error, parallelize_for_training, training_mesh
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """Stage 2: the rows to train (and evaluate) on and the optimizer steps they make."""
+
+    train: Any  # a PackedDataset or SFTDataset
+    eval: Any  # the same, or None: no eval set
+    global_batch: int  # sequences per optimizer step over all dp ranks
+    max_steps: int  # args.max_steps, or num_train_epochs passes over `train` in whole global batches
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stage 3: the run's one mesh, this rank's device and rank, and its share of the data order."""
+
+    mesh: DeviceMesh
+    device: torch.device
+    rank: int
+    data_order: DataOrder
+
+
+def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any, eval_source: Any, *,
+                  build: Callable[[Any], Any]) -> TrainingData:
+    """The training rows (`build(train_source)`), the eval rows (`build(eval_source)`, or args.eval_split of the
+    training rows) and the steps they make at `dims`' data parallelism (an epoch: the rows that fill whole global
+    batches). No collective."""
+    train = build(train_source)
+    held = None
+    if args.eval_split:
+        if eval_source is not None:
+            raise ValueError("pass either eval_dataset or TrainingArguments.eval_split (--eval-data or "
+                             "--eval-split), not both")
+        train, held = split_dataset(train, args.eval_split, args.seed)
+    elif eval_source is None and (args.eval_steps or args.save_best):
+        raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
+                         "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
+    elif eval_source is not None:
+        held = build(eval_source)
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dims.dp
+    max_steps = args.max_steps
+    if args.num_train_epochs is not None:
+        max_steps = max(1, math.ceil(args.num_train_epochs * (len(train) // max(1, global_batch))))
+    return TrainingData(train, held, global_batch, max_steps)
+
+
+def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: TrainingData) -> Placement:
+    """The run's one mesh (the model's own, or the one it moves onto), this rank's device, its share of the data
+    order. The first collective: the rendezvous, when loading the model started none, and the mesh's groups."""
+    mesh, device = training_mesh(model, dims)
+    order = DataOrder(len(data.train), seed=args.seed, dp_rank=dp_mesh(mesh).get_local_rank(), dp_size=dims.dp,
+                      global_batch=data.global_batch, data_key=getattr(data.train, "data_key", None))
+    return Placement(mesh, device, dist.get_rank(), order)
+
+
+def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement) -> bool:
+    """What every rank must agree on first (final/ writable on rank 0, the compiler on every rank), the model on
+    this rank's device, then TP (applied when it was loaded) -> activation checkpointing -> compile -> FSDP2.
+    Returns whether FSDP2 wraps the model."""
+    raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if placement.rank == 0 else None)
+    if any(p.device != placement.device for p in model.parameters()):  # a model built or loaded elsewhere
+        model.to(placement.device)
+    torch.manual_seed(args.seed)
+    if args.torch_compile:  # the same machine image on every rank, but say which rank lacks the compiler
+        raise_on_any_rank(compile_error(args.torch_compile_backend, placement.device), exc_type=ValueError)
+    return parallelize_for_training(model, placement.mesh, gradient_checkpointing=args.gradient_checkpointing,
+                                    bf16=args.bf16,
+                                    compile_backend=args.torch_compile_backend if args.torch_compile else None)
+
+
+def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int
+                           ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the (wrapped) model's parameters, and its schedule to 0 at the run's `max_steps`."""
+    optimizer = build_optimizer(model, args)
+    return optimizer, build_scheduler(optimizer, args, total_steps=max_steps)
