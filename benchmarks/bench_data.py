@@ -39,7 +39,7 @@ def parse_size(text: str) -> int:
 
 
 def write_corpus(path: Path, size: int) -> None:
-    """`size` bytes of the bundled corpus's documents, two blank lines apart, each copy numbered."""
+    """About `size` bytes of the bundled corpus's documents, two blank lines apart, each copy numbered."""
     from tptrain.training.data import read_documents
 
     documents = read_documents(BUNDLED_CORPUS)[1]
@@ -47,9 +47,11 @@ def write_corpus(path: Path, size: int) -> None:
     with open(path, "w", encoding="utf-8") as f:
         while written < size:
             for doc in documents:
-                text = f"[{copy}] {doc}\n\n\n"
+                text = f"[{copy}] {doc}\n\n\n"[:size - written]  # the last document cut to the size asked for
                 f.write(text)
                 written += len(text.encode("utf-8"))
+                if written >= size:
+                    break
             copy += 1
 
 
