@@ -167,6 +167,9 @@ def test_a_failed_write_leaves_nothing_complete_and_the_next_run_rebuilds(tmp_pa
     rebuilt = build_training_data(path, ByteTokenizer(), 8, cache_dir=cache)
     assert torch.equal(rebuilt[0], build_dataset(path, ByteTokenizer(), 8)[0])
     assert (directory / token_stream.TOKENS).stat().st_size == meta["num_tokens"] * 2
+    (directory / "meta.json").write_text(json.dumps({"key": meta["key"], "version": meta["version"]}))
+    assert torch.equal(build_training_data(path, ByteTokenizer(), 8, cache_dir=cache)[0], rebuilt[0])
+    assert json.loads((directory / "meta.json").read_text()) == meta
 
 
 def test_a_killed_build_leaves_nothing_complete_and_its_leftovers_are_removed(tmp_path):

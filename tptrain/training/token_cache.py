@@ -110,17 +110,20 @@ def open_store(directory: Path, key: str) -> tuple[Store | None, str | None]:
         return None, "absent"
     except (OSError, ValueError) as exc:
         return None, f"unreadable meta.json ({exc})"
-    if meta.get("key") != key or meta.get("version") != FORMAT_VERSION:
-        return None, f"meta.json names key {meta.get('key')} version {meta.get('version')}"
-    n, dtype = meta["num_tokens"], np.dtype(meta["dtype"])
-    sizes = {TOKENS: n * dtype.itemsize, **({TARGETS: n} if meta["kind"] == "records" else {})}
-    for name, size in sizes.items():
-        actual = (directory / name).stat().st_size if (directory / name).is_file() else None
-        if actual != size:
-            return None, f"{name} has {actual} bytes, meta.json says {size}"
-    offsets = np.load(directory / OFFSETS, mmap_mode="r")
-    if offsets.shape != (meta["num_documents"] + 1,) or int(offsets[-1]) != n:
-        return None, f"{OFFSETS} does not match meta.json"
+    if not isinstance(meta, dict) or meta.get("key") != key or meta.get("version") != FORMAT_VERSION:
+        return None, "meta.json names another key or format version"
+    try:
+        n, dtype = meta["num_tokens"], np.dtype(meta["dtype"])
+        sizes = {TOKENS: n * dtype.itemsize, **({TARGETS: n} if meta["kind"] == "records" else {})}
+        for name, size in sizes.items():
+            actual = (directory / name).stat().st_size if (directory / name).is_file() else None
+            if actual != size:
+                return None, f"{name} has {actual} bytes, meta.json says {size}"
+        offsets = np.load(directory / OFFSETS, mmap_mode="r")
+        if offsets.shape != (meta["num_documents"] + 1,) or int(offsets[-1]) != n:
+            return None, f"{OFFSETS} does not match meta.json"
+    except (KeyError, TypeError, ValueError, OSError) as exc:  # fields missing, a damaged offsets.npy
+        return None, f"damaged ({type(exc).__name__}: {exc})"
     tokens = np.memmap(directory / TOKENS, dtype=dtype, mode="r", shape=(n,))
     targets = np.memmap(directory / TARGETS, dtype=bool, mode="r", shape=(n,)) if TARGETS in sizes else None
     return Store(directory, meta, tokens, targets, offsets), None
