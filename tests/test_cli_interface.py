@@ -59,9 +59,10 @@ def test_train_help_lists_every_flag_in_its_section(capsys):
         "faults": ["--preemption-grace", "--max-restarts", "--pg-timeout", "--async-checkpoint"],
         "multi-node": ["--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"],
         "model": ["--model", "--dtype", "--seed"],
-        "data": ["--data", "--seq-len", "--packing", "--chat-template"],
+        "data": ["--data", "--seq-len", "--streaming", "--text-column", "--packing", "--chat-template"],
         "evaluation": ["--eval-data", "--eval-split", "--eval-steps", "--save-best"],
-        "optimisation": ["--max-steps", "--num-epochs", "--grad-accum", "--lr", "--bf16"],
+        "optimisation": ["--max-steps", "--num-epochs", "--grad-accum", "--lr", "--bf16", "--max-grad-norm",
+                         "--optim-in-backward"],
         "checkpoints and output": ["--output-dir", "--resume", "--report-to", "--smoke-test"],
         "LoRA": ["--lora-r", "--lora-target-parameters", "--merge"],
     }

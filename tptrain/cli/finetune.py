@@ -75,8 +75,9 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
     from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
 
-    for path in (args.data, args.eval_data):
-        if path is None:
+    _check_streaming(args)
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is None or (flag == "--data" and args.streaming):
             continue
         if not Path(path).expanduser().is_file():
             read_documents(path)  # raises, naming the path
@@ -100,6 +101,19 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
         raise ValueError(f"--merge needs --nproc-per-node equal to --tp-size ({args.tp_size}): merging an FSDP-sharded "
                          "model is not implemented; merge afterwards with PeftModel.from_pretrained(base, "
                          "'final/adapter').merge_and_unload().save_pretrained(dir)")
+
+
+def _check_streaming(args: argparse.Namespace) -> None:
+    """--streaming: the files and their text column, and the flags a stream (no known length) cannot serve."""
+    if not args.streaming:
+        return
+    from tptrain.training.streaming import StreamingText
+
+    StreamingText(args.data, text_column=args.text_column).check()
+    for flag, given in (("--num-epochs", args.num_epochs is not None), ("--eval-split", args.eval_split)):
+        if given:
+            raise ValueError(f"--streaming reads --data without knowing its length: {flag} cannot be used; "
+                             "pass --max-steps (and --eval-data for an eval set)")
 
 
 def lora_config(args: argparse.Namespace):

@@ -169,6 +169,7 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
     return TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
+        max_grad_norm=args.max_grad_norm, optim_in_backward=args.optim_in_backward,
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
@@ -283,7 +284,12 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
                                    chat_template=args.chat_template, packing=args.packing,
                                    assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
                                    cache_dir=args.data_cache, vocab_size=config.vocab_size)
-    return _Inputs(model_dir, from_scratch, config, tokenizer, build(args.data), training_args,
+    data = args.data
+    if args.streaming:
+        from tptrain.training.streaming import StreamingText
+
+        data = StreamingText(args.data, text_column=args.text_column)
+    return _Inputs(model_dir, from_scratch, config, tokenizer, build(data), training_args,
                    None if args.eval_data is None else build(args.eval_data))
 
 
@@ -309,6 +315,8 @@ def _describe_data(dataset, args: argparse.Namespace) -> str:
     if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
         rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
         return f"{dataset.num_samples:,} samples ({dataset.num_tokens:,} target tokens) from {args.data}, {rows}"
+    if args.streaming:
+        return f"streaming {len(dataset.files):,} file(s) of {args.data} in blocks of {args.seq_len}"
     return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 

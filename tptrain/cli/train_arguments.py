@@ -60,7 +60,13 @@ def _data(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--data", default=BUNDLED_DATA,
                    help=".txt (documents separated by two blank lines) or .jsonl file: {\"text\": ...}, "
                         "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} per line "
-                        "(default: the bundled Shakespeare corpus)")
+                        "(default: the bundled Shakespeare corpus); with --streaming a directory, file or glob of "
+                        ".parquet/.arrow/.jsonl shards")
+    g.add_argument("--streaming", action="store_true",
+                   help="read --data while training (files in name order, packed on the fly; the position is saved "
+                        "in checkpoints) instead of tokenizing it all first; needs --max-steps, not --num-epochs")
+    g.add_argument("--text-column", default="text", metavar="NAME",
+                   help="with --streaming: the column (or jsonl key) holding the text (default: text)")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default: {FULL.seq_len})")
 
 
@@ -85,6 +91,11 @@ def _optimisation(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warmup steps (default: 10%% of max steps; 0 with --num-epochs)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the global gradient norm to this; 0: no clipping (default: 1.0)")
+    g.add_argument("--optim-in-backward", action="store_true",
+                   help="step each parameter in backward and free its gradient at once (less memory; needs "
+                        "--max-grad-norm 0 and --grad-accum 1; no grad_norm logged)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (inductor; on CPU it needs a C++ compiler, e.g. g++)")
 

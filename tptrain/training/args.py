@@ -73,6 +73,10 @@ class TrainingArguments:
     optim: "adamw_torch_fused" (torch's fused AdamW kernel: one pass over each parameter, ~3x faster than the
         per-tensor loop on CPU) or "adamw_torch" (that loop); transformers' names. The same update up to rounding.
     max_grad_norm: clip the global gradient norm (over all shards) to this; 0 disables clipping.
+    optim_in_backward: step each parameter (or FSDP2 shard) in its gradient hook during backward and free its
+        gradient at once (training/optim_in_backward.py): the whole model's gradients are never held together.
+        Same updates as the ordinary step; needs max_grad_norm=0 and gradient_accumulation_steps=1, and no
+        grad_norm is logged.
     lr_scheduler_type: "linear" (decay to 0 at max_steps), "cosine" (to 0) or "constant", after warmup.
     warmup_steps: linear warmup from 0 to learning_rate over this many steps.
     bf16: bfloat16 compute with float32 gradient reduction (FSDP2 mixed precision, or autocast
@@ -132,6 +136,7 @@ class TrainingArguments:
     adam_epsilon: float = 1e-8
     optim: str = "adamw_torch_fused"
     max_grad_norm: float = 1.0
+    optim_in_backward: bool = False
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
     bf16: bool = False
@@ -185,6 +190,7 @@ class TrainingArguments:
                              f"{SCHEDULERS}")
         self._check_finetuning()
         self._check_compile()
+        self._check_optim_in_backward()
         grace = self.preemption_grace
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0):
             raise ValueError(f"TrainingArguments.preemption_grace must be None or a positive number of seconds, "
@@ -192,6 +198,24 @@ class TrainingArguments:
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")
+
+    def _check_optim_in_backward(self) -> None:
+        if not isinstance(self.optim_in_backward, bool):
+            raise TypeError(f"TrainingArguments.optim_in_backward must be True or False, got {self.optim_in_backward!r}")
+        if not self.optim_in_backward:
+            return
+        # A parameter is stepped as soon as its gradient exists: nothing later in backward can change it.
+        if self.max_grad_norm > 0:
+            raise ValueError(f"TrainingArguments.optim_in_backward=True (--optim-in-backward) cannot clip gradients "
+                             f"(max_grad_norm={self.max_grad_norm}): the global norm needs every gradient before any "
+                             "parameter is stepped; set max_grad_norm=0 (--max-grad-norm 0) to train without "
+                             "clipping, or drop optim_in_backward")
+        if self.gradient_accumulation_steps > 1:
+            raise ValueError(f"TrainingArguments.optim_in_backward=True (--optim-in-backward) cannot accumulate "
+                             f"gradients (gradient_accumulation_steps={self.gradient_accumulation_steps}): each "
+                             "micro-batch's backward would step the parameters; set gradient_accumulation_steps=1 "
+                             "(--grad-accum 1) and raise per_device_train_batch_size (--batch-size) instead, or drop "
+                             "optim_in_backward")
 
     def _check_compile(self) -> None:
         if not isinstance(self.torch_compile, bool):

@@ -32,14 +32,16 @@ from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder
 from tptrain.training.evaluation import split_dataset
 from tptrain.training.optim import build_optimizer, build_scheduler
+from tptrain.training.optim_in_backward import OptimizerInBackward
 from tptrain.training.parallelize import compile_error, parallelize_for_training, training_mesh
+from tptrain.training.streaming import StreamOrder, TextStream, check_streaming
 
 
 @dataclass(frozen=True)
 class TrainingData:
     """Stage 2: the rows to train (and evaluate) on and the optimizer steps they make."""
 
-    train: Any  # a PackedDataset or SFTDataset
+    train: Any  # a PackedDataset, SFTDataset or TextStream
     eval: Any  # the same, or None: no eval set
     global_batch: int  # sequences per optimizer step over all dp ranks
     max_steps: int  # args.max_steps, or num_train_epochs passes over `train` in whole global batches
@@ -52,7 +54,7 @@ class Placement:
     mesh: DeviceMesh
     device: torch.device
     rank: int
-    data_order: DataOrder
+    data_order: DataOrder | StreamOrder
 
 
 def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any, eval_source: Any, *,
@@ -60,6 +62,7 @@ def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any
     """The training rows (`build(train_source)`), the eval rows (`build(eval_source)`, or args.eval_split of the
     training rows) and the steps they make at `dims`' data parallelism (an epoch: the rows that fill whole global
     batches). No collective."""
+    check_streaming(args, train_source, eval_source)
     train = build(train_source)
     held = None
     if args.eval_split:
@@ -83,8 +86,9 @@ def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: T
     """The run's one mesh (the model's own, or the one it moves onto), this rank's device, its share of the data
     order. The first collective: the rendezvous, when loading the model started none, and the mesh's groups."""
     mesh, device = training_mesh(model, dims)
-    order = DataOrder(len(data.train), seed=args.seed, dp_rank=dp_mesh(mesh).get_local_rank(), dp_size=dims.dp,
-                      global_batch=data.global_batch, data_key=getattr(data.train, "data_key", None))
+    shares = dict(dp_rank=dp_mesh(mesh).get_local_rank(), dp_size=dims.dp, global_batch=data.global_batch)
+    order = data.train.order(**shares) if isinstance(data.train, TextStream) else \
+        DataOrder(len(data.train), seed=args.seed, data_key=getattr(data.train, "data_key", None), **shares)
     return Placement(mesh, device, dist.get_rank(), order)
 
 
@@ -105,6 +109,12 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement)
 
 def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int
                            ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the (wrapped) model's parameters, and its schedule to 0 at the run's `max_steps`."""
-    optimizer = build_optimizer(model, args)
+    """AdamW over the (wrapped) model's parameters, and its schedule to 0 at the run's `max_steps`. With
+    `optim_in_backward`, one AdamW per parameter stepped by its gradient hook; TP partial gradients are held back
+    for the Trainer to sum and step after backward."""
+    if args.optim_in_backward:
+        layout = getattr(model, "tp_layout", None)
+        optimizer = OptimizerInBackward(model, args, held_back=layout.partial_grad_specs() if layout else ())
+    else:
+        optimizer = build_optimizer(model, args)
     return optimizer, build_scheduler(optimizer, args, total_steps=max_steps)

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 from tptrain.losses import IGNORE_INDEX
 from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
 from tptrain.training.data import build_dataset, packed_dataset
+from tptrain.training.streaming import StreamingText, TextStream, as_stream
 from tptrain.training.token_cache import Store, open_or_build
 from tptrain.training.token_stream import jsonl_records, text_documents
 
@@ -326,11 +327,14 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
                         cache_dir: str | Path | None = None, vocab_size: int | None = None) -> Any:
     """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
     `chat_template` or the checkpoint in `model_dir`, loaded only when a record is a chat); plain text
-    (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is. A .txt / .jsonl file goes
+    (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is; a StreamingText -> its
+    TextStream (training/streaming.py: read while training), a TextStream as it is. A .txt / .jsonl file goes
     through the token cache (training/token_cache.py, under `cache_dir`): tokenized once, then mapped;
     `vocab_size` (the model's) is checked against the largest id there."""
     if isinstance(source, SFTDataset):
         return source
+    if isinstance(source, (StreamingText, TextStream)):
+        return as_stream(source, tokenizer, seq_len)
     if isinstance(source, (str, Path)) and Path(source).expanduser().is_file():
         store = cache_store(Path(source).expanduser(), tokenizer, model_dir=model_dir, chat_template=chat_template,
                             assistant_only_loss=assistant_only_loss, cache_dir=cache_dir, vocab_size=vocab_size)

@@ -58,7 +58,8 @@ class Trainer:
     train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
         strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's);
         instruction records ("messages", "prompt"/"completion": a .jsonl, a list of dicts, a
-        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments).
+        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments);
+        a `StreamingText` is read while training (training/streaming.py; needs max_steps).
     eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
         (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
@@ -160,9 +161,9 @@ class Trainer:
             losses.append(loss)
             if reporter is not None and (self.global_step % args.logging_steps == 0
                                          or self.global_step == args.max_steps):
-                reporter.log(self.global_step, {
-                    "loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-                    "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start})
+                metrics = {"loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
+                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start}
+                reporter.log(self.global_step, {k: v for k, v in metrics.items() if v is not None})
             if self.eval_dataset is not None and args.eval_steps and self.global_step % args.eval_steps == 0:
                 self._evaluate_and_log(reporter)
             stopping = stop.agreed()  # every rank stops after this same step, with a checkpoint of it
@@ -183,11 +184,13 @@ class Trainer:
         final = self.save_model()
         return TrainOutput(self.global_step, losses, final)
 
-    def training_step(self, indices: list[int]) -> tuple[float, float]:
-        """One optimizer step on this dp rank's `indices`; returns (global-batch loss, grad norm)."""
+    def training_step(self, indices: list[Any]) -> tuple[float, float | None]:
+        """One optimizer step on this dp rank's `indices` (into the dataset; a stream's order gives the rows
+        themselves); returns (global-batch loss, grad norm: None with optim_in_backward)."""
         self.model.train()  # as transformers' Trainer: from_pretrained hands out eval mode, evaluation leaves it
         b = self.args.per_device_train_batch_size
-        micro = [self._batch([self.dataset[i] for i in indices[k:k + b]]) for k in range(0, len(indices), b)]
+        rows = [self.dataset[i] if isinstance(i, int) else i for i in indices]
+        micro = [self._batch(rows[k:k + b]) for k in range(0, len(rows), b)]
         num_items = self._global_token_count(micro)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
@@ -196,15 +199,19 @@ class Trainer:
                                   num_items_in_batch=num_items).loss
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
-        if self.grad_sync is not None:  # partial gradients (q/k norms, shared KV chunks) summed over TP
+        # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
+        # gradients left: the optimizer held them back for this sum and steps them now
+        if self.grad_sync is not None:
             self.grad_sync.sync_grads(self.inner)
-        grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh)
+        grad_norm = None  # optim_in_backward: most gradients were freed in backward, no norm exists
+        if not self.args.optim_in_backward:
+            grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh).item()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Every TP rank of a dp rank holds the same loss: the global one is the sum over the dp ranks.
         comm.all_reduce(loss_sum, dp_mesh(self.mesh).get_group(), phase="loss")
-        return loss_sum.item(), grad_norm.item()
+        return loss_sum.item(), grad_norm
 
     def _global_token_count(self, micro: list[dict[str, torch.Tensor]]) -> int:
         """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
