@@ -24,7 +24,7 @@ from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, Granit
                                           MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
                                           OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
                                           Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
-from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, softcap,
+from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, tanh_softcap,
                                    softcapped_attention, split_fused)
 from tptrain.models.moe import Experts, SparseMoeBlock, load_balancing_loss
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
@@ -272,7 +272,7 @@ class DecoderForCausalLM(PreTrainedModel):
         """Element-wise, so vocab-sharded logits (and chunks of them) stay sharded."""
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
-        return softcap(logits, self.config.logit_softcap)
+        return tanh_softcap(logits, self.config.logit_softcap)
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

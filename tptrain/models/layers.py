@@ -57,7 +57,7 @@ def offset(x: torch.Tensor, offset: float) -> torch.Tensor:
     return x + offset if offset else x
 
 
-def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+def tanh_softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """tanh(x / cap) * cap: x squashed smoothly into (-cap, cap); None = x unchanged."""
     return x if cap is None else torch.tanh(x / cap) * cap
 
@@ -67,7 +67,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """Attention whose scores are soft-capped before the softmax (SDPA cannot), as transformers' eager attention:
     masked scores at the dtype's minimum, softmax in fp32 (or wider). q, k, v: (batch, heads, seq, head_dim)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, seq, seq)
+    scores = tanh_softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, seq, seq)
     if mask is None:  # plain causal
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
