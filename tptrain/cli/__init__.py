@@ -7,6 +7,7 @@
     tptrain plan ./llama --tp-size 2 --backend transformers   # transformers' model code on tptrain's engine
     python -m tptrain plan ...                                # the same
     tptrain train --help
+    tptrain prepare-data --model ./ckpt --data corpus.txt     # tokenize into the token cache before training
     tptrain --version
 
 `plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
@@ -43,7 +44,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
                                       "each module's style, each parameter's global and per-rank shape, parameter "
@@ -64,11 +65,54 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
                            "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
     plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")
     plan.set_defaults(handler=_run_plan)
+    _add_prepare_data(sub)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
     if train is not None:
         train.add_train_arguments(train_parser)
         train_parser.set_defaults(handler=train.run_train)
     return parser
+
+
+def _add_prepare_data(sub) -> None:
+    prepare = sub.add_parser("prepare-data", help="tokenize a data file into the token cache before training",
+                             description="Tokenize DATA once with MODEL's tokenizer into the token cache that "
+                                         "`tptrain train --data DATA` then memory-maps on every rank (a hit if it is "
+                                         "there already). The cache does not depend on --seq-len, --packing or "
+                                         "--truncation.")
+    prepare.add_argument("--model", required=True, help="checkpoint directory or hub id (its tokenizer and config)")
+    prepare.add_argument("--data", required=True, help="the .txt or .jsonl file `tptrain train --data` will read")
+    prepare.add_argument("--data-cache", metavar="DIR", default=None,
+                         help="the cache root (default: $TPTRAIN_CACHE, else ~/.cache/tptrain/data)")
+    prepare.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records")
+    prepare.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
+                         help="as `tptrain train --assistant-only-loss` (part of a .jsonl file's cache key)")
+    prepare.set_defaults(handler=_run_prepare_data)
+
+
+def _run_prepare_data(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tptrain.io import resolve_checkpoint
+    from tptrain.models import AutoConfig
+    from tptrain.training.data import load_tokenizer
+    from tptrain.training.sft_data import cache_store
+
+    try:
+        data = Path(args.data).expanduser()
+        if not data.is_file():
+            raise FileNotFoundError(f"--data {data} is not a file; pass a .txt or .jsonl file")
+        model_dir = resolve_checkpoint(args.model)
+        store = cache_store(data, load_tokenizer(model_dir), model_dir=model_dir, chat_template=args.chat_template,
+                            assistant_only_loss=args.assistant_only_loss, cache_dir=args.data_cache,
+                            vocab_size=AutoConfig.from_pretrained(model_dir).vocab_size)
+        if store is None:
+            raise OSError("nothing was cached (see above); pass --data-cache DIR")
+    except (OSError, ValueError, TypeError) as exc:
+        return _fail("prepare-data", str(exc))
+    meta = store.meta
+    print(f"{store.directory}: {meta['num_tokens']:,} tokens ({meta['dtype']}) in {meta['num_documents']:,} "
+          f"{'documents' if meta['kind'] == 'text' else 'records'}")
+    return 0
 
 
 def _json_object(text: str) -> dict:

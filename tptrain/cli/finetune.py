@@ -25,6 +25,9 @@ def add_finetune_arguments(sections: dict[str, argparse._ArgumentGroup]) -> None
                                                                "(default: the checkpoint's)")
     data.add_argument("--truncation", choices=("truncate", "error"), default="truncate",
                       help="a sample longer than --seq-len is cut (default; the count is reported) or an error")
+    data.add_argument("--data-cache", metavar="DIR", default=None,
+                      help="where --data / --eval-data files are tokenized once and memory-mapped by every rank "
+                           "(default: $TPTRAIN_CACHE, else ~/.cache/tptrain/data; `tptrain prepare-data` fills it)")
     evaluation.add_argument("--eval-data", metavar="FILE", help="evaluation set (the same formats as --data)")
     evaluation.add_argument("--eval-split", type=float, default=0.0, metavar="FRACTION",
                             help="hold out this fraction of --data for evaluation, e.g. 0.05")
@@ -61,7 +64,8 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(num_train_epochs=args.num_epochs, gradient_accumulation_steps=args.grad_accum, packing=args.packing,
                 assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
                 chat_template=args.chat_template, eval_steps=args.eval_steps, eval_split=args.eval_split,
-                save_best=args.save_best, report_to=None if args.report_to == "none" else args.report_to)
+                save_best=args.save_best, report_to=None if args.report_to == "none" else args.report_to,
+                data_cache_dir=args.data_cache)
 
 
 def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:
@@ -69,22 +73,16 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
     record is a chat), the eval flags, LoRA's values. Raises the first problem found."""
     from tptrain.training.chat_template import load_chat_template
     from tptrain.training.data import load_tokenizer, read_documents
-    from tptrain.training.sft_data import read_records, record_format
+    from tptrain.training.sft_data import scan_data_file
 
     _check_streaming(args)
     load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is None or (flag == "--data" and args.streaming):
             continue
-        records = read_records(path)
-        if records is None:
-            read_documents(path)
-            continue
-        name, items = records
-        chat = False
-        for index, record in enumerate(items):
-            chat |= record_format(record, index, name) == "messages" or isinstance(record.get("prompt"), list)
-        if chat:
+        if not Path(path).expanduser().is_file():
+            read_documents(path)  # raises, naming the path
+        if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
             load_chat_template(model_dir, args.chat_template)
     if args.eval_data and args.eval_split:
         raise ValueError("pass --eval-data or --eval-split, not both")

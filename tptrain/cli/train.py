@@ -277,18 +277,20 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
     from_scratch = _config_only(model_dir)
     tokenizer = load_tokenizer(model_dir)
     training_args = _training_args(args, from_scratch=from_scratch)
+    config = AutoConfig.from_pretrained(model_dir)
 
-    def build(source):
+    def build(source):  # a file: tokenized by local rank 0 into the token cache, mapped by every rank
         return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
                                    chat_template=args.chat_template, packing=args.packing,
-                                   assistant_only_loss=args.assistant_only_loss, truncation=args.truncation)
+                                   assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
+                                   cache_dir=args.data_cache, vocab_size=config.vocab_size)
     data = args.data
     if args.streaming:
         from tptrain.training.streaming import StreamingText
 
         data = StreamingText(args.data, text_column=args.text_column)
-    return _Inputs(model_dir, from_scratch, AutoConfig.from_pretrained(model_dir), tokenizer, build(data),
-                   training_args, None if args.eval_data is None else build(args.eval_data))
+    return _Inputs(model_dir, from_scratch, config, tokenizer, build(data), training_args,
+                   None if args.eval_data is None else build(args.eval_data))
 
 
 def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) -> None:

@@ -114,6 +114,8 @@ class TrainingArguments:
     save_best: after each evaluation with the lowest eval loss so far, write output_dir/best (the model,
         or the adapter) and best/eval_results.json.
     report_to: None, or "tensorboard" (scalars also written to output_dir/runs; needs `tensorboard`).
+    data_cache_dir: where .txt / .jsonl data is tokenized once and memory-mapped by every rank
+        (training/token_cache.py); None: $TPTRAIN_CACHE, else ~/.cache/tptrain/data.
 
     Faults (tptrain/training/preemption.py):
     preemption_grace: seconds allowed from a SIGTERM / SIGINT (Ctrl-C) to the end of training: the ranks
@@ -160,6 +162,7 @@ class TrainingArguments:
     per_device_eval_batch_size: int | None = None
     save_best: bool = False
     report_to: str | None = None
+    data_cache_dir: str | os.PathLike | None = None
     preemption_grace: float | None = None
 
     def __post_init__(self) -> None:

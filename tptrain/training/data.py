@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -25,7 +26,7 @@ from tptrain.io import INDEX_FILE, SINGLE_FILE
 from tptrain.training.spm_tokenizer import SPM_FILE, SentencePieceTokenizer
 
 # Inside a document a single blank line separates paragraphs; two or more separate documents.
-_DOCUMENT_BREAK = re.compile(r"\n[ \t\r]*\n[ \t\r]*\n\s*")
+DOCUMENT_BREAK = re.compile(r"\n[ \t\r]*\n[ \t\r]*\n\s*")
 _ENCODE_CHUNK = 1024  # documents per tokenizers.encode_batch call
 
 
@@ -177,20 +178,26 @@ def _eos_id(tok: Any, path: Path, config: dict[str, Any]) -> int:
 
 
 class PackedDataset(Dataset):
-    """Fixed-length blocks of a token stream: `dataset[i]` is a LongTensor of `seq_len` ids."""
+    """Fixed-length blocks of a token stream: `dataset[i]` is a LongTensor of `seq_len` ids.
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        assert tokens.dim() == 1 and tokens.numel() >= seq_len > 0
-        self.seq_len = seq_len
-        self.num_tokens = tokens.numel()
-        n = tokens.numel() // seq_len
-        self.blocks = tokens[: n * seq_len].view(n, seq_len)  # (num_blocks, seq_len)
+    tokens: a 1-D LongTensor, or a 1-D numpy array (the token cache's read-only memory map: the blocks are
+        a view of it, and each item is converted to int64 when asked for, so a rank holds no copy).
+    data_key: the token cache key of the data (None: not cached); DataOrder records it for resumes.
+    """
+
+    def __init__(self, tokens: torch.Tensor | np.ndarray, seq_len: int, *, data_key: str | None = None) -> None:
+        assert tokens.ndim == 1 and tokens.shape[0] >= seq_len > 0
+        self.seq_len, self.data_key = seq_len, data_key
+        self.num_tokens = int(tokens.shape[0])
+        n = self.num_tokens // seq_len
+        self.blocks = tokens[: n * seq_len].reshape(n, seq_len)  # (num_blocks, seq_len)
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self.blocks[index]
+        block = self.blocks[index]
+        return block if isinstance(block, torch.Tensor) else torch.from_numpy(block.astype(np.int64))
 
 
 def build_dataset(source: Any, tokenizer: Tokenizer, seq_len: int) -> PackedDataset:
@@ -209,11 +216,16 @@ def build_dataset(source: Any, tokenizer: Tokenizer, seq_len: int) -> PackedData
                              "was asked for; build it with the same seq_len, or pass the raw text")
         return source
     name, documents = read_documents(source)
-    tokens = _pack(documents, tokenizer)
-    if tokens.numel() < seq_len:
-        raise ValueError(f"dataset {name} is too short: it has {tokens.numel()} tokens (eos separators included) "
+    return packed_dataset(_pack(documents, tokenizer), seq_len, name=name)
+
+
+def packed_dataset(tokens: torch.Tensor | np.ndarray, seq_len: int, *, name: str,
+                   data_key: str | None = None) -> PackedDataset:
+    """The blocks of a token stream (documents joined with eos), refusing one shorter than a block."""
+    if tokens.shape[0] < seq_len:
+        raise ValueError(f"dataset {name} is too short: it has {tokens.shape[0]} tokens (eos separators included) "
                          f"but one block of seq_len={seq_len} needs {seq_len}. Add text or lower seq_len.")
-    return PackedDataset(tokens, seq_len)
+    return PackedDataset(tokens, seq_len, data_key=data_key)
 
 
 def read_documents(source: Any) -> tuple[str, list[str]]:
@@ -231,7 +243,7 @@ def _documents(source: Any) -> tuple[str, list[str]]:
         text = _read_text(path)
         if path.suffix == ".jsonl":
             return str(path), _jsonl_documents(text, path)
-        return str(path), [d for d in _DOCUMENT_BREAK.split(text) if d.strip()]
+        return str(path), [d for d in DOCUMENT_BREAK.split(text) if d.strip()]
     if isinstance(source, (list, tuple)):
         for i, doc in enumerate(source):
             if not isinstance(doc, str):
@@ -251,9 +263,14 @@ def _read_text(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"dataset file {path} is not valid UTF-8: byte offset {exc.start} "
-                         f"({data[exc.start:exc.start + 4]!r}...) cannot be decoded ({exc.reason}). Convert "
-                         f"the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`.") from None
+        raise utf8_error(path, exc, exc.start) from None
+
+
+def utf8_error(path: Path, exc: UnicodeDecodeError, offset: int) -> ValueError:
+    """The error for a file that is not UTF-8; `offset`: the bad byte's offset in the file."""
+    return ValueError(f"dataset file {path} is not valid UTF-8: byte offset {offset} "
+                      f"({exc.object[exc.start:exc.start + 4]!r}...) cannot be decoded ({exc.reason}). Convert "
+                      f"the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`.")
 
 
 def _jsonl_documents(text: str, path: Path) -> list[str]:
@@ -306,10 +323,12 @@ class DataOrder:
     Each epoch is a permutation of the blocks seeded by `seed + epoch`; a step takes the next
     `global_batch` of them (a partial batch at the end of an epoch is skipped) and dp rank r gets
     the r-th contiguous `global_batch // dp_size` of those. The global sequence of batches does
-    not depend on dp_size, so a run can resume at a different data-parallel layout.
+    not depend on dp_size, so a run can resume at a different data-parallel layout. data_key: the token
+    cache key of the data (its content, tokenizer and format), recorded so a resume on other data is refused.
     """
 
-    def __init__(self, num_samples: int, *, seed: int, dp_rank: int, dp_size: int, global_batch: int) -> None:
+    def __init__(self, num_samples: int, *, seed: int, dp_rank: int, dp_size: int, global_batch: int,
+                 data_key: str | None = None) -> None:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"DataOrder: dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
         if global_batch < 1 or global_batch % dp_size:
@@ -319,7 +338,7 @@ class DataOrder:
         if global_batch > num_samples:
             raise ValueError(f"the dataset has only {num_samples} block(s) but one step needs a global batch of "
                              f"{global_batch}; add data, lower the batch size, or lower seq_len")
-        self.num_samples, self.seed, self.global_batch = num_samples, seed, global_batch
+        self.num_samples, self.seed, self.global_batch, self.data_key = num_samples, seed, global_batch, data_key
         self.dp_rank, self.local_batch = dp_rank, global_batch // dp_size
         self.steps_per_epoch = num_samples // global_batch
         self.epoch, self.position = 0, 0
@@ -336,11 +355,17 @@ class DataOrder:
         self.position += 1
         return self._perm[1][start:start + self.local_batch].tolist()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_samples": self.num_samples, "global_batch": self.global_batch}
+    def state_dict(self) -> dict[str, Any]:
+        state = {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                 "num_samples": self.num_samples, "global_batch": self.global_batch}
+        return state if self.data_key is None else {**state, "data_key": self.data_key}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("data_key")
+        if saved is not None and self.data_key is not None and saved != self.data_key:
+            raise ValueError(f"cannot resume the data order: the checkpoint was trained on data with token cache "
+                             f"key {saved}, but this run's data has key {self.data_key} (another file content, "
+                             "tokenizer or format); resume with the same data file and tokenizer")
         for key in ("seed", "num_samples", "global_batch"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"cannot resume the data order: the checkpoint was saved with {key}={state[key]} "

@@ -88,7 +88,7 @@ def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: T
     mesh, device = training_mesh(model, dims)
     shares = dict(dp_rank=dp_mesh(mesh).get_local_rank(), dp_size=dims.dp, global_batch=data.global_batch)
     order = data.train.order(**shares) if isinstance(data.train, TextStream) else \
-        DataOrder(len(data.train), seed=args.seed, **shares)
+        DataOrder(len(data.train), seed=args.seed, data_key=getattr(data.train, "data_key", None), **shares)
     return Placement(mesh, device, dist.get_rank(), order)
 
 

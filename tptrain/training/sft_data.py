@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from tptrain.losses import IGNORE_INDEX
 from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
-from tptrain.training.data import build_dataset
+from tptrain.training.data import build_dataset, packed_dataset
 from tptrain.training.streaming import StreamingText, TextStream, as_stream
+from tptrain.training.token_cache import Store, open_or_build
+from tptrain.training.token_stream import jsonl_records, text_documents
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -65,6 +68,25 @@ def read_records(source: Any) -> tuple[str, list[dict[str, Any]]] | None:
     return name, records
 
 
+def scan_data_file(path: Path) -> bool:
+    """Read and parse a .txt / .jsonl file piece by piece, without tokenizing, raising what building it would
+    (a bad line, an unknown record, no text); whether a record is a chat (so a chat template is needed)."""
+    def ignore(nbytes: int) -> None:
+        pass
+
+    if path.suffix != ".jsonl":
+        if next(text_documents(path, ignore), None) is None:
+            raise ValueError(f"dataset {path} is empty: it has no text to train on")
+        return False
+    chat, count = False, 0
+    for count, record in enumerate(jsonl_records(path, ignore), start=1):
+        fmt = record_format(record, count - 1, str(path))
+        chat |= fmt == "messages" or isinstance(record.get("prompt"), list)
+    if not count:
+        raise ValueError(f"dataset {path} is empty: it has no records to train on")
+    return chat
+
+
 def record_format(record: Any, index: int, name: str) -> str:
     """'messages', 'prompt/completion' or 'text'; ValueError naming the record when none matches."""
     if isinstance(record, dict):
@@ -93,8 +115,11 @@ class SampleEncoder:
         self.tokenizer, self.template, self.assistant_only_loss, self.name = \
             tokenizer, chat_template, assistant_only_loss, name
 
+    def format(self, record: Any, index: int) -> str:
+        return record_format(record, index, self.name)
+
     def __call__(self, record: dict[str, Any], index: int) -> Sample:
-        fmt = record_format(record, index, self.name)
+        fmt = self.format(record, index)
         eos = self.tokenizer.eos_token_id
         if fmt == "text":
             ids = self._encode(self._string(record, "text", index)) + [eos]
@@ -174,21 +199,78 @@ def _first_not_target(sample: Sample) -> Sample:
     return sample
 
 
+@dataclass
+class SampleTable:
+    """Encoded samples side by side: sample i is ids[offsets[i]:offsets[i + 1]], a target where `targets` is
+    True (a label is always its token or -100, so a flag keeps it). Arrays in memory, or the token cache's
+    read-only memory maps (training/token_cache.py): rows are cut from them as they are asked for."""
+
+    ids: np.ndarray  # (num_tokens,) any integer dtype
+    targets: np.ndarray  # (num_tokens,) bool
+    offsets: np.ndarray  # (num_samples + 1,) int64
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> SampleTable:
+        ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int64)
+        targets = np.fromiter((label != IGNORE_INDEX for s in samples for label in s.labels), dtype=bool)
+        return cls(ids, targets, np.cumsum([0] + [len(s.input_ids) for s in samples], dtype=np.int64))
+
+
 class SFTDataset(Dataset):
     """Rows of {"input_ids", "labels", "position_ids"} (1-D LongTensors): packed rows of exactly `seq_len`
-    tokens, or one sample per row (`packing=False`). num_truncated: samples cut to seq_len."""
+    tokens (padded with `pad_id`), or one sample per row (`packing=False`), built from `table` on access.
+    Samples longer than seq_len are cut (num_truncated counts them) or, with truncation="error", refused."""
 
-    def __init__(self, rows: list[dict[str, torch.Tensor]], *, seq_len: int, packing: bool, num_samples: int,
-                 num_truncated: int, name: str) -> None:
-        self.rows, self.seq_len, self.packing, self.name = rows, seq_len, packing, name
-        self.num_samples, self.num_truncated = num_samples, num_truncated
-        self.num_tokens = sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in rows)  # target tokens
+    def __init__(self, table: SampleTable, *, seq_len: int, packing: bool, truncation: str, pad_id: int,
+                 name: str, data_key: str | None = None) -> None:
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation={truncation!r} is not one of {TRUNCATION}")
+        lengths = np.diff(table.offsets)
+        if lengths.size == 0:
+            raise ValueError(f"dataset {name} is empty: it has no records to train on")
+        assert lengths.min() >= 1, "every sample ends with at least one token"
+        too_long = np.flatnonzero(lengths > seq_len)
+        if too_long.size and truncation == "error":
+            index = int(too_long[0])
+            raise ValueError(f"dataset {name} record {index} has {int(lengths[index])} tokens, more than "
+                             f"seq_len={seq_len}; raise seq_len, shorten or drop the record, or truncate "
+                             "(--truncation truncate)")
+        self.table, self.seq_len, self.packing, self.pad_id, self.name = table, seq_len, packing, pad_id, name
+        self.data_key = data_key  # the token cache key (None: not cached); DataOrder records it for resumes
+        self.kept = np.minimum(lengths, seq_len)  # (num_samples,) tokens of each sample that train
+        self.num_samples, self.num_truncated = int(lengths.size), int(too_long.size)
+        self.num_tokens = _target_count(table, self.kept, too_long)  # target tokens
+        if not self.num_tokens:
+            raise ValueError(f"dataset {name} has no target token at all (no assistant turn or completion survives "
+                             "truncation); check the records, raise seq_len, or use --no-assistant-only-loss")
+        self.row_starts = _pack(self.kept.tolist(), seq_len) if packing else list(range(self.num_samples + 1))
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.row_starts) - 1
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.rows[index]
+        first, last = self.row_starts[index], self.row_starts[index + 1]  # IndexError past the end
+        starts, kept = self.table.offsets[first:last], self.kept[first:last]
+        ids = np.concatenate([self.table.ids[s:s + k] for s, k in zip(starts, kept)]).astype(np.int64)
+        targets = np.concatenate([self.table.targets[s:s + k] for s, k in zip(starts, kept)])
+        positions = np.concatenate([np.arange(k) for k in kept])
+        pad = self.seq_len - ids.size if self.packing else 0  # the tail: a sample of its own, no target
+        return {"input_ids": torch.from_numpy(np.concatenate([ids, np.full(pad, self.pad_id)])),
+                "labels": torch.from_numpy(np.concatenate([np.where(targets, ids, IGNORE_INDEX),
+                                                           np.full(pad, IGNORE_INDEX)])),
+                "position_ids": torch.from_numpy(np.concatenate([positions, np.arange(pad)]))}
+
+    @property
+    def rows(self) -> list[dict[str, torch.Tensor]]:
+        """Every row, built (for inspecting small sets)."""
+        return [self[i] for i in range(len(self))]
+
+
+def _target_count(table: SampleTable, kept: np.ndarray, too_long: np.ndarray) -> int:
+    """Target tokens of the kept part of every sample: whole-sample sums, less the cut tails."""
+    whole = int(np.add.reduceat(table.targets, table.offsets[:-1], dtype=np.int64).sum())
+    cut = sum(int(np.count_nonzero(table.targets[table.offsets[i] + kept[i]:table.offsets[i + 1]])) for i in too_long)
+    return whole - cut
 
 
 def build_sft_dataset(records: tuple[str, list[dict[str, Any]]], tokenizer: Any, seq_len: int, *,
@@ -199,49 +281,22 @@ def build_sft_dataset(records: tuple[str, list[dict[str, Any]]], tokenizer: Any,
     if truncation not in TRUNCATION:
         raise ValueError(f"truncation={truncation!r} is not one of {TRUNCATION}")
     name, items = records
-    if not items:
-        raise ValueError(f"dataset {name} is empty: it has no records to train on")
     encode = SampleEncoder(tokenizer, chat_template=chat_template, assistant_only_loss=assistant_only_loss, name=name)
-    samples, truncated = [], 0
-    for index, record in enumerate(items):
-        sample = encode(record, index)
-        if len(sample.input_ids) > seq_len:
-            if truncation == "error":
-                raise ValueError(f"dataset {name} record {index} has {len(sample.input_ids)} tokens, more than "
-                                 f"seq_len={seq_len}; raise seq_len, shorten or drop the record, or truncate "
-                                 "(--truncation truncate)")
-            sample, truncated = Sample(sample.input_ids[:seq_len], sample.labels[:seq_len]), truncated + 1
-        samples.append(sample)
-    if not any(label != IGNORE_INDEX for s in samples for label in s.labels):
-        raise ValueError(f"dataset {name} has no target token at all (no assistant turn or completion survives "
-                         "truncation); check the records, raise seq_len, or use --no-assistant-only-loss")
-    rows = _pack(samples, seq_len, tokenizer.eos_token_id) if packing else [_row([s]) for s in samples]
-    return SFTDataset(rows, seq_len=seq_len, packing=packing, num_samples=len(samples), num_truncated=truncated,
-                      name=name)
+    table = SampleTable.of([encode(record, index) for index, record in enumerate(items)])
+    return SFTDataset(table, seq_len=seq_len, packing=packing, truncation=truncation,
+                      pad_id=tokenizer.eos_token_id, name=name)
 
 
-def _row(samples: list[Sample], length: int = 0, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Samples side by side, position ids restarting at each; padded to `length` as one more sample."""
-    ids = [t for s in samples for t in s.input_ids]
-    labels = [t for s in samples for t in s.labels]
-    positions = [p for s in samples for p in range(len(s.input_ids))]
-    pad = max(0, length - len(ids))
-    return {"input_ids": torch.tensor(ids + [pad_id] * pad), "labels": torch.tensor(labels + [IGNORE_INDEX] * pad),
-            "position_ids": torch.tensor(positions + list(range(pad)))}
-
-
-def _pack(samples: list[Sample], seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """Whole samples, in order, into rows of `seq_len` tokens (a sample that does not fit starts the next row)."""
-    rows, current, used = [], [], 0
-    for sample in samples:
-        if current and used + len(sample.input_ids) > seq_len:
-            rows.append(_row(current, seq_len, pad_id))
-            current, used = [], 0
-        current.append(sample)
-        used += len(sample.input_ids)
-    if current:
-        rows.append(_row(current, seq_len, pad_id))
-    return rows
+def _pack(lengths: list[int], seq_len: int) -> list[int]:
+    """The first sample of each row, and the end: whole samples, in order, into rows of `seq_len` tokens (a
+    sample that does not fit starts the next row)."""
+    starts, used = [0], 0
+    for index, length in enumerate(lengths):
+        if used and used + length > seq_len:
+            starts.append(index)
+            used = 0
+        used += length
+    return starts + [len(lengths)]
 
 
 def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
@@ -268,15 +323,23 @@ def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, to
 
 def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir: str | Path | None = None,
                         chat_template: str | Path | None = None, packing: bool = True,
-                        assistant_only_loss: bool = True, truncation: str = "truncate") -> Any:
+                        assistant_only_loss: bool = True, truncation: str = "truncate",
+                        cache_dir: str | Path | None = None, vocab_size: int | None = None) -> Any:
     """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
     `chat_template` or the checkpoint in `model_dir`, loaded only when a record is a chat); plain text
     (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is; a StreamingText -> its
-    TextStream (training/streaming.py: read while training), a TextStream as it is."""
+    TextStream (training/streaming.py: read while training), a TextStream as it is. A .txt / .jsonl file goes
+    through the token cache (training/token_cache.py, under `cache_dir`): tokenized once, then mapped;
+    `vocab_size` (the model's) is checked against the largest id there."""
     if isinstance(source, SFTDataset):
         return source
     if isinstance(source, (StreamingText, TextStream)):
         return as_stream(source, tokenizer, seq_len)
+    if isinstance(source, (str, Path)) and Path(source).expanduser().is_file():
+        store = cache_store(Path(source).expanduser(), tokenizer, model_dir=model_dir, chat_template=chat_template,
+                            assistant_only_loss=assistant_only_loss, cache_dir=cache_dir, vocab_size=vocab_size)
+        if store is not None:
+            return _from_store(store, seq_len, packing=packing, truncation=truncation, pad_id=tokenizer.eos_token_id)
     records = read_records(source)
     if records is None:
         return build_dataset(source, tokenizer, seq_len)
@@ -284,3 +347,29 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
     template = load_chat_template(model_dir, chat_template) if chat else None
     return build_sft_dataset(records, tokenizer, seq_len, chat_template=template, packing=packing,
                              assistant_only_loss=assistant_only_loss, truncation=truncation)
+
+
+def cache_store(path: Path, tokenizer: Any, *, model_dir: str | Path | None, chat_template: str | Path | None,
+                assistant_only_loss: bool, cache_dir: str | Path | None, vocab_size: int | None) -> Store | None:
+    """The token cache's store of a data file (None: not cached). A .jsonl file may hold chats, so its key
+    covers the chat template's text (the checkpoint's, if any) and assistant_only_loss."""
+    encoder, options = None, {}
+    if path.suffix == ".jsonl":
+        try:
+            template = load_chat_template(model_dir, chat_template)
+        except ValueError:  # no template: a chat record then fails in the encoder, naming the fix
+            template = None
+        encoder = SampleEncoder(tokenizer, chat_template=template, assistant_only_loss=assistant_only_loss,
+                                name=str(path))
+        options = {"chat_template": template and template.source, "assistant_only_loss": assistant_only_loss}
+    return open_or_build(path, tokenizer, cache_dir=cache_dir, options=options, encoder=encoder,
+                         vocab_size=vocab_size)
+
+
+def _from_store(store: Store, seq_len: int, *, packing: bool, truncation: str, pad_id: int) -> Any:
+    """Blocks (plain text) or rows (records) over the store's memory maps."""
+    name = store.meta["source"]
+    if store.meta["kind"] == "text":
+        return packed_dataset(store.tokens, seq_len, name=name, data_key=store.key)
+    return SFTDataset(SampleTable(store.tokens, store.targets, store.offsets), seq_len=seq_len, packing=packing,
+                      truncation=truncation, pad_id=pad_id, name=name, data_key=store.key)

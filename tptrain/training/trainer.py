@@ -115,7 +115,8 @@ class Trainer:
         a = self.args
         return build_training_data(source, self.tokenizer, a.seq_len, model_dir=self._model_dir(),
                                    chat_template=a.chat_template, packing=a.packing,
-                                   assistant_only_loss=a.assistant_only_loss, truncation=a.truncation)
+                                   assistant_only_loss=a.assistant_only_loss, truncation=a.truncation,
+                                   cache_dir=a.data_cache_dir, vocab_size=self.inner.config.vocab_size)
 
     def _model_dir(self) -> Path | None:
         name = getattr(self.inner, "name_or_path", None)
