@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.cli import main
 from tptrain.training import checkpoint_dirs as ckpt

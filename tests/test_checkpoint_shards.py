@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import ParallelismConfig

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.helpers import assert_grads_match, assert_params_match
 from tptrain import DistributedConfig, losses
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoConfig, AutoModelForCausalLM

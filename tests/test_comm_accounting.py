@@ -6,7 +6,7 @@ import copy
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import batch, make_config
+from tests.helpers import batch, make_config
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.diagnostics.accounting import CommReport, CommRow, SavedTensorMeter, comm_report, megatron_minimum

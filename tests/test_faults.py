@@ -28,16 +28,12 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_train_cli import ROOT
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import ROOT, finish, metrics, tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import comm, init_distributed
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.preemption import StopOnSignal
-from tptrain.training.reporting import read_metrics
 from tptrain.training.trainer import Trainer
-
-TIMING_FIELDS = ("step_time", "tokens_per_second")
 
 
 def _trainer(output_dir: str, tp: int, shard: int, **kw) -> Trainer:
@@ -165,19 +161,6 @@ def workers(launcher: subprocess.Popen) -> list:
 
     return [p for p in psutil.Process(launcher.pid).children() if "spawn_main" in " ".join(p.cmdline())
             and "resource_tracker" not in " ".join(p.cmdline())]
-
-
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"still running after {timeout} s: {proc.communicate()}") from None
-    return proc.returncode, out, err
-
-
-def metrics(out: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in read_metrics(out / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import B, S, batch, check_against_hf, hf_reference, randomize
-from tests.test_tensor_parallel import assert_grads_match, full_params
+from tests.helpers import assert_grads_match, full_params
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker

@@ -12,8 +12,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch, randomize
-from tests.test_train_cli import tptrain_train
-from tests.test_trainer import reference_losses, tiny_dataset, training_args
+from tests.helpers import reference_losses, tiny_dataset, tptrain_train, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port
-from tests.test_train_cli import ROOT, tptrain_train
+from tests.helpers import ROOT, tptrain_train
 from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.cli import main
 from tptrain.training import cli as train_cli

@@ -268,7 +268,7 @@ def test_cli_flags_spell_target_parameters(bases):
 
 
 def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
-    from tests.test_trainer import SEQ, reference_losses, training_args
+    from tests.helpers import SEQ, reference_losses, training_args
     from tptrain.distributed import init_distributed
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.data import PackedDataset

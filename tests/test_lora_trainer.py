@@ -7,7 +7,7 @@ import copy
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import reference_losses, tiny_dataset, tiny_model, training_args
+from tests.helpers import reference_losses, tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, batch, full_grads, make_config
+from tests.helpers import TOL, batch, full_grads, make_config
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.models import AutoModelForCausalLM

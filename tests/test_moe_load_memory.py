@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_load_memory import CONSTANT, MB, PeakSampler, _rss_anon
+from tests.helpers import CONSTANT, MB, PeakSampler, _rss_anon
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.checkpoint import save_checkpoint
 from tptrain.modeling import to_checkpoint_names

@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 from tests.dist_utils import free_port
-from tests.test_faults import finish, metrics
-from tests.test_train_cli import ROOT
+from tests.helpers import ROOT, finish, metrics
 
 
 def _train(out: Path, *flags: str) -> subprocess.Popen:

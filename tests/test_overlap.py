@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import batch, make_config
+from tests.helpers import batch, make_config
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoModelForCausalLM

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, assert_grads_match, assert_params_match
+from tests.helpers import TOL, assert_grads_match, assert_params_match
 from tptrain import DistributedConfig
 from tptrain.losses import IGNORE_INDEX
 from tptrain.models import AutoConfig, AutoModelForCausalLM

@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_checkpoint_memory import BIG
-from tests.test_load_memory import PeakSampler, _rss_anon
-from tests.test_trainer import tiny_model
+from tests.helpers import BIG, PeakSampler, _rss_anon, tiny_model
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.checkpoint import safetensors_io
 from tptrain.training.args import ParallelismConfig, TrainingArguments

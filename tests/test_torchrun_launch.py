@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_tensor_parallel import batch, make_config
+from tests.helpers import batch, make_config
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
 
