@@ -1,7 +1,7 @@
 """Run a function on N CPU/gloo ranks under pytest: spawned workers on a free port, with a deadline.
 
 A worker's exception (with its traceback) fails the test; a hang fails it after `timeout` seconds
-instead of blocking CI.
+instead of blocking CI. A test that starts processes must carry the `distributed` marker (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Set by tests/conftest.py while a test runs: whether it carries the `distributed` marker. None outside a test
+# (a benchmark, a worker process): nothing is checked then.
+current_test_is_distributed: bool | None = None
+
+
+def require_distributed_marker(what: str) -> None:
+    """Fail a test without the `distributed` marker that is about to start processes (`what` does)."""
+    if current_test_is_distributed is False:
+        raise RuntimeError(f"{what}: this test starts several processes, so it must be marked @pytest.mark.distributed "
+                           f"(or its module: pytestmark), which keeps it out of the fast tier (-m 'not distributed')")
 
 
 def free_port() -> int:
@@ -38,6 +49,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, er
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> None:
     """Call `fn(*args)` on `world_size` ranks (env set as torchrun would); `fn` must be picklable."""
+    require_distributed_marker("run_distributed")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     procs = mp.start_processes(_worker, args=(fn, world_size, free_port(), args, errors),

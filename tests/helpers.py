@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tests.dist_utils import require_distributed_marker
 from tests.family_utils import VOCAB, check_against_hf
 from tests.family_utils import batch as _batch
 from tptrain import DistributedConfig
@@ -40,6 +41,7 @@ TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
 
 
 def tptrain_train(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    require_distributed_marker("tptrain train")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.run([sys.executable, "-m", "tptrain", "train", "--smoke-test", *flags], cwd=ROOT, env=env,

@@ -22,6 +22,8 @@ from tptrain import DistributedConfig
 from tptrain.training.checkpoint_dirs import MARKER, resolve_resume
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 
 def _trainer(output_dir, **kw) -> Trainer:
     model = tiny_model().parallelize(DistributedConfig(tp_size=2))

@@ -24,6 +24,8 @@ from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 MB = 2**20
 
 

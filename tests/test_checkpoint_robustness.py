@@ -240,5 +240,6 @@ def _integrity_worker(tmp: str) -> None:
     assert again.losses == full.losses[2:], (again.losses, full.losses)
 
 
+@pytest.mark.distributed
 def test_manifest_rng_files_and_fallback_at_two_ranks(tmp_path):
     run_distributed(_integrity_worker, 2, str(tmp_path), timeout=200)

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
@@ -22,6 +23,8 @@ from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training import checkpointing as ckpt
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 DATA = Path(__file__).parent / "data"
 TOL = dict(rtol=1e-6, atol=1e-6)

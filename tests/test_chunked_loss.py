@@ -116,6 +116,7 @@ def _tp_worker(tp: int) -> None:
                 assert any(len(s) and s[-1] == VOCAB // tp for s in whole), (what, whole)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_fused_equals_whole_logits_and_one_device(tp):
     run_distributed(_tp_worker, tp, tp)

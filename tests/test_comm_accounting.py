@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -58,6 +59,7 @@ def _report_worker() -> None:
     assert reports[True].saved_activation_bytes < reports[False].saved_activation_bytes
 
 
+@pytest.mark.distributed
 def test_comm_report_matches_megatron_minimum():
     run_distributed(_report_worker, 2)
 

@@ -169,6 +169,7 @@ def _tp4_worker(checkpoints, out) -> None:
         (out / "tp4_errors.json").write_text(json.dumps(errors))
 
 
+@pytest.mark.distributed
 def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
     import peft
     import transformers
@@ -191,6 +192,7 @@ def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
         assert (ours - expected["logits"].double()).abs().max() > 1e-2, f"{name}: the adapter changes nothing"
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_with_kv_replication(checkpoints, tmp_path):
     run_distributed(_tp4_worker, 4, checkpoints, tmp_path)
     print("max |logits - transformers| at tp 4:", (tmp_path / "tp4_errors.json").read_text())

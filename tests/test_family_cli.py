@@ -37,6 +37,7 @@ def test_every_model_type_has_a_smoke_run():
     assert set(FAMILIES) == set(MODEL_REGISTRY)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_train_cli_smoke(model_type, tmp_path):
     import transformers

@@ -162,6 +162,7 @@ def _tp4_worker(path, expected, out) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
 
+@pytest.mark.distributed
 def test_tp2_matches_transformers_single_device_saves_for_transformers_and_crosses_lora_with_peft(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
@@ -180,6 +181,7 @@ def test_tp2_matches_transformers_single_device_saves_for_transformers_and_cross
     _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoint, tmp_path):
     path, expected = checkpoint
     run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")

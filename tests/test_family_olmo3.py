@@ -24,6 +24,7 @@ from tests.helpers import (F64, OLMO2_HF_TOL as HF_TOL, OLMO3_LAYER_TYPES as LAY
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig, Olmo3Config
 
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(directory written by transformers, its fp64 logits and loss on _batch())."""
@@ -105,6 +106,7 @@ def _tp4_worker(path, expected, out) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
 
+@pytest.mark.distributed
 def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_crosses_lora(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
@@ -124,6 +126,7 @@ def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_c
     _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_with_kv_replication(checkpoint, tmp_path):
     path, expected = checkpoint
     run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")

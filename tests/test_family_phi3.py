@@ -286,6 +286,7 @@ def _worker(path, expected, tp, save_dir, out, peft_dir, adapter_dir) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": table, **lora}, out)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_transformers_and_single_device_and_saves_fused_tensors_exactly(checkpoint, tmp_path, tp):
     import transformers

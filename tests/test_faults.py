@@ -76,6 +76,7 @@ def _preemption_worker(tmp: str, tp: int, shard: int, signalled: dict[int, int])
     assert resumed.losses == full.losses[stop:], (resumed.losses, full.losses)  # bit for bit
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world, tp, shard, signalled", [
     (2, 2, 1, {1: 3}),  # only rank 1 is signalled: rank 0 stops after step 3 too
     (4, 2, 2, {3: 2, 0: 4}),  # rank 3 during step 2, rank 0 (later) would have been during step 4
@@ -125,6 +126,7 @@ def _hung_peer_worker() -> None:
         assert "timed out" in str(error).lower() or "timeout" in str(error).lower(), error
 
 
+@pytest.mark.distributed
 def test_a_hung_rank_fails_the_others_collective_after_the_pg_timeout(monkeypatch):
     monkeypatch.setenv(comm.PG_TIMEOUT_ENV, "2")
     run_distributed(_hung_peer_worker, 2, timeout=120)
@@ -179,6 +181,7 @@ def _wait_for_workers(proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("target", ["launcher", "ranks", "launcher while the workers start"])
 def test_sigterm_checkpoints_exits_0_and_resume_continues_exactly(tmp_path, uninterrupted, target):
     out = tmp_path / "run"
@@ -206,6 +209,7 @@ def test_sigterm_checkpoints_exits_0_and_resume_continues_exactly(tmp_path, unin
     assert metrics(out) == uninterrupted  # bit for bit: JSON floats round-trip exactly
 
 
+@pytest.mark.distributed
 def test_kill_9_one_rank_the_group_restarts_and_reproduces_the_uninterrupted_run(tmp_path, uninterrupted):
     out = tmp_path / "run"
     step = random.randint(11, 19)  # after checkpoint-10 is written, before checkpoint-20

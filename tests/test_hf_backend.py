@@ -175,6 +175,7 @@ def _native_vs_transformers(path, tp: int) -> dict:
     return {"diff": diff, "comm": {"collectives": len(counts[0])}}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_transformers_and_single_device_and_saves_for_transformers(checkpoints, llama_checkpoint, tmp_path, tp):
     import transformers

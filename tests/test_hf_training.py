@@ -17,6 +17,8 @@ from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 F64 = torch.float64
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)

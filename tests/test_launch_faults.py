@@ -131,6 +131,7 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
+@pytest.mark.distributed
 def test_one_rank_load_error_reaches_every_rank_and_a_missing_rank_times_out(tmp_path):
     good = _save(tmp_path / "good", max_shard_size="40KB")
     broken = _save(tmp_path / "broken", max_shard_size="40KB")  # this node's copy lost a shard
@@ -167,6 +168,7 @@ KILLER = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.distributed
 def test_a_killed_rank_is_named_with_its_signal(tmp_path, monkeypatch):
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(KILLER)
@@ -184,6 +186,7 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ determinism
 
 
+@pytest.mark.distributed
 def test_default_run_is_deterministic(tmp_path):
     runs = [tptrain_train("--output-dir", str(tmp_path / name), "--save-steps", "0") for name in ("a", "b")]
     for run in runs:

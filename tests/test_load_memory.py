@@ -21,6 +21,8 @@ from tests.helpers import CONSTANT, MB, PeakSampler, _rss_anon
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.checkpoint import save_checkpoint
 
+pytestmark = pytest.mark.distributed
+
 CONFIG = dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_hidden_layers=2,
               num_attention_heads=16, num_key_value_heads=4, head_dim=128)
 

@@ -17,6 +17,8 @@ from tptrain.models import AutoModelForCausalLM
 from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.loss import vocab_parallel_cross_entropy
 
+pytestmark = pytest.mark.distributed
+
 
 def _check_function(tp: int) -> None:
     """Per-token losses and logit gradients of the bare function, -100 targets included."""

@@ -219,6 +219,7 @@ def _bad_layouts_raise_on_every_rank(tp: int) -> None:
         model.parallelize(DistributedConfig(tp_size=tp, enable_sequence_parallel=True))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_experts_over_tp_match_transformers_and_a_single_device(checkpoints, tp, tmp_path):
     run_distributed(_worker, tp, checkpoints, tp, tmp_path, timeout=600)

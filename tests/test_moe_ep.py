@@ -193,6 +193,7 @@ def _trainer_worker(tmp: str) -> None:
                 train_dataset=tiny_dataset())
 
 
+@pytest.mark.distributed
 def test_tptrain_train_ep_size_cli(tmp_path):
     """`tptrain train --ep-size 2` trains an MoE model at (tp 1, ep 2) on 2 processes, with its checkpoints, and
     saves a model that loads; a dense model and an ep size that does not divide the data-parallel ranks are refused
@@ -311,6 +312,7 @@ def _four_ranks(checkpoints, tmp) -> None:
     _resume_worker_4(str(tmp))
 
 
+@pytest.mark.distributed
 def test_ep_axis_forward_gradients_training_saving_and_resuming(checkpoints, tmp_path):
     """2 ranks: transformers / one-device checks at (tp 1, ep 2), a DCP run at (tp 1, ep 2) resumed at tp 2; 4 ranks:
     the checks at (tp 2, ep 2) and (tp 1, ep 4), the Trainer, the resumes at ep 2; 1 process: the resume there.

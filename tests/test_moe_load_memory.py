@@ -19,6 +19,8 @@ from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.checkpoint import save_checkpoint
 from tptrain.modeling import to_checkpoint_names
 
+pytestmark = pytest.mark.distributed
+
 # 8 experts of 3 x 1024 x 768 fp32 (9.4 MiB each) in 2 layers: 151 MiB of experts, ~45 MiB dense.
 CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=768,
               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128, num_experts=8,

@@ -6,6 +6,7 @@ expert tensor parallelism, one process) with the uninterrupted run's losses.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -14,6 +15,8 @@ from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 
 def tiny_moe():

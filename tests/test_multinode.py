@@ -13,8 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tests.dist_utils import free_port
 from tests.helpers import ROOT, finish, metrics
+
+pytestmark = pytest.mark.distributed
 
 
 def _train(out: Path, *flags: str) -> subprocess.Popen:

@@ -115,6 +115,7 @@ def test_packed_equals_one_by_one_single_device(name):
     _check(name, 1, False, checkpointing=(name == "gemma2_softcap_window"))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
 def test_packed_equals_one_by_one_tp2(sp):
     run_distributed(_worker, 2, sp)

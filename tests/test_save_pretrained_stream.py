@@ -23,6 +23,8 @@ from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 MB = 2**20
 SHARD = 20 * 10**6  # "20MB": 9 shard files for the ~150 MB model
 

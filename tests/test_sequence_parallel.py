@@ -14,6 +14,8 @@ from tptrain.models import AutoModelForCausalLM
 from tptrain.diagnostics.accounting import SavedTensorMeter
 from tptrain.distributed.comm import CommTracker
 
+pytestmark = pytest.mark.distributed
+
 
 def _sp_model(name: str, tp: int):
     torch.manual_seed(0)

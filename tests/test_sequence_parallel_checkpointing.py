@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -16,6 +17,8 @@ from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.diagnostics.accounting import SavedTensorMeter
 from tptrain.distributed.comm import CommTracker
+
+pytestmark = pytest.mark.distributed
 
 TP = 2
 

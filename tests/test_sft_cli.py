@@ -12,6 +12,8 @@ from tests.helpers import chat_records, tptrain_train
 from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
 from tptrain.training.reporting import read_metrics
 
+pytestmark = pytest.mark.distributed
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 TINY = dict(vocab_size=4160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

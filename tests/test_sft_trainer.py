@@ -16,6 +16,8 @@ from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import load_tokenizer
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 TOL = dict(rtol=1e-9, atol=1e-9)
 TINY = dict(vocab_size=4160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128)

@@ -12,6 +12,9 @@ from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoModelForCausalLM
 
+pytestmark = pytest.mark.distributed
+
+
 def _equivalence_worker(name: str, tp: int, tp_plan="auto") -> None:
     torch.manual_seed(0)
     config = make_config(name)

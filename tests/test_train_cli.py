@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.helpers import tptrain_train
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
+
+pytestmark = pytest.mark.distributed
+
 
 def test_smoke_run_writes_everything_and_resumes(tmp_path):
     out = tmp_path / "run"

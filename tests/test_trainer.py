@@ -23,6 +23,8 @@ from tptrain.distributed.comm import CommTracker
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 BF16_TOL = dict(rtol=0, atol=0.05)  # bf16 compute against the fp64 curve: loss ~4.9, bf16 eps 2**-8
+
+
 def _train_layout(output_dir, tp: int, *, rep: int = 1, shard: int | None = None, sp: bool = False, **kw):
     ref = tiny_model()
     # bf16 runs keep fp32 master weights, as a user would (autocast leaves fp64 alone).
@@ -64,6 +66,7 @@ def _layouts_worker(tmp: str, cases: list[dict]) -> None:
         assert [r["step"] for r in lines] == [5, 10, 15, 20] and "loss" in lines[0]
 
 
+@pytest.mark.distributed
 def test_tp2_and_gradient_accumulation(tmp_path):
     """TP 2 at batch 4, also with sequence parallelism; bf16 autocast loosely; TP 2 with 4 micro-batches
     of 1 (accumulation 4 x 1 == batch 4)."""
@@ -75,6 +78,7 @@ def test_tp2_and_gradient_accumulation(tmp_path):
     ])
 
 
+@pytest.mark.distributed
 def test_tp4_and_tp2_with_fsdp_hsdp_ddp(tmp_path):
     """4 ranks: TP 4; TP 2 x dp_shard 2 (FSDP2), dp_replicate 2 x dp_shard 2 (HSDP) and TP 2 x
     dp_replicate 2 (DDP) at the doubled batch; bf16 with activation checkpointing follows the fp64 curve
@@ -109,6 +113,7 @@ def _topology_worker(tmp: str) -> None:
     assert model.tp_layout.ctx.group_name == trainer.mesh["tp"].get_group().group_name
 
 
+@pytest.mark.distributed
 def test_one_mesh_and_reductions_over_sub_meshes(tmp_path):
     run_distributed(_topology_worker, 4, str(tmp_path))
 
