@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import reserved_port
 from tests.helpers import ROOT, tptrain_train
 from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.cli import main
@@ -139,10 +139,10 @@ def test_one_rank_load_error_reaches_every_rank_and_a_missing_rank_times_out(tmp
     broken = _save(tmp_path / "broken", max_shard_size="40KB")  # this node's copy lost a shard
     sorted(broken.glob("model-*.safetensors"))[1].unlink()
     start = time.monotonic()
-    port = free_port()
-    ranks = [_start_rank(0, port, good, 60), _start_rank(1, port, broken, 60)]
-    lonely = _start_rank(0, free_port(), good, 3)  # its rank 1 is never started
-    results = [_finish(p, timeout=90) for p in (*ranks, lonely)]
+    with reserved_port() as port, reserved_port() as lonely_port:  # rank 0 serves the rendezvous on it
+        ranks = [_start_rank(0, port, good, 60), _start_rank(1, port, broken, 60)]
+        lonely = _start_rank(0, lonely_port, good, 3)  # its rank 1 is never started
+        results = [_finish(p, timeout=90) for p in (*ranks, lonely)]
     for code, output in results[:2]:  # each rank raises rank 1's error, none says "loaded OK"
         assert code != 0 and "loaded OK" not in output, output
         assert "FileNotFoundError" in output and "model-00002-of-" in output and "(on rank 1 of 2)" in output, output
