@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.dist_utils import reserved_port
 from tests.helpers import ROOT, finish, metrics
 
