@@ -23,11 +23,15 @@ _LAUNCHERS = {"torchrun", "torch.distributed.run"}
 _started: list[subprocess.Popen] = []  # the subprocesses the current test started
 
 
+def _argv(args) -> list[str]:
+    if isinstance(args, str):  # a command line (shell=True) or a lone program
+        return args.split()
+    return [os.fsdecode(a) for a in ([args] if isinstance(args, (bytes, os.PathLike)) else args)]
+
+
 def _is_launcher(args) -> bool:
-    argv = [os.path.basename(str(a)) for a in ([args] if isinstance(args, (str, bytes, os.PathLike)) else args)]
-    if len(argv) == 1 and isinstance(args, str):  # a shell command line
-        argv = args.split()
-    return bool(_LAUNCHERS & set(argv)) or any(a == "tptrain" and b == "train" for a, b in zip(argv, argv[1:]))
+    names = [os.path.basename(a) for a in _argv(args)]
+    return bool(_LAUNCHERS & set(names)) or any(a == "tptrain" and b == "train" for a, b in zip(names, names[1:]))
 
 
 _popen_init = subprocess.Popen.__init__
@@ -37,7 +41,7 @@ _process_start = multiprocessing.process.BaseProcess.start
 def _guarded_popen_init(self, args, *rest, **kwargs):
     if dist_utils.current_test_is_distributed is False:
         if _is_launcher(args):
-            dist_utils.require_distributed_marker(f"`{args if isinstance(args, str) else ' '.join(map(str, args))}`")
+            dist_utils.require_distributed_marker(f"`{' '.join(_argv(args))}`")
         if any(p.poll() is None for p in _started):
             dist_utils.require_distributed_marker("a second subprocess while its first still runs")
     _popen_init(self, args, *rest, **kwargs)
