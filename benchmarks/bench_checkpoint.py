@@ -93,13 +93,14 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # freed tensors go back to the OS
     world = 4
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(world, port, tmp, queue), nprocs=world, start_method="spawn")
+    # The port stays bound here (SO_REUSEADDR, not listening) until the ranks are done: no other process gets it
+    # from the OS in the meantime, while rank 0's TCPStore (SO_REUSEADDR too) serves the rendezvous on it.
+    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        mp.start_processes(worker, args=(world, s.getsockname()[1], tmp, queue), nprocs=world, start_method="spawn")
         rows = dict(queue.get() for _ in range(world))
     runs = {}
     if args.results and Path(args.results).exists():

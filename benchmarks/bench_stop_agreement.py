@@ -46,16 +46,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
     args = parser.parse_args()
-    from tests.dist_utils import free_port
+    from tests.dist_utils import reserved_port
 
     print(f"{'ranks':>5} | {'median us':>9} | {'p90 us':>7}")
     for world in (2, 4):
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        procs = mp.start_processes(_rank, args=(world, free_port(), args.calls, queue), nprocs=world,
-                                   start_method="spawn", join=False)
-        times = sorted(t for _ in range(world) for t in queue.get())  # read before joining: a full pipe blocks
-        procs.join()
+        with reserved_port() as port:  # rank 0 serves the rendezvous on it
+            procs = mp.start_processes(_rank, args=(world, port, args.calls, queue), nprocs=world,
+                                       start_method="spawn", join=False)
+            times = sorted(t for _ in range(world) for t in queue.get())  # read before joining: a full pipe blocks
+            procs.join()
         print(f"{world:>5} | {statistics.median(times) * 1e6:>9.0f} | {times[int(0.9 * len(times))] * 1e6:>7.0f}")
 
 

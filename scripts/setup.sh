@@ -5,8 +5,9 @@
 #   2. torch: without an NVIDIA GPU (no nvidia-smi) or with TPTRAIN_CPU=1, the CPU build of torch 2.13.0,
 #      from the default index when that serves a CPU wheel, else from PyTorch's CPU index; with a GPU, an
 #      installed torch is kept, otherwise the default `pip install torch`;
-#   3. pip install -e ".[test,hf]", with the torch just settled pinned as a constraint, so that resolving
-#      transformers or peft can never swap it for another (multi-GB CUDA) build.
+#   3. pip install -e ".[test,hf,dev]" (dev: the pinned ruff .ci/run lints with), with the torch just settled
+#      pinned as a constraint, so that resolving transformers or peft can never swap it for another (multi-GB CUDA)
+#      build.
 # A stamp in .venv holds a checksum of pyproject.toml, this file and the CPU/GPU choice; while it matches,
 # nothing is run, so sourcing this costs milliseconds. Progress goes to stderr.
 
@@ -76,8 +77,8 @@ _tptrain_setup() {
     _tptrain_install_torch "$py" "$mode" || return 1
     constraints="$venv/.tptrain-torch-constraint.txt"
     "$py" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$constraints" || return 1
-    _tptrain_log "installing tptrain[test,hf] (editable) with $(cat "$constraints")"
-    "$py" -m pip install -q -c "$constraints" -e "$root[test,hf]" >&2 || return 1
+    _tptrain_log "installing tptrain[test,hf,dev] (editable) with $(cat "$constraints")"
+    "$py" -m pip install -q -c "$constraints" -e "$root[test,hf,dev]" >&2 || return 1
     echo "$key" >"$stamp"
     _tptrain_log "ready ($mode)"
 }

@@ -1,30 +1,54 @@
-"""Run a function on N CPU/gloo ranks under pytest: spawned workers on a free port, with a deadline.
+"""Run a function on N CPU/gloo ranks under pytest: spawned workers, with a deadline.
+
+The rendezvous is the parent's: a TCPStore server on a port the OS picks (port 0), served for as long as the
+workers run. Every rank joins it as a client, as under torchrun (TORCHELASTIC_USE_AGENT_STORE=True: torch's
+env:// rendezvous then makes no rank host a store of its own). No port is picked, released and bound again
+later, so no other process can take it in between.
 
 A worker's exception (with its traceback) fails the test; a hang fails it after `timeout` seconds
-instead of blocking CI.
+instead of blocking CI. A test that starts processes must carry the `distributed` marker (tests/conftest.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Set by tests/conftest.py while a test runs: whether it carries the `distributed` marker. None outside a test
+# (a benchmark, a worker process): nothing is checked then.
+current_test_is_distributed: bool | None = None
 
-def free_port() -> int:
+
+def require_distributed_marker(what: str) -> None:
+    """Fail a test without the `distributed` marker that is about to start processes (`what` does)."""
+    if current_test_is_distributed is False:
+        raise RuntimeError(f"{what}: this test starts several processes, so it must be marked @pytest.mark.distributed "
+                           f"(or its module: pytestmark), which keeps it out of the fast tier (-m 'not distributed')")
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port for a server that a child process starts (rank 0 of ranks started by hand, a launcher's c10d
+    rendezvous), reserved until the block ends: bound here with SO_REUSEADDR, never listening. The OS then hands
+    it to no other bind to port 0 and to no outgoing connection, while the child's server (torch's TCPStore sets
+    SO_REUSEADDR too) can still bind and listen on it."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        yield s.getsockname()[1]
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # the parent serves the store: every rank a client
     torch.set_num_threads(1)
     try:
         fn(*args)
@@ -38,9 +62,11 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, er
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> None:
     """Call `fn(*args)` on `world_size` ranks (env set as torchrun would); `fn` must be picklable."""
+    require_distributed_marker("run_distributed")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # served until the ranks end
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(fn, world_size, free_port(), args, errors),
+    procs = mp.start_processes(_worker, args=(fn, world_size, store.port, args, errors),
                                nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
@@ -56,3 +82,5 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
         raise AssertionError(f"{exc}\n" + "\n".join(details)) from None
+    finally:
+        del store

@@ -17,10 +17,12 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, tptrain_train, training_args
 from tptrain import DistributedConfig
 from tptrain.training.checkpoint.dirs import MARKER, resolve_resume
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 
 def _trainer(output_dir, **kw) -> Trainer:
@@ -107,8 +109,6 @@ def test_crash_during_async_save_keeps_last_checkpoint(tmp_path):
 
 
 def test_cli_async_checkpoint_flag(tmp_path):
-    from tests.test_train_cli import tptrain_train
-
     run = tptrain_train("--output-dir", str(tmp_path / "run"), "--async-checkpoint")
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]

@@ -323,6 +323,7 @@ _MEMORY_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # three fresh interpreters import torch: ~20 s on 2 cores
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_slice_read_memory_is_a_fraction_of_the_tensor(tmp_path):
     """Reading 1/4 of a 64 MiB tensor costs ~1/4 of it in private memory; the whole read costs it all."""

@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_load_memory import PeakSampler, _rss_anon
+from tests.helpers import BIG, PeakSampler, _rss_anon
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 MB = 2**20
-BIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16,
-           num_key_value_heads=4, head_dim=64, max_position_embeddings=64)
 
 
 def _local_bytes(t: torch.Tensor) -> int:

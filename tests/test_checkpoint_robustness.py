@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.cli import main
 from tptrain.training.checkpoint import dirs as ckpt
@@ -258,5 +258,6 @@ def _integrity_worker(tmp: str) -> None:
     assert again.losses == full.losses[2:], (again.losses, full.losses)
 
 
+@pytest.mark.distributed
 def test_manifest_rng_files_and_fallback_at_two_ranks(tmp_path):
     run_distributed(_integrity_worker, 2, str(tmp_path), timeout=200)

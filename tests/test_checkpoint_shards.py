@@ -12,16 +12,19 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 DATA = Path(__file__).parent / "data"
 TOL = dict(rtol=1e-6, atol=1e-6)

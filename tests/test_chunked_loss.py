@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.helpers import assert_grads_match, assert_params_match
 from tptrain import DistributedConfig, losses
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -118,6 +118,7 @@ def _tp_worker(tp: int) -> None:
                 assert any(len(s) and s[-1] == VOCAB // tp for s in whole), (what, whole)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_fused_equals_whole_logits_and_one_device(tp):
     run_distributed(_tp_worker, tp, tp)

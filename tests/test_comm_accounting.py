@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TINY, batch, make_config
+from tests.helpers import TP_TINY as TINY, batch, make_config
 from tptrain import DistributedConfig
 from tptrain.distributed import comm
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -63,6 +63,7 @@ def _report_worker() -> None:
     assert reports[True].saved_activation_bytes < reports[False].saved_activation_bytes
 
 
+@pytest.mark.distributed
 def test_comm_report_matches_megatron_minimum():
     run_distributed(_report_worker, 2)
 
@@ -128,5 +129,6 @@ def _ep_report_worker() -> None:
         megatron_minimum(model, *ids.shape)
 
 
+@pytest.mark.distributed
 def test_ep_dispatch_minimum_reads_the_rows_received_from_the_tracker():
     run_distributed(_ep_report_worker, 2)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.training.args import ParallelismConfig, TrainingArguments
@@ -82,12 +82,14 @@ def _compiled_matches_eager_worker(tmp: str, cases: list[dict]) -> None:
                 (case, c_counts, counts)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @needs_compiler
 def test_single_device_compiled_matches_eager(tmp_path):
     run_distributed(_compiled_matches_eager_worker, 1, str(tmp_path), [dict(tp=1)], timeout=600)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @needs_compiler
 def test_tp2_and_fsdp2_compiled_match_eager(tmp_path):
@@ -124,10 +126,12 @@ def _missing_compiler_worker(tmp: str) -> None:
     assert "apt-get install g++" in message and "CXX=" in message and "(on rank 1 of 2)" in message, message
 
 
+@pytest.mark.distributed
 def test_missing_compiler_is_refused_on_every_rank(tmp_path):
     run_distributed(_missing_compiler_worker, 2, str(tmp_path))
 
 
+@pytest.mark.distributed
 def test_cli_compile_without_compiler_is_refused_up_front(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["CXX"] = "/nonexistent/g++"

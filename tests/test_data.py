@@ -188,5 +188,6 @@ def _generate_worker(tp: int) -> None:
     assert model.training  # restored
 
 
+@pytest.mark.distributed
 def test_greedy_generation_tp2_matches_single_device():
     run_distributed(_generate_worker, 2, 2)

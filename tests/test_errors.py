@@ -160,6 +160,7 @@ def _errors_worker(paths) -> None:
         print("\n\n".join(f"[{k}] {v}" for k, v in messages.items()))
 
 
+@pytest.mark.distributed
 def test_bad_inputs_raise_on_every_rank(bad):
     run_distributed(_errors_worker, 2, bad, timeout=120)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import assert_trains_like
+from tests.helpers import LORA_TARGETS, SIMPLE_FAMILIES as FAMILIES, SIMPLE_TINY as TINY, assert_trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig
 
@@ -27,25 +27,6 @@ EXACT = dict(rtol=1e-10, atol=1e-10)  # tptrain at tp 2 vs tptrain on one device
 # transformers runs RMSNorm and RoPE in fp32 even for an fp64 model: ~1e-6 apart (as tests/test_lora_interop.py).
 LORA_TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ = 12
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-            num_attention_heads=4, num_key_value_heads=2)  # 2 KV heads: replicated twice at tp 4
-FAMILIES = {
-    # a window of 5 < SEQ keys, head_dim 24 != hidden / heads
-    "mistral": dict(TINY, head_dim=24, sliding_window=5),
-    # one sliding layer, one full layer
-    "ministral": dict(TINY, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
-    # YaRN (both mscales, so cos and sin are scaled too) and queries scaled past position 6 (Llama 4 temperature);
-    # sliding_window applies to every layer, as in Mistral
-    "ministral3": dict(TINY, head_dim=16, sliding_window=5, max_position_embeddings=24, rope_parameters=dict(
-        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=6, beta_fast=8.0,
-        beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5, llama_4_scaling_beta=0.3)),
-    # every multiplier away from 1, attention bias, tied embeddings
-    "granite": dict(TINY, embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.1,
-                    logits_scaling=4.0, attention_bias=True, tie_word_embeddings=True),
-    # layer 1 without RoPE
-    "smollm3": dict(TINY, no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=1, eos_token_id=2),
-}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _batch(seed: int = 1):
@@ -188,6 +169,7 @@ def _tp4_worker(checkpoints, out) -> None:
         (out / "tp4_errors.json").write_text(json.dumps(errors))
 
 
+@pytest.mark.distributed
 def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
     import peft
     import transformers
@@ -210,6 +192,7 @@ def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
         assert (ours - expected["logits"].double()).abs().max() > 1e-2, f"{name}: the adapter changes nothing"
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_with_kv_replication(checkpoints, tmp_path):
     run_distributed(_tp4_worker, 4, checkpoints, tmp_path)
     print("max |logits - transformers| at tp 4:", (tmp_path / "tp4_errors.json").read_text())

@@ -10,26 +10,26 @@ import warnings
 import pytest
 import torch
 
-from tests import (test_families_simple, test_family_gemma, test_family_olmo2, test_family_olmo3, test_family_phi3,
-                   test_moe)
 from tests.family_utils import randomize, save_byte_tokenizer
-from tests.test_train_cli import read_metrics, tptrain_train
+from tests.helpers import (GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE, OLMO3_TINY, PHI3_TINY,
+                           SIMPLE_FAMILIES, SIMPLE_TINY, tptrain_train)
 from tptrain import AutoModelForCausalLM
 from tptrain.models import MODEL_REGISTRY
+from tptrain.training.reporting import read_metrics
 
 # A tokenizer.json of bytes beside the weights (save_byte_tokenizer): 257 ids, so a vocabulary of 320.
 CLI_VOCAB = 320
 FAMILIES = {
-    "llama": dict(test_families_simple.TINY),
-    "qwen2": dict(test_families_simple.TINY),
-    "qwen3": dict(test_families_simple.TINY, head_dim=16),
-    **test_families_simple.FAMILIES,
-    "olmo2": test_family_olmo2.TINY,
-    "olmo3": dict(test_family_olmo3.TINY, rope_parameters=test_family_olmo3.ROPE),
-    **test_family_gemma.FAMILIES,
-    "phi3": test_family_phi3.TINY,
+    "llama": dict(SIMPLE_TINY),
+    "qwen2": dict(SIMPLE_TINY),
+    "qwen3": dict(SIMPLE_TINY, head_dim=16),
+    **SIMPLE_FAMILIES,
+    "olmo2": OLMO2_TINY,
+    "olmo3": dict(OLMO3_TINY, rope_parameters=OLMO3_ROPE),
+    **GEMMA_FAMILIES,
+    "phi3": PHI3_TINY,
     # mixture of experts, at tp 2 with the experts tensor-parallel (the default)
-    **{name: {**test_moe.TINY, **keys} for name, (_, _, keys) in test_moe.FAMILIES.items()},
+    **{name: {**MOE_TINY, **keys} for name, (_, _, keys) in MOE_FAMILIES.items()},
 }
 
 
@@ -37,6 +37,7 @@ def test_every_model_type_has_a_smoke_run():
     assert set(FAMILIES) == set(MODEL_REGISTRY)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_train_cli_smoke(model_type, tmp_path):
     import transformers

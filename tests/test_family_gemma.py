@@ -21,7 +21,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch as _batch, hf_reference as _hf_reference
-from tests.test_tensor_parallel import assert_trains_like
+from tests.helpers import GEMMA_FAMILIES as FAMILIES, GEMMA_TINY as TINY, LORA_TARGETS, assert_trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import MODEL_REGISTRY, AutoConfig, Gemma2Config, Gemma3TextConfig
@@ -32,15 +32,6 @@ EXACT = dict(rtol=1e-10, atol=1e-10)  # tptrain at tp 2/4 vs tptrain on one devi
 HF_TOL = dict(rtol=1e-5, atol=1e-5)
 LORA_TOL = dict(rtol=1e-5, atol=1e-5)
 B, S = 2, 12
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=24, max_position_embeddings=64, sliding_window=4,
-            query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention"] * 2)
-FAMILIES = {
-    "gemma2": dict(TINY, attn_logit_softcapping=5.0, final_logit_softcapping=5.0),
-    "gemma3_text": dict(TINY, final_logit_softcapping=5.0, rope_theta=1e5, rope_local_base_freq=100.0,
-                        rope_scaling={"rope_type": "linear", "factor": 2.0}),
-}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +244,7 @@ def _tp4_worker(checkpoints, out) -> None:
         (out / "tp4_errors.json").write_text(json.dumps(errors))
 
 
+@pytest.mark.distributed
 def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
     import peft
     import transformers
@@ -274,6 +266,7 @@ def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
         assert (ours - expected["logits"]).abs().max() > 1e-2, f"{name}: the adapter changes nothing"
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoints, tmp_path):
     run_distributed(_tp4_worker, 4, checkpoints, tmp_path)
     print("\nmax |logits - transformers| at tp 4:", (tmp_path / "tp4_errors.json").read_text())

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import batch as _batch, check_against_hf, hf_reference as _hf_reference, randomize
-from tests.test_tensor_parallel import assert_trains_like
+from tests.family_utils import batch as _batch, hf_reference as _hf_reference, randomize
+from tests.helpers import (F64, OLMO2_HF_TOL as HF_TOL, OLMO2_TINY as TINY, _assert_lora_crossed, _check_against_hf,
+                           _equivalence, _lora_crossing, _peft_adapter)
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.diagnostics.plan_report import plan_report
@@ -24,12 +25,6 @@ from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoConfig, Olmo2Config
 from tptrain.parallel.plan import check_plan
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2)
-F64 = torch.float64
-TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
-# transformers' Olmo2RMSNorm normalises in fp32 even in an fp64 model (tptrain: in fp64), ~1e-6 apart.
-HF_TOL = dict(rtol=1e-6, atol=1e-6)
 B, S = 2, 12
 
 
@@ -43,10 +38,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("olmo2")
     hf.save_pretrained(path)
     return path, _hf_reference(hf.to(F64))
-
-
-def _check_against_hf(model, expected, what: str) -> float:
-    return check_against_hf(model, expected, what, HF_TOL)
 
 
 def test_tp1_logits_loss_and_grads_match_transformers(checkpoint):
@@ -109,12 +100,6 @@ def test_plan_shows_distributed_norms_and_the_pair_check_guards_them():
                for p in problems), problems
 
 
-def _equivalence(model, ref, *, steps: int = 3) -> float:
-    """Logits, gradients of every parameter and 3 AdamW steps of the TP `model` equal the single-device `ref`;
-    returns max |logits - single-device logits|."""
-    return assert_trains_like(model, ref, *_batch(seed=2), steps=steps, tol=TOL)
-
-
 def _assert_communication(model, tp: int) -> None:
     """One training forward + backward sends exactly the Megatron minimum plus one (tokens,) all-reduce per
     q/k norm in forward and one in backward; no q/k/v gather."""
@@ -137,63 +122,6 @@ def _assert_communication(model, tp: int) -> None:
     report = comm_report(model, ids, labels)
     assert report.matches_minimum and report.full_logit_collectives == 0, report.table()
     model.zero_grad()
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_TOL = dict(rtol=1e-5, atol=1e-5)  # the bases differ by transformers' fp32 RoPE (~1e-6)
-
-
-def _peft_adapter(path, out_dir):
-    """A random peft adapter on transformers' OLMo 2, saved to `out_dir`; returns its logits."""
-    import peft
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
-                                                    task_type="CAUSAL_LM"))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
-        model.save_pretrained(out_dir)
-        return model(_batch()[0]).logits
-
-
-def _lora_crossing(path, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
-    """peft's adapter on a tp 2 base, and a tptrain-trained adapter (2 AdamW steps) saved for peft."""
-    from tptrain.peft import LoraConfig, PeftModel, get_peft_model
-    config = DistributedConfig(tp_size=2)
-    ids = _batch()[0]
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=F64,
-                                                                            distributed_config=config), peft_dir)
-    with torch.no_grad():
-        peft_logits = loaded(ids).logits
-    torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=config),
-                           LoraConfig(r=4, lora_alpha=16, target_modules=LORA_TARGETS))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    train_ids, labels = _batch(seed=4)
-    for _ in range(2):
-        model(train_ids, labels=labels).loss.backward()
-        opt.step(), opt.zero_grad()
-    model.save_pretrained(adapter_dir)
-    model.eval()
-    with torch.no_grad():
-        return {"peft_adapter": peft_logits, "tptrain_adapter": model(ids).logits}
-
-
-def _assert_lora_crossed(path, result, peft_logits, adapter_dir) -> None:
-    """LoRA on every linear layer crossed both ways: peft's adapter on the tp 2 model gave peft's logits, and the
-    tptrain-trained adapter in `adapter_dir` gives in peft + transformers what it gave at tp 2; both change the model."""
-    import peft
-    import transformers
-    torch.testing.assert_close(result["peft_adapter"], peft_logits, **LORA_TOL)
-    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    with torch.no_grad():
-        plain = base(_batch()[0]).logits
-        reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)(_batch()[0]).logits
-    torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
-    assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
 
 
 def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
@@ -235,6 +163,7 @@ def _tp4_worker(path, expected, out) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
 
+@pytest.mark.distributed
 def test_tp2_matches_transformers_single_device_saves_for_transformers_and_crosses_lora_with_peft(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
@@ -253,6 +182,7 @@ def test_tp2_matches_transformers_single_device_saves_for_transformers_and_cross
     _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_and_single_device_with_kv_replication(checkpoint, tmp_path):
     path, expected = checkpoint
     run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")

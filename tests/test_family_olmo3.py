@@ -17,17 +17,12 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_family_olmo2 import (F64, HF_TOL, _assert_lora_crossed, _batch, _check_against_hf, _equivalence,
-                                     _hf_reference, _lora_crossing, _peft_adapter)
+from tests.family_utils import batch as _batch, hf_reference as _hf_reference
+from tests.helpers import (F64, OLMO2_HF_TOL as HF_TOL, OLMO3_LAYER_TYPES as LAYER_TYPES, OLMO3_ROPE as ROPE,
+                           OLMO3_TINY as TINY, _assert_lora_crossed, _check_against_hf, _equivalence, _lora_crossing,
+                           _peft_adapter)
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig, Olmo3Config
-
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2, sliding_window=4,
-            layer_types=LAYER_TYPES)
-ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +106,7 @@ def _tp4_worker(path, expected, out) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
 
+@pytest.mark.distributed
 def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_crosses_lora(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
@@ -130,6 +126,7 @@ def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_c
     _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_with_kv_replication(checkpoint, tmp_path):
     path, expected = checkpoint
     run_distributed(_tp4_worker, 4, path, expected, tmp_path / "tp4.pt")

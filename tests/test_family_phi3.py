@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch as _batch, check_against_hf, hf_reference as _hf_reference, randomize
-from tests.test_tensor_parallel import assert_trains_like
+from tests.helpers import PHI3_TINY as TINY, assert_trains_like, reference_losses, tiny_dataset, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.io import CheckpointReader
 from tptrain.diagnostics.accounting import comm_report
@@ -28,9 +28,6 @@ from tptrain.models import AutoConfig, Phi3Config
 from tptrain.parallel.plan import check_plan
 from tptrain.parallel.tensor_parallel import gather_full, read_shard
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2, bos_token_id=1, pad_token_id=0,
-            partial_rotary_factor=0.5)
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
 # transformers' Phi3RMSNorm normalises in fp32 even in an fp64 model (tptrain: in fp64), ~3e-6 apart.
@@ -261,7 +258,6 @@ def _trainer_resume(path, tp: int, tmp) -> list[float]:
     """Trainer at tp: 4 steps (clipped gradient norm) equal single-device training, and resuming from the DCP
     checkpoint of step 2 (the packed tensors saved from each rank's boxes, read whole and cut on load)
     gives the same losses."""
-    from tests.test_trainer import reference_losses, tiny_dataset, training_args
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
 
@@ -301,6 +297,7 @@ def _worker(path, expected, tp, save_dir, out, peft_dir, adapter_dir) -> None:
         torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": table, **lora}, out)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_transformers_and_single_device_and_saves_fused_tensors_exactly(checkpoint, tmp_path, tp):
     import transformers

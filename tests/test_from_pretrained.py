@@ -122,6 +122,7 @@ def _fake_hub_cache(hf_home, checkpoint_dir) -> None:
     (repo / "refs" / "main").write_text(HUB_REV)
 
 
+@pytest.mark.distributed
 def test_tp2_matches_transformers_and_saves_for_transformers(checkpoints, tmp_path, monkeypatch):
     _fake_hub_cache(tmp_path / "hf_home", checkpoints["qwen3"][0])
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # read by the spawned ranks' huggingface_hub
@@ -154,5 +155,6 @@ def _tp4_worker(checkpoints) -> None:
         _check(model, expected, f"{name} tp=4 ({n_kv} KV heads)")
 
 
+@pytest.mark.distributed
 def test_tp4_matches_transformers_with_kv_replication(checkpoints):
     run_distributed(_tp4_worker, 4, checkpoints)

@@ -11,7 +11,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import B, S, batch, check_against_hf, hf_reference, randomize
-from tests.test_tensor_parallel import assert_grads_match, full_params
+from tests.helpers import assert_grads_match, full_params
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
@@ -176,6 +176,7 @@ def _native_vs_transformers(path, tp: int) -> dict:
     return {"diff": diff, "comm": {"collectives": len(counts[0])}}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_matches_transformers_and_single_device_and_saves_for_transformers(checkpoints, llama_checkpoint, tmp_path, tp):
     import transformers

@@ -12,11 +12,12 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch, randomize
-from tests.test_train_cli import tptrain_train
-from tests.test_trainer import reference_losses, tiny_dataset, training_args
+from tests.helpers import reference_losses, tiny_dataset, tptrain_train, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 F64 = torch.float64
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

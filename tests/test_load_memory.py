@@ -11,47 +11,20 @@ would overstate the cost).
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers import CONSTANT, MB, PeakSampler, _rss_anon
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import save_checkpoint
 
-MB = 2**20
+pytestmark = pytest.mark.distributed
+
 CONFIG = dict(vocab_size=4096, hidden_size=2048, intermediate_size=4096, num_hidden_layers=2,
               num_attention_heads=16, num_key_value_heads=4, head_dim=128)
-CONSTANT = 16 * MB  # allocator slack, Python objects made while loading
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class PeakSampler:
-    """Highest RssAnon seen while the block runs (sampled every 0.5 ms; torch copies release the GIL)."""
-
-    def __enter__(self) -> "PeakSampler":
-        self.peak, self._stop = _rss_anon(), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.0005):
-            self.peak = max(self.peak, _rss_anon())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_anon())
 
 
 def _load(path):

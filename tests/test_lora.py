@@ -258,6 +258,7 @@ def _equivalence_worker(tp: int, base_dir, adapter_dir, out_dir) -> None:
         torch.testing.assert_close(grads[n], g, **TOL, msg=lambda m: f"accumulated grad of {n}: {m}")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_matches_single_device(tp, saved, tmp_path):
     run_distributed(_equivalence_worker, tp, tp, *saved, tmp_path)

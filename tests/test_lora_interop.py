@@ -55,6 +55,7 @@ def _worker(base_dir, peft_dir, out) -> None:
         torch.save({"peft_adapter": logits, "tptrain_adapter": trained}, out / "logits.pt")
 
 
+@pytest.mark.distributed
 def test_adapters_cross_between_tptrain_and_peft(tmp_path):
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **TINY), dtype=torch.float64)

@@ -176,6 +176,7 @@ def _worker(base_dir, adapter_dir, tp: int, out) -> None:
             ref.save_pretrained(out / f"{layout}-ref")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
     # gate_up_proj at another rank and alpha than down_proj (peft's rank_pattern)
@@ -268,7 +269,7 @@ def test_cli_flags_spell_target_parameters(bases):
 
 
 def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
-    from tests.test_trainer import SEQ, reference_losses, training_args
+    from tests.helpers import SEQ, reference_losses, training_args
     from tptrain.distributed import init_distributed
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.data import PackedDataset
@@ -298,6 +299,7 @@ def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
         torch.testing.assert_close(reloaded[name], p, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.distributed
 def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, tmp_path):
     adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
                              LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERTS))
@@ -314,6 +316,7 @@ def _ep_axis_worker(path) -> None:
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))  # attention LoRA still fine at ep_size
 
 
+@pytest.mark.distributed
 def test_expert_lora_with_an_ep_axis_is_refused(bases):
     """The experts' factors do not follow an ep axis yet (each rank would index every expert's factor by its local
     expert number): refused clearly rather than computed wrong."""

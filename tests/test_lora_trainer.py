@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import reference_losses, tiny_dataset, tiny_model, training_args
+from tests.helpers import reference_losses, tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
 

@@ -10,12 +10,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, batch, full_grads, make_config
+from tests.helpers import TOL, batch, full_grads, make_config
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.models import AutoModelForCausalLM
 from tptrain.distributed.comm import CommTracker
 from tptrain.parallel.loss import vocab_parallel_cross_entropy
+
+pytestmark = pytest.mark.distributed
 
 
 def _check_function(tp: int) -> None:

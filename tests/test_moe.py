@@ -11,35 +11,21 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import VOCAB, batch, check_against_hf, hf_reference, randomize
-from tests.test_tensor_parallel import assert_grads_match, assert_params_match
+from tests.family_utils import batch, check_against_hf, hf_reference, randomize
+from tests.helpers import (F64, MOE_FAMILIES as FAMILIES, MOE_HF_TOL as HF_TOL, MOE_TINY as TINY, TOL, _hf,
+                           _route_to_first_rank, assert_grads_match, assert_params_match)
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoConfig, Qwen3MoeConfig
 from tptrain.parallel.expert_parallel import all_to_all_wins
 
-F64 = torch.float64
-TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
-# transformers normalises (RMSNorm) and routes (softmax) in fp32 even in an fp64 model; tptrain routes in fp32 too.
-HF_TOL = dict(rtol=1e-5, atol=1e-5)
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True, eos_token_id=2, pad_token_id=0)
-FAMILIES = {  # model_type: (transformers class names, family keys)
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_experts=4, moe_intermediate_size=16, head_dim=16, mlp_only_layers=[1], norm_topk_prob=True)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4)),
-}
 EP_STYLES = ("expert_parallel_all_reduce", "expert_parallel_all_to_all")
 
 
@@ -57,15 +43,6 @@ def checkpoints(tmp_path_factory):
         hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
         out[model_type] = path, hf_reference(hf.to(F64))
     return out
-
-
-def _hf(path):
-    import transformers
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    hf.set_experts_implementation("eager")
-    return hf
 
 
 def _hf_grad(hf_grads: dict, name: str, inner: int) -> torch.Tensor:
@@ -157,19 +134,6 @@ def _equivalence(model, ref, *, steps: int = 3) -> None:
     assert_params_match(model, ref, f"{steps} AdamW steps")
 
 
-def _route_to_first_rank(model, experts_on_rank0: int) -> None:
-    """Every token's experts -> experts held by rank 0 (ids modulo its count): the other ranks' experts get none."""
-    for block in model.modules():
-        if hasattr(block, "route"):
-            route = block.route
-
-            def first_only(x, route=route):
-                logits, weights, ids = route(x)
-                return logits, weights, ids % experts_on_rank0
-
-            block.route = first_only
-
-
 def _no_token_on_other_ranks(path, tp: int, style: str) -> None:
     """A batch routed so only rank 0's experts get tokens: no hang, the right result, zero gradients elsewhere."""
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
@@ -255,6 +219,7 @@ def _bad_layouts_raise_on_every_rank(tp: int) -> None:
         model.parallelize(DistributedConfig(tp_size=tp, enable_sequence_parallel=True))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_experts_over_tp_match_transformers_and_a_single_device(checkpoints, tp, tmp_path):
     run_distributed(_worker, tp, checkpoints, tp, tmp_path, timeout=600)

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import batch, hf_reference
-from tests.test_moe import F64, FAMILIES, HF_TOL, TINY, TOL, _hf, _route_to_first_rank
-from tests.test_tensor_parallel import full_grads
+from tests.family_utils import batch, hf_reference, randomize
+from tests.helpers import (F64, MOE_FAMILIES as FAMILIES, MOE_HF_TOL as HF_TOL, MOE_TINY as TINY,
+                           MOE_TRAIN_TINY as TRAIN_TINY, TOL, _hf, _route_to_first_rank, full_grads, reference_losses,
+                           tiny_dataset, training_args, tptrain_train)
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.topology import dp_mesh
@@ -35,7 +36,6 @@ LAYOUTS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}  # world size: [(tp, ep)]
 def checkpoints(tmp_path_factory):
     """{model_type: directory written by transformers} for two families (shared expert: qwen2_moe)."""
     import transformers
-    from tests.family_utils import randomize
     out = {}
     for model_type in ("qwen3_moe", "qwen2_moe"):
         config_cls, model_cls, keys = FAMILIES[model_type]
@@ -158,7 +158,6 @@ def test_ep_size_plan_problems_name_the_sizes():
 # ---------------------------------------------------------------- training
 
 def _moe():
-    from tests.test_moe_training import TINY as TRAIN_TINY
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3_moe", **{**TRAIN_TINY, "num_experts_per_tok": 2,
                                                   "output_router_logits": False})
@@ -169,7 +168,6 @@ def _trainer_worker(tmp: str) -> None:
     """4 ranks: (tp 1, ep 2, dp_shard 4: each expert FSDP-sharded over its 2 replicas), (tp 2, ep 2, dp_shard 2:
     one owner per expert) and HSDP: a few clipped AdamW steps equal one device's at the global batch, and the final model
     (save_pretrained, gathered over FSDP, ep and tp) is the single-device model to transformers."""
-    from tests.test_trainer import reference_losses, tiny_dataset, training_args
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
     # the third: loaded at dp_shard 4, trained as HSDP (dp_replicate 2 x dp_shard 2, ep 2): the model moves onto
@@ -195,6 +193,7 @@ def _trainer_worker(tmp: str) -> None:
                 train_dataset=tiny_dataset())
 
 
+@pytest.mark.distributed
 def test_tptrain_train_ep_size_cli(tmp_path):
     """`tptrain train --ep-size 2` trains an MoE model at (tp 1, ep 2) on 2 processes, with its checkpoints, and
     saves a model that loads; a dense model and an ep size that does not divide the data-parallel ranks are refused
@@ -202,7 +201,6 @@ def test_tptrain_train_ep_size_cli(tmp_path):
     import json
     import shutil
 
-    from tests.test_train_cli import tptrain_train
     from tptrain.training.reporting import read_metrics
     bundled = tptrain_train.__globals__["ROOT"] / "tptrain" / "data" / "tiny-qwen3"
     model_dir = tmp_path / "tiny-moe"
@@ -250,7 +248,6 @@ def test_plan_shows_experts_per_rank_over_the_ep_axis(tmp_path, capsys):
 def _resume_run(tmp: str, name: str, tp: int, ep: int | None, per_device: int, resume: str | None = None,
                 max_steps: int = 6):
     """6 steps at global batch 8 (checkpoints every 2), or the last ones resumed from `resume`."""
-    from tests.test_trainer import tiny_dataset, training_args
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
     model = _moe()
@@ -315,6 +312,7 @@ def _four_ranks(checkpoints, tmp) -> None:
     _resume_worker_4(str(tmp))
 
 
+@pytest.mark.distributed
 def test_ep_axis_forward_gradients_training_saving_and_resuming(checkpoints, tmp_path):
     """2 ranks: transformers / one-device checks at (tp 1, ep 2), a DCP run at (tp 1, ep 2) resumed at tp 2; 4 ranks:
     the checks at (tp 2, ep 2) and (tp 1, ep 4), the Trainer, the resumes at ep 2; 1 process: the resume there.

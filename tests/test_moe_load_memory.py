@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_load_memory import CONSTANT, MB, PeakSampler, _rss_anon
+from tests.helpers import CONSTANT, MB, PeakSampler, _rss_anon
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import save_checkpoint
 from tptrain.modeling import to_checkpoint_names
+
+pytestmark = pytest.mark.distributed
 
 # 8 experts of 3 x 1024 x 768 fp32 (9.4 MiB each) in 2 layers: 151 MiB of experts, ~45 MiB dense.
 CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=768,

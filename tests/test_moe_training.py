@@ -6,19 +6,17 @@ expert tensor parallelism, one process) with the uninterrupted run's losses.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import reference_losses, tiny_dataset, training_args
+from tests.helpers import MOE_TRAIN_TINY as TINY, reference_losses, tiny_dataset, training_args, tptrain_train
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
 
-# top-1 of 4 experts: at 2 ranks expert parallelism dispatches by all-to-all; the aux loss is on.
-TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts=4,
-            num_experts_per_tok=1, output_router_logits=True, router_aux_loss_coef=0.05)
+pytestmark = pytest.mark.distributed
 
 
 def tiny_moe():
@@ -65,7 +63,6 @@ def test_tptrain_train_expert_parallel_cli(tmp_path):
     import json
     import shutil
 
-    from tests.test_train_cli import tptrain_train
     from tptrain.models import AutoModelForCausalLM
     from tptrain.training.reporting import read_metrics
     bundled = tptrain_train.__globals__["ROOT"] / "tptrain" / "data" / "tiny-qwen3"

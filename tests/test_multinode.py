@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.dist_utils import free_port
-from tests.test_faults import finish, metrics
-from tests.test_train_cli import ROOT
+import pytest
+
+from tests.dist_utils import reserved_port
+from tests.helpers import ROOT, finish, metrics
+
+pytestmark = pytest.mark.distributed
 
 
 def _train(out: Path, *flags: str) -> subprocess.Popen:
@@ -25,8 +28,7 @@ def _train(out: Path, *flags: str) -> subprocess.Popen:
                              *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _two_nodes(out: Path, *flags: str) -> list[subprocess.Popen]:
-    port = free_port()
+def _two_nodes(out: Path, port: int, *flags: str) -> list[subprocess.Popen]:
     node = ("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}")
     return [_train(out, *node, *flags) for _ in range(2)]
 
@@ -44,10 +46,12 @@ def test_tp2_across_two_nodes_then_resumed_as_fsdp2_across_them(tmp_path):
     one, two = tmp_path / "one-node", tmp_path / "two-nodes"
     resume = ("--tp-size", "1", "--batch-size", "1", "--resume", "--max-steps", "6")  # the same global batch of 2
     # The one-node reference and the two-node run at once: one thread per rank, so the figures do not depend on it.
-    outputs = _succeed(_train(one, "--tp-size", "2"), *_two_nodes(two, "--tp-size", "2"))
+    with reserved_port() as port:  # node 0's launcher serves the c10d rendezvous on it
+        outputs = _succeed(_train(one, "--tp-size", "2"), *_two_nodes(two, port, "--tp-size", "2"))
     assert "world size 2, tp 2" in outputs[1] + outputs[2], outputs
     assert metrics(two) == metrics(one) and len(metrics(one)) == 4
-    outputs = _succeed(_train(one, "--nproc-per-node", "2", *resume), *_two_nodes(two, *resume))
+    with reserved_port() as port:
+        outputs = _succeed(_train(one, "--nproc-per-node", "2", *resume), *_two_nodes(two, port, *resume))
     assert "world size 2, tp 1" in outputs[1] + outputs[2], outputs
     assert metrics(two) == metrics(one) and [r["step"] for r in metrics(two)] == [1, 2, 3, 4, 5, 6]
     assert (two / "final" / "model.safetensors").is_file()

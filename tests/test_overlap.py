@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import batch, make_config
+from tests.helpers import batch, make_config
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoModelForCausalLM
@@ -87,6 +87,7 @@ def _identical_worker(tp: int, sp: bool) -> None:
             assert not _fused_blocks(models[False])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_overlap_is_bit_identical(tp, sp):
@@ -125,6 +126,7 @@ def _other_paths_worker(tp: int) -> None:
     assert not _fused_blocks(models[True])
 
 
+@pytest.mark.distributed
 def test_overlap_falls_back_and_checkpoints():
     run_distributed(_other_paths_worker, 2, 2, timeout=400)
 
@@ -153,6 +155,7 @@ def _transformers_worker(path: str, tp: int) -> None:
     assert len(_fused_blocks(models[True])) == 5 * 2, _fused_blocks(models[True])  # q, k, v, gate, up; 2 layers
 
 
+@pytest.mark.distributed
 def test_transformers_backend(tmp_path):
     """transformers' Qwen3 modeling code on tptrain's engine: its q/k/v and gate/up blocks fuse alike."""
     transformers = pytest.importorskip("transformers")

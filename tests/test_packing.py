@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, assert_grads_match, assert_params_match
+from tests.helpers import TOL, assert_grads_match, assert_params_match
 from tptrain import DistributedConfig
 from tptrain.losses import IGNORE_INDEX
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -115,6 +115,7 @@ def test_packed_equals_one_by_one_single_device(name):
     _check(name, 1, False, checkpointing=(name == "gemma2_softcap_window"))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
 def test_packed_equals_one_by_one_tp2(sp):
     run_distributed(_worker, 2, sp)

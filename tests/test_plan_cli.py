@@ -15,7 +15,7 @@ from tptrain.models import AutoConfig
 from tptrain.diagnostics.plan_report import plan_report
 
 ROOT = Path(__file__).resolve().parent.parent
-V, H, I, L, HEADS, KV, D = 128, 64, 96, 2, 4, 2, 16  # vocab, hidden, intermediate, layers, heads, kv heads, head_dim
+V, H, I, L, HEADS, KV, D = 128, 64, 96, 2, 4, 2, 16  # noqa: E741 - vocab, hidden, intermediate, layers, heads, kv, head_dim
 
 
 @pytest.fixture(scope="module")

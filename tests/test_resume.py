@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
@@ -47,6 +47,7 @@ def _resume_worker(tmp: str) -> None:
     assert final.stat().st_mtime_ns == before
 
 
+@pytest.mark.distributed
 def test_resume_same_and_other_layout(tmp_path):
     run_distributed(_resume_worker, 2, str(tmp_path), timeout=400)
 
@@ -80,6 +81,7 @@ def _errors_worker(tmp: str) -> None:
         trainer(wider, max_steps=2).train(resume_from_checkpoint=f"{tmp}/err/checkpoint-1")
 
 
+@pytest.mark.distributed
 def test_bad_input_errors_on_every_rank(tmp_path):
     run_distributed(_errors_worker, 2, str(tmp_path))
 

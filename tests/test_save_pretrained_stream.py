@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_checkpoint_memory import BIG
-from tests.test_load_memory import PeakSampler, _rss_anon
-from tests.test_trainer import tiny_model
+from tests.helpers import BIG, PeakSampler, _rss_anon, tiny_model
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import writer as safetensors_io
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
 from tptrain.training.trainer import Trainer
+
+pytestmark = pytest.mark.distributed
 
 MB = 2**20
 SHARD = 20 * 10**6  # "20MB": 9 shard files for the ~150 MB model

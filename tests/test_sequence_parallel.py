@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, assert_grads_match, assert_params_match, batch, make_config
+from tests.helpers import TOL, assert_grads_match, assert_params_match, batch, make_config
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.diagnostics.accounting import SavedTensorMeter
 from tptrain.distributed.comm import CommTracker
+
+pytestmark = pytest.mark.distributed
 
 
 def _sp_model(name: str, tp: int):

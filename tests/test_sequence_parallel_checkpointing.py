@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import TOL, assert_grads_match, assert_params_match, batch, make_config
+from tests.helpers import TOL, assert_grads_match, assert_params_match, batch, make_config
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.diagnostics.accounting import SavedTensorMeter
 from tptrain.distributed.comm import CommTracker
+
+pytestmark = pytest.mark.distributed
 
 TP = 2
 

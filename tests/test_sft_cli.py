@@ -8,10 +8,11 @@ import re
 import pytest
 import torch
 
+from tests.helpers import chat_records, tptrain_train
 from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
-from tests.test_sft_trainer import chat_records
-from tests.test_train_cli import tptrain_train
 from tptrain.training.reporting import read_metrics
+
+pytestmark = pytest.mark.distributed
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -127,7 +127,7 @@ def test_read_records_formats(tmp_path):
 
 def test_bad_records_raise_clear_errors(tmp_path):
     model_dir, _, tok, template = _setup(tmp_path, CHATML_GENERATION)
-    build = lambda recs, **kw: build_sft_dataset(("data.jsonl", recs), tok, 64, chat_template=template, **kw)
+    build = lambda recs, **kw: build_sft_dataset(("data.jsonl", recs), tok, 64, chat_template=template, **kw)  # noqa: E731
     with pytest.raises(ValueError, match=r"record 1 \(\['question'\]\) matches no format"):
         build([{"text": "ok"}, {"question": "?"}])
     with pytest.raises(ValueError, match="is empty"):

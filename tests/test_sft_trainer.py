@@ -3,12 +3,12 @@ set; every layout (tp 2 x dp 2, tp 2 with SP) gives the single-process losses an
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers import chat_records
 from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -16,22 +16,11 @@ from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import load_tokenizer
 from tptrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.distributed
+
 TOL = dict(rtol=1e-9, atol=1e-9)
 TINY = dict(vocab_size=4160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-
-
-def chat_records(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    say = lambda k: " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, k)))
-    out = []
-    for i in range(n):
-        chat = [{"role": "user", "content": say(6)}, {"role": "assistant", "content": say(10)}]
-        if i % 3 == 0:
-            chat += [{"role": "user", "content": say(4)}, {"role": "assistant", "content": say(6)}]
-        out.append({"messages": chat} if i % 4 else {"prompt": say(5), "completion": " " + say(8)})
-    return out
 
 
 def setup_files(tmp_path):

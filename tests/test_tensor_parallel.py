@@ -7,80 +7,12 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers import CONFIGS, assert_trains_like, batch, make_config
 from tptrain import DistributedConfig
-from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.distributed.comm import CommTracker
-from tptrain.parallel.tensor_parallel import gather_full
+from tptrain.models import AutoModelForCausalLM
 
-TOL = dict(rtol=1e-10, atol=1e-10)
-
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-CONFIGS = {
-    "qwen3": dict(model_type="qwen3", **TINY),
-    "qwen2": dict(model_type="qwen2", **{**TINY, "head_dim": 16}),
-    "llama_tied_llama3_rope": dict(model_type="llama", tie_word_embeddings=True, **{**TINY, "num_key_value_heads": 4},
-                                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "qwen3_one_kv_head": dict(model_type="qwen3", **{**TINY, "num_key_value_heads": 1}),
-}
-
-
-def make_config(name: str):
-    kw = dict(CONFIGS[name])
-    return AutoConfig.for_model(kw.pop("model_type"), **kw)
-
-
-def batch(vocab: int, *, seed: int = 1, b: int = 2, s: int = 16):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (b, s), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    layout = model.tp_layout
-    return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
-
-
-def full_params(model) -> dict[str, torch.Tensor]:
-    layout = model.tp_layout
-    return {n: gather_full(p.detach(), layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
-
-
-def assert_grads_match(model, ref, *, tol: dict = TOL, what: str = "grad") -> None:
-    """Every gathered TP gradient equals the single-device one."""
-    grads = full_grads(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, **tol, msg=lambda m: f"{what} of {n}: {m}")
-
-
-def assert_params_match(model, ref, after: str) -> None:
-    params = full_params(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(params[n], p.detach(), **TOL, msg=lambda m: f"{n} after {after}: {m}")
-
-
-def assert_trains_like(model, ref, ids, labels, *, steps: int = 3, tol: dict = TOL, what: str = "tp") -> float:
-    """The TP `model` equals its single-device copy `ref` on one batch: the logits, the loss of each of `steps`
-    AdamW steps (lr 1e-2), every gathered gradient of the first and every parameter after the last. Returns
-    max |logits - single-device logits|."""
-    with torch.no_grad():
-        logits, ref_logits = model(ids).logits, ref(ids).logits
-    torch.testing.assert_close(logits, ref_logits, **tol, msg=lambda m: f"{what} logits: {m}")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
-        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"{what} loss, step {step}: {m}")
-        ref_loss.backward()
-        loss.backward()
-        if step == 0:
-            assert_grads_match(model, ref, tol=tol, what=f"{what} grad")
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    assert_params_match(model, ref, f"{what}: {steps} AdamW steps")
-    return (logits - ref_logits).abs().max().item()
+pytestmark = pytest.mark.distributed
 
 
 def _equivalence_worker(name: str, tp: int, tp_plan="auto") -> None:

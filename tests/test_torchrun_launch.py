@@ -12,11 +12,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.test_tensor_parallel import batch, make_config
+from tests.helpers import batch, make_config
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
+
+pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 

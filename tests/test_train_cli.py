@@ -2,23 +2,15 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 
+from tests.helpers import tptrain_train
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def tptrain_train(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "tptrain", "train", "--smoke-test", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+pytestmark = pytest.mark.distributed
 
 
 def test_smoke_run_writes_everything_and_resumes(tmp_path):

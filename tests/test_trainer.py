@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.helpers import reference_losses, tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import ParallelDims
-from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.models import AutoModelForCausalLM
 from tptrain.training.args import OPTIMIZERS, ParallelismConfig, TrainingArguments
-from tptrain.training.data import DataOrder, PackedDataset
 from tptrain.training.optim import build_optimizer, lr_multiplier, param_groups
 from tptrain.training.setup import optimizer_and_schedule, training_data
 from tptrain.training.trainer import Trainer
@@ -25,45 +25,6 @@ from tptrain.distributed.comm import CommTracker
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 BF16_TOL = dict(rtol=0, atol=0.05)  # bf16 compute against the fp64 curve: loss ~4.9, bf16 eps 2**-8
-SEQ = 16
-# Qwen3: q/k norms are partial-gradient parameters; at tp 4 the 2 KV heads are shared by 2 ranks each.
-TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-
-
-def tiny_model(**overrides) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3", **{**TINY, **overrides})
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-
-
-def tiny_dataset(num_blocks: int = 64, seed: int = 1) -> PackedDataset:
-    g = torch.Generator().manual_seed(seed)
-    return PackedDataset(torch.randint(0, TINY["vocab_size"], (num_blocks * SEQ,), generator=g), SEQ)
-
-
-def training_args(output_dir, **kw) -> TrainingArguments:
-    defaults = dict(per_device_train_batch_size=4, max_steps=20, seq_len=SEQ, learning_rate=3e-3, weight_decay=0.1,
-                    warmup_steps=3, lr_scheduler_type="cosine", max_grad_norm=0.5, seed=7, logging_steps=5)
-    return TrainingArguments(output_dir=str(output_dir), **{**defaults, **kw})
-
-
-def reference_losses(model, dataset, args: TrainingArguments, global_batch: int) -> list[float]:
-    """Plain single-device training on the same global batches."""
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(
-        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
-    order = DataOrder(len(dataset), seed=args.seed, dp_rank=0, dp_size=1, global_batch=global_batch)
-    losses = []
-    for _ in range(args.max_steps):
-        ids = torch.stack([dataset[i] for i in order.next_batch()])
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step(), sched.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def _train_layout(output_dir, tp: int, *, rep: int = 1, shard: int | None = None, sp: bool = False, **kw):
@@ -107,6 +68,7 @@ def _layouts_worker(tmp: str, cases: list[dict]) -> None:
         assert [r["step"] for r in lines] == [5, 10, 15, 20] and "loss" in lines[0]
 
 
+@pytest.mark.distributed
 def test_tp2_and_gradient_accumulation(tmp_path):
     """TP 2 at batch 4, also with sequence parallelism; bf16 autocast loosely; TP 2 with 4 micro-batches
     of 1 (accumulation 4 x 1 == batch 4)."""
@@ -118,6 +80,7 @@ def test_tp2_and_gradient_accumulation(tmp_path):
     ])
 
 
+@pytest.mark.distributed
 def test_tp4_and_tp2_with_fsdp_hsdp_ddp(tmp_path):
     """4 ranks: TP 4; TP 2 x dp_shard 2 (FSDP2), dp_replicate 2 x dp_shard 2 (HSDP) and TP 2 x
     dp_replicate 2 (DDP) at the doubled batch; bf16 with activation checkpointing follows the fp64 curve
@@ -152,6 +115,7 @@ def _topology_worker(tmp: str) -> None:
     assert model.tp_layout.ctx.group_name == trainer.mesh["tp"].get_group().group_name
 
 
+@pytest.mark.distributed
 def test_one_mesh_and_reductions_over_sub_meshes(tmp_path):
     run_distributed(_topology_worker, 4, str(tmp_path))
 
