@@ -102,7 +102,8 @@ def _step_bytes(impl: str, model, ids, labels, data_parallel: bool) -> int:
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
-    import tptrain.distributed, tptrain.models.auto  # `import tptrain` alone imports them only on first use
+    import tptrain.distributed
+    import tptrain.models.auto  # `import tptrain` alone imports them only on first use
     import transformers
     assert tptrain and transformers  # imported here so both count in the baseline, for both implementations
     torch.set_num_threads(1)

@@ -191,7 +191,8 @@ def _measure_step(impl: str, model, ids, labels, **extra) -> dict:
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
-    import tptrain.distributed, tptrain.models.auto  # noqa: F401 - imports count in the baseline for both implementations
+    import tptrain.distributed
+    import tptrain.models.auto  # noqa: F401 - imports count in the baseline for both implementations
     if spec["impl"] in ("peer", "tptrain-hf"):  # the transformers backend imports it too
         import transformers  # noqa: F401
     torch.set_num_threads(1)

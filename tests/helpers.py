@@ -414,3 +414,10 @@ def _assert_lora_crossed(path, result, peft_logits, adapter_dir) -> None:
         reloaded = peft.PeftModel.from_pretrained(base, adapter_dir)(_batch()[0]).logits
     torch.testing.assert_close(reloaded, result["tptrain_adapter"], **LORA_TOL)
     assert (result["tptrain_adapter"] - plain).abs().max() > 1e-2 and (peft_logits - plain).abs().max() > 1e-2
+
+
+def tiny_moe(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The training tests' tiny Qwen3-MoE with top-2 routing and no router aux loss."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_moe", **{**MOE_TRAIN_TINY, "num_experts_per_tok": 2, "output_router_logits": False})
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)

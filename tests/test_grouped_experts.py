@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_utils import run_distributed
-from tests.test_size_one_axes import tiny_moe
-from tests.test_tensor_parallel import full_grads
+from tests.helpers import full_grads, tiny_moe
 from tptrain import DistributedConfig
 from tptrain.models.moe import Experts
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.training.args import ParallelismConfig, TrainingArguments

@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_moe_training import TINY as MOE_TINY
-from tests.test_trainer import tiny_dataset, tiny_model, training_args
+from tests.helpers import tiny_dataset, tiny_model, tiny_moe, training_args
 from tptrain import DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
-from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.models import AutoModelForCausalLM
 from tptrain.peft import LoraConfig, PeftModel
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
@@ -34,12 +33,6 @@ def installed(model: torch.nn.Module) -> list[tuple[str, str]]:
     out += [(name, what) for name, m in model.named_modules()
             for what in ("forward", "mean_square", "_local_output_hooks") if what in vars(m)]
     return out + [(name, "tensor hook") for name, p in model.named_parameters() if p._backward_hooks]
-
-
-def tiny_moe(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen3_moe", **{**MOE_TINY, "num_experts_per_tok": 2, "output_router_logits": False})
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:

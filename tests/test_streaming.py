@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.test_trainer import SEQ, tiny_model, training_args
+from tests.helpers import SEQ, tiny_model, training_args
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset
 from tptrain.training.sft_data import build_training_data
@@ -193,7 +193,7 @@ def test_trainer_stopped_and_resumed_gives_the_same_losses(tmp_path):
 
 
 def test_cli_streaming_run_resumes_with_the_same_losses(tmp_path, capsys):
-    from tests.test_train_cli import tptrain_train
+    from tests.helpers import tptrain_train
     from tptrain.cli import main
     from tptrain.training.reporting import read_metrics
 

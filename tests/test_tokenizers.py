@@ -40,7 +40,7 @@ def _spm_checkpoint(directory):
     prefix, chat markers as user-defined pieces) and a tokenizer_config.json, as a slow tokenizer saves it."""
     import sentencepiece
 
-    from tests.test_train_cli import ROOT
+    from tests.helpers import ROOT
     _weights(directory)
     lines = (ROOT / "tptrain" / "data" / "corpus.txt").read_text().splitlines()[:3000]
     sentencepiece.SentencePieceTrainer.train(
@@ -105,7 +105,7 @@ def _trainer_worker(tmp: str) -> None:
     """The Trainer refuses weights without a tokenizer, and prints the tokenizer each run uses (rank 0)."""
     from pathlib import Path
 
-    from tests.test_trainer import training_args
+    from tests.helpers import training_args
     from tptrain.training.trainer import Trainer
     tmp = Path(tmp)
     def args(name):

@@ -12,7 +12,9 @@ _EXPORTS = {"tptrain.io.hub": ("resolve_checkpoint",),
             "tptrain.io.writer": ("atomic_directory", "fsync_path", "parse_size", "save_checkpoint", "save_streamed",
                                   "writable_error")}
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_MODULE_OF)
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "CheckpointReader", "atomic_directory", "check_tensor_shape", "fsync_path",
+           "parse_size", "resolve_checkpoint", "save_checkpoint", "save_streamed", "writable_error"]
+assert sorted(__all__) == sorted(_MODULE_OF)
 
 
 def __getattr__(name: str):
