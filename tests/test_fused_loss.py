@@ -235,6 +235,7 @@ def _tp_worker(tp: int) -> None:
             fused.zero_grad(set_to_none=True)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_fused_equals_unfused(tp):
     run_distributed(_tp_worker, tp, tp)

@@ -136,6 +136,7 @@ def _layouts_worker() -> None:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{style} {name}: {m}")
 
 
+@pytest.mark.distributed
 @needs_grouped_mm
 def test_every_expert_layout_runs_the_kernel_and_matches_one_device():
     run_distributed(_layouts_worker, 2, timeout=600)

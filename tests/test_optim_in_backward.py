@@ -123,10 +123,12 @@ def _equal_to_ordinary_worker(tmp: str, tp: int, shard: int | None) -> None:
         assert all("grad_norm" in r for r in read_metrics(f"{tmp}/ordinary/metrics.jsonl"))
 
 
+@pytest.mark.distributed
 def test_tp2_equals_the_ordinary_step_and_resumes(tmp_path):
     run_distributed(_equal_to_ordinary_worker, 2, str(tmp_path), 2, None)
 
 
+@pytest.mark.distributed
 def test_tp2_fsdp2_equals_the_ordinary_step_and_resumes(tmp_path):
     """FSDP2 runs the sharded parameters' hooks after its reduce-scatter: each shard is stepped on the sum."""
     run_distributed(_equal_to_ordinary_worker, 4, str(tmp_path), 2, 2, timeout=400)

@@ -121,10 +121,10 @@ def test_plan_builds_on_meta_and_starts_no_process_group(qwen3_dir):
 
 
 def test_train_is_imported_only_when_it_is_the_command(qwen3_dir, monkeypatch, capsys):
-    import tptrain.training
+    import tptrain.cli
 
     monkeypatch.setitem(sys.modules, "tptrain.cli.train", None)  # as if the training stack were broken
-    monkeypatch.delattr(tptrain.training, "cli", raising=False)  # imported by an earlier test
+    monkeypatch.delattr(tptrain.cli, "train", raising=False)  # imported by an earlier test
     assert main(["plan", str(qwen3_dir), "--tp-size", "2"]) == 0
     assert main(["train", "--max-steps", "1"]) == 1
     assert "tptrain train: error: the training stack cannot be imported (ModuleNotFoundError" in capsys.readouterr().err

@@ -10,6 +10,7 @@ at tp 2, tp at (tp 1, ep 2).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -116,6 +117,7 @@ def _one_process_worker(tmp: str) -> None:
     assert losses == want, (losses, want)
 
 
+@pytest.mark.distributed
 def test_tp1_is_the_single_device_computation(tmp_path):
     run_distributed(_one_process_worker, 1, str(tmp_path), timeout=600)
 
@@ -143,5 +145,6 @@ def _two_ranks_worker(tmp: str) -> None:
     assert {r.phase for r in records} == {"forward", "backward", "token_count", "loss", "grad_norm"}, records
 
 
+@pytest.mark.distributed
 def test_no_collective_over_a_size_one_axis_at_two_ranks(tmp_path):
     run_distributed(_two_ranks_worker, 2, str(tmp_path), timeout=600)

@@ -185,6 +185,7 @@ def _trainer_worker(tmp: str) -> None:
     torch.testing.assert_close(torch.tensor(other.losses), torch.tensor(full.losses[6:]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.distributed
 def test_trainer_stopped_and_resumed_gives_the_same_losses(tmp_path):
     # 5 global batches of 4 x 16 tokens per epoch and one block dropped: 8 steps run into the second epoch
     _write(tmp_path / "data", _documents(14, seed=5), "parquet")
@@ -192,6 +193,7 @@ def test_trainer_stopped_and_resumed_gives_the_same_losses(tmp_path):
     run_distributed(_trainer_worker, 2, str(tmp_path), timeout=600)
 
 
+@pytest.mark.distributed
 def test_cli_streaming_run_resumes_with_the_same_losses(tmp_path, capsys):
     from tests.helpers import tptrain_train
     from tptrain.cli import main

@@ -251,6 +251,7 @@ def _two_ranks(path: str, cache: str, out: str) -> None:
                Path(out) / f"rank{os.environ['RANK']}.pt")
 
 
+@pytest.mark.distributed
 def test_two_ranks_one_tokenizes_both_map_the_same_cache(tmp_path):
     path, cache = tmp_path / "c.txt", tmp_path / "cache"
     path.write_text(CORPUS.read_text()[:50000])

@@ -127,6 +127,7 @@ def _trainer_worker(tmp: str) -> None:
         trainer.train()
 
 
+@pytest.mark.distributed
 def test_the_trainer_prints_its_tokenizer_and_refuses_weights_without_one(tmp_path):
     _weights(tmp_path / "weights")
     if all(importlib.util.find_spec(m) for m in ("sentencepiece", "google.protobuf")):
