@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import tempfile
 import uuid
@@ -59,7 +58,7 @@ def launch(args: argparse.Namespace, nproc: int, worker: Callable[[argparse.Name
 def _config(args: argparse.Namespace, nproc: int) -> LaunchConfig:
     if args.nnodes == 1:  # a job of its own
         where = dict(run_id=f"tptrain-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                     rdzv_endpoint=f"127.0.0.1:{_free_port()}", local_addr="127.0.0.1")
+                     rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1")  # port 0: the store binds one itself
     else:  # as torchrun: --node-rank is the node's rank only for the static backend, c10d assigns them
         where = dict(run_id=args.rdzv_id, rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                      rdzv_configs={"rank": args.node_rank} if args.rdzv_backend == "static" else {})
@@ -115,12 +114,6 @@ def worker_started(error_dir: str | None) -> None:
 def cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int]) -> None:
