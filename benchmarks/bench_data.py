@@ -119,6 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for size_text in args.sizes.split(","):
         corpus = workdir / f"corpus-{size_text}.txt"

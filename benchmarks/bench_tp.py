@@ -54,9 +54,11 @@ RUNS = [("tptrain", 1, False, ""), ("peer", 1, False, ""), ("tptrain", 2, False,
         ("tptrain", 2, False, "unfused-loss"), ("peer", 2, False, ""), ("tptrain", 4, False, ""), ("peer", 4, False, "")]
 HF_RUNS = [("tptrain-hf", 1, False, ""), ("tptrain-hf", 2, False, "")]  # --backend transformers
 COMPILE_RUNS = [("tptrain+compile", 1, False, ""), ("tptrain+compile", 2, False, "")]  # --compile; compiled in warmup
+OPTIM_IN_BWD_RUNS = [("tptrain", 1, False, "optim-in-bwd"), ("tptrain", 2, False, "optim-in-bwd")]  # --optim-in-backward
 NO_OVERLAP_RUNS = [("tptrain", 2, False, "no-overlap"), ("tptrain", 2, True, "no-overlap")]  # --no-overlap
 VARIANTS = {"": "", "unfused-loss": "head + loss unfused (return_logits=True)",
-            "no-overlap": "backward overlap off (TPTRAIN_OVERLAP=0)"}
+            "no-overlap": "backward overlap off (TPTRAIN_OVERLAP=0)",
+            "optim-in-bwd": "optimizer in backward (each parameter stepped, its gradient freed, in backward)"}
 MB = 1e6
 
 
@@ -188,6 +190,22 @@ def _measure_step(impl: str, model, ids, labels, **extra) -> dict:
     return out
 
 
+def _optimizer(model, variant: str):
+    """The plain AdamW loop's optimizer, or (variant optim-in-bwd) tptrain's optimizer in backward: each parameter
+    stepped by its gradient hook (TP partial gradients held back until the grad sync has summed them, then
+    `opt.step()`), its gradient freed at once."""
+    import torch
+    if variant != "optim-in-bwd":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    from tptrain.training.args import TrainingArguments
+    from tptrain.training.optim_in_backward import OptimizerInBackward
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), learning_rate=1e-4, optim="adamw_torch", max_grad_norm=0,
+                             optim_in_backward=True)
+    layout = getattr(model, "tp_layout", None)
+    held = set(layout.partial_grad_specs()) if layout is not None else set()
+    return OptimizerInBackward(model, args, held_back=held)
+
+
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -206,7 +224,7 @@ def worker(spec: dict) -> None:
         model.train()
         config, b, s = WORKLOADS[spec["workload"]]
         batches = _batches(config["vocab_size"], b, s, spec["warmup"] + spec["steps"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = _optimizer(model, spec["variant"])
         extra = {"return_logits": True} if spec["variant"] == "unfused-loss" else {}
         times, cpu, losses = [], [], []
         for ids, labels in batches:
@@ -304,6 +322,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--tp", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4],
                         help="comma-separated TP degrees to run (default 1,2,4; 4 is skipped below 4 cores)")
+    parser.add_argument("--optim-in-backward", action="store_true", help="also run tptrain at tp 1 and 2 with the "
+                        "optimizer stepped in backward (variant optim-in-bwd)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -323,7 +343,7 @@ def main() -> None:
         config, b, s = WORKLOADS[name]
         ckpt = _qwen3_checkpoint(cache, f"qwen3-{name}", config)
         runs = RUNS + (HF_RUNS if args.backend == "transformers" else []) + (COMPILE_RUNS if args.compile else []) \
-            + (NO_OVERLAP_RUNS if args.no_overlap else [])
+            + (NO_OVERLAP_RUNS if args.no_overlap else []) + (OPTIM_IN_BWD_RUNS if args.optim_in_backward else [])
         for impl, tp, sp, variant in runs:
             if not (impl in impls or impl in ("tptrain-hf", "tptrain+compile") and "tptrain" in impls) \
                     or tp not in args.tp:
