@@ -180,11 +180,15 @@ def _shard_tensors(state_dict: dict[str, torch.Tensor], names: list[str]) -> dic
     return out
 
 
-def _write_file(path: Path, content: bytes) -> None:
+def write_synced(path: Path, content: bytes) -> None:
+    """Write `content` to `path` and fsync it (a file that will be renamed into place is complete on disk)."""
     with open(path, "wb") as f:
         f.write(content)
         f.flush()
         os.fsync(f.fileno())
+
+
+_write_file = write_synced  # the writer's own calls go through this name (tests replace it to inject failures)
 
 
 def fsync_path(path: Path) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from tptrain.io import fsync_path
+from tptrain.io.writer import write_synced
 from tptrain.training.token_stream import OFFSETS, TARGETS, TOKENS, tokenize_file
 
 CACHE_ENV = "TPTRAIN_CACHE"
@@ -198,7 +199,7 @@ def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[st
         stats = tokenize_file(path, tmp, tokenizer, encoder=encoder, show_progress=True)
         meta = {"key": key, "version": FORMAT_VERSION, "source": str(path),
                 "source_bytes": path.stat().st_size, "tokenizer": parts["tokenizer"], "parts": parts, **stats}
-        _write_synced(tmp / "meta.json", json.dumps(meta, indent=1))
+        write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         for name in (TOKENS, TARGETS, OFFSETS):
             if (tmp / name).exists():
                 fsync_path(tmp / name)
@@ -289,12 +290,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
