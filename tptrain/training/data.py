@@ -317,6 +317,16 @@ def _pack(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
     return torch.cat(pieces)
 
 
+def check_dp_split(owner: str, *, dp_rank: int, dp_size: int, global_batch: int) -> None:
+    """Raise unless `global_batch` splits evenly over `dp_size` data-parallel ranks and `dp_rank` is one of them."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"{owner}: dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+    if global_batch < 1 or global_batch % dp_size:
+        raise ValueError(f"global batch {global_batch} cannot be split evenly over {dp_size} data-parallel "
+                         f"ranks; make the global batch (per-device batch x grad accumulation x dp size) a "
+                         f"multiple of {dp_size}")
+
+
 class DataOrder:
     """Which blocks each data-parallel rank trains on, step by step.
 
@@ -329,12 +339,7 @@ class DataOrder:
 
     def __init__(self, num_samples: int, *, seed: int, dp_rank: int, dp_size: int, global_batch: int,
                  data_key: str | None = None) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"DataOrder: dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
-        if global_batch < 1 or global_batch % dp_size:
-            raise ValueError(f"global batch {global_batch} cannot be split evenly over {dp_size} data-parallel "
-                             f"ranks; make the global batch (per-device batch x grad accumulation x dp size) a "
-                             f"multiple of {dp_size}")
+        check_dp_split("DataOrder", dp_rank=dp_rank, dp_size=dp_size, global_batch=global_batch)
         if global_batch > num_samples:
             raise ValueError(f"the dataset has only {num_samples} block(s) but one step needs a global batch of "
                              f"{global_batch}; add data, lower the batch size, or lower seq_len")

@@ -38,6 +38,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from tptrain.training.data import check_dp_split
+
 SUFFIXES = (".parquet", ".arrow", ".jsonl")
 _READ_ROWS = 1024  # rows per pyarrow batch
 _ENCODE_CHUNK = 256  # documents per tokenizer call
@@ -256,12 +258,7 @@ class StreamOrder:
     `next_batch()` returns the rows themselves (this rank's (seq_len,) blocks) rather than indices."""
 
     def __init__(self, stream: TextStream, *, dp_rank: int, dp_size: int, global_batch: int) -> None:
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"StreamOrder: dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
-        if global_batch < 1 or global_batch % dp_size:
-            raise ValueError(f"global batch {global_batch} cannot be split evenly over {dp_size} data-parallel "
-                             f"ranks; make the global batch (per-device batch x grad accumulation x dp size) a "
-                             f"multiple of {dp_size}")
+        check_dp_split("StreamOrder", dp_rank=dp_rank, dp_size=dp_size, global_batch=global_batch)
         self.stream, self.global_batch = stream, global_batch
         self.dp_rank, self.local_batch = dp_rank, global_batch // dp_size
         self.epoch, self.steps_in_epoch, self.cursor = 0, 0, Cursor()
