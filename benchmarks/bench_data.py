@@ -10,7 +10,7 @@ copies are the same bytes), then
 Time to the first step: from the command's start to step 1 in metrics.jsonl. Memory: the largest resident set of
 any process of the command's tree (psutil, sampled every 0.1 s). Prints one table.
 
-    python benchmarks/bench_data.py                       # 100MB and 1GB (minutes; the 1 GB corpus needs ~8 GB disk)
+    python benchmarks/bench_data.py                       # the bundled corpus, 100MB and 1GB (minutes; the 1 GB corpus needs ~8 GB disk)
     python benchmarks/bench_data.py --sizes 5MB --layouts tp2   # a smoke run
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ def write_corpus(path: Path, size: int) -> None:
             copy += 1
 
 
-def tokenize_throughput(corpus: Path, model: Path) -> dict[str, float]:
+def tokenize_throughput(corpus: Path, model: Path, compare: bool = True) -> dict[str, float]:
     """MB/s of a cold token cache build in this process, and of datasets.map with the same tokenizer."""
     from tptrain.training.data import load_tokenizer
     from tptrain.training.sft_data import cache_store
@@ -66,6 +66,8 @@ def tokenize_throughput(corpus: Path, model: Path) -> dict[str, float]:
         cache_store(corpus, tokenizer, model_dir=model, chat_template=None, assistant_only_loss=True,
                     cache_dir=cache, vocab_size=None)
         out = {"cache MB/s": mb / (time.perf_counter() - start)}
+    if not compare:
+        return out
     try:
         import datasets
     except ImportError:
@@ -112,9 +114,12 @@ def train_once(corpus: Path, model: Path, layout: str, cache: Path, output: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="100MB,1GB", help="corpus sizes, comma-separated (default: 100MB,1GB)")
+    parser.add_argument("--sizes", default="bundled,100MB,1GB",
+                        help="corpus sizes, comma-separated; 'bundled' is the bundled corpus (default: bundled,100MB,1GB)")
     parser.add_argument("--layouts", default="tp2,dp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="checkpoint (default: the bundled tiny one)")
+    parser.add_argument("--datasets-up-to", default="200MB",
+                        help="run the datasets.map comparison only for corpora up to this size (default: 200MB)")
     parser.add_argument("--workdir", type=Path, default=None, help="where corpora and caches go (default: a temp dir)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -122,9 +127,13 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for size_text in args.sizes.split(","):
-        corpus = workdir / f"corpus-{size_text}.txt"
-        write_corpus(corpus, parse_size(size_text))
-        speed = tokenize_throughput(corpus, args.model)
+        if size_text == "bundled":  # the reference the targets are stated against
+            corpus = BUNDLED_CORPUS
+        else:
+            corpus = workdir / f"corpus-{size_text}.txt"
+            write_corpus(corpus, parse_size(size_text))
+        compare = corpus.stat().st_size <= parse_size(args.datasets_up_to)
+        speed = tokenize_throughput(corpus, args.model, compare)
         print(f"{size_text}: " + ", ".join(f"{k} {v:.2f}" for k, v in speed.items()), flush=True)
         for layout in args.layouts.split(","):
             cache = workdir / f"cache-{size_text}-{layout}"
