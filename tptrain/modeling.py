@@ -26,6 +26,7 @@ from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
+from tptrain.parallel import pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
@@ -102,6 +103,10 @@ class PreTrainedModel(nn.Module):
         The model is returned in eval mode (dropout off), as transformers returns it; the Trainer switches it to
         train mode for each step, and a hand-written loop calls `model.train()`.
         """
+        if device_map is not None and distributed_config is not None and distributed_config.pp_size > 1:
+            raise ValueError(f"device_map cannot be combined with DistributedConfig(pp_size="
+                             f"{distributed_config.pp_size}): pipeline parallelism places each stage on its own rank "
+                             f"(device from LOCAL_RANK); drop device_map")
         if device_map is not None and distributed_config is not None:
             raise ValueError("device_map cannot be combined with distributed_config: under tensor parallelism "
                              "each rank's device comes from LOCAL_RANK and every rank holds a slice of every "
@@ -156,6 +161,8 @@ class PreTrainedModel(nn.Module):
     def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
+        if distributed_config.pp_size > 1:  # keep only this rank's stage(s): only their tensors are read below
+            resolved = pipeline_parallel.cut_for_rank(self, resolved, distributed_config, mesh["pp"].get_local_rank())
         ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
@@ -187,6 +194,8 @@ class PreTrainedModel(nn.Module):
                               sequence_parallel=distributed_config.enable_sequence_parallel,
                               expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
         resolved.raise_problems(self)
+        if distributed_config.pp_size > 1:  # the stages checked on the whole model, before any collective
+            pipeline_parallel.check(self, resolved, distributed_config)
         return resolved
 
     def checkpoint_keys(self) -> dict[str, str | list[str]]:

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tptrain.distributed import comm
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+PP_AXIS = "pp"  # outermost; in the mesh only when pp > 1 (each stage's ranks are then a mesh of MESH_AXES)
 EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")  # the mesh's real axes when ep > 1
 
 # "dp_shard" is a flattened axis of the ep mesh; torch warns on each lookup of one that it may someday want the
@@ -36,16 +37,18 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 class ParallelDims:
     """Sizes of the mesh axes. dp_replicate: replicated data parallelism (DDP, or HSDP's replica axis);
     dp_shard: FSDP2's sharding axis; tp: tensor parallelism; ep: expert parallelism, a divisor of dp_shard (the
-    experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them)."""
+    experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them);
+    pp: pipeline stages, the outermost axis (each pp rank holds its stage(s) of the model on a dp x tp sub-mesh)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     ep: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp(self) -> int:
@@ -55,13 +58,15 @@ class ParallelDims:
     def sizes(self) -> dict[str, int]:
         """{axis name: size}: the three main axes, and "ep" when experts are split over one."""
         out = {axis: getattr(self, axis) for axis in MESH_AXES}
-        return out if self.ep == 1 else {**out, "ep": self.ep}
+        out = out if self.ep == 1 else {**out, "ep": self.ep}
+        return out if self.pp == 1 else {"pp": self.pp, **out}
 
     def mesh_shape(self) -> dict[str, int]:
         """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
+        pp = {PP_AXIS: self.pp} if self.pp > 1 else {}
         if self.ep == 1:
-            return {axis: getattr(self, axis) for axis in MESH_AXES}
-        return dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))
+            return {**pp, **{axis: getattr(self, axis) for axis in MESH_AXES}}
+        return {**pp, **dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))}
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> "ParallelDims":
@@ -70,7 +75,7 @@ class ParallelDims:
         if "ep" not in sizes:
             return cls(**sizes)
         return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
-                   tp=sizes["tp"], ep=sizes["ep"])
+                   tp=sizes["tp"], ep=sizes["ep"], pp=sizes.get(PP_AXIS, 1))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
@@ -83,11 +88,18 @@ class ParallelDims:
         return comm.track_mesh(mesh)
 
 
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """This pipeline stage's ranks as a mesh of MESH_AXES (the mesh itself without a pp axis): what a stage's
+    model, its TP, FSDP and checkpoints are laid out on, exactly as a whole model on a mesh without pp."""
+    names = mesh.mesh_dim_names
+    return mesh if PP_AXIS not in names else mesh[tuple(n for n in names if n != PP_AXIS)]
+
+
 def rank_grid(mesh: DeviceMesh):
     """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has
     (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s)."""
     dims = ParallelDims.of(mesh)
-    return mesh.mesh.reshape(dims.dp_replicate, dims.dp_shard, dims.tp)
+    return stage_mesh(mesh).mesh.reshape(dims.dp_replicate, dims.dp_shard, dims.tp)
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -27,6 +27,13 @@ def side_group() -> ProcessGroup:
     return dist.new_group(backend="gloo")
 
 
+def subgroup(rank_lists: list[list[int]]) -> ProcessGroup | None:
+    """This rank's group among the disjoint `rank_lists` (None when it is in none). Collective: every rank calls it
+    with the same lists (a pipeline's first and last stage ranks, which hold the tied embedding)."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    return group
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here."""
     if dist.get_world_size(group) == 1:
