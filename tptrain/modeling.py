@@ -276,7 +276,10 @@ class PreTrainedModel(nn.Module):
             for name, t in gathered_parameters(self, list(params)):
                 yield from checkpoint_items(name, t, keys)
 
-        save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
+        gather = checkpoint_tensors
+        if getattr(self, "pp_plan", None) is not None:  # every stage's tensors, written by global rank 0
+            sizes, gather = pipeline_parallel.across_stages(self, sizes, checkpoint_tensors)
+        save_once(save_directory, collective=is_sharded(self), gather=gather,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
                                                       extra_files={"config.json": config_json}))
 
