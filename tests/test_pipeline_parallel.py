@@ -107,9 +107,37 @@ def _train_case(root: str, family: str, schedule: str, *, pp_size: int, tp: int,
     dist.barrier()
 
 
-def _cases(root: str, cases: list[tuple]) -> None:
+def _run(root: str, out: str, *, pp_size: int, steps: int, resume: str | None = None) -> list[float]:
+    """`steps` steps of the tied Qwen3 at pp_size x tp 2 (the rest of the 4 ranks FSDP), global batch 4, constant
+    lr (so a shorter run's steps are a longer one's), a checkpoint every 2 steps."""
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64,
+                                                 distributed_config=DistributedConfig(pp_size=pp_size, tp_size=2))
+    config = ParallelismConfig(pp_size=pp_size, pp_microbatches=2) if pp_size > 1 else None
+    args = training_args(os.path.join(root, out), max_steps=steps, per_device_train_batch_size=4 // (4 // pp_size // 2),
+                         lr_scheduler_type="constant", warmup_steps=0, save_steps=2, parallelism_config=config)
+    return Trainer(model, args=args, train_dataset=tiny_dataset()).train(resume_from_checkpoint=resume).losses
+
+
+def _resume_across_pp(root: str) -> None:
+    """Saved at pp 2 x tp 2, resumed at pp 1 x tp 2 (x dp 2), and that run's checkpoint resumed at pp 2 x tp 2: the
+    resumed steps' losses are those of uninterrupted one-process training."""
+    ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64).train()
+    args = training_args(root, max_steps=5, lr_scheduler_type="constant", warmup_steps=0)
+    expected = reference_losses(ref, tiny_dataset(), args, global_batch=4)
+    first = _run(root, "pp2", pp_size=2, steps=2)
+    second = _run(root, "pp1", pp_size=1, steps=4, resume=os.path.join(root, "pp2", "checkpoint-2"))
+    third = _run(root, "pp2-again", pp_size=2, steps=5, resume=os.path.join(root, "pp1", "checkpoint-4"))
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(expected), rtol=1e-10, atol=1e-10)
+
+
+def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
     for family, schedule, pp_size, tp, accumulation in cases:
         _train_case(root, family, schedule, pp_size=pp_size, tp=tp, accumulation=accumulation)
+    if resume:
+        _resume_across_pp(root)
 
 
 @pytest.mark.distributed
@@ -128,4 +156,4 @@ def test_trainer_pp2_tp2_and_pp4_equal_one_process(tmp_path):
         save_family(family, tmp_path)
     cases = [("qwen3_tied", "1F1B", 2, 2, 1), ("llama", "ZBVZeroBubble", 2, 2, 1), ("qwen3_moe", "1F1B", 2, 2, 1),
              ("qwen3_tied", "1F1B", 4, 1, 1), ("llama8", "Interleaved1F1B", 4, 1, 1)]
-    run_distributed(_cases, 4, str(tmp_path), cases, timeout=600)
+    run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=600)
