@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import MOE_TRAIN_TINY, TRAINER_TINY, reference_losses, tiny_dataset, training_args
+from tests.helpers import MOE_TRAIN_TINY, TRAINER_TINY, reference_losses, tiny_dataset, training_args, tptrain_train
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.parallel import pipeline_parallel as pp
@@ -157,3 +157,24 @@ def test_trainer_pp2_tp2_and_pp4_equal_one_process(tmp_path):
     cases = [("qwen3_tied", "1F1B", 2, 2, 1), ("llama", "ZBVZeroBubble", 2, 2, 1), ("qwen3_moe", "1F1B", 2, 2, 1),
              ("qwen3_tied", "1F1B", 4, 1, 1), ("llama8", "Interleaved1F1B", 4, 1, 1)]
     run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=600)
+
+
+@pytest.mark.distributed
+def test_cli_trains_with_pp_size(tmp_path):
+    """`tptrain train --pp-size 2` on the bundled tiny Qwen3 (tied embeddings): the run ends with one ordinary
+    checkpoint that transformers loads, equal to tptrain's reading of it."""
+    from transformers import AutoModelForCausalLM as HFAutoModel
+
+    out = tmp_path / "run"
+    run = tptrain_train("--output-dir", str(out), "--tp-size", "1", "--pp-size", "2", "--pp-schedule",
+                        "Interleaved1F1B", "--pp-microbatches", "2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "world size 2, tp 1, pp 2" in run.stdout, run.stdout
+    ours = dict(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).named_parameters())
+    hf = HFAutoModel.from_pretrained(out / "final", dtype=torch.float32)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # still tied
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(p, ours[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    bad = tptrain_train("--output-dir", str(tmp_path / "bad"), "--tp-size", "1", "--pp-size", "2",
+                        "--pp-schedule", "1F1B", "--pp-microbatches", "3")
+    assert bad.returncode != 0 and "pp_microbatches=3" in bad.stderr, bad.stderr
