@@ -178,3 +178,15 @@ def test_cli_trains_with_pp_size(tmp_path):
     bad = tptrain_train("--output-dir", str(tmp_path / "bad"), "--tp-size", "1", "--pp-size", "2",
                         "--pp-schedule", "1F1B", "--pp-microbatches", "3")
     assert bad.returncode != 0 and "pp_microbatches=3" in bad.stderr, bad.stderr
+
+
+def test_plan_prints_the_stages(tmp_path, capsys):
+    from tptrain.cli import main
+
+    path = save_family("qwen3_tied", tmp_path)
+    assert main(["plan", path, "--tp-size", "2", "--pp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pp rank 0: stage 0: embedding, layers 0-1; parameter bytes per rank" in out, out
+    assert "pp rank 1: stage 1: layers 2-3, norm, head; parameter bytes per rank" in out, out
+    assert main(["plan", path, "--tp-size", "1", "--pp-size", "8"]) == 1
+    assert "8 pipeline stages for a model of 4 decoder layers" in capsys.readouterr().err
