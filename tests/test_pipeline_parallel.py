@@ -80,7 +80,8 @@ def test_refusals_before_any_collective(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ the Trainer against one process
 
 
-def _train_case(root: str, family: str, schedule: str, *, pp_size: int, tp: int, accumulation: int = 1) -> None:
+def _train_case(root: str, family: str, schedule: str, *, pp_size: int, tp: int, accumulation: int = 1,
+                checkpointing: bool = False) -> None:
     import torch.distributed as dist
 
     from tptrain.training.args import ParallelismConfig
@@ -91,7 +92,8 @@ def _train_case(root: str, family: str, schedule: str, *, pp_size: int, tp: int,
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
         pp_size=pp_size, tp_size=tp, pp_schedule=schedule))
     config = ParallelismConfig(pp_size=pp_size, pp_schedule=schedule, pp_microbatches=4)
-    args = training_args(out, max_steps=3, gradient_accumulation_steps=accumulation, parallelism_config=config)
+    args = training_args(out, max_steps=3, gradient_accumulation_steps=accumulation, parallelism_config=config,
+                         gradient_checkpointing=checkpointing)
     data = tiny_dataset()
     losses = Trainer(model, args=args, train_dataset=data).train().losses
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
@@ -134,8 +136,9 @@ def _resume_across_pp(root: str) -> None:
 
 
 def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
-    for family, schedule, pp_size, tp, accumulation in cases:
-        _train_case(root, family, schedule, pp_size=pp_size, tp=tp, accumulation=accumulation)
+    for family, schedule, pp_size, tp, accumulation, *checkpointing in cases:
+        _train_case(root, family, schedule, pp_size=pp_size, tp=tp, accumulation=accumulation,
+                    checkpointing=bool(checkpointing))
     if resume:
         _resume_across_pp(root)
 
@@ -144,7 +147,7 @@ def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
 def test_trainer_pp2_equals_one_process(tmp_path):
     for family in FAMILIES:
         save_family(family, tmp_path)
-    cases = [("qwen3_tied", "1F1B", 2, 1, 2), ("qwen3_tied", "Interleaved1F1B", 2, 1, 1),
+    cases = [("qwen3_tied", "1F1B", 2, 1, 2, "activation checkpointing"), ("qwen3_tied", "Interleaved1F1B", 2, 1, 1),
              ("qwen3_tied", "ZBVZeroBubble", 2, 1, 1), ("llama", "1F1B", 2, 1, 1),
              ("llama", "InterleavedZeroBubble", 2, 1, 1), ("qwen3_moe", "Interleaved1F1B", 2, 1, 1)]
     run_distributed(_cases, 2, str(tmp_path), cases, timeout=600)
