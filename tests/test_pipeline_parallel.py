@@ -81,7 +81,7 @@ def test_refusals_before_any_collective(tmp_path, monkeypatch):
 
 
 def _train_case(root: str, family: str, schedule: str, *, pp_size: int, tp: int, accumulation: int = 1,
-                checkpointing: bool = False) -> None:
+                checkpointing: bool = False, evaluate: bool = False) -> None:
     import torch.distributed as dist
 
     from tptrain.training.args import ParallelismConfig
@@ -95,9 +95,16 @@ def _train_case(root: str, family: str, schedule: str, *, pp_size: int, tp: int,
     args = training_args(out, max_steps=3, gradient_accumulation_steps=accumulation, parallelism_config=config,
                          gradient_checkpointing=checkpointing)
     data = tiny_dataset()
-    losses = Trainer(model, args=args, train_dataset=data).train().losses
+    held = tiny_dataset(6, seed=2) if evaluate else None  # 6 rows: the second batch of 4 is padded
+    trainer = Trainer(model, args=args, train_dataset=data, eval_dataset=held)
+    losses = trainer.train().losses
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
     expected = reference_losses(ref, data, args, global_batch=4 * accumulation)
+    if evaluate:  # eval_loss: the token mean over the whole eval set, as one process computes it
+        rows = torch.stack([held[i] for i in range(len(held))])
+        with torch.no_grad():
+            want = ref.eval()(rows, labels=rows).loss.item()
+        torch.testing.assert_close(trainer.evaluate()["eval_loss"], want, rtol=1e-10, atol=1e-10)
     what = f"{family} {schedule} pp {pp_size} x tp {tp}"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-10, atol=1e-10,
                                msg=lambda m: f"{what} losses: {m}")
@@ -136,9 +143,9 @@ def _resume_across_pp(root: str) -> None:
 
 
 def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
-    for family, schedule, pp_size, tp, accumulation, *checkpointing in cases:
+    for family, schedule, pp_size, tp, accumulation, *extra in cases:
         _train_case(root, family, schedule, pp_size=pp_size, tp=tp, accumulation=accumulation,
-                    checkpointing=bool(checkpointing))
+                    checkpointing="activation checkpointing" in extra, evaluate="eval" in extra)
     if resume:
         _resume_across_pp(root)
 
@@ -147,7 +154,7 @@ def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
 def test_trainer_pp2_equals_one_process(tmp_path):
     for family in FAMILIES:
         save_family(family, tmp_path)
-    cases = [("qwen3_tied", "1F1B", 2, 1, 2, "activation checkpointing"), ("qwen3_tied", "Interleaved1F1B", 2, 1, 1),
+    cases = [("qwen3_tied", "1F1B", 2, 1, 2, "activation checkpointing"), ("qwen3_tied", "Interleaved1F1B", 2, 1, 1, "eval"),
              ("qwen3_tied", "ZBVZeroBubble", 2, 1, 1), ("llama", "1F1B", 2, 1, 1),
              ("llama", "InterleavedZeroBubble", 2, 1, 1), ("qwen3_moe", "Interleaved1F1B", 2, 1, 1)]
     run_distributed(_cases, 2, str(tmp_path), cases, timeout=600)
@@ -157,7 +164,7 @@ def test_trainer_pp2_equals_one_process(tmp_path):
 def test_trainer_pp2_tp2_and_pp4_equal_one_process(tmp_path):
     for family in FAMILIES:
         save_family(family, tmp_path)
-    cases = [("qwen3_tied", "1F1B", 2, 2, 1), ("llama", "ZBVZeroBubble", 2, 2, 1), ("qwen3_moe", "1F1B", 2, 2, 1),
+    cases = [("qwen3_tied", "1F1B", 2, 2, 1, "eval"), ("llama", "ZBVZeroBubble", 2, 2, 1), ("qwen3_moe", "1F1B", 2, 2, 1),
              ("qwen3_tied", "1F1B", 4, 1, 1), ("llama8", "Interleaved1F1B", 4, 1, 1)]
     run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=600)
 

@@ -148,7 +148,7 @@ def _check_pipeline(args: argparse.Namespace, config, training_args, nproc: int)
     meta = AutoModelForCausalLM.from_config(config, device="meta")
     plan_pipeline(meta, pp=args.pp_size, pp_rank=0, schedule=args.pp_schedule)
     dims = training_args.parallelism_config.parallel_dims(nproc * args.nnodes)
-    check_pipeline(training_args, dims, None)
+    check_pipeline(training_args, dims)
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:

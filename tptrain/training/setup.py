@@ -109,16 +109,13 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement)
                                     compile_backend=args.torch_compile_backend if args.torch_compile else None)
 
 
-def check_pipeline(args: TrainingArguments, dims: ParallelDims, eval_source: Any) -> None:
+def check_pipeline(args: TrainingArguments, dims: ParallelDims) -> None:
     """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch. No collective."""
     if dims.pp == 1:
         return
     config = args.parallelism_config
     schedule = pipeline_parallel.schedule_name(config.pp_schedule or "1F1B")
     check_microbatches(schedule, dims.pp, config.pp_microbatches or dims.pp, args.per_device_train_batch_size)
-    if eval_source is not None or args.eval_split:
-        raise ValueError("evaluation (eval_dataset / eval_split) with pp_size > 1 is not supported yet; evaluate the "
-                         "saved model (final/) at pp_size=1")
     if args.optim_in_backward:
         raise ValueError("optim_in_backward with pp_size > 1: the pipeline's backward runs in pieces and the tied "
                          "embedding's gradient is summed after it; train without optim_in_backward")

@@ -36,7 +36,7 @@ from tptrain.training.checkpoint import dirs as dirs
 from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import PackedDataset, load_tokenizer
-from tptrain.training.evaluation import evaluate_loss
+from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.optim import clip_grad_norm_
 from tptrain.training.parallelize import resolve_parallelism
@@ -81,7 +81,7 @@ class Trainer:
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config)
         self._check_sequence_length(self.dims)
-        check_pipeline(args, self.dims, eval_dataset)
+        check_pipeline(args, self.dims)
         data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:
@@ -278,6 +278,10 @@ class Trainer:
         if data is None:
             raise ValueError("Trainer.evaluate: no eval set; pass eval_dataset (--eval-data) or set eval_split")
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        if self.pipeline is not None:  # the stages exchange the training shape: batches padded to it
+            return evaluate_pipeline(self.pipeline, data, batch_size=self.args.per_device_train_batch_size,
+                                     seq_len=self.args.seq_len, mesh=self.mesh, device=self.device,
+                                     pad_id=self._padding()["pad_id"])
         return evaluate_loss(self.model, data, batch_size=batch_size, mesh=self.mesh, device=self.device,
                              autocast=self._autocast, **self._padding())
 
