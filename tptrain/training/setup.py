@@ -109,10 +109,14 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement)
                                     compile_backend=args.torch_compile_backend if args.torch_compile else None)
 
 
-def check_pipeline(args: TrainingArguments, dims: ParallelDims) -> None:
-    """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch. No collective."""
+def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = False) -> None:
+    """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch, and what does not
+    compose with it yet. No collective."""
     if dims.pp == 1:
         return
+    if lora:
+        raise ValueError(f"LoRA (a PeftModel) with pp_size={dims.pp} is not supported yet (the adapter is saved from "
+                         f"one stage); train the adapter at pp_size=1")
     config = args.parallelism_config
     schedule = pipeline_parallel.schedule_name(config.pp_schedule or "1F1B")
     check_microbatches(schedule, dims.pp, config.pp_microbatches or dims.pp, args.per_device_train_batch_size)

@@ -81,7 +81,7 @@ class Trainer:
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config)
         self._check_sequence_length(self.dims)
-        check_pipeline(args, self.dims)
+        check_pipeline(args, self.dims, lora=self.model is not self.inner)
         data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:
