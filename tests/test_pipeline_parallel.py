@@ -185,9 +185,6 @@ def test_cli_trains_with_pp_size(tmp_path):
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # still tied
     for name, p in hf.named_parameters():
         torch.testing.assert_close(p, ours[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    bad = tptrain_train("--output-dir", str(tmp_path / "bad"), "--tp-size", "1", "--pp-size", "2",
-                        "--pp-schedule", "1F1B", "--pp-microbatches", "3")
-    assert bad.returncode != 0 and "pp_microbatches=3" in bad.stderr, bad.stderr
 
 
 def test_plan_prints_the_stages(tmp_path, capsys):
