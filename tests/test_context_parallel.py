@@ -104,3 +104,96 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
         "qwen3_moe", **{**CP_FAMILIES["qwen3_moe"], "output_router_logits": True}), device="meta")
     with pytest.raises(ValueError, match=r"output_router_logits=True"):
         moe._check_plan(DistributedConfig(cp_size=2))
+
+
+# ------------------------------------------------------------------ the Trainer at cp 2 against one process
+
+def _trainer(model, out_dir, cp: int, batch: int = 4, eval_dataset=None, **kw):
+    from tests.helpers import tiny_dataset, training_args
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=batch, parallelism_config=ParallelismConfig(
+        cp_size=cp), **{"max_steps": 3, **kw})
+    return Trainer(model=model, args=args, train_dataset=tiny_dataset(), eval_dataset=eval_dataset)
+
+
+def _lora_pair(tmp: str, base):
+    """(one-process LoRA model, its cp-2 copy): q/k/v/o adapters, B not zero, so every factor has a gradient."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+
+    single = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj",
+                                                                                                 "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in single.named_parameters():
+            if ".lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype) * 0.1)
+    if dist.get_rank() == 0:
+        single.save_pretrained(f"{tmp}/adapter")
+    dist.barrier()
+    model = copy.deepcopy(base).parallelize(DistributedConfig(cp_size=2))
+    return single, PeftModel.from_pretrained(model, f"{tmp}/adapter", is_trainable=True)
+
+
+def _trainer_worker(tmp: str) -> None:
+    """3 AdamW steps (losses and parameters) and eval_loss at cp 2 equal one process; so do activation
+    checkpointing and LoRA; a checkpoint saved at cp 2 resumes at cp 1 (dp 2) and one saved at cp 1 at cp 2."""
+    import copy
+
+    from tests.helpers import reference_losses, tiny_dataset, tiny_model
+    from tptrain.distributed import comm, init_distributed
+    from tptrain.modeling import gather_parameters
+
+    init_distributed()
+    close = dict(rtol=1e-9, atol=1e-9)
+    held_out = tiny_dataset(6, seed=5)
+    ref = tiny_model()
+    trainer = _trainer(copy.deepcopy(ref).parallelize(DistributedConfig(cp_size=2)), f"{tmp}/cp2", 2,
+                       eval_dataset=held_out, max_steps=4, save_steps=2)
+    tracker = comm.CommTracker()
+    with tracker:
+        out = trainer.train()
+    kv_gathers = [r for r in tracker.records if r.op == "all_gather" and len(r.shape) == 5]  # (2, b, kv, s/cp, d)
+    assert len(kv_gathers) >= 4 * 2 and {r.ranks for r in kv_gathers} == {2}, tracker.records
+    expected = reference_losses(ref, tiny_dataset(), trainer.args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), **close)
+    params = gather_parameters(trainer.model, [n for n, _ in trainer.model.named_parameters()])
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), **close, msg=lambda m: f"{name} after 4 steps: {m}")
+    with torch.no_grad():
+        ref_eval = ref.eval()(torch.stack(list(held_out)), labels=torch.stack(list(held_out))).loss.item()
+    assert abs(trainer.evaluate()["eval_loss"] - ref_eval) < 1e-9, (trainer.evaluate(), ref_eval)
+
+    # resume across cp sizes: cp 2 -> cp 1 (dp_shard 2, 2 rows each), which saves at step 3 -> cp 2 again
+    at_cp1 = _trainer(tiny_model(), f"{tmp}/cp1", 1, batch=2, max_steps=4, save_steps=1).train(
+        resume_from_checkpoint=f"{tmp}/cp2/checkpoint-2")
+    torch.testing.assert_close(torch.tensor(at_cp1.losses), torch.tensor(out.losses[2:]), **close)
+    back = _trainer(tiny_model().parallelize(DistributedConfig(cp_size=2)), f"{tmp}/back", 2, max_steps=4).train(
+        resume_from_checkpoint=f"{tmp}/cp1/checkpoint-3")
+    torch.testing.assert_close(torch.tensor(back.losses), torch.tensor(out.losses[3:]), **close)
+
+    ac = _trainer(tiny_model().parallelize(DistributedConfig(cp_size=2)), f"{tmp}/ac", 2,
+                  gradient_checkpointing=True).train()
+    torch.testing.assert_close(torch.tensor(ac.losses),
+                               torch.tensor(reference_losses(tiny_model(), tiny_dataset(), ac_args(tmp), 4)), **close)
+
+    single, lora = _lora_pair(tmp, tiny_model())
+    lora_out = _trainer(lora, f"{tmp}/lora", 2).train()
+    torch.testing.assert_close(torch.tensor(lora_out.losses),
+                               torch.tensor(reference_losses(single, tiny_dataset(), ac_args(tmp), 4)), **close)
+
+
+def ac_args(tmp: str):
+    """The arguments of the 3-step runs, for their one-process reference."""
+    from tests.helpers import training_args
+
+    return training_args(f"{tmp}/ref", max_steps=3)
+
+
+@pytest.mark.distributed
+def test_trainer_at_cp2_equals_one_process_and_resumes_across_cp_sizes(tmp_path):
+    run_distributed(_trainer_worker, 2, str(tmp_path), timeout=600)

@@ -111,6 +111,14 @@ def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
 
+def dp_placements(t) -> dict:
+    """{mesh axis: placement} of an FSDP2-sharded DTensor `t` ({} for a plain tensor), its flattened dp_shard x cp
+    axis read as "dp_shard": checkpoint views and the gradient norm see FSDP's shards along one dp_shard axis of
+    size dp_shard x cp (`rank_grid`'s)."""
+    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None) or ()
+    return {("dp_shard" if name == "dp_shard_cp" else name): p for name, p in zip(names, getattr(t, "placements", ()))}
+
+
 def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel axes over ranks holding the same experts, as FSDP2 takes them for the experts of a mesh
     with an ep axis: (dp_replicate, dp_shard_mod_ep) as HSDP when dp_replicate > 1, else dp_shard_mod_ep (of size
