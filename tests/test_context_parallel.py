@@ -197,3 +197,37 @@ def ac_args(tmp: str):
 @pytest.mark.distributed
 def test_trainer_at_cp2_equals_one_process_and_resumes_across_cp_sizes(tmp_path):
     run_distributed(_trainer_worker, 2, str(tmp_path), timeout=600)
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+@pytest.mark.distributed
+def test_cli_fine_tunes_and_plans_at_cp2(tmp_path, capsys):
+    """`tptrain train --cp-size 2` on chat records with LoRA and eval (random init from config.json), its greedy
+    sample included; `tptrain plan --cp-size 2`; a --seq-len that does not split, refused before any worker."""
+    import json
+
+    from tests.helpers import chat_records, tptrain_train
+    from tests.sft_utils import BUNDLED, CHATML_GENERATION, chat_checkpoint
+    from tptrain.cli import main
+    from tptrain.training.reporting import read_metrics
+
+    config = {**json.loads((BUNDLED / "config.json").read_text()), "vocab_size": 4160, "hidden_size": 32,
+              "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8}
+    ckpt = chat_checkpoint(tmp_path / "ckpt", CHATML_GENERATION, config=config)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_records(12, 1)))
+    flags = ("--model", str(ckpt), "--data", str(data), "--eval-data", str(data), "--tp-size", "1", "--cp-size", "2",
+             "--batch-size", "2", "--max-steps", "2", "--lora-r", "4", "--max-new-tokens", "2", "--prompt", "to be")
+    run = tptrain_train(*flags, "--seq-len", "64", "--output-dir", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "cp 2" in run.stdout and "greedy continuation" in run.stdout, run.stdout
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
+    capsys.readouterr()
+    assert main(["train", "--smoke-test", *flags, "--seq-len", "30", "--output-dir", str(tmp_path / "bad")]) == 2
+    assert "--seq-len is 30, not a multiple of 4" in capsys.readouterr().err
+    assert main(["plan", str(ckpt), "--tp-size", "1", "--cp-size", "2"]) == 0
+    assert "context parallelism: cp_size=2" in capsys.readouterr().out

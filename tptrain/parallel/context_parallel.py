@@ -187,3 +187,12 @@ def _on_shifted(loss_function):
         return loss_function(*args, **kwargs, shifted=True)
 
     return loss
+
+
+def gather_sequence(t: torch.Tensor, ctx: CPContext, *, dim: int = 1) -> torch.Tensor:
+    """(batch, seq / cp, ...) of this rank's tokens (`out.logits`) -> (batch, seq, ...) of every rank's, in
+    sequence order. Not differentiable: for reading outputs (generation, inspection). Collective over cp."""
+    full = comm.all_gather(t.contiguous(), comm.resolve_group(ctx.group_name), dim=dim)
+    seq = full.shape[dim]
+    gathered = torch.cat([local_index(seq, ctx.size, r, t.device) for r in range(ctx.size)])  # of each position
+    return full.index_select(dim, torch.argsort(gathered))
