@@ -24,6 +24,7 @@ def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
     process's on the same whole batch."""
     import torch.distributed as dist
 
+    from tptrain.diagnostics.accounting import comm_report
     from tptrain.distributed import comm
     from tptrain.parallel.context_parallel import local_index
 
@@ -50,6 +51,10 @@ def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
             torch.testing.assert_close(logits, ref_logits[:, index], **TOL, msg=lambda m: f"{what} logits: {m}")
             gathers = [r for r in tracker.records if r.op == "all_gather" and r.phase == "forward"]
             assert len(gathers) >= model.config.num_hidden_layers, (what, tracker.records)
+            if model_type in ("qwen3", "phi3"):  # the cp collectives and TP's, each at its minimum
+                model.train().zero_grad()
+                report = comm_report(model, batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])
+                assert report.matches_minimum, f"{what}\n{report.table()}"
     dist.barrier()
 
 
