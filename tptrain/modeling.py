@@ -26,6 +26,7 @@ from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
+from tptrain.distributed.topology import cp_mesh
 from tptrain.parallel.context_parallel import apply_context_parallel
 from tptrain.parallel.context_parallel import problems as context_problems
 from tptrain.parallel.plan import ResolvedPlan
@@ -163,8 +164,8 @@ class PreTrainedModel(nn.Module):
         ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
-        if mesh["cp"].size() > 1:  # after TP: it wraps the loss functions TP installed
-            self.cp_context = apply_context_parallel(self, mesh["cp"].get_group())
+        if cp_mesh(mesh) is not None:  # after TP: it wraps the loss functions TP installed
+            self.cp_context = apply_context_parallel(self, cp_mesh(mesh).get_group())
             layout.grad_sync.cp_group_name = self.cp_context.group_name
         if reader is not None:
             self._load(reader, device, dtype, rank=layout.ctx.rank, ep_rank=layout.ctx.ep_rank)
@@ -187,7 +188,7 @@ class PreTrainedModel(nn.Module):
             assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
             self.tp_layout.ctx.ep_group_name = comm.group_name(ep)
         if self.cp_context is not None:
-            cp = mesh["cp"].get_group()
+            cp = cp_mesh(mesh).get_group()
             old_cp = comm.resolve_group(self.cp_context.group_name)
             assert dist.get_process_group_ranks(old_cp) == dist.get_process_group_ranks(cp), (old_cp, cp)
             self.cp_context.group_name = self.tp_layout.grad_sync.cp_group_name = comm.group_name(cp)

@@ -27,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tptrain.distributed import comm
 
 MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
-EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # the mesh's real axes when ep > 1
+# the mesh's real axes when ep > 1 (no cp axis: DistributedConfig refuses cp_size with ep_size)
+EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 # "dp_shard" is a flattened axis of the ep mesh; torch warns on each lookup of one that it may someday want the
 # flattened mesh kept by the caller. This library looks it up by name on purpose (one mesh, its axes by name).
@@ -65,7 +66,8 @@ class ParallelDims:
         """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
         if self.ep == 1:
             return {axis: getattr(self, axis) for axis in MESH_AXES}
-        return dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)))
+        assert self.cp == 1, self
+        return dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> "ParallelDims":
@@ -74,7 +76,7 @@ class ParallelDims:
         if "ep" not in sizes:
             return cls(**sizes)
         return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
-                   tp=sizes["tp"], ep=sizes["ep"], cp=sizes["cp"])
+                   tp=sizes["tp"], ep=sizes["ep"])
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
@@ -106,9 +108,14 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """What FSDP2 shards over: dp_shard, or with cp > 1 the flattened dp_shard x cp axis ("dp_shard_cp"): the cp
     ranks of a dp rank compute gradients of different tokens of one batch, which its reduce-scatter sums."""
-    if mesh["cp"].size() == 1:
+    if cp_mesh(mesh) is None:
         return mesh["dp_shard"]
     return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The cp axis of a mesh built by `build_mesh`, or None when it has size 1 (or, with ep, no cp axis)."""
+    return mesh["cp"] if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1 else None
 
 
 def dp_placements(t) -> dict:
