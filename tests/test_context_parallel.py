@@ -20,8 +20,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
-    """Every family at every layout: out.loss, every gradient (gathered over TP) and the local logits equal one
-    process's on the same whole batch."""
+    """Every family at every layout (a layout's "families": only those): out.loss, every gradient (gathered over TP)
+    and the local logits equal one process's on the same whole batch."""
     import torch.distributed as dist
 
     from tptrain.diagnostics.accounting import comm_report
@@ -30,7 +30,9 @@ def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
 
     batch = packed_batch()
     for kwargs in layouts:
-        for model_type, path in paths.items():
+        kwargs = dict(kwargs)
+        families = kwargs.pop("families", list(paths))
+        for model_type, path in ((t, paths[t]) for t in families):
             what = f"{model_type} {kwargs}"
             ref = AutoModelForCausalLM.from_pretrained(path).train()
             ref_out = ref(**batch)
@@ -65,18 +67,9 @@ def _wrong_length(path: str) -> None:
         model(**batch)
 
 
-def _cp2_worker(paths: dict[str, str]) -> None:
-    _compare_families(paths, [dict(cp_size=2, tp_size=1)])
-    _wrong_length(paths["qwen3"])
-
-
 def _cp4_worker(paths: dict[str, str]) -> None:
-    _compare_families(paths, [dict(cp_size=4, tp_size=1), dict(cp_size=2, tp_size=2)])
-
-
-@pytest.mark.distributed
-def test_cp2_bare_model_equals_one_process(checkpoints):
-    run_distributed(_cp2_worker, 2, checkpoints, timeout=600)
+    _compare_families(paths, [dict(cp_size=4, tp_size=1), dict(cp_size=2, tp_size=2),
+                              dict(cp_size=2, tp_size=2, enable_sequence_parallel=True, families=["qwen3", "olmo2"])])
 
 
 @pytest.mark.distributed
@@ -144,8 +137,15 @@ def _lora_pair(tmp: str, base):
     return single, PeftModel.from_pretrained(model, f"{tmp}/adapter", is_trainable=True)
 
 
+def _cp2_worker(paths: dict[str, str], tmp: str) -> None:
+    """One group of 2 ranks: the bare model of every family at cp 2, a length that does not split, the Trainer."""
+    _compare_families(paths, [dict(cp_size=2, tp_size=1)])
+    _wrong_length(paths["qwen3"])
+    _trainer_worker(tmp)
+
+
 def _trainer_worker(tmp: str) -> None:
-    """3 AdamW steps (losses and parameters) and eval_loss at cp 2 equal one process; so do activation
+    """4 AdamW steps (losses and parameters) and eval_loss at cp 2 equal one process; so do activation
     checkpointing and LoRA; a checkpoint saved at cp 2 resumes at cp 1 (dp 2) and one saved at cp 1 at cp 2."""
     import copy
 
@@ -200,8 +200,8 @@ def ac_args(tmp: str):
 
 
 @pytest.mark.distributed
-def test_trainer_at_cp2_equals_one_process_and_resumes_across_cp_sizes(tmp_path):
-    run_distributed(_trainer_worker, 2, str(tmp_path), timeout=600)
+def test_cp2_bare_model_and_trainer_equal_one_process(checkpoints, tmp_path):
+    run_distributed(_cp2_worker, 2, checkpoints, str(tmp_path), timeout=600)
 
 
 # ------------------------------------------------------------------ the CLI
