@@ -112,6 +112,8 @@ def test_resume_refuses_other_data(tmp_path):
     longer = StreamingText(data).bind(ByteTokenizer(), 32).order(dp_rank=0, dp_size=1, global_batch=2)
     with pytest.raises(ValueError, match="saved with seq_len=16 but this run has seq_len=32"):
         longer.load_state_dict(state)
+    with pytest.raises(ValueError, match="the checkpoint was saved by a streaming run .* --streaming"):
+        DataOrder(10, seed=0, dp_rank=0, dp_size=1, global_batch=2).load_state_dict(state)
 
 
 def test_bad_inputs(tmp_path, monkeypatch):
