@@ -8,10 +8,12 @@ import torch
 
 from tests.cp_utils import CP_FAMILIES, SEQ, packed_batch, write_checkpoints
 from tests.dist_utils import run_distributed
-from tests.helpers import TOL, full_grads
+from tests.helpers import TOL, full_grads, tiny_model
 from tptrain import DistributedConfig
 from tptrain.distributed import ParallelDims
 from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.training.args import ParallelismConfig
+from tptrain.training.parallelize import resolve_parallelism
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,12 @@ def test_cp_size_is_validated():
         DistributedConfig(cp_size=3).parallel_dims(4)
     with pytest.raises(ValueError, match=r"tp_size=2 x dp_replicate_size=1 x cp_size=4 = 8.*world size is 4"):
         DistributedConfig(tp_size=2, cp_size=4).parallel_dims(4)
+    with pytest.raises(ValueError, match=r"cp_size=2 cannot be combined with ep_size=2"):
+        DistributedConfig(cp_size=2, ep_size=2, tp_size=1).parallel_dims(4)
+    # the Trainer's spelling (accelerate's): checked against the model, whose cp_size is set when it is loaded
+    assert ParallelismConfig(cp_size=2, tp_size=1).parallel_dims(4) == ParallelDims(1, 2, 1, cp=2)
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(cp_size=2\) disagrees with the model.*cp_size=1"):
+        resolve_parallelism(tiny_model(), ParallelismConfig(cp_size=2), world_size=2)
 
 
 def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeypatch):
