@@ -152,7 +152,6 @@ def _check_cp(config, cp_size: int, model: str, seq_len: int) -> None:
     from tptrain.parallel.context_parallel import check_sequence_length, problems
 
     check_sequence_length(seq_len, cp_size, what="--seq-len")
-
     found = problems(AutoModelForCausalLM.from_config(config, device="meta"))
     if found:
         raise ValueError(f"--cp-size {cp_size} cannot split the sequences of {model}: {found[0]}")
@@ -329,7 +328,8 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
           f"{_describe_data(inputs.dataset, args)}; "
           f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
-          + (f", ep {args.ep_size}" if args.ep_size else "") + (f", cp {args.cp_size}" if args.cp_size > 1 else "") + f", {threads} thread"
+          + (f", ep {args.ep_size}" if args.ep_size else "") + (f", cp {args.cp_size}" if args.cp_size > 1 else "")
+          + f", {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
 
 
