@@ -20,13 +20,17 @@ CP_FAMILIES = {
     "qwen3_moe": dict(CP_TINY, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       norm_topk_prob=True, output_router_logits=False),
 }
+# Soft-capped scores, checked on unpacked rows: attention then takes no mask at all under cp, causal at the end (the
+# window is longer than the rows)
+SOFTCAP = {"gemma2": dict(CP_TINY, head_dim=8, sliding_window=64, query_pre_attn_scalar=8,
+                          attn_logit_softcapping=5.0, final_logit_softcapping=5.0)}
 SEQ = 16  # 2 x cp chunks at cp 2 and cp 4
 
 
 def write_checkpoints(root) -> dict[str, str]:
     """{model_type: directory} of a seeded fp64 checkpoint of every family (tptrain's save_pretrained, HF format)."""
     out = {}
-    for i, (model_type, kw) in enumerate(CP_FAMILIES.items()):
+    for i, (model_type, kw) in enumerate({**CP_FAMILIES, **SOFTCAP}.items()):
         torch.manual_seed(i)
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=F64)
         with torch.no_grad():  # norms away from 1 and biases away from 0: every parameter matters
@@ -37,9 +41,10 @@ def write_checkpoints(root) -> dict[str, str]:
     return out
 
 
-def packed_batch(seed: int = 0, seq: int = SEQ) -> dict[str, torch.Tensor]:
+def packed_batch(seed: int = 0, seq: int = SEQ, *, packed: bool = True) -> dict[str, torch.Tensor]:
     """Two rows of packed documents (position ids restarting inside each row; every document longer than the
-    windows), each document's first label -100 as packing makes them, and a few more -100."""
+    windows), each document's first label -100 as packing makes them, and a few more -100. `packed=False`: one
+    document per row, no position ids (plain causal attention)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, CP_TINY["vocab_size"], (2, seq), generator=g)
     lengths = ([7, seq - 7], [5, 6, seq - 11])
@@ -47,4 +52,6 @@ def packed_batch(seed: int = 0, seq: int = SEQ) -> dict[str, torch.Tensor]:
     labels = ids.clone()
     labels[positions == 0] = -100
     labels[1, 2] = -100
+    if not packed:
+        return {"input_ids": ids, "labels": labels}
     return {"input_ids": ids, "labels": labels, "position_ids": positions}

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
@@ -97,13 +98,16 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q (batch, heads, queries, head_dim), k and v (batch, kv_heads, keys, head_dim), rotated; mask (batch or
-        1, 1, queries, keys) or None (plain causal) -> (batch, heads, queries, head_dim). The engine may wrap it on
-        the instance (context parallelism gathers every rank's keys and values first)."""
+        1, 1, queries, keys), or None: plain causal, the queries at the last `queries` of the keys' positions ->
+        (batch, heads, queries, head_dim). The engine may wrap it on the instance (context parallelism gathers every
+        rank's keys and values first)."""
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.softcap is None:
+            if mask is None and q.shape[2] != k.shape[2]:  # causal aligned at the end, with no mask materialised
+                mask = causal_lower_right(q.shape[2], k.shape[2])
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         # heads are independent: capping this rank's local heads is the capping of the whole
         return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)

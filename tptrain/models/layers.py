@@ -35,13 +35,13 @@ def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor 
     Always over the full sequence: under sequence parallelism attention runs on the gathered sequence.
     `query_index` / `key_index`: the sequence index of each row / column (default: every token in order), so that
     a mask may be some rows of the whole one with its columns in any order (context parallelism: this rank's
-    queries, the keys as gathered); then it is always returned, never None.
+    queries, the keys as gathered); None still means the plain causal mask of the whole sequence, which the
+    caller then applies by position (`attend`'s causal path).
     A query that sees no key at all (left padding) gets a zero output from SDPA, as in transformers.
     """
     if sliding_window is not None and sliding_window >= seq:
         sliding_window = None  # the window holds the whole sequence: keep SDPA's is_causal (flash) path
-    plain = query_index is None and key_index is None
-    if plain and attention_mask is None and sliding_window is None and documents is None:
+    if attention_mask is None and sliding_window is None and documents is None:
         return None
     query = (torch.arange(seq, device=device) if query_index is None else query_index)[:, None]
     key = (torch.arange(seq, device=device) if key_index is None else key_index)[None, :]
@@ -72,9 +72,9 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """Attention whose scores are soft-capped before the softmax (SDPA cannot), as transformers' eager attention:
     masked scores at the dtype's minimum, softmax in fp32 (or wider). q, k, v: (batch, heads, seq, head_dim)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = tanh_softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, seq, seq)
-    if mask is None:  # plain causal
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = tanh_softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, queries, keys)
+    if mask is None:  # plain causal, the queries being the last keys' positions
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
     return torch.matmul(probs, v)

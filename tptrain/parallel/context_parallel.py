@@ -40,7 +40,7 @@ from tptrain.parallel import contract
 @dataclass
 class CPContext:
     """One model's cp group (by name), its size and this rank; and, during a forward, the whole batch's
-    position ids (batch or 1, seq) and padding mask (batch, seq) or None, this rank's token indices (seq / cp,)
+    position ids (batch or 1, seq) and padding mask (batch, seq) or None, this rank's token indices (seq / cp,),
     and every rank's in gathered order (seq,)."""
 
     group_name: str
@@ -161,7 +161,18 @@ def _gathering(attend, ctx: CPContext):
             k, v = comm.gather_over_cp(torch.stack([k, v]), ctx.group_name, dim=3).unbind(0)
         else:
             k, v = (comm.gather_over_cp(t, ctx.group_name, dim=2) for t in (k, v))
-        return attend(q, k, v, mask)
+        if mask is not None:
+            return attend(q, k, v, mask)
+        # Plain causal: no mask at all. The keys in sequence order; each of this rank's two chunks attends the keys
+        # up to its own end, causal at the end (attend's None), so the fused kernels keep working. (Derived from the
+        # shapes, not the forward's state: activation checkpointing recomputes this in backward.)
+        seq = k.shape[2]
+        order = torch.argsort(torch.cat([local_index(seq, ctx.size, r, k.device) for r in range(ctx.size)]))
+        k, v = k.index_select(2, order), v.index_select(2, order)
+        chunk = q.shape[2] // 2
+        ends = (ctx.rank + 1) * chunk, (2 * ctx.size - ctx.rank) * chunk
+        return torch.cat([attend(q[:, :, :chunk], k[:, :, :ends[0]], v[:, :, :ends[0]], None),
+                          attend(q[:, :, chunk:], k[:, :, :ends[1]], v[:, :, :ends[1]], None)], dim=2)
 
     return attend_gathered
 
