@@ -205,7 +205,8 @@ def checkpoint_sources(hf_model, reader) -> dict[str, str | Converted]:
 
 def _build(model_type: str, converter, first: str, keys: dict[str, list[str]], reader) -> dict[str, Converted]:
     """{target parameter: Converted} for one match of `converter` (its source pattern -> checkpoint keys)."""
-    rule = f"{type(converter).__name__}({converter.source_patterns} -> {converter.target_patterns})"
+    rule = (f"{type(converter).__name__}({converter.source_patterns} -> {converter.target_patterns}, "
+            f"operations={converter.operations})")
     nodes = [[Tensor(k, tuple(reader.shape(k))) for k in keys[p]] for p in converter.source_patterns if p in keys]
     targets = [first.replace(converter.target_patterns[0], t) for t in converter.target_patterns]
     for op in converter.operations:
