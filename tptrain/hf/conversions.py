@@ -143,6 +143,10 @@ class Converted:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.node.shape)
 
+    def keys(self) -> list[str]:
+        """The checkpoint tensors it is built from."""
+        return list(self.node.keys())
+
     def read(self, reader, spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1, ep_rank: int = 0,
              dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """This rank's piece (its experts over ep, then its TP chunk), reading only its bytes."""
