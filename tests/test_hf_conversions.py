@@ -206,3 +206,25 @@ def test_a_conversion_the_reader_cannot_slice_is_named():
     rule = WeightConverter("mlp.w.weight", "mlp.v.weight", operations=[Transpose(0, 1)])
     with pytest.raises(ValueError, match=r"'toy'.*'model.layers.0.mlp.w.weight'.*Transpose.*MergeModulelist"):
         _build("toy", rule, "model.layers.0.mlp.v.weight", {"mlp.w.weight": ["model.layers.0.mlp.w.weight"]}, _Shapes())
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_interleaved_rows_are_read_from_where_they_come(tmp_path, inverse):
+    """inkling2's `Interleave(dim=1)` (gate and up rows alternating on disk): each rank's rows of each half are read
+    from the rows they come from, no byte more, equal to transformers' own op on the whole tensor."""
+    from transformers.core_model_loading import Interleave
+
+    from tptrain.hf.conversions import Converted, Interleaved, Tensor
+    from tptrain.io import save_checkpoint
+    stored = torch.randn(3, 8, 4)
+    save_checkpoint({"w": stored}, tmp_path)
+    full = Interleave(dim=1, inverse=inverse).convert({"w": stored}, ["w"], ["t"])["t"]
+    reader = _CountingReader(tmp_path)
+    source = Converted("Interleave", Interleaved(Tensor("w", (3, 8, 4)), 1, inverse))
+    spec = ShardSpec(1, segments=((4, 1), (4, 1)))
+    for rank in range(2):
+        reader.reads.clear()
+        got = source.read(reader, spec, tp_size=2, tp_rank=rank)
+        want = spec.local_chunk(full, 2, rank)
+        assert torch.equal(got, want), rank
+        assert sum(n for _, n in reader.reads) == want.numel() * want.element_size()

@@ -6,10 +6,10 @@ operations build one parameter from several tensors (`MergeModulelist`: the hub'
 `Concatenate`: gate and up side by side; `Chunk`: one fused tensor cut into several parameters). The rules are read
 from the installed transformers at run time and matched by its own `rename_source_key`, so a model type gains a rule
 when transformers does. What a rule builds is described here as a small tree over the checkpoint's tensors
-(`Stack`, `Cat`, `Part` over `Tensor` leaves), and each rank reads only the box of it that its `ShardSpec` holds: a
+(`Stack`, `Cat`, `Part`, `Interleaved` over `Tensor` leaves), and each rank reads only the box of it that its `ShardSpec` holds: a
 merged expert stack reads only this rank's experts (expert parallel) and only its rows of each (expert TP), a
-concatenation only the ranges it needs of each source. An operation with no such reading (Interleave, Transpose, a
-rope permutation, ...) is refused before any collective, naming the model type, the rule, the operation and the
+concatenation only the ranges it needs of each source. An operation with no such reading (Transpose, a rope
+permutation, ...) is refused before any collective, naming the model type, the rule, the operation and the
 tensor.
 
 Saving runs transformers' own `revert_weight_conversion` on each group of parameters that one reversed rule writes
@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (Chunk, Concatenate, MergeModulelist, PrefixChange, WeightConverter,
+from transformers.core_model_loading import (Chunk, Concatenate, Interleave, MergeModulelist, PrefixChange, WeightConverter,
                                              WeightRenaming, apply_converters, dot_natural_key, rename_source_key,
                                              revert_weight_conversion)
 
@@ -133,6 +133,37 @@ class Part:
 
 
 @dataclass
+class Interleaved:
+    """`Interleave(dim)`: `whole`'s rows along `dim` de-interleaved (its even rows first, then its odd ones;
+    `inverse`: the first half's rows and the second's alternately). A wanted range becomes the rows it comes from."""
+
+    whole: Any
+    dim: int
+    inverse: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.whole.shape)
+
+    def source(self, row: int) -> int:
+        half = self.shape[self.dim] // 2
+        return (row % 2) * half + row // 2 if self.inverse else (row % half) * 2 + row // half
+
+    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
+        rows = [self.source(t) for a, b in box.get(self.dim, [(0, self.shape[self.dim])]) for t in range(a, b)]
+        ranges: list[tuple[int, int]] = []
+        for r in rows:  # consecutive source rows read as one range
+            if ranges and ranges[-1][1] == r:
+                ranges[-1] = (ranges[-1][0], r + 1)
+            else:
+                ranges.append((r, r + 1))
+        return self.whole.read(reader, {**box, self.dim: ranges}, **kwargs)
+
+    def keys(self) -> Iterator[str]:
+        yield from self.whole.keys()
+
+
+@dataclass
 class Converted:
     """A parameter that a transformers rule builds from checkpoint tensors: `node`'s tree, read slice by slice."""
 
@@ -221,11 +252,13 @@ def _build(model_type: str, converter, first: str, keys: dict[str, list[str]], r
             nodes = [[Cat([g[0] for g in nodes], op.dim)]]
         elif kind is Chunk and op.num_shards_attribute is None and len(nodes) == 1 and len(nodes[0]) == 1:
             nodes = [[Part(nodes[0][0], op.dim, i, len(targets)) for i in range(len(targets))]]
+        elif kind is Interleave and len(nodes) == 1 and len(nodes[0]) == 1:
+            nodes = [[Interleaved(nodes[0][0], op.dim, op.inverse)]]
         else:
             raise ValueError(f"model type {model_type!r}: transformers converts checkpoint tensor "
                              f"{next(iter(keys.values()))[0]!r} into {first!r} with {rule}, whose operation {op!r} "
-                             f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate and "
-                             f"Chunk); load this model with transformers, or use tp_size=1 with a checkpoint saved "
+                             f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate, "
+                             f"Chunk and Interleave); load this model with transformers, or use tp_size=1 with a checkpoint saved "
                              f"by transformers in its converted layout")
     built = [n for group in nodes for n in group]
     assert len(built) == len(targets), (rule, len(built), targets)
