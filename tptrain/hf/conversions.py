@@ -69,7 +69,12 @@ class Stack:
         ranges = box.get(self.dim, [(0, len(self.parts))])
         inner = {d - (d > self.dim): r for d, r in box.items() if d != self.dim}
         picked = [self.parts[i] for a, b in ranges for i in range(a, b)]  # only these experts are read
-        return torch.stack([p.read(reader, inner, **kwargs) for p in picked], dim=self.dim)
+        out = None
+        for i, part in enumerate(picked):  # into the stack as read: the peak is the stack plus one expert's slice
+            t = part.read(reader, inner, **kwargs)
+            out = t.new_empty((*t.shape[:self.dim], len(picked), *t.shape[self.dim:])) if out is None else out
+            out.select(self.dim, i).copy_(t)
+        return out
 
     def keys(self) -> Iterator[str]:
         for p in self.parts:
@@ -90,17 +95,19 @@ class Cat:
         return tuple(shape)
 
     def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        pieces, start = [], 0
-        bounds = []
-        for p in self.parts:
-            bounds.append((start, start + p.shape[self.dim]))
-            start += p.shape[self.dim]
-        for a, b in box.get(self.dim, [(0, start)]):  # each wanted range, cut at the parts' borders
+        bounds, start = [], 0
+        for part in self.parts:
+            bounds.append((start, start + part.shape[self.dim]))
+            start += part.shape[self.dim]
+        out, offset = None, 0
+        for a, b in box.get(self.dim, [(0, start)]):  # each wanted range, in order, cut at the parts' borders
             for part, (lo, hi) in zip(self.parts, bounds):
                 if max(a, lo) < min(b, hi):
-                    sub = {**box, self.dim: [(max(a, lo) - lo, min(b, hi) - lo)]}
-                    pieces.append(part.read(reader, sub, **kwargs))
-        return torch.cat(pieces, dim=self.dim)
+                    t = part.read(reader, {**box, self.dim: [(max(a, lo) - lo, min(b, hi) - lo)]}, **kwargs)
+                    out = t.new_empty(_box_shape(self.shape, box)) if out is None else out
+                    out.narrow(self.dim, offset, t.shape[self.dim]).copy_(t)  # peak: the result plus one piece
+                    offset += t.shape[self.dim]
+        return out
 
     def keys(self) -> Iterator[str]:
         for p in self.parts:
@@ -183,6 +190,10 @@ class Converted:
         """This rank's piece (its experts over ep, then its TP chunk), reading only its bytes."""
         return self.node.read(reader, local_box(spec, self.shape, tp_size, tp_rank, ep_size, ep_rank),
                               dtype=dtype, device=device)
+
+
+def _box_shape(shape: tuple[int, ...], box: Box) -> tuple[int, ...]:
+    return tuple(sum(b - a for a, b in box[d]) if d in box else n for d, n in enumerate(shape))
 
 
 def local_box(spec: ShardSpec, shape: tuple[int, ...], tp_size: int, tp_rank: int, ep_size: int,
