@@ -7,6 +7,8 @@ on 2 gloo ranks; logits compared with transformers on one process (fp32, rtol 1e
 
     nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py [--tp-size 2] [--types gpt_neox,dots1]
 
+--tp-size 1 measures what is not about splitting (conversions, buffers, configs): one rank, no plan.
+
 Prints one line per model type (OK, or the first error and where: load / forward / backward / save) and the count.
 One group of ranks runs every type in turn; a type that hangs it (a collective one rank never reached) is reported
 as such after --type-timeout seconds and the survey goes on in a fresh group. Tens of minutes on 2 CPU cores.
@@ -67,7 +69,8 @@ def _stage(name: str, fn, state: dict) -> None:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - a survey: record and go on
-            error = f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            error = f"{name}: {type(exc).__name__}: {' '.join(lines[:2])[:240]}"  # "cannot shard ...:" + problem
             if os.environ.get("SURVEY_TRACEBACK"):
                 traceback.print_exc()
     errors = [e for e in comm.all_gather_object(error) if e]
