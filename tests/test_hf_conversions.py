@@ -15,6 +15,7 @@ from tests.family_utils import batch, check_against_hf, hf_reference, randomize
 from tests.helpers import full_params
 from tptrain.io import CheckpointReader
 from tptrain.parallel.styles import ShardSpec
+from tptrain.parallel.tensor_parallel import gather_full
 
 F64 = torch.float64
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -73,7 +74,6 @@ def _train_like(model, ref, steps: int = 3) -> None:
         if step == 0:
             grads = {n: p.grad for n, p in ref.named_parameters()}
             layout = model.tp_layout
-            from tptrain.parallel.tensor_parallel import gather_full
             for n, p in model.named_parameters():
                 torch.testing.assert_close(gather_full(p.grad, layout.specs[n], layout.ctx), grads[n], **TOL,
                                            msg=lambda m: f"grad of {n}: {m}")
