@@ -7,7 +7,8 @@ on 2 gloo ranks; logits compared with transformers on one process (fp32, rtol 1e
 
     nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py [--tp-size 2] [--types gpt_neox,dots1]
 
---tp-size 1 measures what is not about splitting (conversions, buffers, configs): one rank, no plan.
+--tp-size 1 measures what is not about splitting (conversions, buffers, configs): one rank, loaded without a
+distributed_config (no plan).
 
 Prints one line per model type (OK, or the first error and where: load / forward / backward / save) and the count.
 One group of ranks runs every type in turn; a type that hangs it (a collective one rank never reached) is reported
@@ -91,8 +92,10 @@ def _survey_type(model_type: str, root: Path, tp_size: int) -> str:
     _stage("transformers (not tptrain) fails", lambda: state.update(
         zip(("ids", "ref", "sd"), _write_checkpoint(model_type, directory)) if rank == 0 else ()), state)
     ids = comm.all_gather_object(state.get("ids"))[0]
+    # tp 1: the single-device load (no plan at all), to see what is not about splitting.
+    layout = dict(distributed_config=DistributedConfig(tp_size=tp_size)) if tp_size > 1 else {}
     _stage("load", lambda: state.update(model=AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=tp_size))), state)
+        directory, dtype=torch.float32, **layout)), state)
 
     def forward():
         with torch.no_grad():
