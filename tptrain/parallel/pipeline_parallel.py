@@ -312,8 +312,9 @@ def check(model: nn.Module, resolved: ResolvedPlan, config) -> PipelinePlan:
     """Every problem of cutting `model` (whole, unsharded) as `config` (a DistributedConfig) says, as a ValueError:
     the stages, and what does not compose with pipeline parallelism yet. No process group."""
     pp = config.pp_size
-    if resolved.sequence_parallel or resolved.ep_size > 1:
-        what = "enable_sequence_parallel" if resolved.sequence_parallel else "ep_size"
+    if resolved.sequence_parallel or resolved.ep_size > 1 or (config.cp_size or 1) > 1:
+        what = ("enable_sequence_parallel" if resolved.sequence_parallel else "ep_size" if resolved.ep_size > 1
+                else "cp_size")
         raise ValueError(f"DistributedConfig(pp_size={pp}) does not compose with {what} yet (the stages exchange "
                          f"whole hidden states over the pp axis alone); drop it")
     if getattr(model.config, "output_router_logits", False):
