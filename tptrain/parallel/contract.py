@@ -87,6 +87,11 @@ class TPBlock(Protocol):
         feed a consumer that takes a split input, and a whole one a whole one (`plan._pair_problems`); a child
         reading only KV projections is laid out like them (a norm over k_proj's output). Names the module lacks
         are skipped, so one class can declare the pairs of all its variants.
+    Optional:
+    tp_input_groups: ((children reading one input), ...) (`input_groups`; absent: every colwise child of the module
+        reads the same input, as q/k/v and gate/up do): which colwise children may run as one column-parallel block
+        (one backward all-reduce). A child in no group is a block of its own. MLA's q_b_proj and kv_b_proj read
+        different latents.
     """
 
     tp_pairs: Mapping[str, tuple[str, ...]]
@@ -221,6 +226,11 @@ def has_head_loss(model: nn.Module) -> bool:
 
 def pairs(module: nn.Module) -> Mapping[str, tuple[str, ...]]:
     return module.tp_pairs if isinstance(module, TPBlock) else {}
+
+
+def input_groups(module: nn.Module) -> tuple[tuple[str, ...], ...] | None:
+    groups = getattr(module, "tp_input_groups", None)
+    return tuple(tuple(g) for g in groups) if groups is not None else None
 
 
 def kv_projections(module: nn.Module) -> tuple[str, ...]:
