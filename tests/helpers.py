@@ -77,8 +77,10 @@ def batch(vocab: int, *, seed: int = 1, b: int = 2, s: int = 16):
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every trained parameter's gradient, gathered (frozen ones, DeepSeek's e_score_correction_bias, have none)."""
     layout = model.tp_layout
-    return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
+    return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()
+            if p.requires_grad}
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -90,7 +92,8 @@ def assert_grads_match(model, ref, *, tol: dict = TOL, what: str = "grad") -> No
     """Every gathered TP gradient equals the single-device one."""
     grads = full_grads(model)
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, **tol, msg=lambda m: f"{what} of {n}: {m}")
+        if p.requires_grad:
+            torch.testing.assert_close(grads[n], p.grad, **tol, msg=lambda m: f"{what} of {n}: {m}")
 
 
 def assert_params_match(model, ref, after: str) -> None:
@@ -332,6 +335,14 @@ def _hf(path):
     return hf
 
 
+def _hf_grad(hf_grads: dict, name: str, inner: int) -> torch.Tensor:
+    """transformers' gradient for tptrain parameter `name` (its experts are fused gate_up_proj, down_proj)."""
+    if name.endswith("experts.gate_proj") or name.endswith("experts.up_proj"):
+        fused = hf_grads[name.rpartition(".")[0] + ".gate_up_proj"]
+        return fused[:, :inner] if name.endswith("gate_proj") else fused[:, inner:]
+    return hf_grads[name]
+
+
 def _route_to_first_rank(model, experts_on_rank0: int) -> None:
     """Every token's experts -> experts held by rank 0 (ids modulo its count): the other ranks' experts get none."""
     for block in model.modules():
@@ -421,3 +432,34 @@ def tiny_moe(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3_moe", **{**MOE_TRAIN_TINY, "num_experts_per_tok": 2, "output_router_logits": False})
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+# ------------------------------------------------------------------ DeepSeek-V3 (test_family_deepseek.py, test_deepseek_training.py)
+
+# MLA with low-rank q (q_lora_rank; None: one q_proj), YaRN with both mscales (the softmax scale changes too), 8 experts
+# in 4 groups of which each token sees 2, top-2, one shared expert, the first layer dense.
+DEEPSEEK_TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                     n_routed_experts=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+                     qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+                     max_position_embeddings=256, eos_token_id=2, pad_token_id=0,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 1.0, "mscale_all_dim": 0.707, "rope_theta": 10000.0})
+
+
+def deepseek_checkpoint(directory: Path, **overrides) -> Path:
+    """A tiny random DeepSeek-V3 written by transformers' save_pretrained (hub layout), every parameter random and
+    the routers' e_score_correction_bias too (a buffer in transformers: randomized apart)."""
+    import transformers
+
+    from tests.family_utils import randomize
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**DEEPSEEK_TINY, **overrides})).eval()
+    randomize(hf)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    hf.save_pretrained(directory)
+    return directory

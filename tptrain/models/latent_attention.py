@@ -3,7 +3,7 @@ from one shared low-rank latent, and RoPE on a decoupled slice of each head (one
 
 Single-device code with transformers' parameter names (DeepseekV3Attention). Under tensor parallelism the per-head
 projections (q_b_proj or q_proj, kv_b_proj) are split by heads and o_proj by its input; the latents are computed
-whole on every rank. Head counts come from the tensor shapes, never from the config.
+whole on every rank (kv_a_proj_with_mqa's RoPE key, read by every head, through the 'mla_kv_a_proj' style). Head counts come from the tensor shapes, never from the config.
 """
 from __future__ import annotations
 
@@ -19,12 +19,10 @@ from tptrain.models.rope import apply_rotary, deinterleave
 class LatentAttention(nn.Module):
     # The plan check's facts (parallel/contract.py): split by heads, every head has its own k and v (no KV
     # projection to replicate); o_proj reads the per-head projections; each per-head projection reads the latent
-    # norm before it, which has no rule (whole on every rank); and the two read different inputs (q's latent or x,
-    # and kv's latent), so they are not one column-parallel block.
+    # norm before it, which has no rule (whole on every rank).
     tp_kv_projections = ()
     tp_pairs = {"o_proj": ("q_proj", "q_b_proj", "kv_b_proj"), "q_b_proj": ("q_a_layernorm",),
                 "kv_b_proj": ("kv_a_layernorm",)}
-    tp_input_groups = (("q_proj", "q_b_proj"), ("kv_b_proj",))
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -42,6 +40,8 @@ class LatentAttention(nn.Module):
         else:
             self.q_proj = nn.Linear(hidden, q_rows, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope_dim, bias=bias)
+        # Its last rope_dim features, the RoPE key, are read by every head: 'mla_kv_a_proj' sums their gradient.
+        self.kv_a_proj_with_mqa.tp_replicated_tail = self.rope_dim
         self.kv_a_layernorm = rms_norm(config, self.kv_rank)
         self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)

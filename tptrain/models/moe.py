@@ -117,7 +117,7 @@ class GroupLimitedRouter(nn.Module):
     """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores; a token picks its top-k experts
     by score + `e_score_correction_bias` among the `topk_group` best of `n_group` groups (a group's worth: the sum
     of its two best), weighted by the score alone, renormalised (`norm_topk_prob`) and scaled by
-    `routed_scaling_factor`. In fp32 whatever the model's dtype, as transformers. The bias is the aux-loss-free
+    `routed_scaling_factor`. In fp32 for bf16/fp32 models, as transformers (fp64 stays fp64: exact tests). The bias is the aux-loss-free
     balancing term, set outside backprop: a frozen parameter (loaded, saved and checkpointed, never trained)."""
 
     def __init__(self, config) -> None:
@@ -128,10 +128,11 @@ class GroupLimitedRouter(nn.Module):
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (tokens, hidden) -> (logits (tokens, experts), weights, expert ids (tokens, k)), fp32."""
-        logits = F.linear(x.float(), self.weight.float())
+        """x (tokens, hidden) -> (logits (tokens, experts), weights, expert ids (tokens, k)), at least fp32."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
         scores = logits.sigmoid()
-        choice = scores.detach() + self.e_score_correction_bias.float()  # picks; the weights come from `scores`
+        choice = scores.detach() + self.e_score_correction_bias.to(dtype)  # picks; the weights come from `scores`
         groups = choice.view(choice.shape[0], self.n_group, -1)  # (tokens, n_group, experts per group)
         best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1, sorted=False).indices
         kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (tokens, n_group)

@@ -87,11 +87,6 @@ class TPBlock(Protocol):
         feed a consumer that takes a split input, and a whole one a whole one (`plan._pair_problems`); a child
         reading only KV projections is laid out like them (a norm over k_proj's output). Names the module lacks
         are skipped, so one class can declare the pairs of all its variants.
-    Optional:
-    tp_input_groups: ((children reading one input), ...) (`input_groups`; absent: every colwise child of the module
-        reads the same input, as q/k/v and gate/up do): which colwise children may run as one column-parallel block
-        (one backward all-reduce). A child in no group is a block of its own. MLA's q_b_proj and kv_b_proj read
-        different latents.
     """
 
     tp_pairs: Mapping[str, tuple[str, ...]]
@@ -228,14 +223,14 @@ def pairs(module: nn.Module) -> Mapping[str, tuple[str, ...]]:
     return module.tp_pairs if isinstance(module, TPBlock) else {}
 
 
-def input_groups(module: nn.Module) -> tuple[tuple[str, ...], ...] | None:
-    groups = getattr(module, "tp_input_groups", None)
-    return tuple(tuple(g) for g in groups) if groups is not None else None
-
-
 def kv_projections(module: nn.Module) -> tuple[str, ...]:
     return tuple(module.tp_kv_projections) if isinstance(module, TPAttention) else ()
 
 
 def segments(module: nn.Module) -> Segments:
     return tuple(getattr(module, "tp_segments", None) or ())
+
+
+def replicated_tail(module: nn.Module) -> int:
+    """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
+    return int(getattr(module, "tp_replicated_tail", 0) or 0)

@@ -159,18 +159,16 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
 
 
 def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[nn.Module, ...]]:
-    """id(colwise module) -> its colwise siblings (same parent, itself included) that read one input (q/k/v,
-    gate/up; the parent's `tp_input_groups` where it declares them) and so may run as one fused block. A sibling
-    first called on another input starts a block of its own there (the others' outputs of that block go unused:
-    correct, only wasted work)."""
-    by_input: dict[tuple[str, object], list[nn.Module]] = {}
+    """id(colwise module) -> its colwise siblings (same parent, itself included): the linears that read one input
+    (q/k/v, gate/up) and so may run as one fused block. A sibling first called on another input starts a block
+    of its own there (the others' outputs of that block go unused: correct, only wasted work); siblings of another
+    input width (Qwen3.5's linear attention: in_proj_* and out_proj) can never read one input, so are not grouped."""
+    by_parent: dict[tuple[str, int], list[nn.Module]] = {}
     for name, style in resolved.objects.items():
         if isinstance(style, ColwiseParallel):
-            parent, _, leaf = name.rpartition(".")
-            groups = contract.input_groups(model.get_submodule(parent))
-            key = 0 if groups is None else next((i for i, g in enumerate(groups) if leaf in g), leaf)
-            by_input.setdefault((parent, key), []).append(model.get_submodule(name))
-    return {id(m): tuple(members) for members in by_input.values() for m in members}
+            module = model.get_submodule(name)
+            by_parent.setdefault((name.rpartition(".")[0], module.weight.shape[-1]), []).append(module)
+    return {id(m): tuple(members) for members in by_parent.values() for m in members}
 
 
 def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group, ep_group=None) -> TPLayout:

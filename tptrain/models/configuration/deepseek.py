@@ -9,13 +9,15 @@ from typing import Any, ClassVar
 from tptrain.models.configuration.base import PretrainedConfig, rope_type_of
 from tptrain.models.configuration.moe import _DENSE_MLP_TP_PLAN, MoeConfig
 
-# The MLA heads split over tp by their per-head projections (q_b_proj or q_proj, kv_b_proj) and o_proj; the low-rank
-# down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms have no rule: replicated, each rank computes the
-# whole latent (their gradients arrive whole: the colwise boundary after them sums its input gradient).
+# transformers' DeepSeek-V2 attention plan: the MLA heads split over tp by their per-head projections (q_b_proj or
+# q_proj, kv_b_proj) and o_proj; the low-rank down-projections and their norms whole on every rank (their gradients
+# arrive whole: the colwise boundary after them sums its input gradient), except kv_a_proj_with_mqa's RoPE key, read
+# straight by this rank's heads, whose partial gradient 'mla_kv_a_proj' sums.
 _MLA_TP_PLAN = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.q_b_proj": "colwise",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
 }
@@ -124,7 +126,8 @@ class DeepseekV3Config(MoeConfig, PretrainedConfig):
 
     @property
     def attention_tp_plan(self) -> dict[str, str]:
-        return _MLA_TP_PLAN
+        absent = "q_b_proj" if self.q_lora_rank is None else "q_proj"  # a rule must match a module
+        return {k: v for k, v in _MLA_TP_PLAN.items() if not k.endswith(f".{absent}")}
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:
