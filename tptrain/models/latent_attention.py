@@ -17,10 +17,10 @@ from tptrain.models.rope import apply_rotary, deinterleave
 
 
 class LatentAttention(nn.Module):
-    # The plan check's facts (parallel/contract.py): split by heads, every head has its own k and v (no KV
-    # projection to replicate); o_proj reads the per-head projections; each per-head projection reads the latent
-    # norm before it, which has no rule (whole on every rank).
-    tp_kv_projections = ()
+    # The plan check's facts (parallel/contract.py): split by heads, kv_b_proj's rows are the key/value heads
+    # (num_key_value_heads == num_attention_heads: never replicated); o_proj reads the per-head projections; each
+    # per-head projection reads the latent norm before it, which has no rule (whole on every rank).
+    tp_kv_projections = ("kv_b_proj",)
     tp_pairs = {"o_proj": ("q_proj", "q_b_proj", "kv_b_proj"), "q_b_proj": ("q_a_layernorm",),
                 "kv_b_proj": ("kv_a_layernorm",)}
 
