@@ -170,3 +170,18 @@ def test_mla_and_experts_over_tp_and_ep_equal_one_process(checkpoints, world, tm
     if world == 2:  # saved at tp 2 under both expert layouts: the hub's tensors, bit for bit
         for layout in ("etp", "ep"):
             _assert_same_checkpoint(checkpoints["q_lora"][0], tmp_path / layout)
+
+
+def test_plan_of_the_published_size():
+    """`tptrain plan` of DeepSeek-V3 as published (the config's defaults, on meta): 671B parameters, the MLA heads
+    split over 8 ranks, the latents whole, 32 of the 256 experts per rank."""
+    from tptrain.diagnostics.plan_report import plan_report
+    report = plan_report(DeepseekV3Config(), 8, expert_parallel=True)
+    assert not report.problems, report.problems
+    text = report.text
+    assert "of 2684.11 GB in all" in text, text[-300:]  # 671.03e9 fp32 parameters
+    assert "32 whole expert(s) per rank" in text and "58 MoE layer(s) x 256 experts" in text
+    rows = {tuple(line.split()[:3]) for line in text.splitlines()}
+    assert ("model.layers.[0-60].self_attn.kv_a_proj_with_mqa", "mla_kv_a_proj", "weight") in rows
+    q_b = next(line.split() for line in text.splitlines() if ".q_b_proj " in line)
+    assert " ".join(q_b[3:7]) == "(24576, 1536) (3072, 1536)"  # 128 heads x 192 rows, 16 heads per rank
