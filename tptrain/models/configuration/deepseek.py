@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and the models built on it: Kimi K2, DeepSeek V3.1): multi-head latent attention, a sigmoid router
+"""DeepSeek-V3 (and V3.1, same model_type): multi-head latent attention, a sigmoid router
 with group-limited top-k and a score-correction bias, shared experts, the first layers dense."""
 from __future__ import annotations
 
