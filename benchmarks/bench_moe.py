@@ -186,7 +186,8 @@ def _launch(spec: dict, timeout: float) -> list[dict] | str:
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout:.0f}s"
         if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.splitlines() or ["?"]
+            lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln and "ChildFailedError" not in ln
+                     ] or proc.stderr.splitlines() or ["?"]  # the worker's error, not torchrun's wrapper
             return "failed: " + lines[-1][:200]
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_nproc(spec["run"]))]
 
