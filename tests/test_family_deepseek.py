@@ -54,6 +54,17 @@ def test_logits_loss_and_grads_match_transformers(checkpoints):
                 torch.testing.assert_close(p.grad, want, **HF_TOL, msg=lambda m: f"{name}: grad of {n}: {m}")
 
 
+def test_bf16_arithmetic_is_transformers(checkpoints):
+    """Norms, interleaved RoPE, the MLA softmax scale, fp32 routing and the expert sums, bit for bit in bf16."""
+    import transformers
+    path = checkpoints["q_lora"][0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf.set_experts_implementation("eager")
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch()[0]).logits, hf(batch()[0]).logits, rtol=0, atol=0)
+
+
 def test_routing_is_group_limited_and_biased(checkpoints):
     """Each token's experts lie in topk_group of the n_group groups, picked by score + bias, weighted by the score
     alone (renormalised, times routed_scaling_factor); plain top-k differs on this input, so the limit is real."""
