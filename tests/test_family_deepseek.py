@@ -59,6 +59,7 @@ def test_bf16_arithmetic_is_transformers(checkpoints):
     import transformers
     path = checkpoints["q_lora"][0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32  # as transformers keeps it
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     hf.set_experts_implementation("eager")
     with torch.no_grad():

@@ -118,12 +118,17 @@ class GroupLimitedRouter(nn.Module):
     by score + `e_score_correction_bias` among the `topk_group` best of `n_group` groups (a group's worth: the sum
     of its two best), weighted by the score alone, renormalised (`norm_topk_prob`) and scaled by
     `routed_scaling_factor`. In fp32 for bf16/fp32 models, as transformers (fp64 stays fp64: exact tests). The bias is the aux-loss-free
-    balancing term, set outside backprop: a frozen parameter (loaded, saved and checkpointed, never trained)."""
+    balancing term, set outside backprop: a frozen parameter (loaded, saved and checkpointed, never trained), kept in
+    at least fp32 in a bf16 model (`keep_in_float32`, read by the loader; transformers' `_keep_in_fp32_modules_strict`):
+    scores of neighbouring experts differ by less than bf16 resolves."""
+
+    keep_in_float32 = ("e_score_correction_bias",)
 
     def __init__(self, config) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+        wide = torch.promote_types(torch.get_default_dtype(), torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=wide), requires_grad=False)
         self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
 
