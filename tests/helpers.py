@@ -5,8 +5,9 @@ and hand-written reference loop; private-memory sampling; the fault tests' proce
 model families' tiny configs, and what the OLMo and MoE files share.
 
 Beside it: dist_utils.py (run a function on N ranks), family_utils.py (the family tests' batch and transformers
-reference), sft_utils.py (the SFT tests' tokenizer and chat templates). The Trainer's modules are imported inside the
-functions that use them: the ranks spawned for a test import its module, and so this one.
+reference), sft_utils.py (the SFT tests' tokenizer and chat templates), deepseek_utils.py (DeepSeek-V3's tiny
+checkpoint). The Trainer's modules are imported inside the functions that use them: the ranks spawned for a test
+import its module, and so this one.
 """
 from __future__ import annotations
 
@@ -433,33 +434,3 @@ def tiny_moe(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config = AutoConfig.for_model("qwen3_moe", **{**MOE_TRAIN_TINY, "num_experts_per_tok": 2, "output_router_logits": False})
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
-
-# ------------------------------------------------------------------ DeepSeek-V3 (test_family_deepseek.py, test_deepseek_training.py)
-
-# MLA with low-rank q (q_lora_rank; None: one q_proj), YaRN with both mscales (the softmax scale changes too), 8 experts
-# in 4 groups of which each token sees 2, top-2, one shared expert, the first layer dense.
-DEEPSEEK_TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                     n_routed_experts=8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-                     qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
-                     max_position_embeddings=256, eos_token_id=2, pad_token_id=0,
-                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                      "mscale": 1.0, "mscale_all_dim": 0.707, "rope_theta": 10000.0})
-
-
-def deepseek_checkpoint(directory: Path, **overrides) -> Path:
-    """A tiny random DeepSeek-V3 written by transformers' save_pretrained (hub layout), every parameter random and
-    the routers' e_score_correction_bias too (a buffer in transformers: randomized apart)."""
-    import transformers
-
-    from tests.family_utils import randomize
-    torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**DEEPSEEK_TINY, **overrides})).eval()
-    randomize(hf)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    hf.save_pretrained(directory)
-    return directory

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from tests.deepseek_utils import deepseek_checkpoint
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch
-from tests.helpers import F64, MOE_HF_TOL as HF_TOL, _hf, deepseek_checkpoint, reference_losses, tiny_dataset, \
-    training_args
+from tests.helpers import F64, MOE_HF_TOL as HF_TOL, _hf, reference_losses, tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model

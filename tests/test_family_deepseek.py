@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from tests.deepseek_utils import DEEPSEEK_TINY, deepseek_checkpoint
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch, check_against_hf, hf_reference
-from tests.helpers import (DEEPSEEK_TINY, F64, MOE_HF_TOL as HF_TOL, TOL, _hf, _hf_grad, assert_trains_like,
-                           deepseek_checkpoint, full_grads)
+from tests.helpers import F64, MOE_HF_TOL as HF_TOL, TOL, _hf, _hf_grad, assert_trains_like, full_grads
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.distributed.topology import dp_mesh
 from tptrain.models import AutoConfig, DeepseekV3Config
