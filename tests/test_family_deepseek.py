@@ -27,10 +27,11 @@ from tptrain.models import AutoConfig, DeepseekV3Config
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """{"q_lora": ..., "q_proj": ...}: (directory written by transformers, its fp64 logits and loss on batch())."""
+    """{"q_lora": ..., "q_proj": ...}: (directory written by transformers, its fp64 logits and loss on batch()); the
+    second also rotates its RoPE features as halves, not interleaved pairs."""
     out = {}
-    for name, q_lora_rank in (("q_lora", 24), ("q_proj", None)):
-        path = deepseek_checkpoint(tmp_path_factory.mktemp(name), q_lora_rank=q_lora_rank)
+    for name, keys in (("q_lora", {}), ("q_proj", dict(q_lora_rank=None, rope_interleave=False))):
+        path = deepseek_checkpoint(tmp_path_factory.mktemp(name), **keys)
         out[name] = path, hf_reference(_hf(path))
     return out
 
