@@ -198,3 +198,13 @@ def test_plan_of_the_published_size():
     assert ("model.layers.[0-60].self_attn.kv_a_proj_with_mqa", "mla_kv_a_proj", "weight") in rows
     q_b = next(line.split() for line in text.splitlines() if ".q_b_proj " in line)
     assert " ".join(q_b[3:7]) == "(24576, 1536) (3072, 1536)"  # 128 heads x 192 rows, 16 heads per rank
+
+
+def test_layouts_that_cannot_work_are_named(checkpoints):
+    """Checked on the config alone (what `tptrain plan` and from_pretrained run on every rank before any collective):
+    more ranks than heads; sequence parallelism (the latents and the router would see a sequence shard)."""
+    from tptrain.diagnostics.plan_report import plan_report
+    config = AutoConfig.from_pretrained(checkpoints["q_lora"][0])
+    assert any("num_attention_heads=4 is not divisible by tp_size=8" in p for p in plan_report(config, 8).problems)
+    problems = plan_report(config, 2, sequence_parallel=True).problems
+    assert any("kv_a_layernorm" in p and "sequence parallelism" in p for p in problems), problems
