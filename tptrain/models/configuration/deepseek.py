@@ -35,6 +35,7 @@ class DeepseekV3Config(MoeConfig, PretrainedConfig):
     model_type: ClassVar[str] = "deepseek_v3"
     experts_key: ClassVar[str] = "n_routed_experts"
     router_scoring: ClassVar[str] = "sigmoid"
+    router_weights_in_float32: ClassVar[bool] = True  # the sigmoid router's weights stay fp32, as transformers'
     foreign_router_keys: ClassVar[tuple[str, ...]] = ("router_type",)
 
     vocab_size: int = 129280
