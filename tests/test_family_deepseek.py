@@ -55,6 +55,23 @@ def test_logits_loss_and_grads_match_transformers(checkpoints):
                 torch.testing.assert_close(p.grad, want, **HF_TOL, msg=lambda m: f"{name}: grad of {n}: {m}")
 
 
+def test_native_equals_the_transformers_backend(checkpoints):
+    """The same checkpoint through tptrain's engine on transformers' DeepSeek-V3 code: logits, loss, gradients."""
+    path, _ = checkpoints["q_lora"]
+    backend = AutoModelForCausalLM.from_pretrained(path, dtype=F64, backend="transformers")
+    backend.hf_model.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
+    native = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
+    ids, labels = batch()
+    theirs, ours = backend(ids, labels=labels, return_logits=True), native(ids, labels=labels, return_logits=True)
+    torch.testing.assert_close(ours.logits, theirs.logits, **HF_TOL)
+    torch.testing.assert_close(ours.loss, theirs.loss, **HF_TOL)
+    theirs.loss.backward(), ours.loss.backward()
+    grads = {n: p.grad for n, p in backend.named_parameters()}
+    for n, p in native.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, _hf_grad(grads, n, 16), **HF_TOL, msg=lambda m: f"grad of {n}: {m}")
+
+
 def test_bf16_arithmetic_is_transformers(checkpoints):
     """Norms, interleaved RoPE, the MLA softmax scale, fp32 routing and the expert sums, bit for bit in bf16."""
     import transformers
