@@ -222,7 +222,8 @@ def main() -> None:
 def _table(results: dict, args) -> str:
     shape = MODELS[args.model][2]
     rows = [f"bench_moe.py --model {args.model} --steps {args.steps} --warmup {args.warmup}: {args.model} shape "
-            f"(8 experts, top-2, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}), batch {BATCH} x {SEQ}, "
+            f"(8 experts, top-2, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}), "
+            f"batch {BATCH} x {SEQ}, "
             "fp32, gloo, 1 thread per rank (2 ranks; 1 for the one-process rows)", "",
             "| run | step s | vs peer | bytes sent/step/rank | vs peer | peak anon MB/rank | loss step 0 |",
             "|---|---|---|---|---|---|---|"]

@@ -250,8 +250,8 @@ class PreTrainedModel(nn.Module):
                 t = key.read(reader, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
                              ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
             else:
-                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=_load_dtype(self, name, dtype),
-                               device=device)
+                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank,
+                               dtype=_load_dtype(self, name, dtype), device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, p in list(self.named_parameters(remove_duplicate=False)):
             mod_name, _, pname = name.rpartition(".")

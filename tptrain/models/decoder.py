@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
-                                          MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
-                                          OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
-                                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+from tptrain.models.configuration import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GraniteConfig,
+                                          LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
+                                          Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PretrainedConfig,
+                                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, tanh_softcap,
                                    softcapped_attention, split_fused)
 from tptrain.models.latent_attention import LatentAttention

@@ -3,7 +3,8 @@ from one shared low-rank latent, and RoPE on a decoupled slice of each head (one
 
 Single-device code with transformers' parameter names (DeepseekV3Attention). Under tensor parallelism the per-head
 projections (q_b_proj or q_proj, kv_b_proj) are split by heads and o_proj by its input; the latents are computed
-whole on every rank (kv_a_proj_with_mqa's RoPE key, read by every head, through the 'mla_kv_a_proj' style). Head counts come from the tensor shapes, never from the config.
+whole on every rank (kv_a_proj_with_mqa's RoPE key, read by every head, through the 'mla_kv_a_proj' style). Head
+counts come from the tensor shapes, never from the config.
 """
 from __future__ import annotations
 

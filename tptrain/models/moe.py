@@ -117,10 +117,10 @@ class GroupLimitedRouter(nn.Module):
     """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores; a token picks its top-k experts
     by score + `e_score_correction_bias` among the `topk_group` best of `n_group` groups (a group's worth: the sum
     of its two best), weighted by the score alone, renormalised (`norm_topk_prob`) and scaled by
-    `routed_scaling_factor`. In fp32 for bf16/fp32 models, as transformers (fp64 stays fp64: exact tests). The bias is the aux-loss-free
-    balancing term, set outside backprop: a frozen parameter (loaded, saved and checkpointed, never trained), kept in
-    at least fp32 in a bf16 model (`keep_in_float32`, read by the loader; transformers' `_keep_in_fp32_modules_strict`):
-    scores of neighbouring experts differ by less than bf16 resolves."""
+    `routed_scaling_factor`. In fp32 for bf16/fp32 models, as transformers (fp64 stays fp64: exact tests).
+    The bias is the aux-loss-free balancing term, set outside backprop: a frozen parameter (loaded, saved and
+    checkpointed, never trained), kept in at least fp32 in a bf16 model (`keep_in_float32`, read by the loader;
+    transformers' `_keep_in_fp32_modules_strict`): scores of neighbouring experts differ by less than bf16 resolves."""
 
     keep_in_float32 = ("e_score_correction_bias",)
 
