@@ -252,6 +252,11 @@ def mask_builder(model: nn.Module):
     return getattr(base_model(model), "attention_masks", None)
 
 
+def replicated_tail(module: nn.Module) -> int:
+    """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
+    return int(getattr(module, "tp_replicated_tail", 0) or 0)
+
+
 @runtime_checkable
 class PipelineModel(Protocol):
     """What a model offers to be cut into pipeline stages (parallel/pipeline_parallel.py; absent: pp_size > 1 is
