@@ -110,6 +110,16 @@ def test_unsupported_router_options_name_the_key(key, value):
         Qwen3MoeConfig.from_dict({**TINY, "num_experts": 4, "model_type": "qwen3_moe", key: value})
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_a_shared_expert_key_the_family_ignores_builds_none(model_type):
+    """transformers keeps any keyword in config.json; these families' models never read this one, nor does tptrain."""
+    config_class = type(AutoConfig.for_model(model_type))
+    config = config_class.from_dict({**TINY, "num_experts": 4, "model_type": model_type,
+                                     "shared_expert_intermediate_size": 32})
+    assert config.shared_expert_intermediate_size is None
+    assert not any("shared_expert" in k for k in config.base_model_tp_plan)
+
+
 def _equivalence(model, ref, *, steps: int = 3) -> None:
     """Logits, loss, gradients of every parameter and `steps` AdamW steps equal the single-device `ref`'s."""
     ids, labels = batch(seed=2)

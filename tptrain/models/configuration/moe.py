@@ -39,6 +39,7 @@ class MoeConfig(PretrainedConfig):
     # How the router scores experts: "softmax" (top-k of the softmax) or "sigmoid" (DeepSeek-V3's group-limited
     # top-k of sigmoid scores, models/moe.py GroupLimitedRouter).
     router_scoring: ClassVar[str] = "softmax"
+    unread_keys: ClassVar[tuple[str, ...]] = ()  # keys of other MoE families that this family's model ignores
     # Router options of other MoE families: refused when config.json has them, rather than ignored.
     foreign_router_keys: ClassVar[tuple[str, ...]] = ("router_type", "scoring_func", "topk_method", "n_group",
                                                       "topk_group", "routed_scaling_factor")
@@ -117,7 +118,12 @@ class MoeConfig(PretrainedConfig):
         for key in ("num_local_experts", "num_experts"):  # either spelling (transformers' attribute_map)
             if key in d:
                 d["num_experts"] = d.pop(key)
-        return super().from_dict(d)
+        # A key this family's transformers model never reads (a config.json may carry it: transformers keeps any
+        # keyword it is given) must not build a piece the checkpoint does not hold.
+        foreign = {key: d.pop(key) for key in cls.unread_keys if key in d}
+        config = super().from_dict(d)
+        config.extra.update(foreign)
+        return config
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -125,6 +131,7 @@ class Qwen3MoeConfig(MoeConfig, Qwen3Config):
     """Qwen3-MoE: Qwen3 attention (per-head q/k norms), MoE layers with softmax top-k routing."""
 
     model_type: ClassVar[str] = "qwen3_moe"
+    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size",)  # no shared expert
 
     intermediate_size: int = 6144
     moe_intermediate_size: int | None = 768
@@ -146,6 +153,7 @@ class MixtralConfig(MoeConfig, MistralConfig):
     is `block_sparse_moe` and expert i's projections `w1` (gate), `w3` (up), `w2` (down)."""
 
     model_type: ClassVar[str] = "mixtral"
+    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size",)  # no shared expert
     experts_key: ClassVar[str] = "num_local_experts"
     expert_checkpoint_module: ClassVar[str] = "block_sparse_moe"
     expert_checkpoint_names: ClassVar[dict[str, str]] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -207,6 +215,7 @@ class OlmoeConfig(MoeConfig, PretrainedConfig):
     under TP, as OLMo 2), MoE in every layer."""
 
     model_type: ClassVar[str] = "olmoe"
+    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size",)  # no shared expert
     qk_norm: ClassVar[str | None] = "width"
 
     vocab_size: int = 50304
