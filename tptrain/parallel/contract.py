@@ -229,3 +229,14 @@ def kv_projections(module: nn.Module) -> tuple[str, ...]:
 
 def segments(module: nn.Module) -> Segments:
     return tuple(getattr(module, "tp_segments", None) or ())
+
+
+def param_specs(module: nn.Module) -> Mapping[str, Any]:
+    """{own parameter: ShardSpec} a module declares for its parameters one by one (`tp_param_specs`: the
+    transformers backend's per-parameter rules, read by 'local_params' / 'moe_tp_experts'; absent: {})."""
+    return dict(getattr(module, "tp_param_specs", None) or {})
+
+
+def replicated_tail(module: nn.Module) -> int:
+    """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
+    return int(getattr(module, "tp_replicated_tail", 0) or 0)

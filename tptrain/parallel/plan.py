@@ -196,6 +196,8 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
         specs = {name: dataclasses.replace(spec, ep_split=True) if name.rpartition(".")[0] in _experts(objects)
                  else spec for name, spec in specs.items()}
     head = _output_head(model)
+    if head in objects:
+        objects[head].output_head = True
     return ResolvedPlan(tp_size, sequence_parallel, styles, objects, specs,
                         list(dict.fromkeys(problems + layout_problems)),
                         vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)
