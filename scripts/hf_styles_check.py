@@ -24,7 +24,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_experts_per_tok=2, shared_expert_intermediate_size=32, first_k_dense_replace=0, sliding_window=16)
 # What a type's tiny config needs beyond TINY (its own field names, consistent sizes).
 EXTRA: dict[str, dict] = {
-    "minicpm3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
+    "minicpm3": dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
     "nemotron_h": dict(hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
                        ssm_state_size=16, layers_block_type=None),
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),

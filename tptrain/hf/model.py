@@ -17,6 +17,7 @@ names, hooks and `.to()` are the same as for a native model.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -29,8 +30,9 @@ from torch import nn
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, translate_plan,
-                             unplanned_parameters)
+from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
+                             translate_plan, unplanned_modules, unplanned_parameters)
+from tptrain.hf.probe import split_readers
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel, _SkipInit
 from tptrain.models.configuration import load_config_dict
@@ -117,6 +119,26 @@ class TransformersCausalLM(PreTrainedModel):
         self._tp_plan = translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})  # the head (class-level)
         declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
                          self.config)
+        self._whole_readers = self._rule_unplanned(prefix)
+
+    def _rule_unplanned(self, prefix: str) -> set[str]:
+        """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
+        (hf/probe.py, on a meta copy): those reading this rank's share of the features get
+        'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
+        activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
+        styles = resolve_names(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
+        candidates = unplanned_modules(self, styles)
+        if not candidates:
+            return set()
+        config = copy.deepcopy(self.config)
+        config._attn_implementation = "eager"  # sdpa's meta kernel refuses grouped KV heads
+        with torch.device("meta"), _SkipInit():
+            meta_model = type(self.hf_model)(config)
+        kinds = split_readers(meta_model, styles, candidates) or {}
+        for name, kind in kinds.items():
+            if kind == "per_part" and name.startswith(prefix + "."):
+                self.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
+        return {name for name, kind in kinds.items() if kind == "whole"}
 
     # ------------------------------------------------------------------ building
 
@@ -152,19 +174,24 @@ class TransformersCausalLM(PreTrainedModel):
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
         super()._load(reader, device, dtype, rank=rank, ep_rank=ep_rank)
-        self._materialise_buffers(device)
+        self._materialise_buffers(device, reader)
 
     @torch.no_grad()
-    def _materialise_buffers(self, device: torch.device) -> None:
-        """Buffers built on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
-        transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
-        parameters are marked initialised, so its init functions leave them alone."""
+    def _materialise_buffers(self, device: torch.device, reader) -> None:
+        """Buffers built on meta: read whole if the checkpoint holds them (persistent ones: Apertus' xIELU beta),
+        else (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by transformers' own
+        `_init_weights` on the real device, as transformers does after loading: the loaded parameters are marked
+        initialised, so its init functions leave them alone."""
         for name, module in self.named_modules():
             meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+            for b in [b for b in meta if f"{name}.{b}" in reader]:
+                module._buffers[b] = reader.read(f"{name}.{b}", dtype=module._buffers[b].dtype, device=device)
+            meta = [b for b in meta if f"{name}.{b}" not in reader]
             if not meta:
                 continue
             for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
-                module._buffers[b] = torch.full_like(module._buffers[b], float("nan"), device=device)
+                buf = module._buffers[b]
+                module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
             params = list(module.parameters(recurse=False))
             for p in params:
                 p._is_hf_initialized = True
@@ -189,7 +216,7 @@ class TransformersCausalLM(PreTrainedModel):
         """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
         if tp_size == 1:
             return []
-        unplanned = [re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles)]
+        unplanned = [re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles, self._whole_readers)]
         return list(dict.fromkeys([*self._parameter_rules.values(), *unplanned]))
 
     def _apply_plan(self, resolved, distributed_config, *, reader=None, dtype=None):

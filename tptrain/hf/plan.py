@@ -125,10 +125,7 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
     """
-    styles: dict[str, str] = {}
-    names = [n for n, _ in model.named_modules() if n]
-    for glob, style in plan.items():
-        styles.update({n: style for n in names if _matches(glob, n)})
+    styles = resolve_names(model, plan)
     heads = config.num_attention_heads
     n_kv = contract.kv_heads(config)
     rope = getattr(config, "qk_rope_head_dim", None)  # MLA: the shared RoPE key at the end of kv_a_proj's output
@@ -149,12 +146,18 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
                                               None)
 
 
-def unplanned_parameters(model: nn.Module, styles: dict[str, str]) -> list[str]:
-    """Problems: modules with parameters inside a split region (under a module with `tp_pairs`) that the plan
-    gives no rule. Under TP they see this rank's share of the features with a whole weight, which
-    transformers' plan does not say how to handle (a per-head norm needs 'replicated_with_grad_allreduce'; a
-    norm over all heads cannot run on a shard)."""
-    problems = []
+def resolve_names(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module name: style} of `plan` (full-name globs; later rules win)."""
+    names = [n for n, _ in model.named_modules() if n]
+    styles: dict[str, str] = {}
+    for glob, style in plan.items():
+        styles.update({n: style for n in names if _matches(glob, n)})
+    return styles
+
+
+def unplanned_modules(model: nn.Module, styles: dict[str, str]) -> list[str]:
+    """Modules with parameters inside a split region (under a module with `tp_pairs`) that the plan gives no rule."""
+    out = []
     for owner, module in model.named_modules():
         pairs = contract.pairs(module)
         if not pairs:
@@ -162,12 +165,31 @@ def unplanned_parameters(model: nn.Module, styles: dict[str, str]) -> list[str]:
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}
         for name, sub in module.named_modules():
             full = f"{owner}.{name}"
-            if not name or name.split(".")[0] in known or full in styles:
-                continue
-            params = [p for p, _ in sub.named_parameters(recurse=False)]
-            if params:
-                problems.append(f"{full} ({type(sub).__name__}, parameters {params}) sits between the split "
-                                f"projections of {owner} but the plan has no rule for it, so it would see one "
-                                f"rank's share of the features with a whole weight; give it a tp_plan rule "
-                                f"('replicated_with_grad_allreduce' if it acts on each head alone) or use tp_size=1")
+            if name and name.split(".")[0] not in known and full not in styles and any(
+                    True for _ in sub.parameters(recurse=False)):
+                out.append(full)
+    return out
+
+
+def unplanned_parameters(model: nn.Module, styles: dict[str, str], whole: set[str] = frozenset()) -> list[str]:
+    """Problems: the unplanned modules inside a split region, except those known to read only whole activations
+    (`whole`, from hf/probe.py). Under TP they may see this rank's share of the features with a whole weight,
+    which transformers' plan does not say how to handle (a per-head norm needs 'replicated_with_grad_allreduce';
+    a norm over all heads cannot run on a shard)."""
+    problems = []
+    for full in unplanned_modules(model, styles):
+        if full in whole:
+            continue
+        sub = model.get_submodule(full)
+        params = [p for p, _ in sub.named_parameters(recurse=False)]
+        owner = next(o for o in _parents(full) if contract.pairs(model.get_submodule(o)))
+        problems.append(f"{full} ({type(sub).__name__}, parameters {params}) sits between the split "
+                        f"projections of {owner} but the plan has no rule for it, so it would see one "
+                        f"rank's share of the features with a whole weight; give it a tp_plan rule "
+                        f"('replicated_with_grad_allreduce' if it acts on each head alone) or use tp_size=1")
     return problems
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
