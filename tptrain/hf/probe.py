@@ -61,8 +61,11 @@ def _reader(name: str, module: nn.Module, marks, seen: dict[str, str]):
         if not widths:
             seen.setdefault(name, "whole")
             return
-        # A parameter spanning the split features: a dim as wide as the split output it reads.
-        spans = any(w in p.shape for p in m.parameters(recurse=False) for w in widths if p.dim() >= 1 and w > 1)
+        # Per part only if every parameter is a scalar or a vector over the input's last dim that is not the split
+        # width itself (a per-head norm over head_dim); anything else (a (heads, head_dim) weight, a norm over the
+        # whole split width) spans the split features.
+        spans = any(p.dim() > 1 or p.numel() > 1 and (p.shape[0] != x.shape[-1] or x.shape[-1] in widths)
+                    for p in m.parameters(recurse=False))
         seen[name] = "spanning" if spans or seen.get(name) == "spanning" else "per_part"
     return hook
 
