@@ -3,7 +3,7 @@ type a tiny random checkpoint written by transformers' own save_pretrained, load
 `AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N))` on N gloo ranks
 (one process group for all types), its fp64 logits compared with transformers' on one process, and a backward.
 
-    PYTHONPATH=. .venv/bin/python scripts/hf_styles_check.py --tp-size 2 gemma glm apertus
+    PYTHONPATH=. .venv/bin/python scripts/hf_styles_check.py --tp-size 2 [--ep] gemma glm apertus
 
 Prints one line per type: OK (max |logits difference|) or the first error. For the layouts (styles), not the
 load-time conversions (scripts/hf_checkpoint_survey.py surveys every type).
@@ -48,7 +48,7 @@ def write_checkpoint(model_type: str, root: Path) -> tuple[Path, dict]:
     return path, hf_reference(hf.to(torch.float64))
 
 
-def _worker(tp: int, checkpoints: dict, out: Path) -> None:
+def _worker(tp: int, checkpoints: dict, out: Path, ep: bool) -> None:
     import torch.distributed as dist
 
     from tests.family_utils import batch
@@ -57,7 +57,8 @@ def _worker(tp: int, checkpoints: dict, out: Path) -> None:
     for model_type, (path, expected) in checkpoints.items():
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                         distributed_config=DistributedConfig(tp_size=tp))
+                                                         distributed_config=DistributedConfig(
+                tp_size=tp, enable_expert_parallel=ep))
             ids, labels = batch()
             with torch.no_grad():
                 diff = (model(ids).logits - expected["logits"]).abs().max().item()
@@ -76,6 +77,7 @@ def main() -> None:
     from tests.dist_utils import run_distributed
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp-size", type=int, default=2)
+    parser.add_argument("--ep", action="store_true", help="enable_expert_parallel (MoE types)")
     parser.add_argument("types", nargs="+")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
@@ -87,7 +89,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001
                 results[model_type] = f"checkpoint not written: {type(exc).__name__}: {str(exc)[:200]}"
         out = Path(tmp) / "results.pt"
-        run_distributed(_worker, args.tp_size, args.tp_size, checkpoints, out, timeout=900)
+        run_distributed(_worker, args.tp_size, args.tp_size, checkpoints, out, args.ep, timeout=900)
         results.update(torch.load(out))
     for model_type in args.types:
         print(f"{model_type:<24} {results[model_type]}")

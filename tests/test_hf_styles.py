@@ -1,5 +1,6 @@
 """transformers' styles tptrain's transformers backend had not (rowwise_split_input, local_params, moe_tp_experts
-with its per-parameter packed_colwise / packed_rowwise rules, mla_kv_a_proj), what the plans leave without a rule
+with its per-parameter packed_colwise / packed_rowwise rules, mla_kv_a_proj; ep_dispatch_experts under
+enable_expert_parallel), what the plans leave without a rule
 (hf/probe.py), buffers made at init (Gemma's embed_scale) and configs with special floats (nemotron_h). Tiny random
 checkpoints written by transformers 5.23 itself, fp64, compared with transformers on one process (logits, loss) and
 with tptrain on one process (gradients, 3 AdamW steps); one spawned job per world size runs every type.
@@ -42,6 +43,7 @@ SPLIT = {"granite_swa": ("model.layers.0.self_attn.sinks", 0),
          "llama4_text": ("model.layers.0.feed_forward.experts.gate_up_proj", 2),
          "glm": ("model.layers.0.mlp.down_proj.weight", 1)}
 TP4 = ("llama4_text", "minicpm3")  # tp 4: KV heads replicated (2 KV heads), MLA over all 4 heads
+EP = "granitemoe_swa"  # also with enable_expert_parallel (transformers' base_model_ep_plan), at tp 2
 # transformers' norms compute in fp32 even in an fp64 model: a TP sum in another order moves results by ~1e-7
 TOL = dict(rtol=1e-6, atol=1e-6)
 STEP_TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW's 1/sqrt(v) turns that rounding into ~1e-5 of a step of 1e-2
@@ -98,8 +100,21 @@ def _worker(tp: int, checkpoints: dict, out) -> None:
             assert dict(model.named_parameters())[name].shape[dim] * tp == model.tp_layout.global_shapes[name][dim]
         diffs[model_type] = check_against_hf(model, expected, what, TOL)
         _trains_like(model, ref, what)
+        if model_type == EP:  # transformers' base_model_ep_plan: experts split by expert over tp
+            _expert_parallel(path, expected, tp)
     if dist.get_rank() == 0:
         torch.save(diffs, out)
+
+
+def _expert_parallel(path, expected, tp: int) -> None:
+    what = f"granitemoe_swa tp={tp} enable_expert_parallel"
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=F64, distributed_config=DistributedConfig(tp_size=tp, enable_expert_parallel=True))
+    experts = "model.layers.0.block_sparse_moe.experts"
+    assert model.tp_plan[experts] == "ep_dispatch_experts", model.tp_plan[experts]
+    assert model.get_submodule(experts).gate_up_proj.shape[0] == TINY["num_local_experts"] // tp  # whole experts
+    check_against_hf(model, expected, what, TOL)
+    _trains_like(model, AutoModelForCausalLM.from_pretrained(path, dtype=F64), what)
 
 
 @pytest.mark.distributed

@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
                              translate_plan, unplanned_modules, unplanned_parameters)
+from tptrain.hf import styles as _styles  # noqa: F401 - registers 'ep_dispatch_experts'
 from tptrain.hf.probe import split_readers
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel, _SkipInit
@@ -117,6 +118,9 @@ class TransformersCausalLM(PreTrainedModel):
         # only; rules matching no module are a variant's (q_proj where this config has q_a_proj / q_b_proj).
         self.tp_base_plan = module_rules(self, base, prefix)
         self._tp_plan = translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})  # the head (class-level)
+        # What enable_expert_parallel adds (read instead of the config's base_model_ep_plan, transformers' spelling).
+        self.tp_ep_plan = module_rules(self, translate_plan(getattr(hf_model.config, "base_model_ep_plan", None)),
+                                       prefix)
         declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
                          self.config)
         self._whole_readers = self._rule_unplanned(prefix)

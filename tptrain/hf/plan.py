@@ -27,6 +27,8 @@ STYLE_NAMES: dict[str, str | None] = {
     "local_params": "local_params",
     "moe_tp_experts": "moe_tp_experts",
     "mla_kv_a_proj": "mla_kv_a_proj",
+    "ep_dispatch_experts": "ep_dispatch_experts",  # tptrain.hf.styles
+    "grouped_gemm": None,  # the stacked weights of ep_dispatch_experts: its own split (dim 0)
     "replicate": None,
 }
 

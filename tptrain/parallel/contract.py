@@ -68,6 +68,7 @@ class TPModel(Protocol):
         `has_head_loss`: the engine replaces it by the vocab-parallel one; absent: nothing to replace).
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
+    tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
     """
@@ -181,6 +182,13 @@ def sp_plan(config: Any) -> dict[str, str]:
 
 def ep_plan(config: Any) -> dict[str, str]:
     return dict(getattr(config, "base_model_ep_plan", None) or {})
+
+
+def model_ep_plan(model: nn.Module) -> dict[str, str]:
+    """The rules enable_expert_parallel adds: the model's own `tp_ep_plan` if it has one (the transformers backend,
+    in tptrain's style names), else its config's."""
+    plan = getattr(model, "tp_ep_plan", None)
+    return dict(plan) if plan is not None else ep_plan(model.config)
 
 
 def attention_heads(config: Any) -> int | None:
