@@ -154,6 +154,7 @@ class TransformersCausalLM(PreTrainedModel):
         device = torch.device(device or "cpu")
         if device.type != "meta":
             hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            _eager_experts_for(hf, dtype)
             return cls(hf.to(device))
         prev = torch.get_default_dtype()
         if dtype is not None:
