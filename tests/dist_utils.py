@@ -1,4 +1,4 @@
-"""Run a function on N CPU/gloo ranks under pytest: spawned workers, with a deadline.
+"""Run a function on N CPU/gloo ranks under pytest: workers started by a fork server, with a deadline.
 
 The rendezvous is the parent's: a TCPStore server on a port the OS picks (port 0), served for as long as the
 workers run. Every rank joins it as a client, as under torchrun (TORCHELASTIC_USE_AGENT_STORE=True: torch's
@@ -45,7 +45,21 @@ def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, errors) -> None:
+# Ranks start from a fork server that imported torch, tptrain's models and tests.helpers once (their import is
+# ~4 CPU-seconds per process on this machine: a fresh interpreter per rank, as "spawn" starts, was a third of the
+# suite). The server imports neither transformers nor huggingface_hub, whose settings are read from the
+# environment at import: a rank imports those itself, under the environment its test set. TPTRAIN_TEST_START=spawn
+# restores fresh interpreters (e.g. to rule the fork server out while debugging).
+_START_METHOD = os.environ.get("TPTRAIN_TEST_START", "forkserver")
+_PRELOAD = ["tests.helpers"]
+
+
+def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, errors, env: dict[str, str],
+            cwd: str) -> None:
+    # A fork server's child inherits the server's environment and directory, not the test's: take the test's.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       TORCHELASTIC_USE_AGENT_STORE="True")  # the parent serves the store: every rank a client
@@ -64,10 +78,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Call `fn(*args)` on `world_size` ranks (env set as torchrun would); `fn` must be picklable."""
     require_distributed_marker("run_distributed")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # served until the ranks end
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the session's first call)
     errors = ctx.SimpleQueue()
-    procs = mp.start_processes(_worker, args=(fn, world_size, store.port, args, errors),
-                               nprocs=world_size, join=False, start_method="spawn")
+    procs = mp.start_processes(_worker, args=(fn, world_size, store.port, args, errors, dict(os.environ),
+                                              os.getcwd()), nprocs=world_size, join=False, start_method=_START_METHOD)
     deadline = time.monotonic() + timeout
     try:
         while not procs.join(timeout=1):

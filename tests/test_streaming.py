@@ -112,6 +112,34 @@ def test_resume_refuses_other_data(tmp_path):
     longer = StreamingText(data).bind(ByteTokenizer(), 32).order(dp_rank=0, dp_size=1, global_batch=2)
     with pytest.raises(ValueError, match="saved with seq_len=16 but this run has seq_len=32"):
         longer.load_state_dict(state)
+    with pytest.raises(ValueError, match="the checkpoint was saved by a streaming run .* --streaming"):
+        DataOrder(10, seed=0, dp_rank=0, dp_size=1, global_batch=2).load_state_dict(state)
+
+
+def _offline_hub(monkeypatch, cache: Path) -> None:
+    """huggingface_hub offline, its cache at `cache` (its constants are read when it is imported: patch them)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_hub_dataset_id_streams_its_cached_shards(tmp_path, monkeypatch):
+    """org/name resolves through the HF cache (the layout huggingface_hub writes), parquet/arrow/jsonl only."""
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "datasets--org--corpus"
+    docs = _documents(30)
+    _write(repo / "snapshots" / rev / "data", docs, "parquet")
+    (repo / "snapshots" / rev / "README.md").write_text("not a shard")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    _offline_hub(monkeypatch, tmp_path / "hub")
+    spec = StreamingText("org/corpus")
+    assert [p.name for p in spec.files()] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    local = StreamingText(repo / "snapshots" / rev / "data")
+    got, expected = (s.bind(ByteTokenizer(), 16).order(dp_rank=0, dp_size=1, global_batch=2) for s in (spec, local))
+    for _ in range(3):
+        torch.testing.assert_close(got.next_batch()[0], expected.next_batch()[0], rtol=0, atol=0)
 
 
 def test_bad_inputs(tmp_path, monkeypatch):
@@ -121,7 +149,9 @@ def test_bad_inputs(tmp_path, monkeypatch):
         StreamingText(tmp_path / "none").check()
     with pytest.raises(FileNotFoundError, match="the pattern .*missing-\\*.parquet matches no file"):
         StreamingText(str(tmp_path / "missing-*.parquet")).check()
-    with pytest.raises(FileNotFoundError, match="org/corpus does not exist \\(hub dataset ids are not streamed"):
+    _offline_hub(monkeypatch, tmp_path / "empty-hub")
+    with pytest.raises(FileNotFoundError, match=r"'org/corpus' is neither a local path nor a hub dataset found in "
+                                                r"the HF cache .*HF_HUB_OFFLINE=1.*hf download --repo-type dataset"):
         StreamingText("org/corpus").check()
     for fmt in ("parquet", "jsonl"):
         data = _write(tmp_path / fmt, _documents(6), fmt, column="content")

@@ -7,7 +7,10 @@ cache: each new token recomputes the whole (short) context.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tptrain.parallel.context_parallel import gather_sequence
 
 from tptrain.training.data import Tokenizer
 
@@ -25,7 +28,7 @@ def greedy_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new
     try:
         for _ in range(max_new_tokens):
             context = torch.tensor([(ids + new)[-max_context:]], device=device)  # (1, seq)
-            logits = model(context).logits[0, -1]  # (vocab,)
+            logits = _last_logits(model, context)  # (vocab,)
             token = int(logits.float().argmax())
             if token == tokenizer.eos_token_id:
                 break
@@ -33,3 +36,15 @@ def greedy_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new
     finally:
         model.train(was_training)
     return tokenizer.decode(new)
+
+
+def _last_logits(model: nn.Module, context: torch.Tensor) -> torch.Tensor:
+    """The logits after the last token of `context` (1, seq). Under context parallelism the context is right-padded
+    to whole chunks (causal: no real token sees a pad) and every rank's tokens gathered."""
+    cp = getattr(model, "cp_context", None) or getattr(getattr(model, "get_base_model", lambda: None)(),
+                                                       "cp_context", None)
+    if cp is None:
+        return model(context).logits[0, -1]
+    length = context.shape[1]
+    logits = model(F.pad(context, (0, -length % (2 * cp.size)))).logits  # (1, padded / cp, vocab)
+    return gather_sequence(logits, cp)[0, length - 1]

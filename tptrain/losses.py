@@ -18,13 +18,15 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
-                   num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+                   num_items_in_batch: int | torch.Tensor | None = None, *, shifted: bool = False) -> torch.Tensor:
     """Next-token cross-entropy in fp32. Labels are shifted here; IGNORE_INDEX positions don't count.
 
     With `num_items_in_batch` (real tokens over all micro-batches of a step) the loss is
     sum / num_items_in_batch, so gradient accumulation matches one large batch; else a token mean.
+    `shifted`: `labels` are already each position's target (context parallelism shifts before it splits the
+    sequence, so a shard's last token keeps its target); every loss function of this contract takes it.
     """
-    labels = shift_labels(labels)
+    labels = labels if shifted else shift_labels(labels)
     # Upcast half precision to fp32 (as transformers does); fp32/fp64 stay as they are.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
     reduction = "mean" if num_items_in_batch is None else "sum"
@@ -175,8 +177,8 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: to
 
 def chunked_causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            num_items_in_batch: int | torch.Tensor | None = None, *, transform,
-                           chunk: int | None = None) -> torch.Tensor:
-    """`causal_lm_loss(transform(h @ weight.T), labels, num_items_in_batch)` without the whole logits."""
-    target = shift_labels(labels).reshape(-1).to(h.device)
+                           chunk: int | None = None, shifted: bool = False) -> torch.Tensor:
+    """`causal_lm_loss(transform(h @ weight.T), labels, num_items_in_batch, shifted=)` without the whole logits."""
+    target = (labels if shifted else shift_labels(labels)).reshape(-1).to(h.device)
     return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, target,
                                       loss_denominator(target, num_items_in_batch), transform=transform, chunk=chunk)

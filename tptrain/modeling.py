@@ -26,6 +26,9 @@ from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
+from tptrain.distributed.topology import cp_mesh
+from tptrain.parallel.context_parallel import apply_context_parallel
+from tptrain.parallel.context_parallel import problems as context_problems
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
@@ -72,6 +75,7 @@ class PreTrainedModel(nn.Module):
         self.tp_plan: dict[str, str] = {}
         self.device_mesh = None
         self.tp_layout = None  # tptrain.parallel.tensor_parallel.TPLayout once parallelised
+        self.cp_context = None  # tptrain.parallel.context_parallel.CPContext under context parallelism
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: torch.dtype | None = None,
@@ -103,9 +107,10 @@ class PreTrainedModel(nn.Module):
         train mode for each step, and a hand-written loop calls `model.train()`.
         """
         if device_map is not None and distributed_config is not None:
-            raise ValueError("device_map cannot be combined with distributed_config: under tensor parallelism "
-                             "each rank's device comes from LOCAL_RANK and every rank holds a slice of every "
-                             "layer. Drop device_map (or drop distributed_config for a single-device load).")
+            split = ("context" if (distributed_config.cp_size or 1) > 1 else "tensor") + " parallelism"
+            raise ValueError(f"device_map cannot be combined with distributed_config: under {split} each rank's "
+                             f"device comes from LOCAL_RANK and every rank holds every layer (or a slice of it). "
+                             f"Drop device_map (or drop distributed_config for a single-device load).")
         if tp_plan is not None or tp_size is not None:
             if distributed_config is not None:
                 raise ValueError("pass tp_plan/tp_size inside distributed_config, not next to it")
@@ -159,6 +164,9 @@ class PreTrainedModel(nn.Module):
         ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
+        if cp_mesh(mesh) is not None:  # after TP: it wraps the loss functions TP installed
+            self.cp_context = apply_context_parallel(self, cp_mesh(mesh).get_group())
+            layout.grad_sync.cp_group_name = self.cp_context.group_name
         if reader is not None:
             self._load(reader, device, dtype, rank=layout.ctx.rank, ep_rank=layout.ctx.ep_rank)
         elif any(p.device != device for p in self.parameters()):
@@ -179,6 +187,11 @@ class PreTrainedModel(nn.Module):
             old_ep = comm.resolve_group(self.tp_layout.ctx.ep_group_name)
             assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
             self.tp_layout.ctx.ep_group_name = comm.group_name(ep)
+        if self.cp_context is not None:
+            cp = cp_mesh(mesh).get_group()
+            old_cp = comm.resolve_group(self.cp_context.group_name)
+            assert dist.get_process_group_ranks(old_cp) == dist.get_process_group_ranks(cp), (old_cp, cp)
+            self.cp_context.group_name = self.tp_layout.grad_sync.cp_group_name = comm.group_name(cp)
 
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
         """The plan resolved at this TP degree; every problem raised (no process group needed)."""
@@ -187,11 +200,16 @@ class PreTrainedModel(nn.Module):
                               sequence_parallel=distributed_config.enable_sequence_parallel,
                               expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
         resolved.raise_problems(self)
+        if sizes.get("cp", 1) > 1 and context_problems(self):
+            raise ValueError(f"{type(self).__name__} ({getattr(self.config, 'model_type', '?')}) cannot run with "
+                             f"cp_size={sizes['cp']}: " + "; ".join(context_problems(self)))
         return resolved
 
-    def checkpoint_keys(self) -> dict[str, str | list[str]]:
-        """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor} for parameters
-        stored under another name; a model whose parameters are all stored under their own names has none."""
+    def checkpoint_keys(self) -> dict[str, Any]:
+        """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor, or a converted
+        tensor (an object with `shape`, `keys()` and `read(reader, spec, ...)`: tptrain.hf.conversions) } for
+        parameters stored under another name; a model whose parameters are all stored under their own names has
+        none."""
         return {}
 
     def _check_checkpoint(self, reader) -> None:
@@ -203,8 +221,12 @@ class PreTrainedModel(nn.Module):
             key = keys.get(name, name)
             if isinstance(key, list):  # a stacked tensor: one checkpoint tensor per expert, the stack's rows
                 wanted.update({k: tuple(p.shape[1:]) for k in key})
-            else:
+            elif isinstance(key, str):
                 wanted[key] = tuple(p.shape)
+            elif tuple(key.shape) != tuple(p.shape):  # converted: its sources' shapes make its shape
+                raise ValueError(f"checkpoint {reader.directory}: {key.rule} builds {name!r} of shape "
+                                 f"{tuple(key.shape)} from {list(key.keys())[:3]}, but the config implies "
+                                 f"{tuple(p.shape)}; the checkpoint does not match config.json")
         missing = [n for n in wanted if n not in reader]
         if missing:
             raise ValueError(f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) the model needs, "
@@ -224,6 +246,9 @@ class PreTrainedModel(nn.Module):
             if isinstance(key, list):
                 t = _read_stacked(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
                                   ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
+            elif not isinstance(key, str):
+                t = key.read(reader, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
+                             ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
             else:
                 t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
@@ -253,23 +278,31 @@ class PreTrainedModel(nn.Module):
         holds at most one shard plus one tensor, never the model; the index and config.json come last
         and the directory is renamed into place. A failure on the writer is raised on every rank.
         """
-        layout = getattr(self, "tp_layout", None)
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
-        keys = self.checkpoint_keys()  # stacked experts are written as the hub's per-expert tensors
-        sizes = {}
-        for name, p in params.items():
-            nbytes = math.prod(layout.global_shapes[name] if layout else p.shape) * p.element_size()
-            key = keys.get(name, name)
-            sizes.update({k: nbytes // len(key) for k in key} if isinstance(key, list) else {key: nbytes})
+        sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-
-        def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in gathered_parameters(self, list(params)):
-                yield from checkpoint_items(name, t, keys)
-
         save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
                                                       extra_files={"config.json": config_json}))
+
+    def _checkpoint_tensors(self, names: list[str]) -> tuple[dict[str, int], Callable[[], Iterator]]:
+        """({checkpoint tensor name: bytes} in writing order, a function returning the iterator that gathers the
+        parameters `names` and yields them under those names): stacked experts as the hub's per-expert tensors."""
+        layout = getattr(self, "tp_layout", None)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        keys = self.checkpoint_keys()
+        sizes = {}
+        for name in names:
+            p = params[name]
+            nbytes = math.prod(layout.global_shapes[name] if layout else p.shape) * p.element_size()
+            key = keys.get(name, name)
+            sizes.update({k: nbytes // len(key) for k in key} if isinstance(key, list) else {key: nbytes})
+
+        def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in gathered_parameters(self, names):
+                yield from checkpoint_items(name, t, keys)
+
+        return sizes, checkpoint_tensors
 
 
 def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1,

@@ -57,6 +57,9 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--ep-size", type=int, default=1,
                       help="split the experts by expert over an ep axis of that many data-parallel ranks, each expert "
                            "over the TP ranks (DistributedConfig(ep_size=))")
+    plan.add_argument("--cp-size", type=int, default=1,
+                      help="context parallelism: each sequence split over that many ranks (what it splits, and "
+                           "whether the model can)")
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
@@ -133,7 +136,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
                              sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
-                             ep_size=args.ep_size, dtype=args.dtype)
+                             ep_size=args.ep_size, dtype=args.dtype, cp_size=args.cp_size)
     except (OSError, ValueError, TypeError) as exc:
         return _fail("plan", str(exc))
     print(report.text, end="")

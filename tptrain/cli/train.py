@@ -39,7 +39,7 @@ def run_train(args: argparse.Namespace) -> int:
             setattr(args, name, getattr(defaults, name))
     if args.warmup_steps is None:  # --num-epochs: the step count is known only once the data is tokenized
         args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
-    nproc = args.tp_size if args.nproc_per_node is None else args.nproc_per_node
+    nproc = args.tp_size * max(1, args.cp_size) if args.nproc_per_node is None else args.nproc_per_node
     try:
         _check_sizes(args, nproc)
         model_dir = _check_model_type(args.model)  # before torch is imported
@@ -66,7 +66,8 @@ def run_train(args: argparse.Namespace) -> int:
 def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     """The flags' sizes, against each other (nothing read, nothing imported)."""
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
-                        ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1)):
+                        ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1),
+                        ("--cp-size", args.cp_size)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
@@ -77,11 +78,15 @@ def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
         raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
                          "(HOST: a machine every node can reach, e.g. node 0)")
     world = nproc * args.nnodes
-    if world % args.tp_size:
+    if world % (args.tp_size * args.cp_size):
         procs = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
                                                else "")
-        raise ValueError(f"{procs} is not a multiple of --tp-size {args.tp_size}; each tensor-parallel group needs "
-                         f"--tp-size processes (use {args.tp_size} or a multiple)")
+        sizes = f"--tp-size {args.tp_size}" + (f" x --cp-size {args.cp_size}" if args.cp_size > 1 else "")
+        unit = args.tp_size * args.cp_size
+        raise ValueError(f"{procs} is not a multiple of {sizes}; each tensor-parallel group needs --tp-size "
+                         f"processes{', each context-parallel group --cp-size of them' * (args.cp_size > 1)} (use "
+                         f"{unit} or a multiple)")
+
 
 
 def _check_model_type(model: str) -> Path:
@@ -110,6 +115,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     described = f"--tp-size {args.tp_size} --ep-size {args.ep_size}" if args.ep_size else None
     _distributed_config(args).parallel_dims(nproc * args.nnodes, described=described)
     _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
+    _check_cp(config, args.cp_size, args.model, args.seq_len)
     check_seq_len(args.seq_len, config, what="--seq-len")
     _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     if args.compile:
@@ -133,7 +139,22 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
 
 def _distributed_config(args: argparse.Namespace):
     from tptrain.distributed import DistributedConfig
-    return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size)
+    return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size,
+                             cp_size=args.cp_size)
+
+
+def _check_cp(config, cp_size: int, model: str, seq_len: int) -> None:
+    """What keeps the model from splitting its sequences (the attention tptrain cannot split, a router loss), and
+    a --seq-len that does not split into 2 x --cp-size chunks."""
+    if cp_size == 1:
+        return
+    from tptrain.models import AutoModelForCausalLM
+    from tptrain.parallel.context_parallel import check_sequence_length, problems
+
+    check_sequence_length(seq_len, cp_size, what="--seq-len")
+    found = problems(AutoModelForCausalLM.from_config(config, device="meta"))
+    if found:
+        raise ValueError(f"--cp-size {cp_size} cannot split the sequences of {model}: {found[0]}")
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
@@ -307,7 +328,8 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
           f"{_describe_data(inputs.dataset, args)}; "
           f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
-          + (f", ep {args.ep_size}" if args.ep_size else "") + f", {threads} thread"
+          + (f", ep {args.ep_size}" if args.ep_size else "") + (f", cp {args.cp_size}" if args.cp_size > 1 else "")
+          + f", {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
 
 

@@ -78,8 +78,12 @@ def _parallelism(g: argparse._ArgumentGroup) -> None:
                    help="split a mixture-of-experts model's experts by expert over N data-parallel ranks (an ep axis "
                         "of its own; each expert over the --tp-size ranks); --nproc-per-node a multiple of "
                         "N x --tp-size")
+    g.add_argument("--cp-size", type=int, default=1,
+                   help="context-parallel degree: each sequence split over N ranks (long sequences); --seq-len a "
+                        "multiple of 2 x N (default: 1)")
     g.add_argument("--nproc-per-node", type=int, default=None,
-                   help="worker processes to start (default: --tp-size); extra ranks become FSDP2 data-parallel")
+                   help="worker processes to start (default: --tp-size x --cp-size); extra ranks become FSDP2 "
+                        "data-parallel")
 
 
 def _optimisation(g: argparse._ArgumentGroup) -> None:

@@ -27,6 +27,12 @@ de-duplicating a token sent to two experts of the same rank. A batch whose token
 takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
 the ep group the same way (no share, no all-gather), and the rows its experts received come from the other ranks'
 routing, which each dispatch notes in the CommTracker recording the step ("rows_received", `CommTracker.noted`).
+
+Context parallelism (cp_size, parallel/context_parallel.py) adds, per attention layer, one all-gather of this rank's
+K and V together in forward (2 x (batch, kv heads here, seq / cp, head_dim)) and one reduce-scatter of the gathered
+dK/dV in backward (2 x (batch, kv heads here, seq, head_dim)); the loss's sum over cp (one scalar all-reduce in
+forward); and, for a bare model, every gradient summed over cp in one flat all-reduce ("grad_sync"). The TP
+minimum above is then of this rank's seq / cp tokens.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from torch import nn
 
 from tptrain.distributed.comm import CommTracker
 from tptrain.losses import chunk_tokens
+from tptrain.parallel import contract
 from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
 from tptrain.parallel.styles import STYLES, ColwiseParallel
 
@@ -193,6 +200,24 @@ def _fused_loss_chunks(model: nn.Module, tokens: int, return_logits: bool) -> in
     return -(-tokens // chunk_tokens(model.get_output_embeddings().weight.shape[0]))
 
 
+def _add_context_parallel(add, model: nn.Module, batch: int, seq: int, dtype: torch.dtype) -> int:
+    """`add` the cp group's collectives (see the module doc); returns the tokens per row this rank computes."""
+    ctx = getattr(model, "cp_context", None)
+    if ctx is None:
+        return seq
+    config, tp = model.config, model.tp_layout.ctx.size
+    layers = sum(isinstance(m, contract.TPAttention) for m in model.modules())
+    kv = 2 * batch * max(1, contract.kv_heads(config) // tp) * config.head_dim * dtype.itemsize  # K and V, per token
+    add(("forward", "all_gather"), layers, layers * kv * seq // ctx.size)
+    add(("backward", "reduce_scatter"), layers, layers * kv * seq)
+    wide = torch.promote_types(dtype, torch.float32).itemsize
+    add(("forward", "all_reduce"), 1, wide)  # the loss
+    if model.tp_layout.grad_sync.mode == "backward":
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        add(("grad_sync", "all_reduce"), 1, trained * wide)
+    return seq // ctx.size
+
+
 def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: bool = False,
                      tracker: CommTracker | None = None) -> dict[tuple[str, str], tuple[int, int]]:
     """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels
@@ -209,6 +234,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
         out[key] = (c + count, b + nbytes)
 
     _add_ep_dispatch(add, model, layout.plan, batch * seq, dtype.itemsize, tracker)
+    seq = _add_context_parallel(add, model, batch, seq, dtype)
     if layout.ctx.size == 1:
         return dict(out)
     tp, sp = layout.ctx.size, layout.ctx.sequence_parallel

@@ -19,6 +19,7 @@ from tptrain.modeling import resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.expert_parallel import all_to_all_wins
 from tptrain.parallel import contract
+from tptrain.parallel.context_parallel import problems as context_problems
 from tptrain.parallel.plan import check_plan, kv_replicas, working_tp_sizes
 from tptrain.parallel.styles import ShardSpec
 
@@ -38,17 +39,17 @@ class PlanReport:
 
 def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] = "auto",
                 sequence_parallel: bool = False, expert_parallel: bool = False, ep_size: int = 1,
-                dtype: torch.dtype | str | None = None) -> PlanReport:
+                dtype: torch.dtype | str | None = None, cp_size: int = 1) -> PlanReport:
     """Resolve `tp_plan` for `config` at `tp_size` (and the experts over an ep axis of `ep_size`) and describe
-    every module's shards."""
-    for what, size in (("tp_size", tp_size), ("ep_size", ep_size)):
+    every module's shards; with `cp_size`, what context parallelism splits and what keeps it from the model."""
+    for what, size in (("tp_size", tp_size), ("ep_size", ep_size), ("cp_size", cp_size)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{what} must be a positive int, got {size!r}")
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
     resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel,
                           expert_parallel=expert_parallel, ep_size=ep_size)
-    problems = resolved.problems
+    problems = resolved.problems + (context_problems(model) if cp_size > 1 else [])
     rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize, ep_size)
     name = type(getattr(model, "hf_model", model)).__name__
     lines = [f"tptrain plan: {name} (model_type {config.model_type!r}), tp_size={tp_size}, "
@@ -57,7 +58,8 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
              f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
              f"backend: {model.backend}" + (" (transformers' modeling code on tptrain's engine)"
                                             if model.backend == "transformers" else " (tptrain's own model code)"),
-             *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size), "",
+             *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size),
+             *_context_lines(config, tp_size, cp_size, dtype.itemsize), "",
              *_table(rows), "",
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
              f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
@@ -70,6 +72,18 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     else:
         lines += ["layout OK"]
     return PlanReport("\n".join(lines) + "\n", problems, per_rank, total)
+
+
+def _context_lines(config: Any, tp_size: int, cp_size: int, itemsize: int) -> list[str]:
+    """What cp_size splits, and its collectives per attention layer (parallel/context_parallel.py)."""
+    if cp_size == 1:
+        return []
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes = 2 * max(1, contract.kv_heads(config) // tp_size) * head_dim * itemsize  # K and V of one token, per rank
+    return [f"context parallelism: cp_size={cp_size}: each rank computes seq / {cp_size} tokens (chunks i and "
+            f"{2 * cp_size - 1}-i of {2 * cp_size}; seq_len a multiple of {2 * cp_size}); per attention layer one K/V "
+            f"all-gather forward and one dK/dV reduce-scatter backward over the cp group, {kv_bytes} bytes per "
+            f"token of this rank's share each"]
 
 
 def _head_lines(config: Any, tp_size: int) -> list[str]:

@@ -1,6 +1,6 @@
 """DistributedConfig: how a model is spread over the job's processes, and this rank's device.
 
-The sizes resolve to one `ParallelDims` (topology.py: axes dp_replicate, dp_shard, tp, TP innermost)
+The sizes resolve to one `ParallelDims` (topology.py: axes dp_replicate, dp_shard, cp, tp, TP innermost)
 and its DeviceMesh; every c10d call, process-group start-up included, is in comm.py.
 """
 from __future__ import annotations
@@ -55,8 +55,11 @@ def init_distributed() -> torch.device:
 class DistributedConfig:
     """How a model is spread over the processes of the job.
 
-    tp_size: tensor-parallel degree; None infers WORLD_SIZE // (dp_replicate_size * dp_shard_size) (dp_shard_size
-        unset: ep_size, else 1).
+    tp_size: tensor-parallel degree; None infers WORLD_SIZE // (dp_replicate_size * dp_shard_size * cp_size)
+        (dp_shard_size unset: ep_size, else 1).
+    cp_size: context-parallel degree (parallel/context_parallel.py): every rank of a cp group is given the same
+        whole batch and computes 1/cp_size of each sequence's tokens (attention gathers the keys and values);
+        the sequence length must be a multiple of 2 * cp_size. Not with ep_size.
     tp_plan: "auto" (the model's own `base_model_tp_plan`) or a dict of {module-glob: style}
         overrides of it (a value of None removes a rule). A rule that matches no module is an error.
     enable_sequence_parallel: shard norms and the residual stream along the sequence between TP regions.
@@ -75,6 +78,7 @@ class DistributedConfig:
     """
 
     tp_size: int | None = None
+    cp_size: int = 1
     tp_plan: str | Mapping[str, Any] = "auto"
     enable_sequence_parallel: bool = False
     enable_expert_parallel: bool = False
@@ -94,18 +98,22 @@ class DistributedConfig:
         world = env_world_size() if world_size is None else world_size
         if self.backend not in BACKENDS:
             raise ValueError(f"DistributedConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("tp_size", "ep_size", "dp_replicate_size", "dp_shard_size"):
+        for name in ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"DistributedConfig.{name} must be a positive int, got {value!r}")
-        rep, shard, tp = self.dp_replicate_size, self.dp_shard_size, self.tp_size
+        rep, shard, tp, cp = self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size or 1
         if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard = ep_size)
-            tp = world // (rep * (shard or self.ep_size or 1))
+            tp = world // (rep * cp * (shard or self.ep_size or 1))
         if shard is None:
-            shard = world // (rep * tp) if tp and world % (rep * tp) == 0 else 0
-        if tp < 1 or shard < 1 or rep * shard * tp != world:
+            shard = world // (rep * cp * tp) if tp and world % (rep * cp * tp) == 0 else 0
+        if tp < 1 or shard < 1 or rep * shard * cp * tp != world:
             raise ValueError(self._layout_error(world, described))
-        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self._ep(shard, tp, world, described))
+        if cp > 1 and (self.ep_size or 1) > 1:
+            raise ValueError(f"{described or 'DistributedConfig'}: cp_size={cp} cannot be combined with ep_size="
+                             f"{self.ep_size} (an ep axis of its own) yet; use enable_expert_parallel (experts split "
+                             f"over the TP group) or plain expert tensor parallelism with cp_size")
+        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self._ep(shard, tp, world, described), cp=cp)
 
     def _ep(self, shard: int, tp: int, world: int, described: str | None) -> int:
         """The ep axis's size: a divisor of dp_shard (the experts' owners are data-parallel ranks)."""
@@ -127,12 +135,14 @@ class DistributedConfig:
         """What the sizes need and what the world size is, e.g. "... needs 2 x 2 x 1 = 4 processes"."""
         sizes = {"tp_size": self.tp_size, "dp_shard_size": self.dp_shard_size,
                  "dp_replicate_size": self.dp_replicate_size}
+        if (self.cp_size or 1) > 1:  # named only when used, so the messages without cp read as before
+            sizes["cp_size"] = self.cp_size
         name = described or "DistributedConfig(" + ", ".join(f"{k}={v or 'auto'}" for k, v in sizes.items()) + ")"
         given = {k: v for k, v in sizes.items() if v is not None}
         product = math.prod(given.values())
         if len(given) == len(sizes):
             return (f"{name} needs {' x '.join(map(str, given.values()))} = {product} process"
-                    f"{'es' * (product > 1)} (tp x dp_shard x dp_replicate), but the world size is {world}; launch "
+                    f"{'es' * (product > 1)} ({' x '.join(k[:-5] for k in sizes)}), but the world size is {world}; launch "
                     f"{product} (`torchrun --nproc-per-node {product}`), or change the sizes so that their product "
                     f"is {world}")
         auto = [k for k in sizes if k not in given]

@@ -1,12 +1,14 @@
 """The job's one topology: the size of every mesh axis, and the DeviceMesh built from it.
 
     dims = DistributedConfig(tp_size=2).parallel_dims()      # ParallelDims(dp_replicate=1, dp_shard=2, tp=2) on 4 ranks
-    mesh = dims.build_mesh("cpu")                             # axes dp_replicate, dp_shard, tp; dp_mesh(mesh)
+    mesh = dims.build_mesh("cpu")                             # axes dp_replicate, dp_shard, cp, tp; dp_mesh(mesh)
 
-As torchtitan's ParallelDims: the axes are ("dp_replicate", "dp_shard", "tp"), TP innermost, so a TP
+As torchtitan's ParallelDims: the axes are ("dp_replicate", "dp_shard", "cp", "tp"), TP innermost, so a TP
 group is a block of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
 `dp_mesh(mesh)` is the flattened dp_replicate x dp_shard axis: the reductions over every data-parallel
-rank (token counts, the loss) run on it.
+rank (token counts, the loss) run on it. The cp ranks of one dp rank hold the same batch (each computes a share of
+its sequence, parallel/context_parallel.py), so they are not data-parallel ranks; FSDP2 shards over
+`dp_shard_cp_mesh(mesh)` (dp_shard x cp flattened, torchtitan's dp_shard_cp), which sums their gradients.
 
 Expert parallelism borrows its ranks from dp_shard (torchtitan's layout): with `ep > 1` the mesh's axes are
 ("dp_replicate", "dp_shard_mod_ep", "ep", "tp") and "dp_shard" is the flattened (dp_shard_mod_ep, ep), so
@@ -24,8 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tptrain.distributed import comm
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
-EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")  # the mesh's real axes when ep > 1
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+# the mesh's real axes when ep > 1 (no cp axis: DistributedConfig refuses cp_size with ep_size)
+EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 # "dp_shard" is a flattened axis of the ep mesh; torch warns on each lookup of one that it may someday want the
 # flattened mesh kept by the caller. This library looks it up by name on purpose (one mesh, its axes by name).
@@ -36,16 +39,18 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 class ParallelDims:
     """Sizes of the mesh axes. dp_replicate: replicated data parallelism (DDP, or HSDP's replica axis);
     dp_shard: FSDP2's sharding axis; tp: tensor parallelism; ep: expert parallelism, a divisor of dp_shard (the
-    experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them)."""
+    experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them); cp:
+    context parallelism (each rank of a cp group holds 1/cp of every sequence)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -53,14 +58,15 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def sizes(self) -> dict[str, int]:
-        """{axis name: size}: the three main axes, and "ep" when experts are split over one."""
-        out = {axis: getattr(self, axis) for axis in MESH_AXES}
-        return out if self.ep == 1 else {**out, "ep": self.ep}
+        """{axis name: size}: dp_replicate, dp_shard, tp, and "ep" / "cp" when larger than 1."""
+        out = {axis: getattr(self, axis) for axis in MESH_AXES if axis != "cp"}
+        return {**out, **{axis: getattr(self, axis) for axis in ("ep", "cp") if getattr(self, axis) > 1}}
 
     def mesh_shape(self) -> dict[str, int]:
         """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
         if self.ep == 1:
             return {axis: getattr(self, axis) for axis in MESH_AXES}
+        assert self.cp == 1, self
         return dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))
 
     @classmethod
@@ -80,20 +86,44 @@ class ParallelDims:
         if self.ep > 1:  # created now, on every rank together (it makes process groups)
             mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         dp_mesh(mesh)
+        if self.cp > 1:
+            dp_shard_cp_mesh(mesh)
         return comm.track_mesh(mesh)
 
 
 def rank_grid(mesh: DeviceMesh):
     """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has
-    (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s)."""
+    (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s; with cp > 1, dp_shard x cp flattened: the ranks
+    FSDP2 shards over)."""
     dims = ParallelDims.of(mesh)
-    return mesh.mesh.reshape(dims.dp_replicate, dims.dp_shard, dims.tp)
+    return mesh.mesh.reshape(dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The flattened dp_replicate x dp_shard axis of a mesh built by `ParallelDims.build_mesh` (the same
     object each call: torch keeps it on the root mesh)."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP2 shards over: dp_shard, or with cp > 1 the flattened dp_shard x cp axis ("dp_shard_cp"): the cp
+    ranks of a dp rank compute gradients of different tokens of one batch, which its reduce-scatter sums."""
+    if cp_mesh(mesh) is None:
+        return mesh["dp_shard"]
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The cp axis of a mesh built by `build_mesh`, or None when it has size 1 (or, with ep, no cp axis)."""
+    return mesh["cp"] if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1 else None
+
+
+def dp_placements(t) -> dict:
+    """{mesh axis: placement} of an FSDP2-sharded DTensor `t` ({} for a plain tensor), its flattened dp_shard x cp
+    axis read as "dp_shard": checkpoint views and the gradient norm see FSDP's shards along one dp_shard axis of
+    size dp_shard x cp (`rank_grid`'s)."""
+    names = getattr(getattr(t, "device_mesh", None), "mesh_dim_names", None) or ()
+    return {("dp_shard" if name == "dp_shard_cp" else name): p for name, p in zip(names, getattr(t, "placements", ()))}
 
 
 def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

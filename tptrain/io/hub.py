@@ -1,4 +1,5 @@
-"""Resolve a checkpoint argument (local directory or Hugging Face hub id) to a local directory.
+"""Resolve a checkpoint argument (local directory or Hugging Face hub id) to a local directory, and a hub
+dataset id to the local snapshot of its data files (what `StreamingText` then streams).
 
 Hub ids go through `huggingface_hub.snapshot_download`, so HF_HOME / HF_HUB_CACHE / HF_HUB_OFFLINE and
 the shared cache behave exactly as they do for `transformers`, without importing it.
@@ -82,3 +83,32 @@ def _not_found_message(repo_id: str, revision: str | None) -> str:
         "of a local checkpoint directory, or point HF_HOME / HF_HUB_CACHE at a cache that holds it, or "
         f"download it first on a machine with network (`hf download {repo_id}`)."
     )
+
+
+# The shard formats StreamingText reads: a dataset repository's README, scripts and images are not fetched.
+DATASET_PATTERNS = ["*.parquet", "*.arrow", "*.jsonl"]
+
+
+def resolve_dataset(repo_id: str, *, revision: str | None = None) -> Path:
+    """The local snapshot of hub dataset `repo_id`'s data files (parquet / arrow / jsonl only), fetched into the
+    HF cache on first use when online, found there when offline (HF_HUB_OFFLINE honoured)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise FileNotFoundError(f"streaming data: {repo_id!r} is not a local path, a glob that matches files, "
+                                "or a valid hub dataset id (org/name); check the path") from e
+    try:
+        return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision,
+                                      allow_patterns=DATASET_PATTERNS))
+    except (LocalEntryNotFoundError, RepositoryNotFoundError) as e:
+        from huggingface_hub import constants
+
+        raise FileNotFoundError(
+            f"streaming data: {repo_id!r} is neither a local path nor a hub dataset found in the HF cache "
+            f"({constants.HF_HUB_CACHE}, HF_HUB_OFFLINE={int(constants.HF_HUB_OFFLINE)}). Fix: pass a local "
+            "directory of parquet/arrow/jsonl shards, or download it first on a machine with network "
+            f"(`hf download --repo-type dataset {repo_id}`) and point HF_HOME at that cache.") from e

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
@@ -92,15 +93,24 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, cos, sin, keep_dtype=self.rope_in_float32)
         if q_scale is not None:  # (batch or 1, 1, seq, 1): config.query_position_scale
             q = q * q_scale.to(q.dtype)
+        out = self.attend(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local_heads * head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q (batch, heads, queries, head_dim), k and v (batch, kv_heads, keys, head_dim), rotated; mask (batch or
+        1, 1, queries, keys), or None: plain causal, the queries at the last `queries` of the keys' positions ->
+        (batch, heads, queries, head_dim). The engine may wrap it on the instance (context parallelism gathers every
+        rank's keys and values first)."""
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.softcap is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
-        else:  # heads are independent: capping this rank's local heads is the capping of the whole
-            out = softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local_heads * head_dim)
+            if mask is None and q.shape[2] != k.shape[2]:  # causal aligned at the end, with no mask materialised
+                mask = causal_lower_right(q.shape[2], k.shape[2])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        # heads are independent: capping this rank's local heads is the capping of the whole
+        return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
 
 
 class MLP(nn.Module):
@@ -190,10 +200,7 @@ class DecoderModel(nn.Module):
         if self.query_position_scale is not None:  # as transformers: fp32 positions, log(1 + .)
             beta, length = self.query_position_scale
             q_scale = (1 + beta * torch.log(1 + torch.floor(position_ids.float() / length)))[:, None, :, None]
-        documents = document_ids(position_ids)  # packed samples: block-diagonal causal attention
-        masks = {w: causal_mask(seq, device=input_ids.device, attention_mask=attention_mask, sliding_window=w,
-                                documents=documents)
-                 for w in {layer.sliding_window for layer in self.layers}}  # one per distinct window
+        masks = self.attention_masks(position_ids, attention_mask, {layer.sliding_window for layer in self.layers})
         for layer, rope_layer in zip(self.layers, layer_rope):
             mask = masks[layer.sliding_window]
             cos, sin = rope[rope_layer]
@@ -202,6 +209,17 @@ class DecoderModel(nn.Module):
             else:
                 h = layer(h, cos, sin, mask, q_scale)
         return self.norm(h)
+
+    def attention_masks(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, windows: set, *,
+                        query_index: torch.Tensor | None = None,
+                        key_index: torch.Tensor | None = None) -> dict[int | None, torch.Tensor | None]:
+        """{sliding window (None: none): its mask} over the sequence of `position_ids` (batch or 1, seq), packed
+        samples block-diagonal; `query_index` / `key_index` pick and order its rows / columns (`causal_mask`). The
+        engine may wrap it on the instance (context parallelism: the rows of this rank's queries)."""
+        documents = document_ids(position_ids)  # packed samples: block-diagonal causal attention
+        seq = position_ids.shape[-1]
+        return {w: causal_mask(seq, device=position_ids.device, attention_mask=attention_mask, sliding_window=w,
+                               documents=documents, query_index=query_index, key_index=key_index) for w in windows}
 
 
 class DecoderForCausalLM(PreTrainedModel):

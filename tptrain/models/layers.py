@@ -25,28 +25,33 @@ def document_ids(position_ids: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def causal_mask(seq: int, *, device: torch.device, attention_mask: torch.Tensor | None = None,
-                sliding_window: int | None = None, documents: torch.Tensor | None = None) -> torch.Tensor | None:
-    """(batch or 1, 1, seq, seq) bool, True where a query sees a key; None = plain causal (SDPA's is_causal).
+                sliding_window: int | None = None, documents: torch.Tensor | None = None,
+                query_index: torch.Tensor | None = None, key_index: torch.Tensor | None = None) -> torch.Tensor | None:
+    """(batch or 1, 1, queries, keys) bool, True where a query sees a key; None = plain causal (SDPA's is_causal).
 
     `attention_mask` is the (batch, seq) 1/0 padding mask; `sliding_window` keeps the last that many
     keys (the query's own included), as transformers' sliding-window mask; `documents` (batch, seq, from
     `document_ids`) makes the mask block-diagonal: a token of a packed sample sees only its own sample.
     Always over the full sequence: under sequence parallelism attention runs on the gathered sequence.
+    `query_index` / `key_index`: the sequence index of each row / column (default: every token in order), so that
+    a mask may be some rows of the whole one with its columns in any order (context parallelism: this rank's
+    queries, the keys as gathered); None still means the plain causal mask of the whole sequence, which the
+    caller then applies by position (`attend`'s causal path).
     A query that sees no key at all (left padding) gets a zero output from SDPA, as in transformers.
     """
     if sliding_window is not None and sliding_window >= seq:
         sliding_window = None  # the window holds the whole sequence: keep SDPA's is_causal (flash) path
     if attention_mask is None and sliding_window is None and documents is None:
         return None
-    query = torch.arange(seq, device=device)[:, None]
-    key = torch.arange(seq, device=device)[None, :]
+    query = (torch.arange(seq, device=device) if query_index is None else query_index)[:, None]
+    key = (torch.arange(seq, device=device) if key_index is None else key_index)[None, :]
     sees = key <= query
     if sliding_window is not None:
         sees = sees & (key > query - sliding_window)
     sees = sees[None, None]
-    if documents is not None:  # (batch, 1, seq, seq): same sample only
-        sees = sees & (documents[:, None, :, None] == documents[:, None, None, :])
-    return sees if attention_mask is None else sees & attention_mask.bool()[:, None, None, :]
+    if documents is not None:  # (batch, 1, queries, keys): same sample only
+        sees = sees & (documents[:, None, query[:, 0], None] == documents[:, None, None, key[0]])
+    return sees if attention_mask is None else sees & attention_mask.bool()[:, None, None, key[0]]
 
 
 def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -67,9 +72,9 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """Attention whose scores are soft-capped before the softmax (SDPA cannot), as transformers' eager attention:
     masked scores at the dtype's minimum, softmax in fp32 (or wider). q, k, v: (batch, heads, seq, head_dim)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = tanh_softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, seq, seq)
-    if mask is None:  # plain causal
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = tanh_softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)  # (batch, heads, queries, keys)
+    if mask is None:  # plain causal, the queries being the last keys' positions
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
     return torch.matmul(probs, v)

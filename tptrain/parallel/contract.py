@@ -71,6 +71,10 @@ class TPModel(Protocol):
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
+    The base model's (`mask_builder`; absent: None, and context parallelism refuses the model)
+    attention_masks(position_ids, attention_mask, windows, *, query_index=None, key_index=None) -> {window: mask}:
+        the masks its attention modules get, over the sequence of `position_ids`; `query_index` / `key_index` pick
+        and order their rows / columns (context parallelism wraps it: this rank's queries, the keys as gathered).
     """
 
     config: TPConfig
@@ -100,6 +104,11 @@ class TPAttention(Protocol):
     tp_kv_projections: its children whose output rows are KV heads, replicated when tp_size exceeds
         num_key_value_heads (`kv_projections`; absent: (), and the module is not split by heads; () on an
         attention whose projections are fused: `tp_segments` says which rows are KV heads).
+    Optional:
+    attend(q, k, v, mask): q (batch, heads, queries, head_dim), k and v (batch, kv_heads, keys, head_dim) after
+        RoPE, mask (batch or 1, 1, queries, keys) bool or None (plain causal) -> (batch, heads, queries, head_dim)
+        (`attend`; absent: None, and context parallelism refuses the model, naming the module). Context
+        parallelism wraps it on the instance to gather the keys and values of the whole sequence first.
     """
 
     tp_kv_projections: tuple[str, ...]
@@ -248,3 +257,15 @@ def param_specs(module: nn.Module) -> Mapping[str, Any]:
 def replicated_tail(module: nn.Module) -> int:
     """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
     return int(getattr(module, "tp_replicated_tail", 0) or 0)
+
+
+def attend(module: nn.Module):
+    return getattr(module, "attend", None) if isinstance(module, TPAttention) else None
+
+
+def base_model(model: nn.Module) -> nn.Module | None:
+    return getattr(model, prefix(model), None)
+
+
+def mask_builder(model: nn.Module):
+    return getattr(base_model(model), "attention_masks", None)

@@ -6,6 +6,10 @@ several ranks hold when tp_size > num_key_value_heads. Their gradients are summe
 holding the same chunk. All of them travel in ONE flat all-reduce: a KV projection's region is
 laid out chunk by chunk, each rank writing its own chunk's slot, so summing the whole buffer sums
 exactly the ranks that share a chunk.
+
+Under context parallelism (`cp_group_name` set) EVERY gradient is a per-rank share (each cp rank's tokens): in
+"backward" mode every parameter is recorded and, after the TP sum, summed over the cp group in one more flat
+all-reduce. In "step" mode (the Trainer) FSDP2's reduce-scatter over dp_shard x cp sums them instead.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class PartialGradSync:
         self._queued = False
         self._params: dict[str, nn.Parameter] = {}
         self._handles: list = []
+        self.cp_group_name: str | None = None  # context parallelism: every gradient is also summed over this group
 
     @property
     def ctx(self) -> TPContext:
@@ -59,7 +64,10 @@ class PartialGradSync:
         if self.mode != "backward":
             return
         params = dict(model.named_parameters(remove_duplicate=False))
-        self._params = {name: params[name] for name in self.layout.partial_grad_specs() if name in params}
+        names = list(self.layout.partial_grad_specs())
+        if self.cp_group_name is not None:  # every parameter, each tied one once
+            names += [name for name, _ in model.named_parameters() if name not in names]
+        self._params = {name: params[name] for name in names if name in params}
         self._handles = [p.register_hook(lambda g, name=name: self._record(name, g))
                          for name, p in self._params.items() if p.requires_grad]
 
@@ -83,6 +91,8 @@ class PartialGradSync:
             return
         local = {name: t.clone() for name, t in self._pending.items()}
         self.reduce_grads(self._pending)
+        if self.cp_group_name is not None:
+            _sum_flat(self._pending, self.cp_group_name)
         for name, summed in self._pending.items():
             p = self._params[name]
             if torch.equal(p.grad, local[name]):  # nothing else accumulated: take the sum as is, so replicated
@@ -119,6 +129,15 @@ class PartialGradSync:
         buf = local.new_zeros((spec.num_chunks(self.ctx.size), local.numel()), dtype=dtype)
         buf[spec.chunk_index(self.ctx.rank)] = local.flatten()
         return buf
+
+
+def _sum_flat(grads: dict[str, torch.Tensor], group_name: str) -> None:
+    """Sum every tensor of `grads` (updated in place) over the group, in one flat all-reduce (at least fp32)."""
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads.values()), torch.float32)
+    flat = torch.cat([g.to(dtype).flatten() for g in grads.values()])
+    comm.all_reduce(flat, comm.resolve_group(group_name), phase="grad_sync")
+    for g, summed in zip(grads.values(), flat.split([g.numel() for g in grads.values()])):
+        g.copy_(summed.view_as(g))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,8 @@ def make_vocab_parallel_causal_lm_loss(ctx: TPContext):
     """The TP replacement for a model's `loss_function(logits, labels, num_items_in_batch)` over `ctx`'s group:
     same shift, ignore index and normalisation as the single-device loss."""
 
-    def loss_function(logits, labels, num_items_in_batch=None):
-        target = shift_labels(labels).reshape(-1).to(logits.device)
+    def loss_function(logits, labels, num_items_in_batch=None, *, shifted=False):
+        target = (labels if shifted else shift_labels(labels)).reshape(-1).to(logits.device)
         per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ctx.group)
         return per_token.sum() / loss_denominator(target, num_items_in_batch)
 
@@ -70,9 +70,9 @@ def make_vocab_parallel_head_loss(ctx: TPContext):
     forward chunk by chunk with two all-reduces per chunk: the max (chunk,), then [target logit, sum-exp]
     (2 * chunk,). At tp 1 it takes none."""
 
-    def head_loss(h, weight, labels, num_items_in_batch=None, *, transform):
+    def head_loss(h, weight, labels, num_items_in_batch=None, *, transform, shifted=False):
         x = ctx.enter(h)  # (batch, seq, hidden): the whole sequence under sequence parallelism too
-        target = shift_labels(labels).reshape(-1).to(x.device)
+        target = (labels if shifted else shift_labels(labels)).reshape(-1).to(x.device)
         return fused_linear_cross_entropy(x.reshape(-1, x.shape[-1]), weight, target,
                                           loss_denominator(target, num_items_in_batch), transform=transform,
                                           vocab_start=ctx.rank * weight.shape[0], **_reducers(ctx))

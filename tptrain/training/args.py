@@ -31,24 +31,30 @@ class ParallelismConfig:
     dp_shard_size: FSDP2 degree (parameters, gradients and optimizer state sharded over it);
         None: whatever WORLD_SIZE leaves over.
     dp_replicate_size: replicated data-parallel degree (DDP when dp_shard_size is 1, HSDP otherwise).
+    cp_size: context-parallel degree (accelerate's name): each sequence split over that many ranks, which share
+        one data-parallel rank's batch; must equal the model's (None: take the model's). FSDP2 then shards over
+        dp_shard x cp.
     """
 
     tp_size: int | None = None
     dp_shard_size: int | None = None
     dp_replicate_size: int = 1
     ep_size: int | None = None
+    cp_size: int | None = None
 
     def distributed_config(self) -> DistributedConfig:
         """The equivalent DistributedConfig: it owns size validation and mesh construction."""
         return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
-                                 dp_replicate_size=self.dp_replicate_size, ep_size=self.ep_size)
+                                 dp_replicate_size=self.dp_replicate_size, ep_size=self.ep_size,
+                                 cp_size=self.cp_size or 1)
 
     def parallel_dims(self, world_size: int | None = None, *, tp_note: str = "") -> ParallelDims:
         """The sizes resolved against the world size; ValueError if impossible.
         `tp_note` follows tp_size in that error, e.g. " (the model's)"."""
         described = (f"ParallelismConfig(tp_size={self.tp_size or 'auto'}{tp_note}, dp_shard_size="
                      f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size}"
-                     + (f", ep_size={self.ep_size}" if self.ep_size else "") + ")")
+                     + (f", ep_size={self.ep_size}" if self.ep_size else "")
+                     + (f", cp_size={self.cp_size}" if (self.cp_size or 1) > 1 else "") + ")")
         return self.distributed_config().parallel_dims(world_size, described=described)
 
     def sizes(self, world_size: int | None = None) -> dict[str, int]:

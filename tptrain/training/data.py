@@ -366,6 +366,10 @@ class DataOrder:
         return state if self.data_key is None else {**state, "data_key": self.data_key}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "stream" in state:  # the reverse of StreamOrder's check
+            raise ValueError(f"cannot resume the data order: the checkpoint was saved by a streaming run (files "
+                             f"fingerprint {state['stream']}, text column {state.get('text_column')!r}); resume it "
+                             "with the same StreamingText / --streaming data")
         saved = state.get("data_key")
         if saved is not None and self.data_key is not None and saved != self.data_key:
             raise ValueError(f"cannot resume the data order: the checkpoint was trained on data with token cache "

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tptrain.distributed import comm
+from tptrain.distributed.topology import dp_placements, dp_shard_cp_mesh
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.styles import ShardSpec
 from tptrain.training.args import TrainingArguments
@@ -84,10 +85,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
         grads.append(g)
         spec = specs.get(name, ShardSpec())
         if spec.segments and isinstance(p.grad, DTensor):  # FSDP's piece of a fused TP shard
-            dp = dict(zip(p.grad.device_mesh.mesh_dim_names, p.grad.placements))
-            fsdp = "dp_shard" in dp
-            parts = fsdp_segment_pieces(g, spec, tp_size, tp_rank, mesh["dp_shard"].get_local_rank() if fsdp else 0,
-                                        mesh["dp_shard"].size() if fsdp else 1)
+            fsdp = "dp_shard" in dp_placements(p.grad)
+            shards = dp_shard_cp_mesh(mesh)
+            parts = fsdp_segment_pieces(g, spec, tp_size, tp_rank, shards.get_local_rank() if fsdp else 0,
+                                        shards.size() if fsdp else 1)
         else:
             parts = spec.local_parts(g, tp_size)
         for part, piece in parts:  # a fused tensor part by part
@@ -105,8 +106,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
     if mesh is not None and mesh["tp"].size() > 1:
         comm.all_reduce(total, mesh["tp"].get_group(), phase="grad_norm")
     total += squares(whole)
-    if mesh is not None and mesh["dp_shard"].size() > 1:
-        comm.all_reduce(total, mesh["dp_shard"].get_group(), phase="grad_norm")
+    if mesh is not None and dp_shard_cp_mesh(mesh).size() > 1:  # FSDP's shards (over dp_shard x cp under cp)
+        comm.all_reduce(total, dp_shard_cp_mesh(mesh).get_group(), phase="grad_norm")
     norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

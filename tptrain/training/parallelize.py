@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tptrain.distributed import ParallelDims, init_distributed
-from tptrain.distributed.topology import expert_dp_mesh
+from tptrain.distributed.topology import dp_shard_cp_mesh, expert_dp_mesh
 from tptrain.parallel import contract
 from tptrain.training.args import ParallelismConfig
 
@@ -40,7 +40,14 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
                          f"split over ep_size={model_ep}; load the model with DistributedConfig(ep_size="
                          f"{config.ep_size}) (its experts are sharded when it is loaded) or set "
                          f"ParallelismConfig(ep_size={model_ep})")
-    config = dataclasses.replace(config, tp_size=model_tp, ep_size=model_ep if model_ep > 1 else None)
+    context = getattr(model, "cp_context", None)
+    model_cp = context.size if context is not None else 1
+    if (config.cp_size or model_cp) != model_cp:
+        raise ValueError(f"ParallelismConfig(cp_size={config.cp_size}) disagrees with the model, which splits its "
+                         f"sequences over cp_size={model_cp}; load the model with DistributedConfig(cp_size="
+                         f"{config.cp_size}) or set ParallelismConfig(cp_size={model_cp})")
+    config = dataclasses.replace(config, tp_size=model_tp, ep_size=model_ep if model_ep > 1 else None,
+                                 cp_size=model_cp)
     return config.parallel_dims(world_size, tp_note=tp_note)
 
 
@@ -83,11 +90,14 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> bo
 
     With an ep axis, the experts split over it are wrapped first, on their own, over the ranks holding the same
     experts (`expert_dp_mesh`: dp_shard_mod_ep, HSDP with dp_replicate), so their gradients are summed only there;
-    everything else is sharded over dp_shard (ep included) as without it."""
-    rep, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
-    if rep * shard == 1:
+    everything else is sharded over dp_shard (ep included) as without it.
+
+    With context parallelism FSDP2 shards over dp_shard x cp flattened (torchtitan's dp_shard_cp): the cp ranks'
+    gradients are shares of one batch's, which its reduce-scatter sums."""
+    rep, shards = mesh["dp_replicate"].size(), dp_shard_cp_mesh(mesh)
+    if rep * shards.size() == 1:
         return False
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if rep > 1 else mesh["dp_shard"]
+    dp_mesh = mesh["dp_replicate", shards.mesh_dim_names[0]] if rep > 1 else shards
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
                  else MixedPrecisionPolicy())
     for experts in ep_split_modules(model):

@@ -100,9 +100,12 @@ def _resolve(source: str) -> list[Path]:
         if not files:
             raise FileNotFoundError(f"streaming data: the pattern {source} matches no file")
         return files
-    raise FileNotFoundError(f"streaming data: {source} does not exist (hub dataset ids are not streamed: download "
-                            f"the repository with `huggingface-cli download --repo-type dataset ID --local-dir DIR` "
-                            "and pass DIR)")
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):  # org/name: a hub dataset id
+        from tptrain.io.hub import resolve_dataset
+
+        return _resolve(str(resolve_dataset(source)))
+    raise FileNotFoundError(f"streaming data: {source} does not exist (a local directory, file or glob of "
+                            f"{'/'.join(SUFFIXES)} shards, or a hub dataset id org/name)")
 
 
 def fingerprint(files: list[Path]) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -31,6 +32,7 @@ from tptrain.io.hub import TOKENIZER_PATTERNS
 from tptrain.distributed import ParallelDims, comm, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.parallel.context_parallel import check_sequence_length as check_cp_sequence_length
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training.checkpoint import dirs as dirs
 from tptrain.training.checkpoint import state as ckpt
@@ -129,9 +131,12 @@ class Trainer:
     def _check_sequence_length(self, dims: ParallelDims) -> None:
         check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
         layout = getattr(self.inner, "tp_layout", None)
-        if layout is not None and layout.ctx.sequence_parallel:
-            check_sequence_length(self.inner, self.args.seq_len, dims.tp,
-                                  what=f"TrainingArguments.seq_len={self.args.seq_len}")
+        if layout is not None and layout.ctx.sequence_parallel:  # SP splits each cp rank's seq_len / cp tokens
+            check_sequence_length(self.inner, self.args.seq_len // dims.cp, dims.tp,
+                                  what=f"TrainingArguments.seq_len={self.args.seq_len}"
+                                       + (f" / cp_size {dims.cp}" if dims.cp > 1 else ""))
+        if dims.cp > 1:  # rows of other lengths are padded to a multiple of 2 x cp (`_padding`)
+            check_cp_sequence_length(self.args.seq_len, dims.cp, what="TrainingArguments.seq_len (--seq-len)")
 
     # ------------------------------------------------------------------ training
 
@@ -251,10 +256,13 @@ class Trainer:
                       "refuses them instead)", flush=True)
 
     def _padding(self) -> dict[str, int]:
-        """How `collate` pads a micro-batch: with eos, to a multiple of tp_size under sequence parallelism."""
+        """How `collate` pads a micro-batch: with eos, to a multiple of tp_size under sequence parallelism and of
+        2 x cp_size under context parallelism (its load balancing's chunks; both: each cp rank's share splits over
+        tp)."""
         layout = getattr(self.inner, "tp_layout", None)
+        sp = self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1
         return {"pad_id": getattr(self.tokenizer, "eos_token_id", 0),
-                "multiple": self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1}
+                "multiple": math.lcm(sp * self.dims.cp, 2 * self.dims.cp if self.dims.cp > 1 else 1)}
 
     def _batch(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device) for k, v in collate(rows, **self._padding()).items()}

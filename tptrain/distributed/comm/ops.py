@@ -200,3 +200,16 @@ def gather_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 1) -> to
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 1) -> torch.Tensor:
     """reduce-scatter fwd / all-gather bwd (tensor-parallel -> sequence-parallel region)."""
     return _along_dim(x, group, dim, "reduce_scatter", "all_gather")
+
+
+def gather_over_cp(x: torch.Tensor, group: ProcessGroup | str, dim: int) -> torch.Tensor:
+    """all-gather fwd / reduce-scatter bwd (context parallelism: every rank's keys and values along the sequence;
+    the gradients of the gathered keys and values, made by every rank's queries, summed back to their owner)."""
+    return _along_dim(x, group, dim, "all_gather", "reduce_scatter")
+
+
+def sum_over_cp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
+    """all-reduce fwd / identity bwd (context parallelism: the loss as the sum of every rank's share; each rank's
+    backward then runs through its own share only)."""
+    name = _name(group)
+    return x if _alone(name) else _ReduceFromTP.apply(x, name)

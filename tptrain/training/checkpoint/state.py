@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import ParallelDims, raise_on_any_rank
-from tptrain.distributed.topology import rank_grid
+from tptrain.distributed.topology import dp_placements, rank_grid
 from tptrain.training.checkpoint.dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
@@ -109,7 +109,7 @@ class StateConverter:
         if spec.ep_split:
             return self._ep_view(name, local, t, shape)
         tp_chunks = spec.num_chunks(self.mesh["tp"].size())
-        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        dp = dp_placements(t)
         placements: list[Placement] = [dp.get(axis, Replicate()) for axis in ("dp_replicate", "dp_shard")]
         if spec.dim is not None and tp_chunks > 1:
             # FSDP splits the TP shard again: on the TP dim that is a strided split of the global dim.
@@ -126,7 +126,7 @@ class StateConverter:
         """A fused tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
         FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (fused_shards.py)
         does, still without a gather or a copy. Loaded into an empty global tensor (`fused_target`)."""
-        dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
+        dp = dp_placements(t)
         assert dp.get("dp_shard", Shard(0)) == Shard(0), (name, dp)  # FSDP2 shards dim 0
         local = (t.to_local() if isinstance(t, DTensor) else t).detach()
         return fused_sharded_tensor(local, self._spec(name), self.global_shapes[name], self.mesh,

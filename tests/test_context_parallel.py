@@ -1,0 +1,249 @@
+"""Context parallelism (cp_size) against one process, in fp64: the loss and every gradient of a bare model on a
+packed batch longer than the sliding windows, for every family of tests/cp_utils.py, at cp 2, cp 4 and cp 2 x tp 2;
+and the errors a user can get."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cp_utils import CP_FAMILIES, SEQ, packed_batch, write_checkpoints
+from tests.dist_utils import run_distributed
+from tests.helpers import TOL, full_grads, tiny_model
+from tptrain import DistributedConfig
+from tptrain.distributed import ParallelDims
+from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.training.args import ParallelismConfig
+from tptrain.training.parallelize import resolve_parallelism
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return write_checkpoints(tmp_path_factory.mktemp("cp"))
+
+
+def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
+    """Every family at every layout (a layout's "families": only those): out.loss, every gradient (gathered over TP)
+    and the local logits equal one process's on the same whole batch."""
+    import torch.distributed as dist
+
+    from tptrain.diagnostics.accounting import comm_report
+    from tptrain.distributed import comm
+    from tptrain.parallel.context_parallel import local_index
+
+    for kwargs in layouts:
+        kwargs = dict(kwargs)
+        families = kwargs.pop("families", list(CP_FAMILIES))
+        batch = packed_batch(packed=kwargs.pop("packed", True))
+        for model_type, path in ((t, paths[t]) for t in families):
+            what = f"{model_type} {kwargs}"
+            ref = AutoModelForCausalLM.from_pretrained(path).train()
+            ref_out = ref(**batch)
+            ref_out.loss.backward()
+            model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**kwargs)).train()
+            tracker = comm.CommTracker()
+            with tracker:
+                out = model(**batch)
+                out.loss.backward()
+            torch.testing.assert_close(out.loss, ref_out.loss, **TOL, msg=lambda m: f"{what} loss: {m}")
+            grads = full_grads(model)
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}")
+            with torch.no_grad():  # eval logits (not fused): this rank's tokens, gathered over TP's vocabulary
+                logits, ref_logits = model.eval()(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits
+            cp_rank = model.cp_context.rank
+            index = local_index(SEQ, kwargs["cp_size"], cp_rank)
+            torch.testing.assert_close(logits, ref_logits[:, index], **TOL, msg=lambda m: f"{what} logits: {m}")
+            gathers = [r for r in tracker.records if r.op == "all_gather" and r.phase == "forward"]
+            assert len(gathers) >= model.config.num_hidden_layers, (what, tracker.records)
+            if model_type in ("qwen3", "phi3") and "position_ids" in batch:  # cp's and TP's collectives at minimum
+                model.train().zero_grad()
+                report = comm_report(model, batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])
+                assert report.matches_minimum, f"{what}\n{report.table()}"
+    dist.barrier()
+
+
+def _wrong_length(path: str) -> None:
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(cp_size=2))
+    batch = packed_batch(seq=14)
+    with pytest.raises(ValueError, match=r"cp_size=2.*multiple of 4.*pad the batch to 16 tokens"):
+        model(**batch)
+
+
+def _cp4_worker(paths: dict[str, str]) -> None:
+    _compare_families(paths, [dict(cp_size=4, tp_size=1), dict(cp_size=2, tp_size=2),
+                              dict(cp_size=2, tp_size=2, enable_sequence_parallel=True, families=["qwen3", "olmo2"]),
+                              dict(cp_size=4, tp_size=1, packed=False, families=["qwen3", "gemma2"]),
+                              dict(cp_size=2, tp_size=2, packed=False, families=["phi3", "gemma2"])])
+
+
+@pytest.mark.distributed
+def test_cp4_and_cp2_tp2_bare_model_equal_one_process(checkpoints):
+    run_distributed(_cp4_worker, 4, checkpoints, timeout=600)
+
+
+def test_cp_size_is_validated():
+    assert DistributedConfig(cp_size=2, tp_size=2).parallel_dims(8) == ParallelDims(1, 2, 2, cp=2)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"cp_size must be a positive int"):
+            DistributedConfig(cp_size=bad).parallel_dims(4)
+    with pytest.raises(ValueError, match=r"cp_size=3 = 3.*world size is 4"):
+        DistributedConfig(cp_size=3).parallel_dims(4)
+    with pytest.raises(ValueError, match=r"tp_size=2 x dp_replicate_size=1 x cp_size=4 = 8.*world size is 4"):
+        DistributedConfig(tp_size=2, cp_size=4).parallel_dims(4)
+    with pytest.raises(ValueError, match=r"cp_size=2 cannot be combined with ep_size=2"):
+        DistributedConfig(cp_size=2, ep_size=2, tp_size=1).parallel_dims(4)
+    # the Trainer's spelling (accelerate's): checked against the model, whose cp_size is set when it is loaded
+    assert ParallelismConfig(cp_size=2, tp_size=1).parallel_dims(4) == ParallelDims(1, 2, 1, cp=2)
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(cp_size=2\) disagrees with the model.*cp_size=1"):
+        resolve_parallelism(tiny_model(), ParallelismConfig(cp_size=2), world_size=2)
+
+
+def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeypatch):
+    with pytest.raises(ValueError, match=r"device_map cannot be combined.*context parallelism"):
+        AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], device_map="cpu",
+                                             distributed_config=DistributedConfig(cp_size=2))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = AutoConfig.from_pretrained(checkpoints["qwen3"], backend="transformers")
+    hf = AutoModelForCausalLM.from_config(config, device="meta")
+    with pytest.raises(ValueError, match=r"cp_size=2.*model\.layers\.0\.self_attn \(Qwen3Attention and 1 more\).*"
+                                         r"backend='native'"):
+        hf._check_plan(DistributedConfig(cp_size=2))
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3_moe", **{**CP_FAMILIES["qwen3_moe"], "output_router_logits": True}), device="meta")
+    with pytest.raises(ValueError, match=r"output_router_logits=True"):
+        moe._check_plan(DistributedConfig(cp_size=2))
+
+
+# ------------------------------------------------------------------ the Trainer at cp 2 against one process
+
+def _trainer(model, out_dir, cp: int, batch: int = 4, eval_dataset=None, **kw):
+    from tests.helpers import tiny_dataset, training_args
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    args = training_args(out_dir, per_device_train_batch_size=batch, parallelism_config=ParallelismConfig(
+        cp_size=cp), **{"max_steps": 3, **kw})
+    return Trainer(model=model, args=args, train_dataset=tiny_dataset(), eval_dataset=eval_dataset)
+
+
+def _lora_pair(tmp: str, base):
+    """(one-process LoRA model, its cp-2 copy): q/k/v/o adapters, B not zero, so every factor has a gradient."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+
+    single = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj",
+                                                                                                 "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in single.named_parameters():
+            if ".lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3), dtype=p.dtype) * 0.1)
+    if dist.get_rank() == 0:
+        single.save_pretrained(f"{tmp}/adapter")
+    dist.barrier()
+    model = copy.deepcopy(base).parallelize(DistributedConfig(cp_size=2))
+    return single, PeftModel.from_pretrained(model, f"{tmp}/adapter", is_trainable=True)
+
+
+def _cp2_worker(paths: dict[str, str], tmp: str) -> None:
+    """One group of 2 ranks: the bare model of every family at cp 2, a length that does not split, the Trainer."""
+    _compare_families(paths, [dict(cp_size=2, tp_size=1), dict(cp_size=2, tp_size=1, packed=False,
+                                                                families=["qwen3", "gemma2", "qwen3_moe"])])
+    _wrong_length(paths["qwen3"])
+    _trainer_worker(tmp)
+
+
+def _trainer_worker(tmp: str) -> None:
+    """4 AdamW steps (losses and parameters) and eval_loss at cp 2 equal one process; so do activation
+    checkpointing and LoRA; a checkpoint saved at cp 2 resumes at cp 1 (dp 2) and one saved at cp 1 at cp 2."""
+    import copy
+
+    from tests.helpers import reference_losses, tiny_dataset, tiny_model
+    from tptrain.distributed import comm, init_distributed
+    from tptrain.modeling import gather_parameters
+
+    init_distributed()
+    close = dict(rtol=1e-9, atol=1e-9)
+    held_out = tiny_dataset(6, seed=5)
+    ref = tiny_model()
+    trainer = _trainer(copy.deepcopy(ref).parallelize(DistributedConfig(cp_size=2)), f"{tmp}/cp2", 2,
+                       eval_dataset=held_out, max_steps=4, save_steps=2)
+    tracker = comm.CommTracker()
+    with tracker:
+        out = trainer.train()
+    kv_gathers = [r for r in tracker.records if r.op == "all_gather" and len(r.shape) == 5]  # (2, b, kv, s/cp, d)
+    assert len(kv_gathers) >= 4 * 2 and {r.ranks for r in kv_gathers} == {2}, tracker.records
+    expected = reference_losses(ref, tiny_dataset(), trainer.args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), **close)
+    params = gather_parameters(trainer.model, [n for n, _ in trainer.model.named_parameters()])
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), **close, msg=lambda m: f"{name} after 4 steps: {m}")
+    with torch.no_grad():
+        ref_eval = ref.eval()(torch.stack(list(held_out)), labels=torch.stack(list(held_out))).loss.item()
+    assert abs(trainer.evaluate()["eval_loss"] - ref_eval) < 1e-9, (trainer.evaluate(), ref_eval)
+
+    # resume across cp sizes: cp 2 -> cp 1 (dp_shard 2, 2 rows each), which saves at step 3 -> cp 2 again
+    at_cp1 = _trainer(tiny_model(), f"{tmp}/cp1", 1, batch=2, max_steps=4, save_steps=1).train(
+        resume_from_checkpoint=f"{tmp}/cp2/checkpoint-2")
+    torch.testing.assert_close(torch.tensor(at_cp1.losses), torch.tensor(out.losses[2:]), **close)
+    back = _trainer(tiny_model().parallelize(DistributedConfig(cp_size=2)), f"{tmp}/back", 2, max_steps=4).train(
+        resume_from_checkpoint=f"{tmp}/cp1/checkpoint-3")
+    torch.testing.assert_close(torch.tensor(back.losses), torch.tensor(out.losses[3:]), **close)
+
+    ac = _trainer(tiny_model().parallelize(DistributedConfig(cp_size=2)), f"{tmp}/ac", 2,
+                  gradient_checkpointing=True).train()
+    torch.testing.assert_close(torch.tensor(ac.losses),
+                               torch.tensor(reference_losses(tiny_model(), tiny_dataset(), ac_args(tmp), 4)), **close)
+
+    single, lora = _lora_pair(tmp, tiny_model())
+    lora_out = _trainer(lora, f"{tmp}/lora", 2).train()
+    torch.testing.assert_close(torch.tensor(lora_out.losses),
+                               torch.tensor(reference_losses(single, tiny_dataset(), ac_args(tmp), 4)), **close)
+
+
+def ac_args(tmp: str):
+    """The arguments of the 3-step runs, for their one-process reference."""
+    from tests.helpers import training_args
+
+    return training_args(f"{tmp}/ref", max_steps=3)
+
+
+@pytest.mark.distributed
+def test_cp2_bare_model_and_trainer_equal_one_process(checkpoints, tmp_path):
+    run_distributed(_cp2_worker, 2, checkpoints, str(tmp_path), timeout=600)
+
+
+# ------------------------------------------------------------------ the CLI
+
+
+@pytest.mark.distributed
+def test_cli_fine_tunes_and_plans_at_cp2(tmp_path, capsys):
+    """`tptrain train --cp-size 2` on chat records with LoRA and eval (random init from config.json), its greedy
+    sample included; `tptrain plan --cp-size 2`; a --seq-len that does not split, refused before any worker."""
+    import json
+
+    from tests.helpers import chat_records, tptrain_train
+    from tests.sft_utils import BUNDLED, CHATML_GENERATION, chat_checkpoint
+    from tptrain.cli import main
+    from tptrain.training.reporting import read_metrics
+
+    config = {**json.loads((BUNDLED / "config.json").read_text()), "vocab_size": 4160, "hidden_size": 32,
+              "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 8}
+    ckpt = chat_checkpoint(tmp_path / "ckpt", CHATML_GENERATION, config=config)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_records(12, 1)))
+    flags = ("--model", str(ckpt), "--data", str(data), "--eval-data", str(data), "--tp-size", "1", "--cp-size", "2",
+             "--batch-size", "2", "--max-steps", "2", "--lora-r", "4", "--max-new-tokens", "2", "--prompt", "to be")
+    run = tptrain_train(*flags, "--seq-len", "64", "--output-dir", str(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "cp 2" in run.stdout and "greedy continuation" in run.stdout, run.stdout
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == [1, 2] and any("eval_loss" in r for r in records)
+    capsys.readouterr()
+    assert main(["train", "--smoke-test", *flags, "--seq-len", "30", "--output-dir", str(tmp_path / "bad")]) == 2
+    assert "--seq-len is 30, not a multiple of 4" in capsys.readouterr().err
+    assert main(["plan", str(ckpt), "--tp-size", "1", "--cp-size", "2"]) == 0
+    assert "context parallelism: cp_size=2" in capsys.readouterr().out

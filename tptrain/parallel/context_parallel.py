@@ -1,0 +1,209 @@
+"""Context parallelism: every rank of a cp group computes 1/cp of each sequence (Llama 3's all-gather CP).
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(cp_size=2))
+    out = model(ids, labels=ids, position_ids=pos)   # every rank of the cp group passes the same whole batch
+    out.loss.backward()                              # out.loss and every gradient: one process's
+
+    torchrun --nproc-per-node 4 train.py             # DistributedConfig(tp_size=2, cp_size=2)
+
+Load balancing (head-tail): the sequence is cut into 2 x cp chunks and rank i keeps chunks i and 2cp-1-i, so every
+rank has the same causal work. The labels are shifted over the whole sequence BEFORE the split (a shard's last token
+keeps its target), the global position ids go with the tokens (RoPE and per-layer bases see true positions), and
+each mask is the rows of the whole sequence's mask for this rank's queries (causal, sliding window, packed
+documents from restarting position ids, padding), its columns ordered as the keys are gathered.
+
+Each attention layer all-gathers K and V over the cp group (one collective for both; with GQA they are smaller
+than Q, and any mask works) and its backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per
+token (norms, MLPs, MoE routing: each rank routes its own tokens), so it runs on the shard unchanged.
+
+The loss: each rank's token sum over the real-token count of the WHOLE batch (each rank holds the whole batch, so
+it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-reduce fwd / identity bwd), so
+`out.loss` is one process's. Every parameter's gradient is then a per-rank share: the grad sync sums them over cp
+at the end of backward (bare model), or FSDP2's reduce-scatter over dp_shard x cp does (the Trainer).
+`out.logits` holds this rank's tokens only: (batch, seq / cp, vocab), chunks i and 2cp-1-i in that order
+(`local_index`).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tptrain.distributed import comm
+from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.parallel import contract
+
+
+@dataclass
+class CPContext:
+    """One model's cp group (by name), its size and this rank; and, during a forward, the whole batch's
+    position ids (batch or 1, seq) and padding mask (batch, seq) or None, this rank's token indices (seq / cp,),
+    and every rank's in gathered order (seq,)."""
+
+    group_name: str
+    size: int
+    rank: int
+    position_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    query_index: torch.Tensor | None = None
+    key_index: torch.Tensor | None = None
+
+    def end(self) -> None:
+        self.position_ids = self.attention_mask = self.query_index = self.key_index = None
+
+
+def check_sequence_length(seq: int, cp_size: int, *, what: str = "the sequence length") -> None:
+    """ValueError unless `seq` splits into 2 x cp_size equal chunks (the head-tail load balancing)."""
+    multiple = 2 * cp_size
+    if seq % multiple:
+        padded = -(-seq // multiple) * multiple
+        raise ValueError(f"context parallelism (cp_size={cp_size}) cuts every sequence into 2 x cp_size = {multiple} "
+                         f"equal chunks, but {what} is {seq}, not a multiple of {multiple}; pad the batch to "
+                         f"{padded} tokens (labels -100), or use a seq_len (--seq-len) that is a multiple of {multiple}")
+
+
+def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(seq / cp_size,) the sequence indices cp rank `rank` holds: chunks rank and 2cp-1-rank of 2 x cp_size."""
+    chunk = seq // (2 * cp_size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    last = torch.arange((2 * cp_size - 1 - rank) * chunk, (2 * cp_size - rank) * chunk, device=device)
+    return torch.cat([first, last])
+
+
+def problems(model: nn.Module) -> list[str]:
+    """Why `model` cannot run context-parallel (empty: it can). Pure: checked before any collective."""
+    out = []
+    if contract.mask_builder(model) is None:
+        base = contract.base_model(model)
+        out.append(f"cp_size needs the base model ({type(base).__name__} at {contract.prefix(model)!r}) to build its "
+                   f"attention masks through attention_masks(...) (parallel/contract.py); tptrain's native models do: "
+                   f"load with backend='native'")
+    names = [name for name, m in model.named_modules() if isinstance(m, contract.TPAttention)]
+    if not names:
+        out.append(f"cp_size found no attention module in {type(model).__name__} (none declares tp_kv_projections)")
+    lacking = [name for name, m in model.named_modules() if isinstance(m, contract.TPAttention)
+               and contract.attend(m) is None]
+    if lacking:
+        out.append(f"cp_size cannot split the attention of {lacking[0]} ({type(model.get_submodule(lacking[0])).__name__}"
+                   f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}): it has no attend(q, k, v, mask) "
+                   f"for context parallelism to gather the keys and values through; load with backend='native', or "
+                   f"drop cp_size")
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        out.append("cp_size with output_router_logits=True: the load-balancing loss averages the router over the "
+                   "whole batch and each cp rank routes only its own tokens; set output_router_logits=False in "
+                   "config.json, or drop cp_size")
+    if getattr(config, "rope_type", None) == "longrope":
+        out.append("cp_size with rope_type 'longrope': its long factors switch on the longest position of the whole "
+                   "sequence, which one cp rank does not see; drop cp_size for this model")
+    return out
+
+
+def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> CPContext:
+    """Make `model` (problem-free, already TP-sharded) split its sequences over `cp_group`; returns its CPContext.
+    Installed: the batch split before forward, the loss sum after it, the K/V gather around every attention's
+    `attend`, the rows of the masks, the loss functions on pre-shifted labels."""
+    ctx = CPContext(comm.group_name(cp_group), dist.get_world_size(cp_group), dist.get_rank(cp_group))
+    for module in model.modules():
+        if isinstance(module, contract.TPAttention):
+            module.attend = _gathering(contract.attend(module), ctx)
+    base = contract.base_model(model)
+    base.attention_masks = _rows_for_this_rank(contract.mask_builder(model), ctx)
+    model.loss_function = _on_shifted(model.loss_function)
+    if contract.has_head_loss(model):
+        model.head_loss_function = _on_shifted(model.head_loss_function)
+    signature = inspect.signature(model.forward)
+    model.register_forward_pre_hook(lambda module, args, kwargs: _split_batch(ctx, signature, args, kwargs),
+                                    with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: _sum_loss(ctx, out))
+    return ctx
+
+
+def _split_batch(ctx: CPContext, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The whole batch -> this rank's tokens; the labels shifted first and, when no count is given, the whole
+    batch's real-token count as `num_items_in_batch` (so the loss is a share of one process's)."""
+    bound = signature.bind(*args, **kwargs)
+    given = bound.arguments
+    ids = given["input_ids"]  # (batch, seq)
+    check_sequence_length(ids.shape[1], ctx.size, what=f"input_ids' length (shape {tuple(ids.shape)})")
+    positions = given.get("position_ids")
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    index = local_index(ids.shape[1], ctx.size, ctx.rank, ids.device)
+    ctx.position_ids, ctx.attention_mask, ctx.query_index = positions, given.get("attention_mask"), index
+    ctx.key_index = torch.cat([local_index(ids.shape[1], ctx.size, r, ids.device) for r in range(ctx.size)])
+    given["input_ids"], given["position_ids"] = ids[:, index], positions[:, index]
+    if given.get("attention_mask") is not None:
+        given["attention_mask"] = given["attention_mask"][:, index]
+    if given.get("labels") is not None:
+        target = shift_labels(given["labels"])  # (batch, seq): position t's target, over the whole sequence
+        if given.get("num_items_in_batch") is None:
+            given["num_items_in_batch"] = (target != IGNORE_INDEX).sum()
+        given["labels"] = target[:, index]
+    return bound.args, bound.kwargs
+
+
+def _sum_loss(ctx: CPContext, out):
+    ctx.end()
+    if getattr(out, "loss", None) is not None:
+        out.loss = comm.sum_over_cp(out.loss, ctx.group_name)
+    return out
+
+
+def _gathering(attend, ctx: CPContext):
+    """`attend` on this rank's queries against every rank's keys and values (gathered in rank order)."""
+
+    def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if k.dtype == v.dtype:  # one collective for both: (2, batch, kv_heads, seq, head_dim)
+            k, v = comm.gather_over_cp(torch.stack([k, v]), ctx.group_name, dim=3).unbind(0)
+        else:
+            k, v = (comm.gather_over_cp(t, ctx.group_name, dim=2) for t in (k, v))
+        if mask is not None:
+            return attend(q, k, v, mask)
+        # Plain causal: no mask at all. The keys in sequence order; each of this rank's two chunks attends the keys
+        # up to its own end, causal at the end (attend's None), so the fused kernels keep working. (Derived from the
+        # shapes, not the forward's state: activation checkpointing recomputes this in backward.)
+        seq = k.shape[2]
+        order = torch.argsort(torch.cat([local_index(seq, ctx.size, r, k.device) for r in range(ctx.size)]))
+        k, v = k.index_select(2, order), v.index_select(2, order)
+        chunk = q.shape[2] // 2
+        ends = (ctx.rank + 1) * chunk, (2 * ctx.size - ctx.rank) * chunk
+        return torch.cat([attend(q[:, :, :chunk], k[:, :, :ends[0]], v[:, :, :ends[0]], None),
+                          attend(q[:, :, chunk:], k[:, :, :ends[1]], v[:, :, :ends[1]], None)], dim=2)
+
+    return attend_gathered
+
+
+def _rows_for_this_rank(attention_masks, ctx: CPContext):
+    """The base model's mask builder on the whole batch's positions and padding: this rank's query rows, the keys
+    in gathered order (always a mask: no rank's queries are the plain causal square)."""
+
+    def masks(position_ids: torch.Tensor, attention_mask: torch.Tensor | None, windows: set, **_) -> dict:
+        if ctx.query_index is None:
+            raise RuntimeError("under context parallelism the base model runs inside the CausalLM's forward (which "
+                               "splits the batch over the cp group); call the model itself, not its base model")
+        return attention_masks(ctx.position_ids, ctx.attention_mask, windows, query_index=ctx.query_index,
+                               key_index=ctx.key_index)
+
+    return masks
+
+
+def _on_shifted(loss_function):
+    """A loss function of the model contract, handed labels the batch split has already shifted."""
+
+    def loss(*args, **kwargs):
+        return loss_function(*args, **kwargs, shifted=True)
+
+    return loss
+
+
+def gather_sequence(t: torch.Tensor, ctx: CPContext, *, dim: int = 1) -> torch.Tensor:
+    """(batch, seq / cp, ...) of this rank's tokens (`out.logits`) -> (batch, seq, ...) of every rank's, in
+    sequence order. Not differentiable: for reading outputs (generation, inspection). Collective over cp."""
+    full = comm.all_gather(t.contiguous(), comm.resolve_group(ctx.group_name), dim=dim)
+    seq = full.shape[dim]
+    gathered = torch.cat([local_index(seq, ctx.size, r, t.device) for r in range(ctx.size)])  # of each position
+    return full.index_select(dim, torch.argsort(gathered))
