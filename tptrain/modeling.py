@@ -29,6 +29,7 @@ from tptrain.parallel.styles import ShardSpec
 from tptrain.distributed.topology import cp_mesh
 from tptrain.parallel.context_parallel import apply_context_parallel
 from tptrain.parallel.context_parallel import problems as context_problems
+from tptrain.parallel import pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
@@ -106,6 +107,10 @@ class PreTrainedModel(nn.Module):
         The model is returned in eval mode (dropout off), as transformers returns it; the Trainer switches it to
         train mode for each step, and a hand-written loop calls `model.train()`.
         """
+        if device_map is not None and distributed_config is not None and distributed_config.pp_size > 1:
+            raise ValueError(f"device_map cannot be combined with DistributedConfig(pp_size="
+                             f"{distributed_config.pp_size}): pipeline parallelism places each stage on its own rank "
+                             f"(device from LOCAL_RANK); drop device_map")
         if device_map is not None and distributed_config is not None:
             split = ("context" if (distributed_config.cp_size or 1) > 1 else "tensor") + " parallelism"
             raise ValueError(f"device_map cannot be combined with distributed_config: under {split} each rank's "
@@ -161,6 +166,8 @@ class PreTrainedModel(nn.Module):
     def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
+        if distributed_config.pp_size > 1:  # keep only this rank's stage(s): only their tensors are read below
+            resolved = pipeline_parallel.cut_for_rank(self, resolved, distributed_config, mesh["pp"].get_local_rank())
         ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
@@ -203,6 +210,8 @@ class PreTrainedModel(nn.Module):
         if sizes.get("cp", 1) > 1 and context_problems(self):
             raise ValueError(f"{type(self).__name__} ({getattr(self.config, 'model_type', '?')}) cannot run with "
                              f"cp_size={sizes['cp']}: " + "; ".join(context_problems(self)))
+        if distributed_config.pp_size > 1:  # the stages checked on the whole model, before any collective
+            pipeline_parallel.check(self, resolved, distributed_config)
         return resolved
 
     def checkpoint_keys(self) -> dict[str, Any]:
@@ -250,7 +259,8 @@ class PreTrainedModel(nn.Module):
                 t = key.read(reader, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
                              ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
             else:
-                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
+                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank,
+                               dtype=_load_dtype(self, name, dtype), device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, p in list(self.named_parameters(remove_duplicate=False)):
             mod_name, _, pname = name.rpartition(".")
@@ -281,7 +291,10 @@ class PreTrainedModel(nn.Module):
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-        save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
+        gather = checkpoint_tensors
+        if getattr(self, "pp_plan", None) is not None:  # every stage's tensors, written by global rank 0
+            sizes, gather = pipeline_parallel.across_stages(self, sizes, checkpoint_tensors)
+        save_once(save_directory, collective=is_sharded(self), gather=gather,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
                                                       extra_files={"config.json": config_json}))
 
@@ -303,6 +316,14 @@ class PreTrainedModel(nn.Module):
                 yield from checkpoint_items(name, t, keys)
 
         return sizes, checkpoint_tensors
+
+
+def _load_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` is loaded in: `dtype`, or at least fp32 for those its module lists in
+    `keep_in_float32` (transformers' `_keep_in_fp32_modules_strict`: DeepSeek's router bias)."""
+    module, _, pname = name.rpartition(".")
+    keep = pname in getattr(model.get_submodule(module), "keep_in_float32", ())
+    return torch.promote_types(dtype, torch.float32) if keep else dtype
 
 
 def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1,
