@@ -55,9 +55,12 @@ def test_a_checkpoint_transformers_converts_on_load_loads_through_its_rules(tmp_
 
 
 def test_a_transformers_style_tptrain_lacks_is_named():
-    model = _meta_model("glm", partial_rotary_factor=0.5)  # its MLP: colwise_gather_output + rowwise_split_input
+    # glm's rowwise_split_input, named here before tptrain had it, now loads (tests/test_hf_styles.py); inkling_text's
+    # shared experts ('all_reduce' over per-parameter rules) are still refused, naming the rule
+    model = _meta_model("inkling_text")
     problems = check_plan(model, "auto", 2).problems
-    assert any("unknown style 'rowwise_split_input'" in p and "mlp.down_proj" in p for p in problems), problems
+    assert any("unknown style 'all_reduce'" in p and "mlp.shared_experts" in p for p in problems), problems
+    assert not check_plan(_meta_model("glm", partial_rotary_factor=0.5), "auto", 2).problems
 
 
 def test_a_weight_between_split_projections_without_a_rule_is_a_problem():
@@ -117,8 +120,11 @@ def test_meta_build_reads_nothing_and_random_init_is_transformers():
 
 
 def test_per_parameter_moe_styles_are_named():
+    # Under an owner ruled 'moe_tp_experts' (mixtral's experts) the per-parameter rules apply (each packed half of
+    # gate_up split alone); under any other owner they are refused, naming the rule and the owner's style.
     model = _meta_model("mixtral", num_local_experts=2, num_experts_per_tok=1)
-    problems = check_plan(model, "auto", 2).problems
-    assert any("'model.layers.*.mlp.experts.gate_up_proj' ('packed_colwise') names a parameter" in p
-               for p in problems), problems
-    assert any("unknown style 'moe_tp_experts'" in p for p in problems), problems
+    assert not check_plan(model, "auto", 2).problems
+    assert model.get_submodule("model.layers.0.mlp.experts").tp_param_specs["gate_up_proj"].segments == ((96, 1),) * 2
+    problems = check_plan(_meta_model("inkling_text"), "auto", 2).problems
+    assert any("'model.layers.*.mlp.shared_experts.gate_proj' ('colwise') names a parameter" in p
+               and "has 'all_reduce'" in p for p in problems), problems

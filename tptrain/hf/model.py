@@ -17,6 +17,7 @@ names, hooks and `.to()` are the same as for a native model.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -28,8 +29,11 @@ import transformers
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from tptrain.hf import styles as _styles  # noqa: F401 - registers 'ep_dispatch_experts'
 from tptrain.hf.conversions import checkpoint_sources, hub_sizes, save_groups, to_hub
-from tptrain.hf.plan import declare_tp_facts, parameter_rules, translate_plan, unplanned_parameters
+from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
+                             translate_plan, unplanned_modules, unplanned_parameters)
+from tptrain.hf.probe import split_readers
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel, _SkipInit, gathered_parameters
 from tptrain.models.configuration import load_config_dict
@@ -42,6 +46,8 @@ TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the test
 def load_config(path_or_id: str | os.PathLike | dict) -> Any:
     """transformers' config for a checkpoint directory / hub id (or a config.json dict); custom code refused."""
     config_dict = path_or_id if isinstance(path_or_id, dict) else load_config_dict(path_or_id)
+    # transformers writes inf / nan as {"__float__": "Infinity"} (nemotron_h's time_step_limit) and reads them back so
+    config_dict = transformers.PretrainedConfig._decode_special_floats(config_dict)
     model_type = config_dict.get("model_type")
     if not transformers.__version__.startswith(TESTED + "."):
         warnings.warn(f"tptrain's transformers backend is tested with transformers {TESTED}.x; "
@@ -67,6 +73,13 @@ def knows(model_type: str | None) -> bool:
     return model_type in transformers.CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
+def _eager_experts_for(hf: nn.Module, dtype: torch.dtype | None) -> None:
+    """transformers' default experts kernel (grouped_mm) takes fp32 / bf16 / fp16 only: other dtypes (fp64) run
+    its per-expert loop ("eager"), as transformers' own tests do."""
+    if dtype not in (None, torch.float32, torch.bfloat16, torch.float16) and hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")
+
+
 class _ConfigLoader:
     """`config_class` of TransformersCausalLM: what `PreTrainedModel._open_checkpoint` calls."""
 
@@ -90,21 +103,46 @@ class TransformersCausalLM(PreTrainedModel):
                              f"transformers backend does not support it")
         for name, child in hf_model.named_children():
             self.add_module(name, child)
-        self.base_model_prefix = hf_model.base_model_prefix
+        self.base_model_prefix = prefix = base_prefix(hf_model)
         self.loss_function = causal_lm_loss
         base = translate_plan(type(hf_model.config).base_model_tp_plan or getattr(hf_model.config,
                                                                                  "base_model_tp_plan", None))
         embed = hf_model.get_input_embeddings()
-        name = next((n for n, m in hf_model.base_model.named_modules() if m is embed), None)
-        if base and name and type(embed) is nn.Embedding:  # a plain embedding: vocab-parallel, as tptrain's plans
+        name = next((n for n, m in getattr(hf_model, prefix).named_modules() if m is embed), None)
+        if base and name and isinstance(embed, nn.Embedding):  # vocab-parallel, as tptrain's plans (Gemma's scaled too)
             base = {name: "embedding_rowwise", **base}
-        prefix = self.base_model_prefix
-        self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
-        # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling).
-        self.tp_base_plan = {g: s for g, s in base.items() if f"{prefix}.{g}" not in self._parameter_rules}
+        param_specs, self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
+        for owner, specs in param_specs.items():  # read by the owner's style ('local_params', 'moe_tp_experts')
+            self.get_submodule(owner).tp_param_specs = specs
+        # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling). Module rules
+        # only; rules matching no module are a variant's (q_proj where this config has q_a_proj / q_b_proj).
+        self.tp_base_plan = module_rules(self, base, prefix)
         self._tp_plan = translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})  # the head (class-level)
+        # What enable_expert_parallel adds (read instead of the config's base_model_ep_plan, transformers' spelling).
+        self.tp_ep_plan = module_rules(self, translate_plan(getattr(hf_model.config, "base_model_ep_plan", None)),
+                                       prefix)
         declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
                          self.config)
+        self._whole_readers = self._rule_unplanned(prefix)
+
+    def _rule_unplanned(self, prefix: str) -> set[str]:
+        """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
+        (hf/probe.py, on a meta copy): those reading this rank's share of the features get
+        'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
+        activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
+        styles = resolve_names(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
+        candidates = unplanned_modules(self, styles)
+        if not candidates:
+            return set()
+        config = copy.deepcopy(self.config)
+        config._attn_implementation = "eager"  # sdpa's meta kernel refuses grouped KV heads
+        with torch.device("meta"), _SkipInit():
+            meta_model = type(self.hf_model)(config)
+        kinds = split_readers(meta_model, styles, candidates) or {}
+        for name, kind in kinds.items():
+            if kind == "per_part" and name.startswith(prefix + "."):
+                self.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
+        return {name for name, kind in kinds.items() if kind == "whole"}
 
     # ------------------------------------------------------------------ building
 
@@ -116,6 +154,7 @@ class TransformersCausalLM(PreTrainedModel):
         device = torch.device(device or "cpu")
         if device.type != "meta":
             hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            _eager_experts_for(hf, dtype)
             return cls(hf.to(device))
         prev = torch.get_default_dtype()
         if dtype is not None:
@@ -125,6 +164,7 @@ class TransformersCausalLM(PreTrainedModel):
                 hf = model_class(config)
         finally:
             torch.set_default_dtype(prev)
+        _eager_experts_for(hf, dtype)
         return cls(hf)
 
     def _check_checkpoint(self, reader) -> None:
@@ -177,16 +217,29 @@ class TransformersCausalLM(PreTrainedModel):
 
     @torch.no_grad()
     def _materialise_buffers(self, device: torch.device) -> None:
-        """Buffers built on meta (rotary inv_freq: computed, not stored) recomputed by transformers' own init."""
+        """Buffers still on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
+        transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
+        parameters are marked initialised, so its init functions leave them alone."""
         for name, module in self.named_modules():
-            if not any(b.device.type == "meta" for b in module.buffers(recurse=False)):
+            meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+            if not meta:
                 continue
-            if any(True for _ in module.parameters(recurse=False)):
-                raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers that are not in the "
-                                 f"checkpoint next to its parameters; tptrain's transformers backend cannot "
-                                 f"recompute them")
-            module.to_empty(device=device, recurse=False)
-            self.hf_model._init_weights(module)
+            for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
+                buf = module._buffers[b]
+                module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
+            params = list(module.parameters(recurse=False))
+            for p in params:
+                p._is_hf_initialized = True
+            try:
+                self.hf_model._init_weights(module)
+            finally:
+                for p in params:
+                    del p._is_hf_initialized
+            unset = [b for b in meta if module._buffers[b].is_floating_point() and module._buffers[b].isnan().any()]
+            if unset:
+                raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
+                                 f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
+                                 f"transformers backend cannot build them")
 
     def _check_plan(self, distributed_config):
         if distributed_config.enable_sequence_parallel:
@@ -198,7 +251,7 @@ class TransformersCausalLM(PreTrainedModel):
         """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
         if tp_size == 1:
             return []
-        unplanned = [re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles)]
+        unplanned = [re.sub(r"\.\d+\.", ".*.", p) for p in unplanned_parameters(self, styles, self._whole_readers)]
         return list(dict.fromkeys([*self._parameter_rules.values(), *unplanned]))
 
     def _apply_plan(self, resolved, distributed_config, *, reader=None, dtype=None):
@@ -253,4 +306,4 @@ class TransformersCausalLM(PreTrainedModel):
         config = self.config.to_dict()
         config["dtype"] = str(dtype).replace("torch.", "")
         config["architectures"] = [type(self.hf_model).__name__]
-        return json.dumps(config, indent=2, sort_keys=True) + "\n"
+        return json.dumps(self.config._encode_special_floats(config), indent=2, sort_keys=True) + "\n"

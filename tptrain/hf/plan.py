@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from tptrain.parallel import contract
-from tptrain.parallel.styles import canonical_style
+from tptrain.parallel.styles import ShardSpec, canonical_style
 
 # transformers style -> tptrain style (None: no rule, the weight is whole on every rank).
 STYLE_NAMES: dict[str, str | None] = {
@@ -23,6 +23,12 @@ STYLE_NAMES: dict[str, str | None] = {
     "embedding_rowwise": "embedding_rowwise",
     "packed_colwise": "packed_colwise",  # tptrain's alias of fused_colwise
     "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
+    "rowwise_split_input": "rowwise_split_input",
+    "local_params": "local_params",
+    "moe_tp_experts": "moe_tp_experts",
+    "mla_kv_a_proj": "mla_kv_a_proj",
+    "ep_dispatch_experts": "ep_dispatch_experts",  # tptrain.hf.styles
+    "grouped_gemm": None,  # the stacked weights of ep_dispatch_experts: its own split (dim 0)
     "replicate": None,
 }
 
@@ -37,20 +43,72 @@ def translate_plan(plan: dict[str, str] | None) -> dict[str, str]:
     return out
 
 
-def parameter_rules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{glob: problem} for the rules of `plan` (full names) that name a parameter, not a module: transformers'
-    per-parameter styles (stacked MoE experts, attention sinks). tptrain's styles apply to modules."""
+# The owners' styles under which transformers' per-parameter rules apply (the owner's forward reads its pieces).
+PARAMETER_OWNER_STYLES = ("local_params", "moe_tp_experts")
+
+
+def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
+    """tptrain's ShardSpec of a transformers per-parameter rule on a parameter of `ndim` dims (None: no such rule).
+    As transformers' styles shard a parameter: colwise Shard(ndim-2) (the output rows of a linear or of each stacked
+    expert), rowwise Shard(-1) (a bias whole), packed_colwise / packed_rowwise the same dims with each of the two
+    packed halves (gate, up) split alone (its `_StridedShard(split_factor=2)`)."""
+    if style == "colwise":
+        return ShardSpec(max(ndim - 2, 0))
+    if style == "rowwise":
+        return ShardSpec(None) if ndim == 1 else ShardSpec(ndim - 1)
+    if style in ("packed_colwise", "packed_rowwise"):
+        if ndim == 1:
+            return ShardSpec(0) if style == "packed_colwise" else ShardSpec(None)
+        return ShardSpec(ndim - 2 if style == "packed_colwise" else ndim - 1, segments=((0, 1), (0, 1)))
+    return None
+
+
+def parameter_rules(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, dict[str, ShardSpec]], dict[str, str]]:
+    """The rules of `plan` (full names, transformers' spelling) that name a parameter, not a module: transformers'
+    per-parameter styles (stacked MoE experts, attention sinks). Returns ({owner module: {parameter: ShardSpec}},
+    {glob: problem}): a rule applies when its owner's own rule is 'local_params' or 'moe_tp_experts' (whose
+    forward reads the pieces as they are); any other is a problem naming it."""
     modules = dict(model.named_modules())
-    out = {}
+    specs: dict[str, dict[str, ShardSpec]] = {}
+    problems = {}
     for glob, style in plan.items():
         parent, _, leaf = glob.rpartition(".")
-        owners = [m for n, m in modules.items() if n and _matches(parent, n)]
-        if owners and not any(_matches(glob, n) for n in modules) and any(leaf in dict(m.named_parameters(
-                recurse=False)) for m in owners):
-            out[glob] = (f"tp_plan rule {glob!r} ({style!r}) names a parameter, not a module: a transformers "
-                         f"per-parameter style (stacked MoE experts, attention sinks) that tptrain's transformers "
-                         f"backend does not have; use tp_size=1, or a model type tptrain implements natively")
-    return out
+        owners = {n: m for n, m in modules.items() if n and _matches(parent, n)}
+        if not owners or any(_matches(glob, n) for n in modules) or not any(
+                leaf in dict(m.named_parameters(recurse=False)) for m in owners.values()):
+            continue
+        owner_style = STYLE_NAMES.get(plan.get(parent, ""), plan.get(parent))
+        for name, module in owners.items():
+            param = dict(module.named_parameters(recurse=False)).get(leaf)
+            spec = None if param is None else parameter_spec(style, leaf, param.dim())
+            if spec is not None and spec.segments:  # each packed half: half the rows of the split dim
+                half = param.shape[spec.dim] // 2
+                spec = ShardSpec(spec.dim, segments=((half, 1), (half, 1)))
+            if spec is not None and owner_style in PARAMETER_OWNER_STYLES:
+                specs.setdefault(name, {})[leaf] = spec
+            elif param is not None:
+                problems[glob] = (f"tp_plan rule {glob!r} ({style!r}) names a parameter, not a module: a transformers "
+                                  f"per-parameter style tptrain applies only under an owner ruled "
+                                  f"{' or '.join(map(repr, PARAMETER_OWNER_STYLES))} and only for colwise, rowwise, "
+                                  f"packed_colwise, packed_rowwise; {parent!r} has "
+                                  f"{plan.get(parent, 'no rule')!r}; use tp_size=1 or fix the plan")
+    return specs, problems
+
+
+def module_rules(model: nn.Module, plan: dict[str, str], prefix: str) -> dict[str, str]:
+    """The rules of `plan` (under the base model `prefix`) that name at least one module of `model`."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {g: s for g, s in plan.items() if any(_matches(f"{prefix}.{g}", n) for n in names)}
+
+
+def base_prefix(hf_model: nn.Module) -> str:
+    """The attribute holding the base model (Llama 4's text model says "language_model" but holds it as `model`):
+    `base_model_prefix` if it names a child, else the child holding the input embedding."""
+    prefix = hf_model.base_model_prefix
+    if isinstance(getattr(hf_model, prefix, None), nn.Module):
+        return prefix
+    embed = hf_model.get_input_embeddings()
+    return next(n for n, c in hf_model.named_children() if any(m is embed for m in c.modules()))
 
 
 def _matches(glob: str, name: str) -> bool:
@@ -65,15 +123,17 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
       column- then row-wise (attention: q/k/v -> o_proj; MLP: gate/up -> down);
     * `tp_kv_projections` on attention modules (those with `head_dim` and `num_key_value_groups`): the
       column-parallel children whose rows are the KV heads, replicated when tp_size > num_key_value_heads;
-      `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it).
+      `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it);
+    * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
     """
-    styles: dict[str, str] = {}
-    names = [n for n, _ in model.named_modules() if n]
-    for glob, style in plan.items():
-        styles.update({n: style for n in names if _matches(glob, n)})
+    styles = resolve_names(model, plan)
     heads = config.num_attention_heads
     n_kv = contract.kv_heads(config)
+    rope = getattr(config, "qk_rope_head_dim", None)  # MLA: the shared RoPE key at the end of kv_a_proj's output
+    for name, style in styles.items():
+        if style == "mla_kv_a_proj" and rope:
+            model.get_submodule(name).tp_replicated_tail = rope
     for owner, module in model.named_modules():
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
         cols = tuple(n for n in children if canonical_style(styles[f"{owner}.{n}"]) in ("colwise", "fused_colwise"))
@@ -88,12 +148,18 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
                                               None)
 
 
-def unplanned_parameters(model: nn.Module, styles: dict[str, str]) -> list[str]:
-    """Problems: modules with parameters inside a split region (under a module with `tp_pairs`) that the plan
-    gives no rule. Under TP they see this rank's share of the features with a whole weight, which
-    transformers' plan does not say how to handle (a per-head norm needs 'replicated_with_grad_allreduce'; a
-    norm over all heads cannot run on a shard)."""
-    problems = []
+def resolve_names(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module name: style} of `plan` (full-name globs; later rules win)."""
+    names = [n for n, _ in model.named_modules() if n]
+    styles: dict[str, str] = {}
+    for glob, style in plan.items():
+        styles.update({n: style for n in names if _matches(glob, n)})
+    return styles
+
+
+def unplanned_modules(model: nn.Module, styles: dict[str, str]) -> list[str]:
+    """Modules with parameters inside a split region (under a module with `tp_pairs`) that the plan gives no rule."""
+    out = []
     for owner, module in model.named_modules():
         pairs = contract.pairs(module)
         if not pairs:
@@ -101,12 +167,31 @@ def unplanned_parameters(model: nn.Module, styles: dict[str, str]) -> list[str]:
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}
         for name, sub in module.named_modules():
             full = f"{owner}.{name}"
-            if not name or name.split(".")[0] in known or full in styles:
-                continue
-            params = [p for p, _ in sub.named_parameters(recurse=False)]
-            if params:
-                problems.append(f"{full} ({type(sub).__name__}, parameters {params}) sits between the split "
-                                f"projections of {owner} but the plan has no rule for it, so it would see one "
-                                f"rank's share of the features with a whole weight; give it a tp_plan rule "
-                                f"('replicated_with_grad_allreduce' if it acts on each head alone) or use tp_size=1")
+            if name and name.split(".")[0] not in known and full not in styles and any(
+                    True for _ in sub.parameters(recurse=False)):
+                out.append(full)
+    return out
+
+
+def unplanned_parameters(model: nn.Module, styles: dict[str, str], whole: set[str] = frozenset()) -> list[str]:
+    """Problems: the unplanned modules inside a split region, except those known to read only whole activations
+    (`whole`, from hf/probe.py). Under TP they may see this rank's share of the features with a whole weight,
+    which transformers' plan does not say how to handle (a per-head norm needs 'replicated_with_grad_allreduce';
+    a norm over all heads cannot run on a shard)."""
+    problems = []
+    for full in unplanned_modules(model, styles):
+        if full in whole:
+            continue
+        sub = model.get_submodule(full)
+        params = [p for p, _ in sub.named_parameters(recurse=False)]
+        owner = next(o for o in _parents(full) if contract.pairs(model.get_submodule(o)))
+        problems.append(f"{full} ({type(sub).__name__}, parameters {params}) sits between the split "
+                        f"projections of {owner} but the plan has no rule for it, so it would see one "
+                        f"rank's share of the features with a whole weight; give it a tp_plan rule "
+                        f"('replicated_with_grad_allreduce' if it acts on each head alone) or use tp_size=1")
     return problems
+
+
+def _parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]

@@ -68,6 +68,7 @@ class TPModel(Protocol):
         `has_head_loss`: the engine replaces it by the vocab-parallel one; absent: nothing to replace).
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
+    tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
     The base model's (`mask_builder`; absent: None, and context parallelism refuses the model)
@@ -192,6 +193,13 @@ def ep_plan(config: Any) -> dict[str, str]:
     return dict(getattr(config, "base_model_ep_plan", None) or {})
 
 
+def model_ep_plan(model: nn.Module) -> dict[str, str]:
+    """The rules enable_expert_parallel adds: the model's own `tp_ep_plan` if it has one (the transformers backend,
+    in tptrain's style names), else its config's."""
+    plan = getattr(model, "tp_ep_plan", None)
+    return dict(plan) if plan is not None else ep_plan(model.config)
+
+
 def attention_heads(config: Any) -> int | None:
     return getattr(config, "num_attention_heads", None)
 
@@ -240,6 +248,17 @@ def segments(module: nn.Module) -> Segments:
     return tuple(getattr(module, "tp_segments", None) or ())
 
 
+def param_specs(module: nn.Module) -> Mapping[str, Any]:
+    """{own parameter: ShardSpec} a module declares for its parameters one by one (`tp_param_specs`: the
+    transformers backend's per-parameter rules, read by 'local_params' / 'moe_tp_experts'; absent: {})."""
+    return dict(getattr(module, "tp_param_specs", None) or {})
+
+
+def replicated_tail(module: nn.Module) -> int:
+    """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
+    return int(getattr(module, "tp_replicated_tail", 0) or 0)
+
+
 def attend(module: nn.Module):
     return getattr(module, "attend", None) if isinstance(module, TPAttention) else None
 
@@ -250,11 +269,6 @@ def base_model(model: nn.Module) -> nn.Module | None:
 
 def mask_builder(model: nn.Module):
     return getattr(base_model(model), "attention_masks", None)
-
-
-def replicated_tail(module: nn.Module) -> int:
-    """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
-    return int(getattr(module, "tp_replicated_tail", 0) or 0)
 
 
 @runtime_checkable

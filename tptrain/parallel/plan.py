@@ -29,8 +29,8 @@ def model_plan(model: nn.Module, *, sequence_parallel: bool = False, expert_para
     base = contract.base_plan(model)
     if sequence_parallel and base:  # the config's own SP rules (norms on the residual stream)
         base.update(contract.sp_plan(model.config))
-    if expert_parallel:  # the config's own EP rules (experts split by expert)
-        base.update(contract.ep_plan(model.config))
+    if expert_parallel:  # the model's own EP rules (experts split by expert)
+        base.update(contract.model_ep_plan(model))
     plan = {f"{prefix}.{glob}": style for glob, style in base.items()}
     plan.update(contract.head_plan(model))
     return plan
@@ -165,7 +165,7 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     """Resolve and validate `tp_plan` for `model` without touching the model or any process group.
     `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size). `ep_size` > 1: split by
     expert over an ep axis of their own, each expert tensor-parallel over tp (`ep_problems`)."""
-    if expert_parallel and not contract.ep_plan(model.config):
+    if expert_parallel and not contract.model_ep_plan(model):
         raise ValueError(f"enable_expert_parallel=True, but {type(model).__name__} ({model.config.model_type!r}) has "
                          f"no experts to split: expert parallelism is for mixture-of-experts models; drop "
                          f"enable_expert_parallel")
@@ -196,6 +196,8 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
         specs = {name: dataclasses.replace(spec, ep_split=True) if name.rpartition(".")[0] in _experts(objects)
                  else spec for name, spec in specs.items()}
     head = _output_head(model)
+    if head in objects:
+        objects[head].output_head = True
     return ResolvedPlan(tp_size, sequence_parallel, styles, objects, specs,
                         list(dict.fromkeys(problems + layout_problems)),
                         vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)

@@ -44,8 +44,21 @@ class EmbeddingRowwise(ParallelStyle):
         return {"weight": ShardSpec(0)}
 
     def install(self, module, ctx):
+        # The module's own forward on this rank's ids (a subclass's, e.g. Gemma's scaled embedding, included), with
+        # padding_idx moved to this rank's slice for the call (its row gets no gradient, as in nn.Embedding).
+        class_forward = type(module).forward
+
         def forward(self, ids):
-            local = vocab_shard_embedding(ids, self.weight, rank=ctx.rank, padding_idx=self.padding_idx)
+            local_vocab = self.weight.shape[0]
+            start = ctx.rank * local_vocab
+            local_ids, outside = vocab_shard_ids(ids, rank=ctx.rank, local_vocab=local_vocab)
+            pad = self.padding_idx
+            self.padding_idx = pad - start if pad is not None and start <= pad < start + local_vocab else None
+            try:
+                local = class_forward(self, local_ids)
+            finally:
+                self.padding_idx = pad
+            local = local.masked_fill(outside.unsqueeze(-1), 0.0)
             return ctx.exit(local_output(self, ids, local))
 
         module._local_output_hooks = OrderedDict()  # weak-referenceable, for RemovableHandle

@@ -66,11 +66,27 @@ class ColwiseGatherOutput(ColwiseParallel):
     name = "colwise_gather_output"
     splits_output = False  # gathered (or consumed sharded by the loss only)
     vocab_parallel_loss = True
+    output_head = False  # set by check_plan on the model's output head: only its logits may stay sharded
 
     def install(self, module, ctx):
         super().install(module, ctx)
 
-        def gather(m, args, out):
-            return out if ctx.keep_logits_sharded else comm.gather_from_tp(out, ctx.group_name, dim=-1)
+        def gather(m, args, out):  # any other module (GLM's gate_up_proj) always gathers
+            keep = ctx.keep_logits_sharded and self.output_head
+            return out if keep else comm.gather_from_tp(out, ctx.group_name, dim=-1)
 
         module.register_forward_hook(gather)
+
+
+@register_style
+class RowwiseSplitInput(RowwiseParallel):
+    """Rowwise fed a whole input (transformers' `rowwise_split_input`: GLM's down_proj after a gathered gate_up):
+    each rank takes its share of the input features itself (split fwd / all-gather bwd), then rowwise."""
+
+    name = "rowwise_split_input"
+    needs_split_input = False
+
+    def install(self, module, ctx):
+        super().install(module, ctx)
+        module.register_forward_pre_hook(lambda m, args: (comm.split_to_tp(args[0], ctx.group_name, dim=-1),
+                                                          *args[1:]))

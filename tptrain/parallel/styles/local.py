@@ -1,5 +1,6 @@
-"""Styles whose module's forward runs on this rank's pieces as they are, the style adding only the collectives at its
-edges: mla_kv_a_proj (MLA's kv_a_proj_with_mqa, whole on every rank)."""
+"""Styles whose module's forward runs on this rank's pieces as they are (transformers' styles for modules that are
+not plain linears): the parameters are split by per-parameter rules the module declares as data
+(`contract.param_specs`: attention sinks, stacked experts), and the style adds only the collectives at its edges."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,46 @@ from tptrain.distributed import comm
 from tptrain.parallel import contract
 from tptrain.parallel.styles.base import ParallelStyle, own_params, register_style
 from tptrain.parallel.styles.spec import ShardSpec
+
+
+@register_style
+class LocalParams(ParallelStyle):
+    """A module whose own parameters the plan splits one by one (`tp_param_specs`; attention sinks, one per query
+    head): its forward already reads this rank's heads, so it runs as it is. Parameters without a rule are whole."""
+
+    name = "local_params"
+
+    def param_specs(self, module):
+        return dict(contract.param_specs(module))
+
+
+@register_style
+class MoeTPExperts(ParallelStyle):
+    """transformers' stacked experts, each split inside like a dense MLP by its per-parameter rules (gate_up along
+    the inner features, each half alone; down along its input): called on the block's whole input as
+    `experts(x, [ids, weights])`, every rank runs every token through its slice of every expert, and the partial
+    outputs are summed (the layer's one all-reduce). x and the routing weights enter through `copy_to_tp`, so
+    their gradients, partial per rank, are summed too."""
+
+    name = "moe_tp_experts"
+    sequence_parallel_ok = False  # the router would see a sequence shard
+
+    def param_specs(self, module):
+        specs = dict(contract.param_specs(module))
+        if not specs:
+            raise TypeError(f"style {self.name!r} needs per-parameter rules for the stacked experts of a "
+                            f"{type(module).__name__} (its plan's 'experts.gate_up_proj' / 'experts.down_proj')")
+        return specs
+
+    def install(self, module, ctx):
+        def enter(m, args):
+            x, *rest = args
+            if len(rest) >= 2 and torch.is_tensor(rest[1]):  # (ids, weights): the weights' gradient is partial
+                rest[1] = comm.copy_to_tp(rest[1], ctx.group_name)
+            return (ctx.enter(x), *rest)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(lambda m, args, out: ctx.exit(out))
 
 
 @register_style

@@ -1,0 +1,102 @@
+"""What reads a split activation: the data flow of a transformers model under its plan, found by one forward of a
+copy built on the meta device (shapes only, no weights, no process group).
+
+transformers' plans give rules only to the modules they split; a module between them without a rule (a per-head
+norm, an activation with parameters, MLA's low-rank projections) runs as it is on every rank. Whether that is right
+depends on what it reads: a whole activation (MiniCPM3's kv_a_layernorm, fed by the replicated kv_a_proj) gives it
+the whole gradient on every rank; one rank's share of the features (Doge's k_norm on this rank's heads, Apertus'
+xIELU on its slice of the MLP) gives it a partial gradient, which must be summed over the ranks
+('replicated_with_grad_allreduce'); and a weight spanning the split features themselves (a norm over all heads)
+cannot run on a share at all. The forward records which planned module produced each output (its style's
+`splits_output`); each unplanned module's input is traced back through the autograd graph to the planned outputs
+it derives from.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from tptrain.parallel.styles import STYLES, canonical_style
+
+SEQ = 4
+
+
+def split_readers(model: nn.Module, styles: dict[str, str], candidates: list[str]) -> dict[str, str] | None:
+    """{candidate module: "whole" (reads only whole activations), "per_part" (reads a split activation; its
+    parameters do not span the split features) or "spanning" (a parameter spans the split features)}, from a forward
+    of `model` (a throwaway meta-device transformers *ForCausalLM: its experts' forwards are replaced; module names
+    as in `styles`). None when the forward cannot run on meta (the caller then keeps its static check)."""
+    modules = dict(model.named_modules())
+    marks: dict[torch.autograd.graph.Node, tuple[bool, int]] = {}  # output node -> (split, global width)
+    seen: dict[str, str] = {}
+    for name, style in styles.items():
+        cls = STYLES.get(canonical_style(style))
+        if cls is None or name not in modules:
+            continue
+        if cls.name == "moe_tp_experts":  # opaque: its output is whole (summed); its loop cannot run on meta
+            modules[name].forward = lambda x, *args, **kwargs: x * 1
+        modules[name].register_forward_hook(_marker(marks, cls.splits_output))
+    for name in candidates:
+        modules[name].register_forward_pre_hook(_reader(name, modules[name], marks, seen))
+    if not _run(model, seen):
+        return None
+    return {name: seen.get(name, "whole") for name in candidates}
+
+
+def _marker(marks, splits: bool):
+    def hook(module, args, out):
+        if torch.is_tensor(out) and out.grad_fn is not None:
+            marks[out.grad_fn] = (splits, out.shape[-1])
+    return hook
+
+
+def _reader(name: str, module: nn.Module, marks, seen: dict[str, str]):
+    def hook(m, args):
+        x = next((a for a in args if torch.is_tensor(a)), None)
+        if x is None or x.grad_fn is None:
+            return
+        widths = _split_widths(x.grad_fn, marks)
+        if not widths:
+            seen.setdefault(name, "whole")
+            return
+        # Per part only if every parameter is a scalar or a vector over the input's last dim that is not the split
+        # width itself (a per-head norm over head_dim); anything else (a (heads, head_dim) weight, a norm over the
+        # whole split width) spans the split features.
+        spans = any(p.dim() > 1 or p.numel() > 1 and (p.shape[0] != x.shape[-1] or x.shape[-1] in widths)
+                    for p in m.parameters(recurse=False))
+        seen[name] = "spanning" if spans or seen.get(name) == "spanning" else "per_part"
+    return hook
+
+
+def _split_widths(node, marks) -> set[int]:
+    """The global widths of the split outputs `node` derives from, not looking past any planned output."""
+    widths, stack, visited = set(), [node], set()
+    while stack:
+        n = stack.pop()
+        if n is None or n in visited:
+            continue
+        visited.add(n)
+        if n in marks:
+            split, width = marks[n]
+            if split:
+                widths.add(width)
+            continue
+        stack.extend(next_fn for next_fn, _ in n.next_functions)
+    return widths
+
+
+def _run(model: nn.Module, seen: dict) -> bool:
+    """One forward on meta ids; transformers' mask preparation reads values (not on meta), so the masks are given:
+    per layer type (a dict) for models that take one, else none (the data flow does not depend on the mask)."""
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    for mask in (defaultdict(lambda: None), torch.zeros(1, 1, SEQ, SEQ, device="meta")):
+        seen.clear()
+        try:
+            with torch.enable_grad():
+                model(input_ids=ids, attention_mask=mask, use_cache=False)
+            return True
+        except Exception:  # noqa: BLE001 - a forward this probe cannot run: the static check stands
+            continue
+    return False
