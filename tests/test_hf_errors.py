@@ -39,16 +39,19 @@ def test_remote_code_is_out_of_scope(tmp_path):
         AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
 
-def test_a_checkpoint_transformers_converts_on_load_names_the_tensor(tmp_path):
+def test_a_checkpoint_transformers_converts_on_load_loads_through_its_rules(tmp_path):
+    """Was refused (issue 21): transformers' own rules (MergeModulelist + Concatenate) now build the experts."""
     import transformers
     config = transformers.MixtralConfig(**TINY, num_local_experts=2, num_experts_per_tok=1)
-    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)  # written in the hub's per-expert layout
-    # Mixtral is native (stacked experts converted at the checkpoint boundary); forced through transformers'
-    # modeling code, whose experts transformers fuses while loading, it is refused naming the tensor.
+    hf = transformers.MixtralForCausalLM(config)
+    hf.save_pretrained(tmp_path)  # written in the hub's per-expert layout
     assert AutoModelForCausalLM.from_pretrained(tmp_path).backend == "native"
-    with pytest.raises(ValueError, match=r"lacks tensor 'model\.layers\.0\.mlp\.[a-z_.]+'.*converts "
-                                         r"'mixtral' checkpoints while loading.*reader does not do"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, backend="transformers")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, backend="transformers")
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in list(model.checkpoint_keys()[
+        "model.layers.0.mlp.experts.gate_up_proj"].keys())
+    expected = dict(hf.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, expected[name]), name
 
 
 def test_a_transformers_style_tptrain_lacks_is_named():

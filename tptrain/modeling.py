@@ -205,9 +205,11 @@ class PreTrainedModel(nn.Module):
                              f"cp_size={sizes['cp']}: " + "; ".join(context_problems(self)))
         return resolved
 
-    def checkpoint_keys(self) -> dict[str, str | list[str]]:
-        """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor} for parameters
-        stored under another name; a model whose parameters are all stored under their own names has none."""
+    def checkpoint_keys(self) -> dict[str, Any]:
+        """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor, or a converted
+        tensor (an object with `shape`, `keys()` and `read(reader, spec, ...)`: tptrain.hf.conversions) } for
+        parameters stored under another name; a model whose parameters are all stored under their own names has
+        none."""
         return {}
 
     def _check_checkpoint(self, reader) -> None:
@@ -219,8 +221,12 @@ class PreTrainedModel(nn.Module):
             key = keys.get(name, name)
             if isinstance(key, list):  # a stacked tensor: one checkpoint tensor per expert, the stack's rows
                 wanted.update({k: tuple(p.shape[1:]) for k in key})
-            else:
+            elif isinstance(key, str):
                 wanted[key] = tuple(p.shape)
+            elif tuple(key.shape) != tuple(p.shape):  # converted: its sources' shapes make its shape
+                raise ValueError(f"checkpoint {reader.directory}: {key.rule} builds {name!r} of shape "
+                                 f"{tuple(key.shape)} from {list(key.keys())[:3]}, but the config implies "
+                                 f"{tuple(p.shape)}; the checkpoint does not match config.json")
         missing = [n for n in wanted if n not in reader]
         if missing:
             raise ValueError(f"checkpoint {reader.directory} lacks {len(missing)} tensor(s) the model needs, "
@@ -240,6 +246,9 @@ class PreTrainedModel(nn.Module):
             if isinstance(key, list):
                 t = _read_stacked(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
                                   ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
+            elif not isinstance(key, str):
+                t = key.read(reader, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
+                             ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
             else:
                 t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
@@ -269,23 +278,31 @@ class PreTrainedModel(nn.Module):
         holds at most one shard plus one tensor, never the model; the index and config.json come last
         and the directory is renamed into place. A failure on the writer is raised on every rank.
         """
-        layout = getattr(self, "tp_layout", None)
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
-        keys = self.checkpoint_keys()  # stacked experts are written as the hub's per-expert tensors
-        sizes = {}
-        for name, p in params.items():
-            nbytes = math.prod(layout.global_shapes[name] if layout else p.shape) * p.element_size()
-            key = keys.get(name, name)
-            sizes.update({k: nbytes // len(key) for k in key} if isinstance(key, list) else {key: nbytes})
+        sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-
-        def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in gathered_parameters(self, list(params)):
-                yield from checkpoint_items(name, t, keys)
-
         save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
                                                       extra_files={"config.json": config_json}))
+
+    def _checkpoint_tensors(self, names: list[str]) -> tuple[dict[str, int], Callable[[], Iterator]]:
+        """({checkpoint tensor name: bytes} in writing order, a function returning the iterator that gathers the
+        parameters `names` and yields them under those names): stacked experts as the hub's per-expert tensors."""
+        layout = getattr(self, "tp_layout", None)
+        params = dict(self.named_parameters(remove_duplicate=False))
+        keys = self.checkpoint_keys()
+        sizes = {}
+        for name in names:
+            p = params[name]
+            nbytes = math.prod(layout.global_shapes[name] if layout else p.shape) * p.element_size()
+            key = keys.get(name, name)
+            sizes.update({k: nbytes // len(key) for k in key} if isinstance(key, list) else {key: nbytes})
+
+        def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in gathered_parameters(self, names):
+                yield from checkpoint_items(name, t, keys)
+
+        return sizes, checkpoint_tensors
 
 
 def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1,

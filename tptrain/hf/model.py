@@ -26,12 +26,12 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from tptrain.hf.conversions import checkpoint_sources, hub_sizes, save_groups, to_hub
 from tptrain.hf.plan import declare_tp_facts, parameter_rules, translate_plan, unplanned_parameters
 from tptrain.losses import causal_lm_loss
-from tptrain.modeling import PreTrainedModel, _SkipInit
+from tptrain.modeling import PreTrainedModel, _SkipInit, gathered_parameters
 from tptrain.models.configuration import load_config_dict
 from tptrain.models.decoder import CausalLMOutput
 from tptrain.parallel import contract
@@ -128,18 +128,52 @@ class TransformersCausalLM(PreTrainedModel):
         return cls(hf)
 
     def _check_checkpoint(self, reader) -> None:
-        conversion = get_checkpoint_conversion_mapping(self.config.model_type)
-        missing = [n for n, _ in self.named_parameters() if n not in reader]
-        if missing and conversion:
-            raise ValueError(f"checkpoint {reader.directory} lacks tensor {missing[0]!r} (and {len(missing) - 1} "
-                             f"more): transformers converts {self.config.model_type!r} checkpoints while loading "
-                             f"({type(conversion[0]).__name__} {conversion[0].source_patterns} -> "
-                             f"{conversion[0].target_patterns}), which tptrain's reader does not do")
+        """transformers' load-time conversions matched against the checkpoint's names (conversions.py), then
+        every parameter's source checked as for a native model."""
+        self._checkpoint_sources = checkpoint_sources(self.hf_model, reader)
         super()._check_checkpoint(reader)
+
+    def checkpoint_keys(self) -> dict[str, Any]:
+        """The checkpoint names transformers' rules give (a renamed tensor's name, or how a rule builds it)."""
+        return getattr(self, "_checkpoint_sources", {})
+
+    def _checkpoint_tensors(self, names: list[str]):
+        """Parameters gathered group by group and written under the hub's names and layout: transformers' own
+        reverse of its load-time rules (a stacked expert tensor as per-expert tensors, renames undone)."""
+        layout = self.tp_layout
+        params = dict(self.named_parameters(remove_duplicate=False))
+        # Persistent buffers are in transformers' checkpoints too (a router's e_score_correction_bias); never split.
+        persistent = set(self.hf_model.state_dict(keep_vars=True))
+        buffers = {n: b for n, b in self.named_buffers() if n in persistent}
+        groups = save_groups(self.hf_model, [*names, *buffers])
+        shapes = {n: (layout.global_shapes[n] if layout else tuple(params[n].shape), params[n].dtype)
+                  for n in names}
+        shapes.update({n: (tuple(b.shape), b.dtype) for n, b in buffers.items()})
+        sizes = hub_sizes(self.hf_model, groups, shapes)
+
+        def checkpoint_tensors():
+            gathered = gathered_parameters(self, [n for group in groups for n in group if n not in buffers])
+            for group in groups:
+                tensors = {n: buffers[n].detach().cpu() if n in buffers else next(gathered)[1] for n in group}
+                yield from to_hub(self.hf_model, tensors).items()
+
+        return sizes, checkpoint_tensors
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
         super()._load(reader, device, dtype, rank=rank, ep_rank=ep_rank)
+        self._load_buffers(reader, device)
         self._materialise_buffers(device)
+
+    @torch.no_grad()
+    def _load_buffers(self, reader, device: torch.device) -> None:
+        """Persistent buffers the checkpoint holds (a router's `e_score_correction_bias`), read whole (no plan splits
+        a buffer), in the dtype transformers built them in."""
+        keys = self.checkpoint_keys()
+        for name, buffer in self.named_buffers():
+            key = keys.get(name, name)
+            if buffer.device.type == "meta" and isinstance(key, str) and key in reader:
+                module, _, leaf = name.rpartition(".")
+                self.get_submodule(module)._buffers[leaf] = reader.read(key, dtype=buffer.dtype, device=device)
 
     @torch.no_grad()
     def _materialise_buffers(self, device: torch.device) -> None:
