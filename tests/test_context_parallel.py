@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cp_utils import CP_FAMILIES, SEQ, packed_batch, write_checkpoints
+from tests.cp_utils import CP_FAMILIES, F64, SEQ, packed_batch, write_checkpoints
 from tests.dist_utils import run_distributed
 from tests.helpers import TOL, full_grads, tiny_model
 from tptrain import DistributedConfig
@@ -196,6 +196,18 @@ def _trainer_worker(tmp: str) -> None:
                   gradient_checkpointing=True).train()
     torch.testing.assert_close(torch.tensor(ac.losses),
                                torch.tensor(reference_losses(tiny_model(), tiny_dataset(), ac_args(tmp), 4)), **close)
+
+    # fused q/k/v and gate/up (Phi-3): the clip's and the checkpoint's view of FSDP's pieces over dp_shard x cp
+    torch.manual_seed(0)
+    phi_config = AutoConfig.for_model("phi3", **{**CP_FAMILIES["phi3"], "vocab_size": 128})
+    phi = AutoModelForCausalLM.from_config(phi_config, dtype=F64)
+    fused = _trainer(copy.deepcopy(phi).parallelize(DistributedConfig(cp_size=2)), f"{tmp}/phi", 2, save_steps=2)
+    fused_out = fused.train()
+    torch.testing.assert_close(torch.tensor(fused_out.losses),
+                               torch.tensor(reference_losses(phi, tiny_dataset(), fused.args, 4)), **close)
+    phi_cp1 = AutoModelForCausalLM.from_config(phi_config, dtype=F64)
+    resumed = _trainer(phi_cp1, f"{tmp}/phi1", 1, batch=2).train(resume_from_checkpoint=f"{tmp}/phi/checkpoint-2")
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(fused_out.losses[2:]), **close)
 
     single, lora = _lora_pair(tmp, tiny_model())
     lora_out = _trainer(lora, f"{tmp}/lora", 2).train()
