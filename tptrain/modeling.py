@@ -27,8 +27,7 @@ from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.distributed.topology import cp_mesh
-from tptrain.parallel.context_parallel import apply_context_parallel
-from tptrain.parallel.context_parallel import problems as context_problems
+from tptrain.parallel.context_parallel import apply_context_parallel, raise_context_problems
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
@@ -200,9 +199,8 @@ class PreTrainedModel(nn.Module):
                               sequence_parallel=distributed_config.enable_sequence_parallel,
                               expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
         resolved.raise_problems(self)
-        if sizes.get("cp", 1) > 1 and context_problems(self):
-            raise ValueError(f"{type(self).__name__} ({getattr(self.config, 'model_type', '?')}) cannot run with "
-                             f"cp_size={sizes['cp']}: " + "; ".join(context_problems(self)))
+        if sizes.get("cp", 1) > 1:
+            raise_context_problems(self, sizes["cp"])
         return resolved
 
     def checkpoint_keys(self) -> dict[str, Any]:

@@ -102,6 +102,14 @@ def problems(model: nn.Module) -> list[str]:
     return out
 
 
+def raise_context_problems(model: nn.Module, cp_size: int) -> None:
+    """ValueError naming the model and every `problems` it has at `cp_size` (none: returns)."""
+    found = problems(model)
+    if found:
+        raise ValueError(f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) cannot run with "
+                         f"cp_size={cp_size}: " + "; ".join(found))
+
+
 def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> CPContext:
     """Make `model` (problem-free, already TP-sharded) split its sequences over `cp_group`; returns its CPContext.
     Installed: the batch split before forward, the loss sum after it, the K/V gather around every attention's
