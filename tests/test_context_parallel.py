@@ -69,16 +69,35 @@ def _wrong_length(path: str) -> None:
         model(**batch)
 
 
-def _cp4_worker(paths: dict[str, str]) -> None:
+def _cp4_worker(paths: dict[str, str], tmp: str) -> None:
     _compare_families(paths, [dict(cp_size=4, tp_size=1), dict(cp_size=2, tp_size=2),
                               dict(cp_size=2, tp_size=2, enable_sequence_parallel=True, families=["qwen3", "olmo2"]),
                               dict(cp_size=4, tp_size=1, packed=False, families=["qwen3", "gemma2"]),
                               dict(cp_size=2, tp_size=2, packed=False, families=["phi3", "gemma2"])])
+    _trainer_with_tp(tmp)
+
+
+def _trainer_with_tp(tmp: str) -> None:
+    """The Trainer at cp 2 x tp 2 (FSDP2 over dp_shard x cp of 1 x 2) equals one process; its checkpoint resumes at
+    cp 1 x tp 2 (dp_shard 2)."""
+    import copy
+
+    from tests.helpers import reference_losses, tiny_dataset
+
+    ref = tiny_model()
+    trainer = _trainer(copy.deepcopy(ref).parallelize(DistributedConfig(cp_size=2, tp_size=2)), f"{tmp}/tp2", 2,
+                       save_steps=2)
+    out = trainer.train()
+    expected = reference_losses(ref, tiny_dataset(), trainer.args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), rtol=1e-9, atol=1e-9)
+    resumed = _trainer(tiny_model().parallelize(DistributedConfig(tp_size=2)), f"{tmp}/tp2cp1", 1, batch=2).train(
+        resume_from_checkpoint=f"{tmp}/tp2/checkpoint-2")
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(out.losses[2:]), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.distributed
-def test_cp4_and_cp2_tp2_bare_model_equal_one_process(checkpoints):
-    run_distributed(_cp4_worker, 4, checkpoints, timeout=600)
+def test_cp4_and_cp2_tp2_equal_one_process(checkpoints, tmp_path):
+    run_distributed(_cp4_worker, 4, checkpoints, str(tmp_path), timeout=600)
 
 
 def test_cp_size_is_validated():
