@@ -81,13 +81,12 @@ def problems(model: nn.Module) -> list[str]:
         out.append(f"cp_size needs the base model ({type(base).__name__} at {contract.prefix(model)!r}) to build its "
                    f"attention masks through attention_masks(...) (parallel/contract.py); tptrain's native models do: "
                    f"load with backend='native'")
-    names = [name for name, m in model.named_modules() if isinstance(m, contract.TPAttention)]
-    if not names:
+    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
+    if not attention:
         out.append(f"cp_size found no attention module in {type(model).__name__} (none declares tp_kv_projections)")
-    lacking = [name for name, m in model.named_modules() if isinstance(m, contract.TPAttention)
-               and contract.attend(m) is None]
+    lacking = [name for name, m in attention.items() if contract.attend(m) is None]
     if lacking:
-        out.append(f"cp_size cannot split the attention of {lacking[0]} ({type(model.get_submodule(lacking[0])).__name__}"
+        out.append(f"cp_size cannot split the attention of {lacking[0]} ({type(attention[lacking[0]]).__name__}"
                    f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}): it has no attend(q, k, v, mask) "
                    f"for context parallelism to gather the keys and values through; load with backend='native', or "
                    f"drop cp_size")
