@@ -131,6 +131,12 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
         "qwen3_moe", **{**CP_FAMILIES["qwen3_moe"], "output_router_logits": True}), device="meta")
     with pytest.raises(ValueError, match=r"output_router_logits=True"):
         moe._check_plan(DistributedConfig(cp_size=2))
+    longrope = dict(rope_type="longrope", short_factor=[1.0, 1.5], long_factor=[2.0, 3.0],
+                    original_max_position_embeddings=16)
+    phi = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "phi3", **{**CP_FAMILIES["phi3"], "rope_scaling": longrope}), device="meta")
+    with pytest.raises(ValueError, match=r"Phi3ForCausalLM \(phi3\) cannot run with cp_size=2: .*'longrope'"):
+        phi._check_plan(DistributedConfig(cp_size=2))
 
 
 # ------------------------------------------------------------------ the Trainer at cp 2 against one process
