@@ -3,8 +3,12 @@ CPU: one table.
 
     .venv/bin/python benchmarks/bench_moe.py                      # everything (a few minutes on an idle machine)
     .venv/bin/python benchmarks/bench_moe.py --steps 2 --warmup 1 # quick look
+    .venv/bin/python benchmarks/bench_moe.py --model deepseek_v3  # DeepSeek-V3's shape (MLA, grouped routing)
 
-A Qwen3-MoE-shaped model (8 experts, top-2, 4 layers, hidden 512) written once by transformers under --cache.
+A Qwen3-MoE-shaped model (8 experts, top-2, 4 layers, hidden 512) written once by transformers under --cache; with
+`--model deepseek_v3` a DeepSeek-V3-shaped one (latent attention, 8 experts in 4 groups of which a token sees 2,
+top-2, one shared expert, the first layer dense; hidden 512, 4 layers), where tptrain's native code also runs against
+tptrain's engine on transformers' code (the row "tptrain transformers backend tp 2").
 Every run is 2 fresh ranks (`python -m torch.distributed.run --standalone --nproc-per-node 2`), one thread each,
 gloo, fp32, the AdamW step included; all implementations load the same files and train on the same batches.
 Rows: tptrain tp 2 (experts split inside, `expert_tensor_parallel`), tptrain ep 2
@@ -35,6 +39,13 @@ from bench_tp import MB, PeakSampler, PeerCollectives, _batches  # noqa: E402 - 
 QWEN3_MOE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
                  num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
+DEEPSEEK_V3 = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
+                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128,
+                   qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
+                   n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=4096,
+                   tie_word_embeddings=False)
+MODELS = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),  # --model: transformers classes, shape
+          "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3)}
 BATCH, SEQ = 4, 256
 RUNS = {  # name: (impl, tptrain DistributedConfig keywords)
     "tptrain tp 2 (expert TP)": ("tptrain", {}),
@@ -43,6 +54,7 @@ RUNS = {  # name: (impl, tptrain DistributedConfig keywords)
     # The ep axis at tp 1: each rank trains on its half of the batch (dense layers data-parallel, their gradients
     # averaged by one flat all-reduce, as DDP does), its 4 experts serving both halves by all-to-all.
     "tptrain ep_size 2, tp 1 (dense DP 2)": ("tptrain", {"tp_size": 1, "ep_size": 2}),
+    "tptrain transformers backend tp 2": ("tptrain", {"backend": "transformers"}),  # --model deepseek_v3 only
     "peer tp 2 + expert parallel": ("peer", {}),
     # One process each (no TP): what a user without several devices pays for each implementation.
     "tptrain one process": ("tptrain", {"tp_size": 1}),
@@ -124,7 +136,7 @@ def worker(spec: dict) -> None:
         dist.init_process_group("gloo")
     model = _load(impl, spec["ckpt"], kwargs)
     model.train()
-    batches = _batches(QWEN3_MOE["vocab_size"], BATCH, SEQ, spec["warmup"] + spec["steps"])
+    batches = _batches(MODELS[spec["model"]][2]["vocab_size"], BATCH, SEQ, spec["warmup"] + spec["steps"])
     data_parallel = bool(kwargs) and kwargs.get("ep_size", 1) > 1 and kwargs.get("tp_size") == 1
     if data_parallel:  # this rank's half of every batch
         batches = [(ids.chunk(2)[dist.get_rank()], labels.chunk(2)[dist.get_rank()]) for ids, labels in batches]
@@ -150,15 +162,16 @@ def worker(spec: dict) -> None:
     dist.destroy_process_group()
 
 
-def _checkpoint(cache: Path) -> Path:
-    path = cache / "qwen3-moe-8x-top2"
+def _checkpoint(cache: Path, model: str) -> Path:
+    path = cache / {"qwen3_moe": "qwen3-moe-8x-top2"}.get(model, f"{model}-8x-top2")
     if (path / "config.json").exists():
         return path
     import torch
     import transformers
     torch.manual_seed(0)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".qwen3-moe-"))
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE)).save_pretrained(tmp)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{model}-"))
+    config_cls, model_cls, shape = MODELS[model]
+    getattr(transformers, model_cls)(getattr(transformers, config_cls)(**shape)).save_pretrained(tmp)
     os.replace(tmp, path)
     return path
 
@@ -173,7 +186,8 @@ def _launch(spec: dict, timeout: float) -> list[dict] | str:
         except subprocess.TimeoutExpired:
             return f"timed out after {timeout:.0f}s"
         if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln] or proc.stderr.splitlines() or ["?"]
+            lines = [ln for ln in proc.stderr.strip().splitlines() if "Error" in ln and "ChildFailedError" not in ln
+                     ] or proc.stderr.splitlines() or ["?"]  # the worker's error, not torchrun's wrapper
             return "failed: " + lines[-1][:200]
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(_nproc(spec["run"]))]
 
@@ -185,16 +199,19 @@ def main() -> None:
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/tptrain-bench"), help="checkpoint cache dir")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--runs", default="", help="only the rows whose name contains this text")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3_moe", help="the model's shape")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
-    ckpt = _checkpoint(cache)
+    ckpt = _checkpoint(cache, args.model)
     results = {}
-    for run in [r for r in RUNS if args.runs in r]:
-        ranks = _launch(dict(run=run, ckpt=str(ckpt), steps=args.steps, warmup=args.warmup), args.timeout)
+    runs = [r for r in RUNS if args.runs in r and (args.model == "deepseek_v3" or "transformers backend" not in r)]
+    for run in runs:
+        spec = dict(run=run, ckpt=str(ckpt), steps=args.steps, warmup=args.warmup, model=args.model)
+        ranks = _launch(spec, args.timeout)
         results[run] = ranks if isinstance(ranks, str) else {
             "step": statistics.median(max(t) for t in zip(*(r["times"] for r in ranks))),
             "peak": max(r["peak"] for r in ranks), "bytes": max(r["bytes"] for r in ranks), "loss0": ranks[0]["loss0"]}
@@ -203,8 +220,10 @@ def main() -> None:
 
 
 def _table(results: dict, args) -> str:
-    rows = [f"bench_moe.py --steps {args.steps} --warmup {args.warmup}: Qwen3-MoE shape (8 experts, top-2, "
-            f"{QWEN3_MOE['num_hidden_layers']} layers, hidden {QWEN3_MOE['hidden_size']}), batch {BATCH} x {SEQ}, "
+    shape = MODELS[args.model][2]
+    rows = [f"bench_moe.py --model {args.model} --steps {args.steps} --warmup {args.warmup}: {args.model} shape "
+            f"(8 experts, top-2, {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}), "
+            f"batch {BATCH} x {SEQ}, "
             "fp32, gloo, 1 thread per rank (2 ranks; 1 for the one-process rows)", "",
             "| run | step s | vs peer | bytes sent/step/rank | vs peer | peak anon MB/rank | loss step 0 |",
             "|---|---|---|---|---|---|---|"]

@@ -5,8 +5,9 @@ and hand-written reference loop; private-memory sampling; the fault tests' proce
 model families' tiny configs, and what the OLMo and MoE files share.
 
 Beside it: dist_utils.py (run a function on N ranks), family_utils.py (the family tests' batch and transformers
-reference), sft_utils.py (the SFT tests' tokenizer and chat templates). The Trainer's modules are imported inside the
-functions that use them: the ranks spawned for a test import its module, and so this one.
+reference), sft_utils.py (the SFT tests' tokenizer and chat templates), deepseek_utils.py (DeepSeek-V3's tiny
+checkpoint). The Trainer's modules are imported inside the functions that use them: the ranks spawned for a test
+import its module, and so this one.
 """
 from __future__ import annotations
 
@@ -77,8 +78,10 @@ def batch(vocab: int, *, seed: int = 1, b: int = 2, s: int = 16):
 
 
 def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every trained parameter's gradient, gathered (frozen ones, DeepSeek's e_score_correction_bias, have none)."""
     layout = model.tp_layout
-    return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
+    return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()
+            if p.requires_grad}
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -90,7 +93,8 @@ def assert_grads_match(model, ref, *, tol: dict = TOL, what: str = "grad") -> No
     """Every gathered TP gradient equals the single-device one."""
     grads = full_grads(model)
     for n, p in ref.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, **tol, msg=lambda m: f"{what} of {n}: {m}")
+        if p.requires_grad:
+            torch.testing.assert_close(grads[n], p.grad, **tol, msg=lambda m: f"{what} of {n}: {m}")
 
 
 def assert_params_match(model, ref, after: str) -> None:
@@ -332,6 +336,14 @@ def _hf(path):
     return hf
 
 
+def _hf_grad(hf_grads: dict, name: str, inner: int) -> torch.Tensor:
+    """transformers' gradient for tptrain parameter `name` (its experts are fused gate_up_proj, down_proj)."""
+    if name.endswith("experts.gate_proj") or name.endswith("experts.up_proj"):
+        fused = hf_grads[name.rpartition(".")[0] + ".gate_up_proj"]
+        return fused[:, :inner] if name.endswith("gate_proj") else fused[:, inner:]
+    return hf_grads[name]
+
+
 def _route_to_first_rank(model, experts_on_rank0: int) -> None:
     """Every token's experts -> experts held by rank 0 (ids modulo its count): the other ranks' experts get none."""
     for block in model.modules():
@@ -421,3 +433,4 @@ def tiny_moe(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen3_moe", **{**MOE_TRAIN_TINY, "num_experts_per_tok": 2, "output_router_logits": False})
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
+

@@ -29,7 +29,11 @@ def _native(model_type: str) -> nn.Module:
     extra = MOE if model_type in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral") else {}
     if model_type == "mixtral":
         extra = {k: v for k, v in extra.items() if k != "moe_intermediate_size"}
-    config = AutoConfig.for_model(model_type, **TINY, **extra)
+    if model_type == "deepseek_v3":  # MLA: a key and a value per head; 4 experts in 2 groups, the first layer dense
+        extra = {**MOE, "num_key_value_heads": 4, "head_dim": None, "n_group": 2, "topk_group": 1,
+                 "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                 "qk_rope_head_dim": 8, "v_head_dim": 8}
+    config = AutoConfig.for_model(model_type, **{**TINY, **extra})
     return AutoModelForCausalLM.from_config(config, device="meta")
 
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch, check_against_hf, hf_reference, randomize
 from tests.helpers import (F64, MOE_FAMILIES as FAMILIES, MOE_HF_TOL as HF_TOL, MOE_TINY as TINY, TOL, _hf,
-                           _route_to_first_rank, assert_grads_match, assert_params_match)
+                           _hf_grad, _route_to_first_rank, assert_grads_match, assert_params_match)
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
@@ -43,14 +43,6 @@ def checkpoints(tmp_path_factory):
         hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
         out[model_type] = path, hf_reference(hf.to(F64))
     return out
-
-
-def _hf_grad(hf_grads: dict, name: str, inner: int) -> torch.Tensor:
-    """transformers' gradient for tptrain parameter `name` (its experts are fused gate_up_proj, down_proj)."""
-    if name.endswith("experts.gate_proj") or name.endswith("experts.up_proj"):
-        fused = hf_grads[name.rpartition(".")[0] + ".gate_up_proj"]
-        return fused[:, :inner] if name.endswith("gate_proj") else fused[:, inner:]
-    return hf_grads[name]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -248,7 +248,8 @@ class PreTrainedModel(nn.Module):
                 t = key.read(reader, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
                              ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
             else:
-                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, dtype=dtype, device=device)
+                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank,
+                               dtype=_load_dtype(self, name, dtype), device=device)
             loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, p in list(self.named_parameters(remove_duplicate=False)):
             mod_name, _, pname = name.rpartition(".")
@@ -301,6 +302,14 @@ class PreTrainedModel(nn.Module):
                 yield from checkpoint_items(name, t, keys)
 
         return sizes, checkpoint_tensors
+
+
+def _load_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` is loaded in: `dtype`, or at least fp32 for those its module lists in
+    `keep_in_float32` (transformers' `_keep_in_fp32_modules_strict`: DeepSeek's router bias)."""
+    module, _, pname = name.rpartition(".")
+    keep = pname in getattr(model.get_submodule(module), "keep_in_float32", ())
+    return torch.promote_types(dtype, torch.float32) if keep else dtype
 
 
 def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1,

@@ -13,13 +13,13 @@ _EXPORTS = {
         "PretrainedConfig", "LlamaConfig", "Qwen2Config", "Qwen3Config", "MistralConfig", "MinistralConfig",
         "Ministral3Config", "GraniteConfig", "SmolLM3Config", "Olmo2Config", "Olmo3Config", "Gemma2Config",
         "Gemma3TextConfig", "Phi3Config", "MoeConfig", "Qwen3MoeConfig", "MixtralConfig", "Qwen2MoeConfig",
-        "OlmoeConfig"),
+        "OlmoeConfig", "DeepseekV3Config"),
     "tptrain.models.decoder": (
         "CausalLMOutput", "DecoderForCausalLM", "DecoderModel", "RMSNorm", "causal_lm_loss", "LlamaForCausalLM",
         "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM",
         "GraniteForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Gemma2ForCausalLM",
         "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-        "OlmoeForCausalLM"),
+        "OlmoeForCausalLM", "DeepseekV3ForCausalLM"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = list(_MODULE_OF)

@@ -1,6 +1,6 @@
 """The one decoder-only transformer. Llama, Qwen2/3, Mistral/Ministral/Ministral 3, Granite, SmolLM3, OLMo 2/3,
-Gemma 2/3, Phi-3 and the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE; their block is in
-moe.py) differ only by config flags.
+Gemma 2/3, Phi-3 and the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3; their
+block is in moe.py, DeepSeek's attention in latent_attention.py) differ only by config flags.
 
     model = LlamaForCausalLM.from_config(LlamaConfig(...))
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
@@ -21,13 +21,14 @@ from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Ministral3Config,
-                                          MinistralConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config,
-                                          OlmoeConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen2MoeConfig,
-                                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+from tptrain.models.configuration import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GraniteConfig,
+                                          LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
+                                          Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PretrainedConfig,
+                                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, tanh_softcap,
                                    softcapped_attention, split_fused)
-from tptrain.models.moe import Experts, SparseMoeBlock, load_balancing_loss
+from tptrain.models.latent_attention import LatentAttention
+from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, load_balancing_loss
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -140,7 +141,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.sliding_window = config.layer_sliding_windows[layer_idx]  # read by DecoderModel for the mask
         self.residual_scale = config.residual_scale
-        self.self_attn = Attention(config, use_rope=config.layer_uses_rope[layer_idx])
+        self.self_attn = LatentAttention(config) if config.latent_attention else Attention(
+            config, use_rope=config.layer_uses_rope[layer_idx])
         self.mlp = SparseMoeBlock(config, MLP) if config.layer_is_moe[layer_idx] else MLP(config)
         # transformers' names of (attention input, attention output, MLP input, MLP output) norms; None: no norm there
         names = _sublayer_norm_names(config.norm_sublayer_input, config.norm_sublayer_output)
@@ -268,6 +270,9 @@ class DecoderForCausalLM(PreTrainedModel):
             if isinstance(module, Experts):
                 for p in module.parameters(recurse=False):
                     nn.init.normal_(p, mean=0.0, std=std)
+            if isinstance(module, GroupLimitedRouter):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.zeros_(module.e_score_correction_bias)
 
     def checkpoint_keys(self) -> dict[str, str | list[str]]:
         """{parameter name: its name in the checkpoint, or the per-expert names a stacked tensor is made of} for
@@ -387,3 +392,7 @@ class Qwen2MoeForCausalLM(DecoderForCausalLM):
 
 class OlmoeForCausalLM(DecoderForCausalLM):
     config_class = OlmoeConfig
+
+
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    config_class = DeepseekV3Config

@@ -1,5 +1,6 @@
-"""The mixture-of-experts block: a softmax top-k router over stacked SwiGLU experts (and an optional shared
-expert), and the load-balancing aux loss, as transformers computes them (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE).
+"""The mixture-of-experts block: a softmax top-k router (or DeepSeek-V3's group-limited sigmoid router) over stacked
+SwiGLU experts (and an optional shared expert), and the load-balancing aux loss, as transformers computes them
+(Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3).
 
 Single-device code. Experts are held stacked, `experts.gate_proj` / `up_proj` (experts, inner, hidden) and
 `experts.down_proj` (experts, hidden, inner); the hub's per-expert tensors (`mlp.experts.{i}.gate_proj.weight`,
@@ -112,9 +113,45 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[list[int
     return torch.bincount(flat, minlength=num_experts).tolist(), torch.sort(flat, stable=True).indices
 
 
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): sigmoid scores; a token picks its top-k experts
+    by score + `e_score_correction_bias` among the `topk_group` best of `n_group` groups (a group's worth: the sum
+    of its two best), weighted by the score alone, renormalised (`norm_topk_prob`) and scaled by
+    `routed_scaling_factor`. In fp32 for bf16/fp32 models, as transformers (fp64 stays fp64: exact tests).
+    The bias is the aux-loss-free balancing term, set outside backprop: a frozen parameter (loaded, saved and
+    checkpointed, never trained), kept in at least fp32 in a bf16 model (`keep_in_float32`, read by the loader;
+    transformers' `_keep_in_fp32_modules_strict`): scores of neighbouring experts differ by less than bf16 resolves."""
+
+    keep_in_float32 = ("e_score_correction_bias",)
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        wide = torch.promote_types(torch.get_default_dtype(), torch.float32)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=wide), requires_grad=False)
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, hidden) -> (logits (tokens, experts), weights, expert ids (tokens, k)), at least fp32."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        scores = logits.sigmoid()
+        choice = scores.detach() + self.e_score_correction_bias.to(dtype)  # picks; the weights come from `scores`
+        groups = choice.view(choice.shape[0], self.n_group, -1)  # (tokens, n_group, experts per group)
+        best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1, sorted=False).indices
+        kept = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)  # (tokens, n_group)
+        choice = groups.masked_fill(~kept[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * self.scaling, ids
+
+
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`) + experts (+ a sigmoid-gated `shared_expert`). Keeps its router logits of the last forward
-    in `router_logits` for the aux loss."""
+    """Router (`gate`) + experts (+ a sigmoid-gated `shared_expert`, or ungated `shared_experts`). Keeps its router
+    logits of the last forward in `router_logits` for the aux loss."""
 
     def __init__(self, config, dense_mlp: type[nn.Module]) -> None:
         super().__init__()
@@ -122,16 +159,23 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.weights_in_float32 = config.router_weights_in_float32
-        self.gate = nn.Linear(hidden, config.num_experts, bias=False)
+        self.group_limited = config.router_scoring == "sigmoid"
+        self.gate = GroupLimitedRouter(config) if self.group_limited else nn.Linear(hidden, config.num_experts,
+                                                                                      bias=False)
         self.experts = Experts(config.num_experts, hidden, config.moe_intermediate_size, top_k=self.top_k)
         if config.shared_expert_intermediate_size:
             self.shared_expert = dense_mlp(config, inner=config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        if config.shared_experts_intermediate_size:
+            self.shared_experts = dense_mlp(config, inner=config.shared_experts_intermediate_size)
         self.router_logits: torch.Tensor | None = None  # (tokens, num_experts) of the last forward
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits (tokens, experts), top-k weights, top-k expert ids (tokens, k)). Softmax in fp32,
-        top-k, optional renormalisation, weights cast back (or kept fp32: Mixtral): transformers' TopKRouter."""
+        top-k, optional renormalisation, weights cast back (or kept fp32: Mixtral): transformers' TopKRouter. Or
+        the group-limited sigmoid router's."""
+        if self.group_limited:
+            return self.gate(x)
         logits = self.gate(x)
         probs = logits.softmax(-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -148,6 +192,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, ids, weights)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
         return out.view(shape)
 
     def checkpoint_keys(self, prefix: str, config) -> dict[str, str | list[str]]:

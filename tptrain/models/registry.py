@@ -30,6 +30,7 @@ NATIVE_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 _CAUSAL_LM_NAMES = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"  # transformers' {model_type: causal-LM class name}
 

@@ -180,3 +180,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     q_rot, k_rot = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     return (q_rot.to(q.dtype), k_rot.to(k.dtype)) if keep_dtype else (q_rot, k_rot)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """(..., d) features paired as (x0, x1), (x2, x3), ... -> (x0, x2, ..., x1, x3, ...), the halves `apply_rotary`
+    rotates. DeepSeek's RoPE pairs neighbours (`rope_interleave`): rotating the de-interleaved features is
+    transformers' `apply_rotary_pos_emb_interleave`, bit for bit (it returns them in this order too)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

@@ -250,3 +250,8 @@ def base_model(model: nn.Module) -> nn.Module | None:
 
 def mask_builder(model: nn.Module):
     return getattr(base_model(model), "attention_masks", None)
+
+
+def replicated_tail(module: nn.Module) -> int:
+    """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
+    return int(getattr(module, "tp_replicated_tail", 0) or 0)

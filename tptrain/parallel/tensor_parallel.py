@@ -161,11 +161,13 @@ def _labels_given(forward) -> Callable[[tuple, dict], bool]:
 def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[nn.Module, ...]]:
     """id(colwise module) -> its colwise siblings (same parent, itself included): the linears that read one input
     (q/k/v, gate/up) and so may run as one fused block. A sibling first called on another input starts a block
-    of its own there (the others' outputs of that block go unused: correct, only wasted work)."""
-    by_parent: dict[str, list[nn.Module]] = {}
+    of its own there (the others' outputs of that block go unused: correct, only wasted work); siblings of another
+    input width (Qwen3.5's linear attention: in_proj_* and out_proj) can never read one input, so are not grouped."""
+    by_parent: dict[tuple[str, int], list[nn.Module]] = {}
     for name, style in resolved.objects.items():
         if isinstance(style, ColwiseParallel):
-            by_parent.setdefault(name.rpartition(".")[0], []).append(model.get_submodule(name))
+            module = model.get_submodule(name)
+            by_parent.setdefault((name.rpartition(".")[0], module.weight.shape[-1]), []).append(module)
     return {id(m): tuple(members) for members in by_parent.values() for m in members}
 
 

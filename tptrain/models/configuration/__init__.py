@@ -9,6 +9,7 @@ small subclass in its own file (its fields, defaults, checks and plan), re-expor
 from tptrain.models.configuration.base import (CONFIG_NAME, SUPPORTED_ACTIVATIONS, SUPPORTED_LAYER_TYPES,
                                                SUPPORTED_ROPE_TYPES, PretrainedConfig, absorb_rope_parameters,
                                                load_config_dict, rope_type_of)
+from tptrain.models.configuration.deepseek import DeepseekV3Config
 from tptrain.models.configuration.gemma import Gemma2Config, Gemma3TextConfig
 from tptrain.models.configuration.granite import GraniteConfig
 from tptrain.models.configuration.llama import LlamaConfig, Qwen2Config, Qwen3Config
@@ -18,7 +19,8 @@ from tptrain.models.configuration.olmo import Olmo2Config, Olmo3Config
 from tptrain.models.configuration.phi3 import Phi3Config
 from tptrain.models.configuration.smollm3 import SmolLM3Config
 
-__all__ = ["CONFIG_NAME", "SUPPORTED_ACTIVATIONS", "SUPPORTED_LAYER_TYPES", "SUPPORTED_ROPE_TYPES", "Gemma2Config",
+__all__ = ["CONFIG_NAME", "SUPPORTED_ACTIVATIONS", "SUPPORTED_LAYER_TYPES", "SUPPORTED_ROPE_TYPES", "DeepseekV3Config",
+           "Gemma2Config",
            "Gemma3TextConfig", "GraniteConfig", "LlamaConfig", "Ministral3Config", "MinistralConfig", "MistralConfig",
            "MixtralConfig", "MoeConfig", "Olmo2Config", "Olmo3Config", "OlmoeConfig", "Phi3Config", "PretrainedConfig",
            "Qwen2Config", "Qwen2MoeConfig", "Qwen3Config", "Qwen3MoeConfig", "SmolLM3Config", "absorb_rope_parameters",

@@ -30,7 +30,8 @@ _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
                "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
-               "sliding_window", "original_max_position_embeddings", "no_rope_layer_interval")
+               "sliding_window", "original_max_position_embeddings", "no_rope_layer_interval", "kv_lora_rank",
+               "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group")
 
 # HF's plan for LlamaModel / Qwen2Model, plus our vocab-parallel embedding.
 _DECODER_TP_PLAN = {
@@ -218,6 +219,11 @@ class PretrainedConfig:
     def rotary_dim(self) -> int:
         """Leading features of each head that RoPE rotates (the rest pass through): all of head_dim here."""
         return self.head_dim
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek's MLA: low-rank q and kv, decoupled RoPE) instead of q/k/v heads."""
+        return False
 
     @property
     def attention_scale(self) -> float | None:

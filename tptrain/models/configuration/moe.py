@@ -36,6 +36,12 @@ class MoeConfig(PretrainedConfig):
     # The routing weights stay in (at least) fp32 (Mixtral: the expert outputs are weighted in fp32, then cast);
     # False: cast to the activations' dtype first (Qwen-MoE, OLMoE).
     router_weights_in_float32: ClassVar[bool] = False
+    # How the router scores experts: "softmax" (top-k of the softmax) or "sigmoid" (DeepSeek-V3's group-limited
+    # top-k of sigmoid scores, models/moe.py GroupLimitedRouter).
+    router_scoring: ClassVar[str] = "softmax"
+    # Router options of other MoE families: refused when config.json has them, rather than ignored.
+    foreign_router_keys: ClassVar[tuple[str, ...]] = ("router_type", "scoring_func", "topk_method", "n_group",
+                                                      "topk_group", "routed_scaling_factor")
     # Rules added to the plan under expert parallelism (DistributedConfig(enable_expert_parallel=True)).
     base_model_ep_plan: ClassVar[dict[str, str]] = {"layers.*.mlp.experts": "expert_parallel"}
 
@@ -64,8 +70,8 @@ class MoeConfig(PretrainedConfig):
         if self.router_jitter_noise:
             raise ValueError(f"{name}: router_jitter_noise={self.router_jitter_noise} is not implemented (tptrain's "
                              "router is deterministic); set it to 0.0.")
-        for key in ("router_type", "scoring_func", "topk_method", "n_group", "topk_group", "routed_scaling_factor"):
-            if key in self.extra:  # router options of other MoE families: refused rather than ignored
+        for key in self.foreign_router_keys:
+            if key in self.extra:
                 raise ValueError(f"{name}: router option {key}={self.extra[key]!r} is not implemented; tptrain's "
                                  "router is softmax top-k (with norm_topk_prob); remove the key.")
         bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
@@ -78,6 +84,12 @@ class MoeConfig(PretrainedConfig):
         """Per layer: an MoE block (router + experts) instead of the dense MLP, as transformers decides it."""
         return [i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
                 for i in range(self.num_hidden_layers)]
+
+    @property
+    def shared_experts_intermediate_size(self) -> int | None:
+        """Inner width of the ungated shared experts (`mlp.shared_experts`, added to the routed experts' output:
+        DeepSeek-V3); None: none."""
+        return None
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:

@@ -9,6 +9,7 @@ modules holding their local shard under their Hugging Face parameter names.
     context.py     TPContext: the TP group and per-forward flags every style of a model shares
     base.py        ParallelStyle, the registry (STYLES, aliases, make_style), the local-output hooks
     linear.py      colwise, rowwise, colwise_gather_output (the LM head)
+    local.py       mla_kv_a_proj: a module whole on every rank, with a collective at its edge
     fused.py       fused_colwise (alias packed_colwise): fused q/k/v or gate/up, each segment split on its own
     embedding.py   embedding_rowwise (vocab-parallel embedding)
     replicated.py  replicated_with_grad_allreduce, sequence_parallel (norms), distributed_rmsnorm
@@ -20,10 +21,11 @@ from tptrain.parallel.styles.context import TPContext
 from tptrain.parallel.styles.embedding import EmbeddingRowwise, vocab_shard_embedding, vocab_shard_ids
 from tptrain.parallel.styles.fused import FusedColwiseParallel
 from tptrain.parallel.styles.linear import ColwiseGatherOutput, ColwiseParallel, RowwiseParallel
+from tptrain.parallel.styles.local import MlaKvAProj
 from tptrain.parallel.styles.replicated import DistributedRMSNorm, ReplicatedWithGradAllreduce, SequenceParallel
 from tptrain.parallel.styles.spec import ShardSpec
 
 __all__ = ["STYLES", "STYLE_ALIASES", "ColwiseGatherOutput", "ColwiseParallel", "DistributedRMSNorm",
-           "EmbeddingRowwise", "FusedColwiseParallel", "ParallelStyle", "ReplicatedWithGradAllreduce",
+           "EmbeddingRowwise", "FusedColwiseParallel", "MlaKvAProj", "ParallelStyle", "ReplicatedWithGradAllreduce",
            "RowwiseParallel", "SequenceParallel", "ShardSpec", "TPContext", "canonical_style", "make_style",
            "register_local_output_hook", "register_style", "replace_forward", "vocab_shard_embedding", "vocab_shard_ids"]
