@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.cp_utils import CP_FAMILIES, F64, SEQ, packed_batch, write_checkpoints
+from tests.deepseek_utils import DEEPSEEK_TINY
 from tests.dist_utils import run_distributed
 from tests.helpers import TOL, full_grads, tiny_model
 from tptrain import DistributedConfig
@@ -137,6 +138,10 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
         "phi3", **{**CP_FAMILIES["phi3"], "rope_scaling": longrope}), device="meta")
     with pytest.raises(ValueError, match=r"Phi3ForCausalLM \(phi3\) cannot run with cp_size=2: .*'longrope'"):
         phi._check_plan(DistributedConfig(cp_size=2))
+    mla_config = type(AutoConfig.for_model("deepseek_v3")).from_dict({"model_type": "deepseek_v3", **DEEPSEEK_TINY})
+    mla = AutoModelForCausalLM.from_config(mla_config, device="meta")
+    with pytest.raises(ValueError, match=r"self_attn \(LatentAttention and 1 more\).*drop cp_size for this model"):
+        mla._check_plan(DistributedConfig(cp_size=2))
 
 
 # ------------------------------------------------------------------ the Trainer at cp 2 against one process
