@@ -27,6 +27,7 @@ from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel, raise_context_problems
+from tptrain.parallel import pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
@@ -104,6 +105,10 @@ class PreTrainedModel(nn.Module):
         The model is returned in eval mode (dropout off), as transformers returns it; the Trainer switches it to
         train mode for each step, and a hand-written loop calls `model.train()`.
         """
+        if device_map is not None and distributed_config is not None and distributed_config.pp_size > 1:
+            raise ValueError(f"device_map cannot be combined with DistributedConfig(pp_size="
+                             f"{distributed_config.pp_size}): pipeline parallelism places each stage on its own rank "
+                             f"(device from LOCAL_RANK); drop device_map")
         if device_map is not None and distributed_config is not None:
             split = "context" if (distributed_config.cp_size or 1) > 1 else "tensor"
             raise ValueError(f"device_map cannot be combined with distributed_config: under {split} parallelism each "
@@ -159,6 +164,8 @@ class PreTrainedModel(nn.Module):
     def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
+        if distributed_config.pp_size > 1:  # keep only this rank's stage(s): only their tensors are read below
+            resolved = pipeline_parallel.cut_for_rank(self, resolved, distributed_config, mesh["pp"].get_local_rank())
         ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
@@ -193,6 +200,8 @@ class PreTrainedModel(nn.Module):
                               expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
         resolved.raise_problems(self)
         raise_context_problems(self, sizes.get("cp", 1))
+        if distributed_config.pp_size > 1:  # the stages checked on the whole model, before any collective
+            pipeline_parallel.check(self, resolved, distributed_config)
         return resolved
 
     def checkpoint_keys(self) -> dict[str, Any]:
@@ -272,7 +281,10 @@ class PreTrainedModel(nn.Module):
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-        save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
+        gather = checkpoint_tensors
+        if getattr(self, "pp_plan", None) is not None:  # every stage's tensors, written by global rank 0
+            sizes, gather = pipeline_parallel.across_stages(self, sizes, checkpoint_tensors)
+        save_once(save_directory, collective=is_sharded(self), gather=gather,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
                                                       extra_files={"config.json": config_json}))
 

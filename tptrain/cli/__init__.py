@@ -60,6 +60,10 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--cp-size", type=int, default=1,
                       help="context parallelism: each sequence split over that many ranks (what it splits, and "
                            "whether the model can)")
+    plan.add_argument("--pp-size", type=int, default=1,
+                      help="pipeline stages: print each pp rank's stages, their layers and parameter bytes per rank")
+    plan.add_argument("--pp-schedule", default="1F1B",
+                      help="the pipeline schedule the stages are cut for (Interleaved1F1B, ZBVZeroBubble: two per rank)")
     plan.add_argument("--tp-plan", type=_json_object, default=None,
                       help='JSON {module-glob: style} overrides of the model\'s plan (null removes a rule), e.g. '
                            '\'{"layers.*.mlp.down_proj": "rowwise"}\'')
@@ -136,7 +140,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
                              sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
-                             ep_size=args.ep_size, dtype=args.dtype, cp_size=args.cp_size)
+                             ep_size=args.ep_size, dtype=args.dtype, cp_size=args.cp_size, pp_size=args.pp_size,
+                             pp_schedule=args.pp_schedule)
     except (OSError, ValueError, TypeError) as exc:
         return _fail("plan", str(exc))
     print(report.text, end="")

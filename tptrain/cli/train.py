@@ -39,7 +39,9 @@ def run_train(args: argparse.Namespace) -> int:
             setattr(args, name, getattr(defaults, name))
     if args.warmup_steps is None:  # --num-epochs: the step count is known only once the data is tokenized
         args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
-    nproc = args.tp_size * max(1, args.cp_size) if args.nproc_per_node is None else args.nproc_per_node
+    nproc = args.nproc_per_node
+    if nproc is None:
+        nproc = args.tp_size * max(1, args.cp_size) * args.pp_size
     try:
         _check_sizes(args, nproc)
         model_dir = _check_model_type(args.model)  # before torch is imported
@@ -67,7 +69,7 @@ def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     """The flags' sizes, against each other (nothing read, nothing imported)."""
     for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
                         ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1),
-                        ("--cp-size", args.cp_size)):
+                        ("--cp-size", args.cp_size), ("--pp-size", args.pp_size)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
@@ -117,7 +119,9 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     _check_cp(config, args.cp_size, args.model, args.seq_len)
     check_seq_len(args.seq_len, config, what="--seq-len")
-    _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
+    training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
+    if args.pp_size > 1:  # the stages and the microbatches, as every rank checks them
+        _check_pipeline(args, config, training_args, nproc)
     if args.compile:
         from tptrain.distributed import local_device
         from tptrain.training.parallelize import compile_error
@@ -140,7 +144,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
 def _distributed_config(args: argparse.Namespace):
     from tptrain.distributed import DistributedConfig
     return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size,
-                             cp_size=args.cp_size)
+                             cp_size=args.cp_size, pp_size=args.pp_size, pp_schedule=args.pp_schedule)
 
 
 def _check_cp(config, cp_size: int, model: str, seq_len: int) -> None:
@@ -155,6 +159,17 @@ def _check_cp(config, cp_size: int, model: str, seq_len: int) -> None:
     found = problems(AutoModelForCausalLM.from_config(config, device="meta"))
     if found:
         raise ValueError(f"--cp-size {cp_size} cannot split the sequences of {model}: {found[0]}")
+
+
+def _check_pipeline(args: argparse.Namespace, config, training_args, nproc: int) -> None:
+    from tptrain.models import AutoModelForCausalLM
+    from tptrain.parallel.pipeline_parallel import plan_pipeline
+    from tptrain.training.setup import check_pipeline
+
+    meta = AutoModelForCausalLM.from_config(config, device="meta")
+    plan_pipeline(meta, pp=args.pp_size, pp_rank=0, schedule=args.pp_schedule)
+    dims = training_args.parallelism_config.parallel_dims(nproc * args.nnodes)
+    check_pipeline(training_args, dims)
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
@@ -194,7 +209,17 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
         seed=args.seed, bf16=args.bf16, torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
-        preemption_grace=args.preemption_grace, **training_kwargs(args))
+        preemption_grace=args.preemption_grace, parallelism_config=_parallelism_config(args), **training_kwargs(args))
+
+
+def _parallelism_config(args: argparse.Namespace):
+    """None (the model's tp_size, the other ranks FSDP2) unless the model is cut into pipeline stages."""
+    from tptrain.training.args import ParallelismConfig
+
+    if args.pp_size == 1:
+        return None
+    return ParallelismConfig(tp_size=args.tp_size, dp_shard_size=1, pp_size=args.pp_size,
+                             pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
 
 
 # ------------------------------------------------------------------ launcher
@@ -283,7 +308,9 @@ def _train(args: argparse.Namespace) -> None:
                   flush=True)
         return
     finetune_cli.finish(trainer, args)  # --merge: final/merged
-    text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
+    text = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
+    if args.pp_size == 1:
+        text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
         _summary(args, result, time.perf_counter() - start, text)
 
@@ -329,6 +356,7 @@ def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) ->
           f"{_describe_data(inputs.dataset, args)}; "
           f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
           + (f", ep {args.ep_size}" if args.ep_size else "") + (f", cp {args.cp_size}" if args.cp_size > 1 else "")
+          + (f", pp {args.pp_size}" if args.pp_size > 1 else "")
           + f", {threads} thread"
           f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
 
@@ -355,7 +383,7 @@ def _set_threads(torch) -> int:
     return max(1, threads)
 
 
-def _summary(args: argparse.Namespace, result, seconds: float, text: str) -> None:
+def _summary(args: argparse.Namespace, result, seconds: float, text: str | None) -> None:
     """The run in three lines; the loss figures are those of metrics.jsonl (earlier, resumed steps included),
     so the final figure is the one loss.png's title states."""
     from tptrain.training.reporting import logged_losses, loss_headline, read_metrics
@@ -366,4 +394,5 @@ def _summary(args: argparse.Namespace, result, seconds: float, text: str) -> Non
         print(f"trained to step {result.global_step}: {loss_headline(losses)}; last step {losses[-1]:.3f}")
     print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
           f"metrics: {out / 'metrics.jsonl'}")
-    print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)
+    if text is not None:
+        print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)

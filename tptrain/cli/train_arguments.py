@@ -81,9 +81,16 @@ def _parallelism(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cp-size", type=int, default=1,
                    help="context-parallel degree: each sequence split over N ranks (long sequences); --seq-len a "
                         "multiple of 2 x N (default: 1)")
+    g.add_argument("--pp-size", type=int, default=1,
+                   help="pipeline stages (the model's layers cut into --pp-size stages of --tp-size ranks each)")
+    g.add_argument("--pp-schedule", default="1F1B",
+                   help="torch.distributed.pipelining schedule: 1F1B (default), GPipe, Interleaved1F1B, "
+                        "InterleavedZeroBubble, ZBVZeroBubble, ...")
+    g.add_argument("--pp-microbatches", type=int, default=None,
+                   help="microbatches each --batch-size batch is split into for the pipeline (default: --pp-size)")
     g.add_argument("--nproc-per-node", type=int, default=None,
-                   help="worker processes to start (default: --tp-size x --cp-size); extra ranks become FSDP2 "
-                        "data-parallel")
+                   help="worker processes to start (default: --tp-size x --cp-size x --pp-size); extra ranks become "
+                        "FSDP2 data-parallel")
 
 
 def _optimisation(g: argparse._ArgumentGroup) -> None:

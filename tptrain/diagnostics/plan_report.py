@@ -18,7 +18,7 @@ import torch
 from tptrain.modeling import resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.expert_parallel import all_to_all_wins
-from tptrain.parallel import contract
+from tptrain.parallel import contract, pipeline_parallel
 from tptrain.parallel.context_parallel import problems as context_problems
 from tptrain.parallel.plan import check_plan, kv_replicas, working_tp_sizes
 from tptrain.parallel.styles import ShardSpec
@@ -39,10 +39,12 @@ class PlanReport:
 
 def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] = "auto",
                 sequence_parallel: bool = False, expert_parallel: bool = False, ep_size: int = 1,
-                dtype: torch.dtype | str | None = None, cp_size: int = 1) -> PlanReport:
+                dtype: torch.dtype | str | None = None, cp_size: int = 1, pp_size: int = 1,
+                pp_schedule: str = "1F1B") -> PlanReport:
     """Resolve `tp_plan` for `config` at `tp_size` (and the experts over an ep axis of `ep_size`) and describe
-    every module's shards; with `cp_size`, what context parallelism splits and what keeps it from the model."""
-    for what, size in (("tp_size", tp_size), ("ep_size", ep_size), ("cp_size", cp_size)):
+    every module's shards; with `cp_size`, what context parallelism splits and what keeps it from the model; with
+    `pp_size` > 1, the pipeline stages of each pp rank, their layers and bytes."""
+    for what, size in (("tp_size", tp_size), ("ep_size", ep_size), ("cp_size", cp_size), ("pp_size", pp_size)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{what} must be a positive int, got {size!r}")
     dtype = resolve_dtype(dtype, config)
@@ -61,6 +63,7 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
              *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size),
              *_context_lines(config, tp_size, cp_size, dtype.itemsize), "",
              *_table(rows), "",
+             *(_pipeline_lines(config, resolved, dtype, tp_size, ep_size, pp_size, pp_schedule) if pp_size > 1 else []),
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
              f"({100 * per_rank / max(total, 1):.1f}%; every rank holds the same amount)"]
     if problems:
@@ -72,6 +75,25 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     else:
         lines += ["layout OK"]
     return PlanReport("\n".join(lines) + "\n", problems, per_rank, total)
+
+
+def _pipeline_lines(config: Any, resolved, dtype: torch.dtype, tp_size: int, ep_size: int, pp_size: int,
+                    schedule: str) -> list[str]:
+    """Each pp rank's stages (their decoder layers, the embedding on the first, norm and head on the last) and the
+    parameter bytes one of its ranks holds: the model cut as `from_pretrained` cuts it on that rank."""
+    lines = [f"pipeline: pp_size={pp_size}, schedule {pipeline_parallel.schedule_name(schedule)} "
+             f"(the table above is the whole model; each rank holds its stages' part of it)"]
+    for pp_rank in range(pp_size):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
+        plan = pipeline_parallel.plan_pipeline(model, pp=pp_size, pp_rank=pp_rank, schedule=schedule)
+        pipeline_parallel.cut_model(model, plan)
+        stage = pipeline_parallel.stage_plan(resolved, model)
+        _, per_rank, _ = _rows(model, stage.styles, stage.specs, tp_size, dtype.itemsize, ep_size)
+        stages = "; ".join(f"stage {s}: " + ("embedding, " if s == 0 else "")
+                           + (f"layers {_ranges(list(plan.stage_layers[s]))}" if plan.stage_layers[s] else "no layer")
+                           + (", norm, head" if s == plan.n_stages - 1 else "") for s in plan.stages)
+        lines.append(f"  pp rank {pp_rank}: {stages}; parameter bytes per rank {_size(per_rank)}")
+    return lines + [""]
 
 
 def _context_lines(config: Any, tp_size: int, cp_size: int, itemsize: int) -> list[str]:

@@ -72,6 +72,15 @@ class DistributedConfig:
         enable_expert_parallel (that splits the experts over the TP group instead).
     dp_replicate_size: replicated data-parallel degree (DDP, or the replica axis of HSDP).
     dp_shard_size: sharded data-parallel degree (FSDP2); None: whatever WORLD_SIZE leaves over.
+    pp_size: pipeline-parallel degree (the outermost axis): the decoder layers are cut into stages, each rank builds
+        only its stage(s) and reads only their tensors (parallel/pipeline_parallel.py); the other sizes divide
+        WORLD_SIZE // pp_size. Not with device_map.
+    pp_schedule: the torch.distributed.pipelining schedule the stages are cut for ("1F1B", "GPipe",
+        "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", ...): the multi-stage ones give each rank
+        two stages.
+    pp_layers: the decoder layers of each stage, e.g. [[0, 1, 2], [3, 4, 5, 6, 7]] (consecutive, each once; the
+        embedding goes with the first stage, the final norm and head with the last); None: an even split counting
+        the embedding and the head as one layer each (torchtitan's rule).
     backend: "auto" (tptrain's own model code for its model types, transformers' otherwise), "native", or
         "transformers" (transformers' modeling code under tptrain's engine, `pip install "tptrain[hf]"`; forces it
         for a native type too, to compare the two).
@@ -86,6 +95,9 @@ class DistributedConfig:
     dp_replicate_size: int = 1
     dp_shard_size: int | None = None
     backend: str = "auto"
+    pp_size: int = 1
+    pp_schedule: str = "1F1B"
+    pp_layers: list[list[int]] | None = None
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def sizes(self, world_size: int | None = None, *, described: str | None = None) -> dict[str, int]:
@@ -98,10 +110,16 @@ class DistributedConfig:
         world = env_world_size() if world_size is None else world_size
         if self.backend not in BACKENDS:
             raise ValueError(f"DistributedConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size"):
+        for name in ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size", "pp_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"DistributedConfig.{name} must be a positive int, got {value!r}")
+        pp = self.pp_size
+        if world % pp:
+            raise ValueError(f"{described or 'DistributedConfig'}: pp_size={pp} must divide the world size {world} "
+                             f"(each of the {pp} pipeline stages gets world_size / pp_size ranks); launch a multiple "
+                             f"of {pp} processes or pick a pp_size that divides {world}")
+        world //= pp  # the other axes lay out each stage's ranks
         rep, shard, tp, cp = self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size or 1
         if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard = ep_size)
             tp = world // (rep * cp * (shard or self.ep_size or 1))
@@ -113,7 +131,7 @@ class DistributedConfig:
             raise ValueError(f"{described or 'DistributedConfig'}: cp_size={cp} cannot be combined with ep_size="
                              f"{self.ep_size} (an ep axis of its own) yet; use enable_expert_parallel (experts split "
                              f"over the TP group) or plain expert tensor parallelism with cp_size")
-        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self._ep(shard, tp, world, described), cp=cp)
+        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self._ep(shard, tp, world, described), cp=cp, pp=pp)
 
     def _ep(self, shard: int, tp: int, world: int, described: str | None) -> int:
         """The ep axis's size: a divisor of dp_shard (the experts' owners are data-parallel ranks)."""

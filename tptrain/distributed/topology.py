@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tptrain.distributed import comm
 
 MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+PP_AXIS = "pp"  # outermost; in the mesh only when pp > 1 (each stage's ranks are then a mesh of MESH_AXES)
 # the mesh's real axes when ep > 1 (no cp axis: DistributedConfig refuses cp_size with ep_size)
 EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
@@ -40,17 +41,19 @@ class ParallelDims:
     """Sizes of the mesh axes. dp_replicate: replicated data parallelism (DDP, or HSDP's replica axis);
     dp_shard: FSDP2's sharding axis; tp: tensor parallelism; ep: expert parallelism, a divisor of dp_shard (the
     experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them); cp:
-    context parallelism (each rank of a cp group holds 1/cp of every sequence)."""
+    context parallelism (each rank of a cp group holds 1/cp of every sequence); pp: pipeline stages, the outermost
+    axis (each pp rank holds its stage(s) of the model on a mesh of the other axes)."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     ep: int = 1
     cp: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -58,16 +61,18 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def sizes(self) -> dict[str, int]:
-        """{axis name: size}: dp_replicate, dp_shard, tp, and "ep" / "cp" when larger than 1."""
+        """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""
         out = {axis: getattr(self, axis) for axis in MESH_AXES if axis != "cp"}
-        return {**out, **{axis: getattr(self, axis) for axis in ("ep", "cp") if getattr(self, axis) > 1}}
+        out = {**out, **{axis: getattr(self, axis) for axis in ("ep", "cp") if getattr(self, axis) > 1}}
+        return out if self.pp == 1 else {PP_AXIS: self.pp, **out}
 
     def mesh_shape(self) -> dict[str, int]:
         """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
+        pp = {PP_AXIS: self.pp} if self.pp > 1 else {}
         if self.ep == 1:
-            return {axis: getattr(self, axis) for axis in MESH_AXES}
+            return {**pp, **{axis: getattr(self, axis) for axis in MESH_AXES}}
         assert self.cp == 1, self
-        return dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))
+        return {**pp, **dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))}
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> "ParallelDims":
@@ -76,7 +81,7 @@ class ParallelDims:
         if "ep" not in sizes:
             return cls(**sizes)
         return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
-                   tp=sizes["tp"], ep=sizes["ep"])
+                   tp=sizes["tp"], ep=sizes["ep"], pp=sizes.get(PP_AXIS, 1))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
@@ -96,7 +101,14 @@ def rank_grid(mesh: DeviceMesh):
     (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s; with cp > 1, dp_shard x cp flattened: the ranks
     FSDP2 shards over)."""
     dims = ParallelDims.of(mesh)
-    return mesh.mesh.reshape(dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
+    return stage_mesh(mesh).mesh.reshape(dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """This pipeline stage's ranks as a mesh without the pp axis (the mesh itself when it has none): what a stage's
+    model, its TP, FSDP and checkpoints are laid out on, exactly as a whole model on a mesh without pp."""
+    names = mesh.mesh_dim_names
+    return mesh if PP_AXIS not in names else mesh[tuple(n for n in names if n != PP_AXIS)]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -185,32 +185,44 @@ class DecoderModel(nn.Module):
         self.query_position_scale = config.query_position_scale
         self.gradient_checkpointing = False
 
-    def forward(self, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # (batch, seq, hidden); a sequence shard under sequence parallelism, input_ids are the full sequence
         h = self.embed_tokens(input_ids)
         scale = self.embedding_scale
         if self.embedding_scale_in_weight_dtype:  # transformers' Gemma casts sqrt(hidden) to the weights' dtype
             scale = torch.tensor(scale, dtype=h.dtype).item()
-        h = scaled(h, scale)
-        seq = input_ids.shape[1]
+        return scaled(h, scale)
+
+    def indexed_layers(self) -> list[tuple[int, nn.Module]]:
+        """(layer index in the whole model, layer): a pipeline stage holds some layers only, as a ModuleDict keyed
+        by that index, so their parameter names stay the whole model's (`layers.5.mlp...`)."""
+        items = self.layers.items() if isinstance(self.layers, nn.ModuleDict) else enumerate(self.layers)
+        return [(int(i), layer) for i, layer in items]
+
+    def forward(self, input_ids: torch.Tensor | None = None, *, hidden_states: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The token ids, or (a pipeline stage without the embedding) the hidden states of the layers before, run
+        through the layers this module holds and the final norm if it holds one."""
+        h = self.embed(input_ids) if hidden_states is None else hidden_states
+        seq, device = (input_ids if hidden_states is None else h).shape[1], h.device
         if position_ids is None:
-            position_ids = torch.arange(seq, device=input_ids.device)[None]
+            position_ids = torch.arange(seq, device=device)[None]
         layer_rope = self.rotary_emb.layer_rope  # per layer: the first layer with the same RoPE
-        rope = {i: self.rotary_emb(h, position_ids, i) for i in set(layer_rope)}  # {that layer: (cos, sin)}
+        layers = self.indexed_layers()
+        rope = {r: self.rotary_emb(h, position_ids, r) for r in {layer_rope[i] for i, _ in layers}}  # {that: (cos, sin)}
         q_scale = None
         if self.query_position_scale is not None:  # as transformers: fp32 positions, log(1 + .)
             beta, length = self.query_position_scale
             q_scale = (1 + beta * torch.log(1 + torch.floor(position_ids.float() / length)))[:, None, :, None]
-        masks = self.attention_masks(position_ids, attention_mask, {layer.sliding_window for layer in self.layers})
-        for layer, rope_layer in zip(self.layers, layer_rope):
+        masks = self.attention_masks(position_ids, attention_mask, {layer.sliding_window for _, layer in layers})
+        for i, layer in layers:
             mask = masks[layer.sliding_window]
-            cos, sin = rope[rope_layer]
+            cos, sin = rope[layer_rope[i]]
             if self.gradient_checkpointing and self.training:
                 h = checkpoint(layer, h, cos, sin, mask, q_scale, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, mask, q_scale)
-        return self.norm(h)
+        return h if self.norm is None else self.norm(h)
 
     def attention_masks(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, windows: set, *,
                         query_index: torch.Tensor | None = None,
@@ -229,6 +241,9 @@ class DecoderForCausalLM(PreTrainedModel):
 
     config_class = PretrainedConfig
     _tp_plan = {"lm_head": "colwise_gather_output"}
+    # What a pipeline stage is cut from (parallel/contract.py PipelineModel): the layer list, what only the first
+    # stage holds, what only the last one holds.
+    pp_layers, pp_first, pp_last = "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")
 
     def __init__(self, config: PretrainedConfig) -> None:
         if not isinstance(config, self.config_class):
@@ -282,6 +297,8 @@ class DecoderForCausalLM(PreTrainedModel):
         for name, module in self.named_modules():
             if isinstance(module, SparseMoeBlock):
                 keys.update(module.checkpoint_keys(name, self.config))
+        if self.config.tie_word_embeddings and self.model.embed_tokens is None and self.lm_head is not None:
+            keys["lm_head.weight"] = "model.embed_tokens.weight"  # a last pipeline stage: the head IS the embedding
         return {k: v for k, v in keys.items() if v != k}
 
     def get_output_embeddings(self) -> nn.Module:
@@ -302,6 +319,16 @@ class DecoderForCausalLM(PreTrainedModel):
         in training mode, with a plain nn.Linear head (the fused loss needs its weight; any other head module, a
         LoRA-wrapped one say, computes its logits whole)."""
         return self.training and isinstance(self.lm_head, nn.Linear)
+
+    def pipeline_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What this module holds of the computation: token ids in if it holds the embedding, else the hidden states
+        of the layers before; (batch, seq, vocab) logits out if it holds the head, else hidden states. A pipeline
+        stage (parallel/pipeline_parallel.py) removes what it does not hold; the whole model runs it all."""
+        if self.model.embed_tokens is not None:
+            h = self.model(x, position_ids=position_ids)
+        else:
+            h = self.model(hidden_states=x, position_ids=position_ids)
+        return h if self.lm_head is None else self._transform_logits(self.lm_head(h))
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

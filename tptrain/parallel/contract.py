@@ -255,3 +255,28 @@ def mask_builder(model: nn.Module):
 def replicated_tail(module: nn.Module) -> int:
     """Features at the end of the module's output that every rank's heads read whole ('mla_kv_a_proj'; absent: 0)."""
     return int(getattr(module, "tp_replicated_tail", 0) or 0)
+
+
+@runtime_checkable
+class PipelineModel(Protocol):
+    """What a model offers to be cut into pipeline stages (parallel/pipeline_parallel.py; absent: pp_size > 1 is
+    refused, naming the model).
+
+    pp_layers: the dotted name of the decoder-layer list (an nn.ModuleList; a stage keeps its own layers in an
+        nn.ModuleDict keyed by their index, so every parameter keeps its whole-model name).
+    pp_first: dotted names of the modules only the first stage holds (the embedding); the others hold None there.
+    pp_last: dotted names of the modules only the last stage holds (the final norm and the head).
+    pipeline_forward(x, position_ids=None): the stage's computation on what the module holds: token ids or
+        hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`).
+    """
+
+    pp_layers: str
+    pp_first: tuple[str, ...]
+    pp_last: tuple[str, ...]
+
+    def pipeline_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
+    """(layer list, first-stage modules, last-stage modules) of a `PipelineModel`; None if the model is not one."""
+    return (model.pp_layers, tuple(model.pp_first), tuple(model.pp_last)) if isinstance(model, PipelineModel) else None

@@ -34,6 +34,12 @@ class ParallelismConfig:
     cp_size: context-parallel degree (accelerate's name): each sequence split over that many ranks, which share
         one data-parallel rank's batch; must equal the model's (None: take the model's). FSDP2 then shards over
         dp_shard x cp.
+    pp_size: pipeline stages (the outermost axis); must equal the model's DistributedConfig(pp_size=) (None: the
+        model's).
+    pp_schedule: torch.distributed.pipelining's schedule ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", ...); must be
+        the one the model was cut for (None: the model's).
+    pp_microbatches: microbatches each micro-batch of per_device_train_batch_size rows is split into for the
+        pipeline (None: as many as pipeline ranks, the fewest 1F1B runs).
     """
 
     tp_size: int | None = None
@@ -41,12 +47,16 @@ class ParallelismConfig:
     dp_replicate_size: int = 1
     ep_size: int | None = None
     cp_size: int | None = None
+    pp_size: int | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
 
     def distributed_config(self) -> DistributedConfig:
         """The equivalent DistributedConfig: it owns size validation and mesh construction."""
         return DistributedConfig(tp_size=self.tp_size, dp_shard_size=self.dp_shard_size,
                                  dp_replicate_size=self.dp_replicate_size, ep_size=self.ep_size,
-                                 cp_size=self.cp_size or 1)
+                                 cp_size=self.cp_size or 1, pp_size=self.pp_size or 1,
+                                 pp_schedule=self.pp_schedule or "1F1B")
 
     def parallel_dims(self, world_size: int | None = None, *, tp_note: str = "") -> ParallelDims:
         """The sizes resolved against the world size; ValueError if impossible.
@@ -54,7 +64,8 @@ class ParallelismConfig:
         described = (f"ParallelismConfig(tp_size={self.tp_size or 'auto'}{tp_note}, dp_shard_size="
                      f"{self.dp_shard_size or 'auto'}, dp_replicate_size={self.dp_replicate_size}"
                      + (f", ep_size={self.ep_size}" if self.ep_size else "")
-                     + (f", cp_size={self.cp_size}" if (self.cp_size or 1) > 1 else "") + ")")
+                     + (f", cp_size={self.cp_size}" if (self.cp_size or 1) > 1 else "")
+                     + (f", pp_size={self.pp_size}" if (self.pp_size or 1) > 1 else "") + ")")
         return self.distributed_config().parallel_dims(world_size, described=described)
 
     def sizes(self, world_size: int | None = None) -> dict[str, int]:

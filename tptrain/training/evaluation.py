@@ -89,3 +89,48 @@ def evaluate_loss(model: torch.nn.Module, dataset: Any, *, batch_size: int, mesh
         raise ValueError("the eval set has no target token (every label is -100); check eval_dataset")
     loss = (totals[0] / totals[1]).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
+
+
+@torch.no_grad()
+def evaluate_pipeline(pipeline: Any, dataset: Any, *, batch_size: int, seq_len: int, mesh: Any,
+                      device: torch.device, pad_id: int) -> dict[str, float]:
+    """`evaluate_loss` through a pipeline's schedule (forward only, `pipeline.step(train=False)`): every batch is
+    padded to the training shape (`batch_size` rows of `seq_len` tokens, the padding ignored), the one its stages
+    exchange. The loss sums come from the last stage: summed over pp, then over dp with the token counts."""
+    dp = dp_mesh(mesh)
+    share = math.ceil(len(dataset) / dp.size())
+    mine = list(range(dp.get_local_rank() * share, min(len(dataset), (dp.get_local_rank() + 1) * share)))
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, target tokens)
+    model = pipeline.model
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, share, batch_size):
+            rows = [dataset[i] for i in mine[start:start + batch_size]]
+            items = [r if isinstance(r, dict) else {"input_ids": r, "labels": r} for r in rows]
+            items += [_ignored(dataset[0])] * (batch_size - len(items))  # every batch of the one shape
+            batch = _pad_to(collate(items, pad_id=pad_id), seq_len, pad_id)
+            totals[1] += int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
+            loss = pipeline.step({k: v.to(device) for k, v in batch.items()}, 1, train=False)
+            comm.all_reduce(loss, mesh["pp"].get_group(), phase="eval")  # held by the last stage's ranks
+            totals[0] += loss
+    finally:
+        model.train(was_training)
+    comm.all_reduce(totals, dp.get_group(), phase="eval")
+    if totals[1] == 0:
+        raise ValueError("the eval set has no target token (every label is -100); check eval_dataset")
+    loss = (totals[0] / totals[1]).item()
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
+
+
+def _pad_to(batch: dict[str, torch.Tensor], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad every row to `seq_len` tokens: pad ids, ignored labels, positions continuing the last document."""
+    extra = seq_len - batch["input_ids"].shape[1]
+    if extra <= 0:
+        return batch
+    out = {"input_ids": torch.nn.functional.pad(batch["input_ids"], (0, extra), value=pad_id),
+           "labels": torch.nn.functional.pad(batch["labels"], (0, extra), value=IGNORE_INDEX)}
+    if batch.get("position_ids") is not None:
+        last = batch["position_ids"][:, -1:]
+        out["position_ids"] = torch.cat([batch["position_ids"], last + torch.arange(1, extra + 1)], dim=1)
+    return out

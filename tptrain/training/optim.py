@@ -66,14 +66,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, *
 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, ShardSpec],
-                    mesh: DeviceMesh | None) -> torch.Tensor:
+                    mesh: DeviceMesh | None, exclude: set[str] = frozenset()) -> torch.Tensor:
     """Global L2 norm of all gradients (over TP, dp_shard and dp_replicate), then scale them so it is
     at most `max_norm` (0: measure only). Same formula as torch.nn.utils.clip_grad_norm_. Collective.
 
     Each piece is counted once, over the axis it is split along: the squares of TP-sharded tensors are
     summed over the TP group (a KV chunk held by `replicas` ranks counts on the first of them); tensors
     whole on every TP rank count once; then everything is summed over dp_shard, where FSDP's shards are
-    disjoint. dp_replicate copies are identical and need no reduction.
+    disjoint. dp_replicate copies are identical and need no reduction. With a pp axis the stages' sums are
+    summed over it; `exclude` names gradients another stage counts (a tied copy), scaled but not counted.
     """
     tp_rank = mesh["tp"].get_local_rank() if mesh is not None else 0
     tp_size = mesh["tp"].size() if mesh is not None else 1
@@ -83,6 +84,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
             continue
         g = local_tensor(p.grad)
         grads.append(g)
+        if name in exclude:
+            continue
         spec = specs.get(name, ShardSpec())
         if spec.segments and isinstance(p.grad, DTensor):  # FSDP's piece of a fused TP shard
             fsdp = "dp_shard" in dp_placements(p.grad)
@@ -108,6 +111,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
     total += squares(whole)
     if mesh is not None and dp_shard_cp_mesh(mesh).size() > 1:  # FSDP's shards (over dp_shard x cp under cp)
         comm.all_reduce(total, dp_shard_cp_mesh(mesh).get_group(), phase="grad_norm")
+    if mesh is not None and "pp" in mesh.mesh_dim_names:
+        comm.all_reduce(total, mesh["pp"].get_group(), phase="grad_norm")
     norm = total.sqrt()
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

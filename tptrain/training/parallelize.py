@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tptrain.distributed import ParallelDims, init_distributed
 from tptrain.distributed.topology import dp_shard_cp_mesh, expert_dp_mesh
-from tptrain.parallel import contract
+from tptrain.parallel import contract, pipeline_parallel
 from tptrain.training.args import ParallelismConfig
 
 
@@ -47,8 +47,25 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
                          f"sequences over cp_size={model_cp}; load the model with DistributedConfig(cp_size="
                          f"{config.cp_size}) or set ParallelismConfig(cp_size={model_cp})")
     config = dataclasses.replace(config, tp_size=model_tp, ep_size=model_ep if model_ep > 1 else None,
-                                 cp_size=model_cp)
+                                 cp_size=model_cp, **_pipeline(model, config))
     return config.parallel_dims(world_size, tp_note=tp_note)
+
+
+def _pipeline(model: nn.Module, config: ParallelismConfig) -> dict:
+    """The model's pp_size and pp_schedule, which `config` must agree with (as tp_size): a model is cut into its
+    stages when it is loaded. Data parallelism over the stages is not composed yet."""
+    plan = getattr(model, "pp_plan", None)
+    pp, schedule = (plan.pp, plan.schedule) if plan is not None else (1, "1F1B")
+    wanted = (config.pp_size or pp, pipeline_parallel.schedule_name(config.pp_schedule or schedule))
+    if wanted != (pp, schedule):
+        raise ValueError(f"ParallelismConfig(pp_size={config.pp_size}, pp_schedule={config.pp_schedule!r}) disagrees "
+                         f"with the model, cut into stages for pp_size={pp}, pp_schedule={schedule!r}; load it with "
+                         f"DistributedConfig(pp_size={wanted[0]}, pp_schedule={wanted[1]!r}) or leave them None")
+    if pp > 1 and (config.dp_shard_size or 1) * config.dp_replicate_size > 1:
+        raise ValueError(f"pp_size={pp} with data parallelism (dp_shard_size={config.dp_shard_size}, "
+                         f"dp_replicate_size={config.dp_replicate_size}) is not supported yet: use pp x tp ranks "
+                         f"only (dp_shard_size=1)")
+    return dict(pp_size=pp, pp_schedule=schedule, dp_shard_size=1 if pp > 1 else config.dp_shard_size)
 
 
 def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, torch.device]:
@@ -68,7 +85,8 @@ def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, tor
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
     base = getattr(model, contract.prefix(model), None)
-    return list(getattr(base, "layers", []))
+    layers = getattr(base, "layers", [])
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)  # ModuleDict: a pipeline stage's
 
 
 def ep_split_modules(model: nn.Module) -> list[nn.Module]:

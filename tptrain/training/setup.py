@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from tptrain.distributed import ParallelDims, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.io import writable_error
+from tptrain.parallel import pipeline_parallel
+from tptrain.parallel.pipeline_parallel import check_microbatches
 from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder
 from tptrain.training.evaluation import split_dataset
@@ -105,6 +107,31 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement)
     return parallelize_for_training(model, placement.mesh, gradient_checkpointing=args.gradient_checkpointing,
                                     bf16=args.bf16,
                                     compile_backend=args.torch_compile_backend if args.torch_compile else None)
+
+
+def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = False) -> None:
+    """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch, and what does not
+    compose with it yet. No collective."""
+    if dims.pp == 1:
+        return
+    if lora:
+        raise ValueError(f"LoRA (a PeftModel) with pp_size={dims.pp} is not supported yet (the adapter is saved from "
+                         f"one stage); train the adapter at pp_size=1")
+    config = args.parallelism_config
+    schedule = pipeline_parallel.schedule_name(config.pp_schedule or "1F1B")
+    check_microbatches(schedule, dims.pp, config.pp_microbatches or dims.pp, args.per_device_train_batch_size)
+    if args.optim_in_backward:
+        raise ValueError("optim_in_backward with pp_size > 1: the pipeline's backward runs in pieces and the tied "
+                         "embedding's gradient is summed after it; train without optim_in_backward")
+
+
+def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement) -> pipeline_parallel.Pipeline:
+    """Stage 4 under pipeline parallelism: this rank's stages and torch's schedule over them (after TP, activation
+    checkpointing and compile, which the stages' views share)."""
+    config = args.parallelism_config
+    pipeline_parallel.check_backend(model.pp_plan.schedule, dist.get_backend())
+    return pipeline_parallel.Pipeline(model, placement.mesh, n_microbatches=config.pp_microbatches or model.pp_plan.pp,
+                                      device=placement.device)
 
 
 def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int

@@ -38,12 +38,13 @@ from tptrain.training.checkpoint import dirs as dirs
 from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import PackedDataset, load_tokenizer
-from tptrain.training.evaluation import evaluate_loss
+from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.optim import clip_grad_norm_
 from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
-from tptrain.training.setup import optimizer_and_schedule, parallelize, place, training_data
+from tptrain.training.setup import (check_pipeline, optimizer_and_schedule, parallelize, pipeline, place,
+                                    training_data)
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Trainer:
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config)
         self._check_sequence_length(self.dims)
+        check_pipeline(args, self.dims, lora=self.model is not self.inner)
         data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:
@@ -90,6 +92,7 @@ class Trainer:
         self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
         self.fsdp = parallelize(model, args, placement)
+        self.pipeline = pipeline(model, args, placement) if self.dims.pp > 1 else None
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
         self.converter = ckpt.StateConverter(model, self.mesh)
         # --async-checkpoint: DCP's background writes run their collectives on a group of their own.
@@ -201,22 +204,31 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
             with self._autocast():
+                if self.pipeline is not None:  # forward and backward of every pipeline microbatch
+                    loss_sum += self.pipeline.step(batch, num_items)
+                    continue
                 loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
                                   num_items_in_batch=num_items).loss
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads()
         # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
         # gradients left: the optimizer held them back for this sum and steps them now
         if self.grad_sync is not None:
             self.grad_sync.sync_grads(self.inner)
         grad_norm = None  # optim_in_backward: most gradients were freed in backward, no norm exists
         if not self.args.optim_in_backward:
-            grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh).item()
+            exclude = self.pipeline.norm_duplicates() if self.pipeline is not None else set()
+            grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh,
+                                        exclude=exclude).item()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Every TP rank of a dp rank holds the same loss: the global one is the sum over the dp ranks.
         comm.all_reduce(loss_sum, dp_mesh(self.mesh).get_group(), phase="loss")
+        if self.pipeline is not None:  # only the ranks holding the last stage have a loss
+            comm.all_reduce(loss_sum, self.mesh["pp"].get_group(), phase="loss")
         return loss_sum.item(), grad_norm
 
     def _global_token_count(self, micro: list[dict[str, torch.Tensor]]) -> int:
@@ -274,6 +286,10 @@ class Trainer:
         if data is None:
             raise ValueError("Trainer.evaluate: no eval set; pass eval_dataset (--eval-data) or set eval_split")
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        if self.pipeline is not None:  # the stages exchange the training shape: batches padded to it
+            return evaluate_pipeline(self.pipeline, data, batch_size=self.args.per_device_train_batch_size,
+                                     seq_len=self.args.seq_len, mesh=self.mesh, device=self.device,
+                                     pad_id=self._padding()["pad_id"])
         return evaluate_loss(self.model, data, batch_size=batch_size, mesh=self.mesh, device=self.device,
                              autocast=self._autocast, **self._padding())
 

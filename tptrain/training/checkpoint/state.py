@@ -159,6 +159,14 @@ def _optimizer_items(model: nn.Module, optimizer: torch.optim.Optimizer):
             yield name, p, optimizer.state[p]
 
 
+def _dcp_names(model: nn.Module) -> dict[str, str]:
+    """{parameter name: its name in the checkpoint} where they differ: a pipeline's last stage holds its own copy of
+    a tied weight, saved and loaded under the name one process gives it (the first stage's), so DCP writes it once
+    and reshards it to any pp size."""
+    plan = getattr(model, "pp_plan", None)
+    return {last: first for first, last in plan.tied} if plan is not None else {}
+
+
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateConverter, *,
                 for_load: bool) -> dict[str, Any]:
     """The DCP state dict {"model": {name: view}, "optim": {name: {"exp_avg", "exp_avg_sq", "step"}}}: views
@@ -170,17 +178,19 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer, conv: StateC
             return conv.fused_target(name, t) if for_load else conv.fused_view(name, t)
         return conv.view(name, t)
 
+    key = _dcp_names(model)
     state: dict[str, Any] = {"model": {}, "optim": {}}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            state["model"][name] = view(name, p)
+            state["model"][key.get(name, name)] = view(name, p)
     for name, p, st in _optimizer_items(model, optimizer):
         if "exp_avg" not in st:
             if not for_load:
                 raise ValueError(f"no optimizer state for {name}: checkpoints are written after an optimizer step")
-            for key in ("exp_avg", "exp_avg_sq"):
-                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["optim"][name] = {"exp_avg": view(name, st["exp_avg"]), "exp_avg_sq": view(name, st["exp_avg_sq"]),
+            for moment in ("exp_avg", "exp_avg_sq"):
+                st[moment] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["optim"][key.get(name, name)] = {"exp_avg": view(name, st["exp_avg"]),
+                                               "exp_avg_sq": view(name, st["exp_avg_sq"]),
                                 "step": st["step"].clone() if "step" in st else torch.zeros((), dtype=torch.float32)}
     return state
 
@@ -347,8 +357,9 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     for name, p in model.named_parameters():  # all but fused tensors were loaded in place
         if conv.is_fused(name) and name in state["model"]:
             conv.copy_fused(name, state["model"][name], p)
+    key = _dcp_names(model)
     for name, p, st in _optimizer_items(model, optimizer):
-        loaded = state["optim"][name]
+        loaded = state["optim"][key.get(name, name)]
         if conv.is_fused(name):
             for key in ("exp_avg", "exp_avg_sq"):
                 conv.copy_fused(name, loaded[key], st[key])

@@ -1,0 +1,364 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the model cut into stages, one schedule of torch's.
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(pp_size=2, tp_size=2))
+    # this rank holds only its stage(s): model.pp_plan says which layers; the Trainer runs the schedule
+
+The decoder layers are split into `pp x stages_per_rank` stages, evenly counting the embedding and the head as one
+layer each (torchtitan's rule), or as `pp_layers` says. A rank's model keeps only its stages' modules, the layers
+in an nn.ModuleDict keyed by their index, so every parameter keeps its whole-model name (the loader reads only those
+tensors; DCP and save_pretrained see global names). Each of its stages is a `StageModule`: a shallow view of the
+model holding only that stage's modules (the same parameter objects). The model says what to cut through
+`contract.PipelineModel`; nothing here names a model's module.
+
+Tied embeddings: the first stage's embedding and the last stage's head are one weight. When two ranks hold them,
+each keeps a copy and `Pipeline.sync_tied_grads` sums their gradients over a group of those two ranks, so the
+copies stay equal; a V schedule puts both stages on the same rank, where they are one parameter.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from tptrain.distributed import comm
+from tptrain.parallel import contract
+from tptrain.parallel.plan import ResolvedPlan
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p-1-r: the first and the last on rank 0
+# {process-group backend: {schedule: why it cannot run there}}. Probed on torch 2.13 CPU: every schedule above runs
+# its forward and backward on gloo (batched p2p waits were fixed for gloo in 2025), so none is listed.
+UNSUPPORTED: dict[str, dict[str, str]] = {"gloo": {}, "nccl": {}}
+
+
+def schedule_name(name: str) -> str:
+    """The canonical spelling of a schedule (case-insensitive, as torch's get_schedule_class); ValueError listing
+    the valid ones."""
+    match = {s.lower(): s for s in SCHEDULES}.get(str(name).lower())
+    if match is None:
+        raise ValueError(f"unknown pipeline schedule {name!r}; the valid ones are {', '.join(SCHEDULES)} "
+                         f"(torch.distributed.pipelining's names)")
+    return match
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 1 if issubclass(get_schedule_class(schedule), PipelineScheduleSingle) else 2
+
+
+def rank_stages(schedule: str, pp: int, pp_rank: int) -> tuple[int, ...]:
+    """The stages pp rank `pp_rank` holds: its own (one-stage schedules), looped (r, r + p), or a V (r, 2p-1-r)."""
+    if stages_per_rank(schedule) == 1:
+        return (pp_rank,)
+    return (pp_rank, 2 * pp - 1 - pp_rank) if schedule in V_SCHEDULES else (pp_rank, pp_rank + pp)
+
+
+def split_layers(num_layers: int, n_stages: int, layers: list[list[int]] | None = None) -> list[list[int]]:
+    """Each stage's decoder layers: `layers` checked, or an even split of layers + embedding + head (the
+    embedding counts as one layer of the first stage, the head of the last; torchtitan's rule)."""
+    if n_stages > num_layers:
+        raise ValueError(f"{n_stages} pipeline stages for a model of {num_layers} decoder layers: every stage needs "
+                         f"at least one layer; use pp_size (x stages per rank) <= {num_layers}")
+    if layers is not None:
+        flat = [i for stage in layers for i in stage]
+        if len(layers) != n_stages or flat != list(range(num_layers)):
+            raise ValueError(f"pp_layers={layers} must list {n_stages} stages of consecutive decoder layers covering "
+                             f"0..{num_layers - 1} once each, in order (e.g. {split_layers(num_layers, n_stages)})")
+        return [list(stage) for stage in layers]
+    units = num_layers + 2
+    sizes = [units // n_stages + (s < units % n_stages) for s in range(n_stages)]
+    sizes[0], sizes[-1] = sizes[0] - 1, sizes[-1] - 1
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+
+
+def check_microbatches(schedule: str, pp: int, n_microbatches: int, batch_size: int) -> None:
+    """ValueError if `schedule` cannot run `n_microbatches` at `pp`, or `batch_size` does not split into them."""
+    n_stages = pp * stages_per_rank(schedule)
+    minimum = 1 if schedule in ("GPipe", "LoopedBFS") else n_stages if schedule in V_SCHEDULES else pp
+    if n_microbatches < minimum:
+        raise ValueError(f"pipeline schedule {schedule} at pp_size={pp} needs at least {minimum} microbatches, got "
+                         f"pp_microbatches={n_microbatches}; raise pp_microbatches (--pp-microbatches) to {minimum}")
+    rounds = max(1, n_microbatches // pp)
+    if stages_per_rank(schedule) == 2 and schedule not in V_SCHEDULES and n_microbatches % rounds:
+        raise ValueError(f"pipeline schedule {schedule} needs pp_microbatches to be a multiple of the rounds "
+                         f"(pp_microbatches // pp_size = {rounds}), got {n_microbatches}; use a multiple of {pp}")
+    if batch_size % n_microbatches:
+        raise ValueError(f"per_device_train_batch_size={batch_size} does not split into pp_microbatches="
+                         f"{n_microbatches} equal microbatches; use a batch size that is a multiple of "
+                         f"{n_microbatches}")
+
+
+def check_backend(schedule: str, backend: str) -> None:
+    why = UNSUPPORTED.get(backend, {}).get(schedule)
+    if why is not None:
+        runs = [s for s in SCHEDULES if s not in UNSUPPORTED.get(backend, {})]
+        raise ValueError(f"pipeline schedule {schedule} cannot run on the {backend} backend ({why}); use one of "
+                         f"{', '.join(runs)}")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The stages of a pipeline and which of them this rank holds. stage_layers: every stage's decoder layers;
+    tied: (first-stage name, last-stage name) of each parameter the embedding and the head share."""
+
+    schedule: str
+    pp: int
+    pp_rank: int
+    stage_layers: tuple[tuple[int, ...], ...]
+    tied: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_layers)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return rank_stages(self.schedule, self.pp, self.pp_rank)
+
+    def holds(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def layers(self) -> list[int]:
+        return sorted(i for s in self.stages for i in self.stage_layers[s])
+
+    def stage_rank(self, stage: int) -> int:
+        """The pp rank holding `stage`."""
+        return next(r for r in range(self.pp) if stage in rank_stages(self.schedule, self.pp, r))
+
+
+def plan_pipeline(model: nn.Module, *, pp: int, pp_rank: int, schedule: str,
+                  layers: list[list[int]] | None = None) -> PipelinePlan:
+    """The stages of `model` (whole, e.g. on meta) at `pp`; every problem a ValueError (no process group)."""
+    parts = contract.pipeline_parts(model)
+    if parts is None:
+        raise ValueError(f"{type(model).__name__} cannot be cut into pipeline stages (it does not declare "
+                         f"pp_layers / pp_first / pp_last / pipeline_forward); load it with pp_size=1, or with "
+                         f"backend='native' if tptrain has its model type")
+    schedule = schedule_name(schedule)
+    n_layers = len(model.get_submodule(parts[0]))
+    split = split_layers(n_layers, pp * stages_per_rank(schedule), layers)
+    return PipelinePlan(schedule, pp, pp_rank, tuple(map(tuple, split)), _tied(model, parts))
+
+
+def _tied(model: nn.Module, parts) -> tuple[tuple[str, str], ...]:
+    """Parameters shared by a first-stage module and a last-stage module, by their names in each."""
+    def params(paths):
+        return {id(p): f"{path}.{n}" for path in paths for n, p in model.get_submodule(path).named_parameters()}
+    first, last = params(parts[1]), params(parts[2])
+    return tuple((first[k], last[k]) for k in first if k in last)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy sharing every parameter and child, with dicts of its own (so removing a child leaves the original)."""
+    out = copy.copy(module)
+    out._modules, out._parameters, out._buffers = dict(module._modules), dict(module._parameters), dict(module._buffers)
+    return out
+
+
+def _replace(root: nn.Module, path: str, value: nn.Module | None, *, shallow: bool) -> None:
+    """Set the module at dotted `path` (copying its parents first when `shallow`, so `root` is a view)."""
+    *parents, leaf = path.split(".")
+    module = root
+    for name in parents:
+        if shallow:
+            module._modules[name] = _shallow(module._modules[name])
+        module = module._modules[name]
+    setattr(module, leaf, value)
+
+
+def keep_stage(model: nn.Module, layers: list[int], *, first: bool, last: bool, shallow: bool = False) -> None:
+    """Remove from `model` what a stage holding `layers` (and the first / last stage's modules if it is that stage)
+    does not hold. In place, or on a view of the model when `shallow`."""
+    layers_path, first_paths, last_paths = contract.pipeline_parts(model)
+    container = model.get_submodule(layers_path)
+    def layer(i):
+        return container[str(i)] if isinstance(container, nn.ModuleDict) else container[i]
+    _replace(model, layers_path, nn.ModuleDict({str(i): layer(i) for i in layers}), shallow=shallow)
+    for path in (() if first else first_paths) + (() if last else last_paths):
+        _replace(model, path, None, shallow=shallow)
+
+
+def cut_model(model: nn.Module, plan: PipelinePlan) -> None:
+    """Keep only this rank's stages of `model` (before its parameters are materialised: then only their tensors
+    are read); `model.pp_plan` records the plan."""
+    keep_stage(model, plan.layers(), first=plan.holds(0), last=plan.holds(plan.n_stages - 1))
+    model.pp_plan = plan
+
+
+def stage_plan(resolved: ResolvedPlan, model: nn.Module) -> ResolvedPlan:
+    """A TP plan resolved on the whole model, restricted to the modules and parameters a stage holds. A tied
+    head on a stage without the embedding takes the embedding's spec (both split the vocab rows)."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    specs = {n: s for n, s in resolved.specs.items() if n in params}
+    for first, last in getattr(model, "pp_plan").tied:
+        if last in params and first in resolved.specs:
+            specs[last] = resolved.specs[first]
+    return dataclasses.replace(resolved, styles={k: v for k, v in resolved.styles.items() if k in modules},
+                               objects={k: v for k, v in resolved.objects.items() if k in modules}, specs=specs)
+
+
+class StageModule(nn.Module):
+    """One stage of this rank's model: a view holding only that stage's modules (the same parameter objects), so
+    its `parameters()` are the stage's, as PipelineStage (and the zero-bubble weight backward) expect."""
+
+    def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.view = _shallow(model)
+        keep_stage(self.view, layers, first=first, last=last, shallow=True)
+        self._layout = getattr(model, "tp_layout", None)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # What the TP engine's hooks on the model's forward do around a whole forward with labels: a fresh shared
+        # boundary, and the logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it).
+        ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
+        if ctx is not None:
+            ctx.reset()
+            ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
+        try:
+            return self.view.pipeline_forward(x, position_ids)
+        finally:
+            if ctx is not None:
+                ctx.reset()
+
+
+class MicrobatchLoss:
+    """The schedule's loss_fn: a microbatch's (logits, labels) -> its token-loss sum over the step's global token
+    count (`num_items`, set each step), through the model's own `loss_function` (the TP engine's when it swapped
+    one in). The schedule does not scale gradients (scale_grads=False): the sum over microbatches is the step's."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.num_items = model, None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model.loss_function(logits, labels, self.num_items)
+
+
+def tie_group(mesh, plan: PipelinePlan) -> dist.ProcessGroup | None:
+    """The group of the two ranks (same dp and tp coordinates) holding the first and the last stage, when those
+    differ and the model ties a weight between them; None otherwise. Collective over the whole mesh."""
+    first, last = plan.stage_rank(0), plan.stage_rank(plan.n_stages - 1)
+    if not plan.tied or first == last:
+        return None
+    if plan.pp == 2:
+        return mesh["pp"].get_group()
+    columns = mesh.mesh.reshape(plan.pp, -1).T.tolist()  # each: the pp ranks of one (dp, tp) coordinate
+    return comm.subgroup([[column[first], column[last]] for column in columns])
+
+
+class Pipeline:
+    """This rank's stages (PipelineStage over StageModule views) and torch's schedule running them, for a model
+    cut by `cut_model`. Built once for the run, on every rank of the mesh (`mesh` has the pp axis)."""
+
+    def __init__(self, model: nn.Module, mesh, *, n_microbatches: int, device: torch.device) -> None:
+        plan = self.plan = model.pp_plan
+        self.model, self.loss = model, MicrobatchLoss(model)
+        if getattr(model, "tp_layout", None) is not None:
+            # The schedules run backward in pieces (zero-bubble: input and weight gradients apart): partial TP
+            # gradients are summed once per step by whoever owns the loop (`grad_sync.sync_grads`), not per backward.
+            model.tp_layout.grad_sync.set_mode("step")
+        last = plan.n_stages - 1
+        self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),
+                                     s, plan.n_stages, device, group=mesh["pp"].get_group()) for s in plan.stages]
+        schedule = get_schedule_class(plan.schedule)
+        self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],
+                                 n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
+        self.tie_group = tie_group(mesh, plan)
+
+    def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor | None, dict]:
+        """(args of the first stage, target of the last, kwargs of every stage): each rank gives what its stages
+        take; the schedule splits them into microbatches along the batch dim."""
+        plan = self.plan
+        args = (batch["input_ids"],) if plan.holds(0) else ()
+        target = batch["labels"] if plan.holds(plan.n_stages - 1) else None
+        position_ids = batch.get("position_ids")
+        return args, target, {} if position_ids is None else {"position_ids": position_ids}
+
+    def step(self, batch: dict[str, torch.Tensor], num_items: int, *, train: bool = True) -> torch.Tensor:
+        """Forward (and with `train` backward) of one batch through the pipeline. Returns this rank's sum of the
+        microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp)."""
+        self.loss.num_items = num_items
+        args, target, kwargs = self._inputs(batch)
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=target, losses=losses, **kwargs)
+        device = batch["input_ids"].device
+        return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
+                                                                                       device=device))
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of the tied copies (first stage's embedding, last stage's head) over their two ranks,
+        so both copies take the same optimizer step and stay equal."""
+        if self.tie_group is None:
+            return
+        params = dict(self.model.named_parameters())
+        for names in self.plan.tied:
+            p = next(params[n] for n in names if n in params)
+            comm.all_reduce(p.grad, self.tie_group, phase="tied_grad")
+
+    def norm_duplicates(self) -> set[str]:
+        """Names of tied copies another rank counts in the gradient norm (the last stage's, when two ranks hold
+        the tied weight)."""
+        return {last for _, last in self.plan.tied} if self.tie_group is not None and not self.plan.holds(0) else set()
+
+
+def check(model: nn.Module, resolved: ResolvedPlan, config) -> PipelinePlan:
+    """Every problem of cutting `model` (whole, unsharded) as `config` (a DistributedConfig) says, as a ValueError:
+    the stages, and what does not compose with pipeline parallelism yet. No process group."""
+    pp = config.pp_size
+    if resolved.sequence_parallel or resolved.ep_size > 1 or (config.cp_size or 1) > 1:
+        what = ("enable_sequence_parallel" if resolved.sequence_parallel else "ep_size" if resolved.ep_size > 1
+                else "cp_size")
+        raise ValueError(f"DistributedConfig(pp_size={pp}) does not compose with {what} yet (the stages exchange "
+                         f"whole hidden states over the pp axis alone); drop it")
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(f"DistributedConfig(pp_size={pp}): the router aux loss (output_router_logits=True) sums "
+                         f"over the layers of every stage and is not computed under pipeline parallelism; set "
+                         f"output_router_logits=False in the config")
+    return plan_pipeline(model, pp=pp, pp_rank=0, schedule=config.pp_schedule, layers=config.pp_layers)
+
+
+def cut_for_rank(model: nn.Module, resolved: ResolvedPlan, config, pp_rank: int) -> ResolvedPlan:
+    """Cut `model` (whole, on meta) to pp rank `pp_rank`'s stages; returns the TP plan restricted to them."""
+    plan = plan_pipeline(model, pp=config.pp_size, pp_rank=pp_rank, schedule=config.pp_schedule,
+                         layers=config.pp_layers)
+    cut_model(model, plan)
+    return stage_plan(resolved, model)
+
+
+def across_stages(model: nn.Module, sizes: dict[str, int], tensors):
+    """The whole model's checkpoint from this rank's stage(s): ({checkpoint name: bytes} of every stage, in stage
+    rank order, a tied tensor once), and an iterator factory that gathers them in that order. Each stage gathers
+    its own tensors (over its TP group: `tensors()`), and its rank of the writer's group sends them one at a time to
+    global rank 0, which yields them; every other rank runs its own share. Collective over the pp group."""
+    mesh, plan = model.device_mesh, model.pp_plan
+    group = mesh["pp"].get_group()
+    per_rank = comm.all_gather_object(list(sizes.items()), group)
+    owner: dict[str, int] = {}
+    for r, items in enumerate(per_rank):
+        for name, _ in items:
+            owner.setdefault(name, r)
+    merged = {name: nbytes for r, items in enumerate(per_rank) for name, nbytes in items if owner[name] == r}
+    ranks = dist.get_process_group_ranks(group)  # this (dp, tp) coordinate's ranks, stage rank order
+    sends = ranks[0] == 0 and mesh["tp"].get_local_rank() == 0  # the group of the writer, global rank 0
+    me = mesh["pp"].get_local_rank()
+
+    def gathered():
+        for r in range(plan.pp):
+            if r == me:
+                for name, t in tensors():
+                    if owner[name] == r:
+                        if sends and r != 0:
+                            comm.send_object(t, ranks[0])
+                        yield name, t
+            elif me == 0 and sends:
+                for name, _ in per_rank[r]:
+                    if owner[name] == r:
+                        yield name, comm.recv_object(ranks[r])
+    return merged, gathered
