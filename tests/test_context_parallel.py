@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cp_utils import CP_FAMILIES, SEQ, packed_batch, write_checkpoints
+from tests.cp_utils import CP_FAMILIES, F64, SEQ, packed_batch, write_checkpoints
+from tests.deepseek_utils import DEEPSEEK_TINY
 from tests.dist_utils import run_distributed
 from tests.helpers import TOL, full_grads, tiny_model
 from tptrain import DistributedConfig
@@ -69,16 +70,35 @@ def _wrong_length(path: str) -> None:
         model(**batch)
 
 
-def _cp4_worker(paths: dict[str, str]) -> None:
+def _cp4_worker(paths: dict[str, str], tmp: str) -> None:
     _compare_families(paths, [dict(cp_size=4, tp_size=1), dict(cp_size=2, tp_size=2),
                               dict(cp_size=2, tp_size=2, enable_sequence_parallel=True, families=["qwen3", "olmo2"]),
                               dict(cp_size=4, tp_size=1, packed=False, families=["qwen3", "gemma2"]),
                               dict(cp_size=2, tp_size=2, packed=False, families=["phi3", "gemma2"])])
+    _trainer_with_tp(tmp)
+
+
+def _trainer_with_tp(tmp: str) -> None:
+    """The Trainer at cp 2 x tp 2 (FSDP2 over dp_shard x cp of 1 x 2) equals one process; its checkpoint resumes at
+    cp 1 x tp 2 (dp_shard 2)."""
+    import copy
+
+    from tests.helpers import reference_losses, tiny_dataset
+
+    ref = tiny_model()
+    trainer = _trainer(copy.deepcopy(ref).parallelize(DistributedConfig(cp_size=2, tp_size=2)), f"{tmp}/tp2", 2,
+                       save_steps=2)
+    out = trainer.train()
+    expected = reference_losses(ref, tiny_dataset(), trainer.args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(out.losses), torch.tensor(expected), rtol=1e-9, atol=1e-9)
+    resumed = _trainer(tiny_model().parallelize(DistributedConfig(tp_size=2)), f"{tmp}/tp2cp1", 1, batch=2).train(
+        resume_from_checkpoint=f"{tmp}/tp2/checkpoint-2")
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(out.losses[2:]), rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.distributed
-def test_cp4_and_cp2_tp2_bare_model_equal_one_process(checkpoints):
-    run_distributed(_cp4_worker, 4, checkpoints, timeout=600)
+def test_cp4_and_cp2_tp2_equal_one_process(checkpoints, tmp_path):
+    run_distributed(_cp4_worker, 4, checkpoints, str(tmp_path), timeout=600)
 
 
 def test_cp_size_is_validated():
@@ -112,6 +132,16 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
         "qwen3_moe", **{**CP_FAMILIES["qwen3_moe"], "output_router_logits": True}), device="meta")
     with pytest.raises(ValueError, match=r"output_router_logits=True"):
         moe._check_plan(DistributedConfig(cp_size=2))
+    longrope = dict(rope_type="longrope", short_factor=[1.0, 1.5], long_factor=[2.0, 3.0],
+                    original_max_position_embeddings=16)
+    phi = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "phi3", **{**CP_FAMILIES["phi3"], "rope_scaling": longrope}), device="meta")
+    with pytest.raises(ValueError, match=r"Phi3ForCausalLM \(phi3\) cannot run with cp_size=2: .*'longrope'"):
+        phi._check_plan(DistributedConfig(cp_size=2))
+    mla_config = type(AutoConfig.for_model("deepseek_v3")).from_dict({"model_type": "deepseek_v3", **DEEPSEEK_TINY})
+    mla = AutoModelForCausalLM.from_config(mla_config, device="meta")
+    with pytest.raises(ValueError, match=r"self_attn \(LatentAttention and 1 more\).*drop cp_size for this model"):
+        mla._check_plan(DistributedConfig(cp_size=2))
 
 
 # ------------------------------------------------------------------ the Trainer at cp 2 against one process
@@ -196,6 +226,18 @@ def _trainer_worker(tmp: str) -> None:
                   gradient_checkpointing=True).train()
     torch.testing.assert_close(torch.tensor(ac.losses),
                                torch.tensor(reference_losses(tiny_model(), tiny_dataset(), ac_args(tmp), 4)), **close)
+
+    # fused q/k/v and gate/up (Phi-3): the clip's and the checkpoint's view of FSDP's pieces over dp_shard x cp
+    torch.manual_seed(0)
+    phi_config = AutoConfig.for_model("phi3", **{**CP_FAMILIES["phi3"], "vocab_size": 128})
+    phi = AutoModelForCausalLM.from_config(phi_config, dtype=F64)
+    fused = _trainer(copy.deepcopy(phi).parallelize(DistributedConfig(cp_size=2)), f"{tmp}/phi", 2, save_steps=2)
+    fused_out = fused.train()
+    torch.testing.assert_close(torch.tensor(fused_out.losses),
+                               torch.tensor(reference_losses(phi, tiny_dataset(), fused.args, 4)), **close)
+    phi_cp1 = AutoModelForCausalLM.from_config(phi_config, dtype=F64)
+    resumed = _trainer(phi_cp1, f"{tmp}/phi1", 1, batch=2).train(resume_from_checkpoint=f"{tmp}/phi/checkpoint-2")
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(fused_out.losses[2:]), **close)
 
     single, lora = _lora_pair(tmp, tiny_model())
     lora_out = _trainer(lora, f"{tmp}/lora", 2).train()

@@ -26,9 +26,7 @@ from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
-from tptrain.distributed.topology import cp_mesh
-from tptrain.parallel.context_parallel import apply_context_parallel
-from tptrain.parallel.context_parallel import problems as context_problems
+from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel, raise_context_problems
 from tptrain.parallel import pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
@@ -112,10 +110,10 @@ class PreTrainedModel(nn.Module):
                              f"{distributed_config.pp_size}): pipeline parallelism places each stage on its own rank "
                              f"(device from LOCAL_RANK); drop device_map")
         if device_map is not None and distributed_config is not None:
-            split = ("context" if (distributed_config.cp_size or 1) > 1 else "tensor") + " parallelism"
-            raise ValueError(f"device_map cannot be combined with distributed_config: under {split} each rank's "
-                             f"device comes from LOCAL_RANK and every rank holds every layer (or a slice of it). "
-                             f"Drop device_map (or drop distributed_config for a single-device load).")
+            split = "context" if (distributed_config.cp_size or 1) > 1 else "tensor"
+            raise ValueError(f"device_map cannot be combined with distributed_config: under {split} parallelism each "
+                             f"rank's device comes from LOCAL_RANK and every rank holds every layer (or a slice of "
+                             f"it). Drop device_map (or drop distributed_config for a single-device load).")
         if tp_plan is not None or tp_size is not None:
             if distributed_config is not None:
                 raise ValueError("pass tp_plan/tp_size inside distributed_config, not next to it")
@@ -171,9 +169,7 @@ class PreTrainedModel(nn.Module):
         ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
         layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
         self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
-        if cp_mesh(mesh) is not None:  # after TP: it wraps the loss functions TP installed
-            self.cp_context = apply_context_parallel(self, cp_mesh(mesh).get_group())
-            layout.grad_sync.cp_group_name = self.cp_context.group_name
+        self.cp_context = apply_context_parallel(self, mesh)  # after TP: it wraps the loss functions TP installed
         if reader is not None:
             self._load(reader, device, dtype, rank=layout.ctx.rank, ep_rank=layout.ctx.ep_rank)
         elif any(p.device != device for p in self.parameters()):
@@ -194,11 +190,7 @@ class PreTrainedModel(nn.Module):
             old_ep = comm.resolve_group(self.tp_layout.ctx.ep_group_name)
             assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
             self.tp_layout.ctx.ep_group_name = comm.group_name(ep)
-        if self.cp_context is not None:
-            cp = cp_mesh(mesh).get_group()
-            old_cp = comm.resolve_group(self.cp_context.group_name)
-            assert dist.get_process_group_ranks(old_cp) == dist.get_process_group_ranks(cp), (old_cp, cp)
-            self.cp_context.group_name = self.tp_layout.grad_sync.cp_group_name = comm.group_name(cp)
+        adopt_cp_mesh(self, mesh)
 
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
         """The plan resolved at this TP degree; every problem raised (no process group needed)."""
@@ -207,9 +199,7 @@ class PreTrainedModel(nn.Module):
                               sequence_parallel=distributed_config.enable_sequence_parallel,
                               expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
         resolved.raise_problems(self)
-        if sizes.get("cp", 1) > 1 and context_problems(self):
-            raise ValueError(f"{type(self).__name__} ({getattr(self.config, 'model_type', '?')}) cannot run with "
-                             f"cp_size={sizes['cp']}: " + "; ".join(context_problems(self)))
+        raise_context_problems(self, sizes.get("cp", 1))
         if distributed_config.pp_size > 1:  # the stages checked on the whole model, before any collective
             pipeline_parallel.check(self, resolved, distributed_config)
         return resolved

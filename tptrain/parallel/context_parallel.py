@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from tptrain.distributed import comm
+from tptrain.distributed.topology import cp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel import contract
 
@@ -81,16 +83,16 @@ def problems(model: nn.Module) -> list[str]:
         out.append(f"cp_size needs the base model ({type(base).__name__} at {contract.prefix(model)!r}) to build its "
                    f"attention masks through attention_masks(...) (parallel/contract.py); tptrain's native models do: "
                    f"load with backend='native'")
-    names = [name for name, m in model.named_modules() if isinstance(m, contract.TPAttention)]
-    if not names:
+    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
+    if not attention:
         out.append(f"cp_size found no attention module in {type(model).__name__} (none declares tp_kv_projections)")
-    lacking = [name for name, m in model.named_modules() if isinstance(m, contract.TPAttention)
-               and contract.attend(m) is None]
+    lacking = [name for name, m in attention.items() if contract.attend(m) is None]
     if lacking:
-        out.append(f"cp_size cannot split the attention of {lacking[0]} ({type(model.get_submodule(lacking[0])).__name__}"
+        fix = ("load with backend='native', or drop cp_size" if getattr(model, "backend", None) == "transformers"
+               else "drop cp_size for this model type")
+        out.append(f"cp_size cannot split the attention of {lacking[0]} ({type(attention[lacking[0]]).__name__}"
                    f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}): it has no attend(q, k, v, mask) "
-                   f"for context parallelism to gather the keys and values through; load with backend='native', or "
-                   f"drop cp_size")
+                   f"for context parallelism to gather the keys and values through; {fix}")
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         out.append("cp_size with output_router_logits=True: the load-balancing loss averages the router over the "
@@ -102,11 +104,24 @@ def problems(model: nn.Module) -> list[str]:
     return out
 
 
-def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> CPContext:
-    """Make `model` (problem-free, already TP-sharded) split its sequences over `cp_group`; returns its CPContext.
-    Installed: the batch split before forward, the loss sum after it, the K/V gather around every attention's
-    `attend`, the rows of the masks, the loss functions on pre-shifted labels."""
+def raise_context_problems(model: nn.Module, cp_size: int) -> None:
+    """ValueError naming the model and every `problems` it has at `cp_size` > 1 (none, or cp 1: returns)."""
+    found = problems(model) if cp_size > 1 else []
+    if found:
+        raise ValueError(f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) cannot run with "
+                         f"cp_size={cp_size}: " + "; ".join(found))
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | None:
+    """Make `model` (problem-free, already TP-sharded, its `tp_layout` recorded) split its sequences over the cp
+    axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed). Installed: the batch split before
+    forward, the loss sum after it, the K/V gather around every attention's `attend`, the rows of the masks, the loss
+    functions on pre-shifted labels, and the grad sync's sum over cp."""
+    if cp_mesh(mesh) is None:
+        return None
+    cp_group = cp_mesh(mesh).get_group()
     ctx = CPContext(comm.group_name(cp_group), dist.get_world_size(cp_group), dist.get_rank(cp_group))
+    model.tp_layout.grad_sync.cp_group_name = ctx.group_name
     for module in model.modules():
         if isinstance(module, contract.TPAttention):
             module.attend = _gathering(contract.attend(module), ctx)
@@ -120,6 +135,15 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup) -> CPC
                                     with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: _sum_loss(ctx, out))
     return ctx
+
+
+def adopt_cp_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
+    """`model` moves onto `mesh` (the Trainer's): its cp group holds the same ranks, only its name changes."""
+    if getattr(model, "cp_context", None) is None:
+        return
+    old, new = comm.resolve_group(model.cp_context.group_name), cp_mesh(mesh).get_group()
+    assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
+    model.cp_context.group_name = model.tp_layout.grad_sync.cp_group_name = comm.group_name(new)
 
 
 def _split_batch(ctx: CPContext, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -157,7 +181,7 @@ def _gathering(attend, ctx: CPContext):
     """`attend` on this rank's queries against every rank's keys and values (gathered in rank order)."""
 
     def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if k.dtype == v.dtype:  # one collective for both: (2, batch, kv_heads, seq, head_dim)
+        if k.shape == v.shape and k.dtype == v.dtype:  # one collective for both: (2, batch, kv_heads, seq, head_dim)
             k, v = comm.gather_over_cp(torch.stack([k, v]), ctx.group_name, dim=3).unbind(0)
         else:
             k, v = (comm.gather_over_cp(t, ctx.group_name, dim=2) for t in (k, v))
