@@ -84,11 +84,7 @@ def evaluate_loss(model: torch.nn.Module, dataset: Any, *, batch_size: int, mesh
             totals[1] += count
     finally:
         model.train(was_training)
-    comm.all_reduce(totals, dp.get_group(), phase="eval")
-    if totals[1] == 0:
-        raise ValueError("the eval set has no target token (every label is -100); check eval_dataset")
-    loss = (totals[0] / totals[1]).item()
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
+    return _summed(totals, dp)
 
 
 @torch.no_grad()
@@ -116,6 +112,11 @@ def evaluate_pipeline(pipeline: Any, dataset: Any, *, batch_size: int, seq_len: 
             totals[0] += loss
     finally:
         model.train(was_training)
+    return _summed(totals, dp)
+
+
+def _summed(totals: torch.Tensor, dp: Any) -> dict[str, float]:
+    """The metrics of every data-parallel rank's (loss sum, target tokens)."""
     comm.all_reduce(totals, dp.get_group(), phase="eval")
     if totals[1] == 0:
         raise ValueError("the eval set has no target token (every label is -100); check eval_dataset")
