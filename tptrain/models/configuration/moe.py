@@ -153,7 +153,9 @@ class MixtralConfig(MoeConfig, MistralConfig):
     is `block_sparse_moe` and expert i's projections `w1` (gate), `w3` (up), `w2` (down)."""
 
     model_type: ClassVar[str] = "mixtral"
-    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size",)  # no shared expert
+    # transformers' model reads none of these (its experts are intermediate_size wide, in every layer)
+    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size", "moe_intermediate_size",
+                                              "decoder_sparse_step", "mlp_only_layers")
     experts_key: ClassVar[str] = "num_local_experts"
     expert_checkpoint_module: ClassVar[str] = "block_sparse_moe"
     expert_checkpoint_names: ClassVar[dict[str, str]] = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -215,7 +217,9 @@ class OlmoeConfig(MoeConfig, PretrainedConfig):
     under TP, as OLMo 2), MoE in every layer."""
 
     model_type: ClassVar[str] = "olmoe"
-    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size",)  # no shared expert
+    # transformers' model reads none of these (its experts are intermediate_size wide, in every layer)
+    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size", "moe_intermediate_size",
+                                              "decoder_sparse_step", "mlp_only_layers")
     qk_norm: ClassVar[str | None] = "width"
 
     vocab_size: int = 50304
