@@ -357,12 +357,12 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     for name, p in model.named_parameters():  # all but fused tensors were loaded in place
         if conv.is_fused(name) and name in state["model"]:
             conv.copy_fused(name, state["model"][name], p)
-    key = _dcp_names(model)
+    saved_as = _dcp_names(model)
     for name, p, st in _optimizer_items(model, optimizer):
-        loaded = state["optim"][key.get(name, name)]
+        loaded = state["optim"][saved_as.get(name, name)]
         if conv.is_fused(name):
-            for key in ("exp_avg", "exp_avg_sq"):
-                conv.copy_fused(name, loaded[key], st[key])
+            for moment in ("exp_avg", "exp_avg_sq"):
+                conv.copy_fused(name, loaded[moment], st[moment])
         st["step"] = loaded["step"].clone()
     rank, _ = rank_world()
     saved_ranks = read_manifest(path)["world_size"]
