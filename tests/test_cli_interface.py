@@ -92,5 +92,5 @@ def test_unknown_model_type_is_refused_before_the_heavy_imports(tmp_path):
     result = json.loads(run.stdout)
     assert result["code"] == 2 and result["imported"] == [], result
     assert result["stderr"].startswith("tptrain train: error: model_type 'nonexistent_type' is not supported: "
-                                       "tptrain implements gemma2, "), result
+                                       "tptrain implements deepseek_v3, gemma2, "), result
     assert "qwen3, qwen3_moe, smollm3, and the installed transformers has no causal LM" in result["stderr"], result
