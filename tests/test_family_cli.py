@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from tests.deepseek_utils import DEEPSEEK_TINY
 from tests.family_utils import randomize, save_byte_tokenizer
 from tests.helpers import (GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE, OLMO3_TINY, PHI3_TINY,
                            SIMPLE_FAMILIES, SIMPLE_TINY, tptrain_train)
@@ -30,6 +31,7 @@ FAMILIES = {
     "phi3": PHI3_TINY,
     # mixture of experts, at tp 2 with the experts tensor-parallel (the default)
     **{name: {**MOE_TINY, **keys} for name, (_, _, keys) in MOE_FAMILIES.items()},
+    "deepseek_v3": DEEPSEEK_TINY,
 }
 
 
