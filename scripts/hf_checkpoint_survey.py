@@ -46,6 +46,8 @@ TINY_OVERRIDES: dict[str, dict] = {
         for t in ("sliding_attention", "full_attention")}),
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
                          vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, laurel_rank=8),
+    # a composite config: the tiny keys go to its text config (else a full-size one, which no process holds)
+    "llama4": dict(text_config={k: v for k, v in TINY.items() if k != "layer_types"}),
 }
 
 
