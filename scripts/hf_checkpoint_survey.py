@@ -29,6 +29,35 @@ from pathlib import Path
 
 from hf_backend_survey import TINY  # noqa: E402 - the same tiny sizes as the meta-device survey
 
+# MLA attention (low-rank q/kv, decoupled RoPE): as many KV heads as query heads, consistent head sizes.
+_MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
+            q_lora_rank=32, head_dim=8)
+_ONE_GROUP = dict(n_group=1, topk_group=1)  # group-limited routing over 4 experts: one group (default 8 is 0 each)
+# Types on which TINY alone makes transformers itself fail: their own keys, still tiny.
+TINY_OVERRIDES: dict[str, dict] = {
+    **{t: _MLA for t in ("axk2", "deepseek_v2", "dots3_note_text", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash",
+                         "minicpm3", "youtu")},
+    **{t: {**_MLA, **_ONE_GROUP} for t in ("axk1", "deepseek_v3", "deepseek_v32")},
+    "bailing_hybrid": _ONE_GROUP,
+    "dots1": {**_ONE_GROUP, "n_shared_experts": 1},
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        t: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+        for t in ("sliding_attention", "full_attention")}),
+    "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
+                         vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, laurel_rank=8),
+    # a composite config: the tiny keys go to its text config (else a full-size one, which no process holds)
+    "llama4": dict(text_config={k: v for k, v in TINY.items() if k != "layer_types"}),
+}
+
+
+def tiny_config(model_type: str):
+    """The tiny config of one type: TINY, then its TINY_OVERRIDES."""
+    import transformers
+
+    kwargs = {k: v for k, v in TINY.items() if k != "layer_types" or v is not None}
+    return transformers.CONFIG_MAPPING[model_type](**{**kwargs, **TINY_OVERRIDES.get(model_type, {})})
+
 
 def model_types() -> list[str]:
     import transformers
@@ -50,8 +79,7 @@ def _write_checkpoint(model_type: str, directory: Path):
     import torch
     import transformers
 
-    config_class = transformers.CONFIG_MAPPING[model_type]
-    config = config_class(**{k: v for k, v in TINY.items() if k != "layer_types" or v is not None})
+    config = tiny_config(model_type)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
