@@ -110,14 +110,16 @@ def test_unsupported_router_options_name_the_key(key, value):
         Qwen3MoeConfig.from_dict({**TINY, "num_experts": 4, "model_type": "qwen3_moe", key: value})
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
 def test_keys_the_family_ignores_build_nothing(model_type):
     """transformers keeps any keyword in config.json; these families' models never read this one, nor does tptrain."""
+    from tests.deepseek_utils import DEEPSEEK_TINY
+
+    tiny = DEEPSEEK_TINY if model_type == "deepseek_v3" else {**TINY, "num_experts": 4, "moe_intermediate_size": 16}
     config_class = type(AutoConfig.for_model(model_type))
-    config = config_class.from_dict({**TINY, "num_experts": 4, "model_type": model_type,
-                                     "shared_expert_intermediate_size": 32, "moe_intermediate_size": 16})
+    config = config_class.from_dict({**tiny, "model_type": model_type, "shared_expert_intermediate_size": 32})
     assert config.shared_expert_intermediate_size is None
-    if model_type != "qwen3_moe":  # Mixtral's and OLMoE's experts are intermediate_size wide whatever else it says
+    if model_type in ("mixtral", "olmoe"):  # Mixtral's and OLMoE's experts are intermediate_size wide whatever else it says
         assert config.moe_intermediate_size == config.intermediate_size and config.extra["moe_intermediate_size"] == 16
     assert not any("shared_expert" in k for k in config.base_model_tp_plan)
 

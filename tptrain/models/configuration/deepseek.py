@@ -33,6 +33,10 @@ class DeepseekV3Config(MoeConfig, PretrainedConfig):
     router (`mlp.gate`, its `e_score_correction_bias` frozen), plus `n_shared_experts` shared experts."""
 
     model_type: ClassVar[str] = "deepseek_v3"
+    # transformers' DeepSeek-V3 reads none of these (its shared experts are n_shared_experts wide, its dense layers
+    # the first first_k_dense_replace)
+    unread_keys: ClassVar[tuple[str, ...]] = ("shared_expert_intermediate_size", "decoder_sparse_step",
+                                              "mlp_only_layers")
     experts_key: ClassVar[str] = "n_routed_experts"
     router_scoring: ClassVar[str] = "sigmoid"
     router_weights_in_float32: ClassVar[bool] = True  # the sigmoid router's weights stay fp32, as transformers'
