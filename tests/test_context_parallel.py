@@ -122,7 +122,10 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
     with pytest.raises(ValueError, match=r"device_map cannot be combined.*context parallelism"):
         AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], device_map="cpu",
                                              distributed_config=DistributedConfig(cp_size=2))
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    import tptrain.distributed
+
+    # A world of 2 whatever this pytest process holds (an earlier test may have left a 1-rank group initialised).
+    monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: 2)
     config = AutoConfig.from_pretrained(checkpoints["qwen3"], backend="transformers")
     hf = AutoModelForCausalLM.from_config(config, device="meta")
     with pytest.raises(ValueError, match=r"cp_size=2.*model\.layers\.0\.self_attn \(Qwen3Attention and 1 more\).*"

@@ -89,7 +89,7 @@ def _tp2_worker(checkpoints, save_root) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(tp_size=2))
         assert model.tp_size == 2
-        assert model.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+        assert model.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "tp")  # cp of size 1
         assert model.device_mesh["tp"].size() == 2
         assert model.tp_plan["model.layers.1.self_attn.q_proj"] == "colwise"
         assert model.tp_plan["model.layers.0.mlp.down_proj"] == "rowwise"

@@ -22,8 +22,8 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 
 @dataclass
 class ParallelismConfig:
-    """How the ranks of a training run are laid out: mesh axes ("dp_replicate", "dp_shard", "tp"), and "ep" inside
-    dp_shard (DistributedConfig.ep_size).
+    """How the ranks of a training run are laid out: mesh axes ("dp_replicate", "dp_shard", "cp", "tp"; "pp"
+    outermost when pp > 1), and "ep" inside dp_shard (DistributedConfig.ep_size).
 
     tp_size: tensor-parallel degree; must equal the model's `tp_size` (None: take the model's).
     ep_size: expert-parallel degree (experts split by expert over that many of the dp_shard ranks); must equal the
