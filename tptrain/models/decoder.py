@@ -108,10 +108,22 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.softcap is None:
             if mask is None and q.shape[2] != k.shape[2]:  # causal aligned at the end, with no mask materialised
+                if q.device.type == "cpu":
+                    return _causal_at_the_end(q, k, v, self.scale)
                 mask = causal_lower_right(q.shape[2], k.shape[2])
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
         # heads are independent: capping this rank's local heads is the capping of the whole
         return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+
+
+def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Queries at the last positions of longer keys, causal. On CPU, SDPA's flash kernel takes only top-left causal
+    (a lower-right bias falls back to the math path, which keeps a (queries x keys) score matrix for backward):
+    zero queries in front make the shapes square, so the kernel runs with memory linear in the keys; their outputs
+    are dropped (no gradient reaches k or v through them). More arithmetic, less memory: what long sequences need."""
+    front = k.shape[2] - q.shape[2]
+    padded = F.pad(q, (0, 0, front, 0))
+    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale)[:, :, front:]
 
 
 class MLP(nn.Module):
