@@ -434,3 +434,20 @@ def tiny_moe(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     config = AutoConfig.for_model("qwen3_moe", **{**MOE_TRAIN_TINY, "num_experts_per_tok": 2, "output_router_logits": False})
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
+
+
+def random_lora(model, seed: int) -> None:
+    """Every LoRA tensor random (peft starts lora_B at zero, which would hide a layout bug)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+
+
+def adapter_keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of the adapter_model.safetensors in `path`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}

@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from tests.deepseek_utils import deepseek_checkpoint
 from tests.dist_utils import run_distributed
 from tests.family_utils import batch
-from tests.helpers import F64, MOE_HF_TOL as HF_TOL, _hf, reference_losses, tiny_dataset, training_args
+from tests.helpers import (F64, MOE_HF_TOL as HF_TOL, _hf, adapter_keys_and_shapes, random_lora, reference_losses,
+                           tiny_dataset, training_args)
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model
@@ -33,27 +33,14 @@ def base(tmp_path_factory):
     return deepseek_checkpoint(tmp_path_factory.mktemp("deepseek_v3"))
 
 
-def _random_lora(model, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
-
-
-def _keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
-    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-
 def test_adapters_cross_between_peft_and_tptrain(base, tmp_path):
     ids = batch()[0]
     hf = peft.get_peft_model(_hf(base), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
-    _random_lora(hf, seed=1)
+    random_lora(hf, seed=1)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
         want = hf(ids).logits
-    keys = _keys_and_shapes(tmp_path / "peft")
+    keys = adapter_keys_and_shapes(tmp_path / "peft")
     assert keys["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"] == (2 * 8, 32)  # r*E, hidden
 
     plain = AutoModelForCausalLM.from_pretrained(base, dtype=F64)
@@ -63,9 +50,9 @@ def test_adapters_cross_between_peft_and_tptrain(base, tmp_path):
     assert (want - plain_logits).abs().max() > 1e-1  # the adapter moves the logits far more than the tolerance
 
     ours = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=F64), LoraConfig(**SETTINGS))
-    _random_lora(ours, seed=2)
+    random_lora(ours, seed=2)
     ours.save_pretrained(tmp_path / "ours")
-    assert _keys_and_shapes(tmp_path / "ours") == keys
+    assert adapter_keys_and_shapes(tmp_path / "ours") == keys
     assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_parameters"] == EXPERTS
     with torch.no_grad():
         reloaded = peft.PeftModel.from_pretrained(_hf(base), tmp_path / "ours")
@@ -107,6 +94,6 @@ def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
 @pytest.mark.distributed
 def test_trainer_full_and_lora_at_tp2_equal_one_process_and_resume(base, tmp_path):
     adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=F64), LoraConfig(**SETTINGS))
-    _random_lora(adapter, seed=5)
+    random_lora(adapter, seed=5)
     adapter.save_pretrained(tmp_path / "adapter")
     run_distributed(_trainer_worker, 2, base, tmp_path / "adapter", tmp_path, timeout=600)

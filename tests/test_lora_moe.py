@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from tests.dist_utils import run_distributed
 from tests.family_utils import VOCAB, batch, randomize
+from tests.helpers import adapter_keys_and_shapes, random_lora
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.tensor_parallel import gather_full
@@ -39,14 +40,6 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SETTINGS = dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS + ["mlp.gate.weight"])
 
 
-def _random_lora(model, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
-
-
 def _hf(path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -68,11 +61,6 @@ def bases(tmp_path_factory):
     return out
 
 
-def _keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
-    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-
 # ------------------------------------------------------------------ (a) peft is the oracle, one device
 
 
@@ -80,11 +68,11 @@ def _keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
 def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
     ids = batch()[0]
     hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
-    _random_lora(hf, seed=1)
+    random_lora(hf, seed=1)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
         want = hf(ids).logits
-    keys = _keys_and_shapes(tmp_path / "peft")
+    keys = adapter_keys_and_shapes(tmp_path / "peft")
     assert keys["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"] == (2 * 4, 32)  # r*E, hidden
 
     # peft's file into tptrain
@@ -98,9 +86,9 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
 
     # tptrain's file into peft: the same keys and shapes, the same logits
     ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64), LoraConfig(**SETTINGS))
-    _random_lora(ours, seed=2)
+    random_lora(ours, seed=2)
     ours.save_pretrained(tmp_path / "ours")
-    assert _keys_and_shapes(tmp_path / "ours") == keys
+    assert adapter_keys_and_shapes(tmp_path / "ours") == keys
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert config["target_parameters"] == SETTINGS["target_parameters"]
     with torch.no_grad():
@@ -120,7 +108,7 @@ def test_key_nesting_follows_peft(bases, targets, tmp_path):
     hf.save_pretrained(tmp_path / "peft")
     get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), LoraConfig(**settings)).save_pretrained(
         tmp_path / "ours")
-    assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+    assert adapter_keys_and_shapes(tmp_path / "ours") == adapter_keys_and_shapes(tmp_path / "peft")
 
 
 # ------------------------------------------------------------------ (b) TP and EP equal one device
@@ -183,7 +171,7 @@ def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
     settings = {**SETTINGS, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
                 "rank_pattern": {r".*\.gate_up_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 6}}
     adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
-    _random_lora(adapter, seed=3)
+    random_lora(adapter, seed=3)
     adapter.save_pretrained(tmp_path / "adapter")
     run_distributed(_worker, tp, bases["qwen3_moe"], tmp_path / "adapter", tp, tmp_path, timeout=600)
     for layout in ("etp", "ep", "all_to_all"):
@@ -230,7 +218,7 @@ def test_transformers_4_names_are_rewritten_as_peft_does(bases, model_type, targ
     ids = batch()[0]
     hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(
         r=2, lora_alpha=3, task_type="CAUSAL_LM", target_modules=target_modules))
-    _random_lora(hf, seed=4)
+    random_lora(hf, seed=4)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
         want = hf(ids).logits
@@ -241,7 +229,7 @@ def test_transformers_4_names_are_rewritten_as_peft_does(bases, model_type, targ
     ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type]),
                           LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
     ours.save_pretrained(tmp_path / "ours")
-    assert _keys_and_shapes(tmp_path / "ours") == _keys_and_shapes(tmp_path / "peft")
+    assert adapter_keys_and_shapes(tmp_path / "ours") == adapter_keys_and_shapes(tmp_path / "peft")
     written = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft")]
     for key in ("target_parameters", "rank_pattern", "alpha_pattern"):
         assert sorted(written[0][key] or []) == sorted(written[1][key] or []), key
@@ -303,7 +291,7 @@ def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
 def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, tmp_path):
     adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
                              LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERTS))
-    _random_lora(adapter, seed=5)
+    random_lora(adapter, seed=5)
     adapter.save_pretrained(tmp_path / "adapter")
     run_distributed(_trainer_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
 
