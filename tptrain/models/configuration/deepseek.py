@@ -143,8 +143,7 @@ class DeepseekV3Config(MoeConfig, PretrainedConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
-                    "router_aux_loss_coef", "router_jitter_noise"):  # not DeepSeek-V3 keys
+        for key in (*self.unread_keys, "router_aux_loss_coef", "router_jitter_noise"):  # not DeepSeek-V3 keys
             out.pop(key)
         return out
 

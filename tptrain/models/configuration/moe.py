@@ -175,8 +175,7 @@ class MixtralConfig(MoeConfig, MistralConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
-                    "shared_expert_intermediate_size"):  # not Mixtral keys: transformers' Mixtral has none of them
+        for key in ("norm_topk_prob", *self.unread_keys):  # not Mixtral keys: transformers' Mixtral has none of them
             out.pop(key)
         return out
 
@@ -244,8 +243,7 @@ class OlmoeConfig(MoeConfig, PretrainedConfig):
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        for key in ("decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size",
-                    "shared_expert_intermediate_size"):  # not OLMoE keys
+        for key in self.unread_keys:  # not OLMoE keys
             out.pop(key)
         return out
 
