@@ -109,9 +109,14 @@ def _tp2_worker(checkpoints, save_root) -> None:
     assert model.tp_size == 2
     _check(model, checkpoints["qwen3"][1], "qwen3 tp_plan=auto (deprecated kwarg)")
 
-    model = AutoModelForCausalLM.from_pretrained(HUB_ID, dtype=torch.float32,  # HF_HUB_OFFLINE=1, fake cache
+    groups = len(torch.distributed.distributed_c10d._world.pg_map)
+    again = AutoModelForCausalLM.from_pretrained(HUB_ID, dtype=torch.float32,  # HF_HUB_OFFLINE=1, fake cache
                                                  distributed_config=DistributedConfig(tp_size=2))
-    _check(model, checkpoints["qwen3"][1], f"hub id {HUB_ID}")
+    _check(again, checkpoints["qwen3"][1], f"hub id {HUB_ID}")
+    # Every model of one layout shares one mesh: a load makes no new process group (each holds sockets and threads
+    # until the process group is closed; a script loading many models gathered them without end).
+    assert again.device_mesh is model.device_mesh
+    assert len(torch.distributed.distributed_c10d._world.pg_map) == groups
 
 
 def _fake_hub_cache(hf_home, checkpoint_dir) -> None:

@@ -84,8 +84,12 @@ class ParallelDims:
                    tp=sizes["tp"], ep=sizes["ep"], pp=sizes.get(PP_AXIS, 1))
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh (collective: every rank calls it once for the job), released at exit with the groups."""
+        """The named mesh (collective on first use), released at exit with the groups; one per layout and process
+        group (`comm.shared_mesh`): every model and Trainer of a process with these sizes shares it."""
         assert self.dp_shard % self.ep == 0 and math.prod(self.mesh_shape().values()) == self.world_size
+        return comm.shared_mesh((device_type, tuple(self.mesh_shape().items())), lambda: self._new_mesh(device_type))
+
+    def _new_mesh(self, device_type: str) -> DeviceMesh:
         shape = self.mesh_shape()
         mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
         if self.ep > 1:  # created now, on every rank together (it makes process groups)
@@ -93,8 +97,7 @@ class ParallelDims:
         dp_mesh(mesh)
         if self.cp > 1:
             dp_shard_cp_mesh(mesh)
-        return comm.track_mesh(mesh)
-
+        return mesh
 
 def rank_grid(mesh: DeviceMesh):
     """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has

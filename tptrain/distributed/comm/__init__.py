@@ -21,7 +21,7 @@ from tptrain.distributed.comm.ops import (copy_to_tp, dispatch_to_ranks, exchang
 from tptrain.distributed.comm.process_group import (DEFAULT_PG_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, PG_TIMEOUT_ENV,
                                                     RENDEZVOUS_TIMEOUT_ENV, destroy_process_group,
                                                     init_process_group, process_group_timeout, rendezvous_timeout,
-                                                    track_mesh)
+                                                    shared_mesh, track_mesh)
 from tptrain.distributed.comm.tracker import CommNote, CommRecord, CommTracker, note
 
 __all__ = [
@@ -32,5 +32,6 @@ __all__ = [
     "process_group_timeout", "raise_on_any_rank", "recv_object", "reduce_from_tp", "reduce_scatter",
     "reduce_scatter_to_sp", "rendezvous_timeout", "resolve_group", "send_object", "side_group", "split", "split_to_tp",
     "start_all_gather", "start_all_reduce", "start_reduce_scatter", "subgroup", "sum_over_cp", "sum_over_tp",
+    "shared_mesh",
     "track_mesh",
 ]

@@ -6,6 +6,7 @@ import atexit
 import gc
 import os
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -85,8 +86,23 @@ def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
+def shared_mesh(key: tuple, build: Callable[[], DeviceMesh]) -> DeviceMesh:
+    """The mesh `build` makes for `key` (its device type and axes), built once per default process group and then
+    shared: a mesh's process groups hold sockets and threads until the default group is closed, so a process that
+    loads several models (a script comparing two, a survey of many) would otherwise gather groups without end.
+    Collective on a miss only; every rank makes the same calls in the same order, so all hit or all miss."""
+    world = dist.group.WORLD
+    hit = _SHARED.get(key)
+    if hit is not None and hit[0] is world:
+        return hit[1]
+    mesh = track_mesh(build())
+    _SHARED[key] = (world, mesh)
+    return mesh
+
+
 # Meshes to release at exit: weak references only, the owner (a model, the Trainer) keeps each mesh alive.
 _MESHES: weakref.WeakSet = weakref.WeakSet()
+_SHARED: dict[tuple, tuple[object, DeviceMesh]] = {}  # shared_mesh's: key -> (the default group, the mesh)
 
 
 def destroy_process_group() -> None:
@@ -99,4 +115,5 @@ def destroy_process_group() -> None:
         # name, which fails once they are destroyed, as any use after destruction must.
         getattr(mesh._get_root_mesh(), "_pg_registry", {}).clear()
     _MESHES.clear()
+    _SHARED.clear()
     gc.collect()  # groups held only by reference cycles (autograd graphs) go now, not during finalisation
