@@ -208,6 +208,16 @@ def kv_heads(config: Any) -> int | None:
     return getattr(config, "num_key_value_heads", None) or attention_heads(config)
 
 
+def key_value_head_dims(config: Any) -> tuple[int, int]:
+    """(features of one key head, of one value head): the config's `key_value_head_dims` (MLA's differ), else
+    head_dim (or hidden_size / heads) for both."""
+    dims = getattr(config, "key_value_head_dims", None)
+    if dims is not None:
+        return tuple(dims)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim, head_dim
+
+
 def prefix(model: nn.Module) -> str:
     return getattr(model, "base_model_prefix", "model")
 
