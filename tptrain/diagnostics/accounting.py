@@ -153,8 +153,9 @@ def _expert_dispatch(model: nn.Module, plan: dict[str, str], tokens: int, tp: in
 def _boundaries(model: nn.Module, plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[list[int], int]:
     """(the input features of each column-parallel boundary, row-parallel sums) of a resolved plan. Siblings reading
     the block's input share a boundary (q/k/v, gate/up), and a shared expert's gate/up share their MoE block's; a
-    colwise module that reads a sibling's output (its parent's `tp_pairs`: MLA's q_b_proj after q_a_layernorm,
-    kv_b_proj after kv_a_layernorm) has a boundary of its own, as wide as its input."""
+    colwise module that reads a sibling's output has a boundary of its own, as wide as its input: its parent's
+    `tp_pairs` name the sibling (MLA's q_b_proj after q_a_layernorm, kv_b_proj after kv_a_layernorm), or, on
+    transformers' modules, which declare no such pair, its input is narrower than the residual stream's hidden_size."""
     hidden = model.config.hidden_size
     widths = {(name, None): hidden for name in summed}
     for name, style in plan.items():
@@ -163,8 +164,9 @@ def _boundaries(model: nn.Module, plan: dict[str, str], summed: set[str] = froze
             block = parent.rpartition(".")[0]
             if block in summed:
                 continue
-            source = contract.pairs(model.get_submodule(parent)).get(child)
-            widths[(parent, source)] = getattr(model.get_submodule(name), "in_features", hidden)
+            width = getattr(model.get_submodule(name), "in_features", hidden)
+            source = contract.pairs(model.get_submodule(parent)).get(child) or (child if width != hidden else None)
+            widths[(parent, source)] = width
     exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values()) + len(summed)
     return list(widths.values()), exits
 
@@ -284,7 +286,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     if layout.vocab_parallel_loss:  # the max, then [target, sum-exp], per chunk (whole logits: one chunk)
         add(("forward", "all_reduce"), 2 * max(chunks, 1), 3 * token_bytes)
     if dispatch:
-        top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
+        top_k, fp32 = model.config.num_experts_per_tok, getattr(model.config, "router_weights_in_float32", False)
         weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
     if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
         add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * weight_size)
