@@ -8,10 +8,10 @@ The minimum counts the TP boundaries of the model's plan: every row-parallel mod
 down_proj, the vocab-parallel embedding) ends in one sum, and every group of column-parallel siblings
 (q/k/v, gate/up, lm_head) begins with one boundary. Plain TP: one all-reduce of (batch, seq, hidden)
 at each, in forward (the sums) and backward (the boundaries). A colwise module that reads a sibling's output (its
-block's `tp_pairs`) enters on its own, as wide as its input: DeepSeek's latent attention has three narrow boundaries
-per layer in backward, q_b_proj's (q_lora_rank features), kv_b_proj's (kv_lora_rank) and the shared RoPE key's
-gradient that 'mla_kv_a_proj' sums (qk_rope_head_dim), where q/k/v share one of hidden_size. TP+SP: the same bytes as a
-reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
+block's `tp_pairs`, or an input narrower than hidden_size) enters on its own, as wide as its input: DeepSeek's latent
+attention has three narrow boundaries per layer in backward, q_b_proj's (q_lora_rank features), kv_b_proj's
+(kv_lora_rank) and the shared RoPE key's gradient that 'mla_kv_a_proj' sums (qk_rope_head_dim), where q/k/v share
+one of hidden_size. TP+SP: the same bytes as a reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
 saving it, except the head's when the loss is fused with it (its gradients are computed in forward).
 The vocab-parallel loss adds 2 all-reduces per chunk of tokens (issue 24): the max (chunk,), then
 [target logit, sum-exp] (2 * chunk,), the bytes of 3 (tokens,) scalars in all; from whole logits
@@ -27,8 +27,8 @@ of the combined share; backward the two reverse exchanges and the all-gathers of
 weights' gradients. The rows sent are the share's assignments; the rows received are the other shares' routing to
 this rank's experts, which each dispatch notes in the CommTracker recording the step ("rows_received" over the TP
 group: whatever the router, DeepSeek's group-limited one too): one row per assignment each way is the minimum of
-dispatching without de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split into p equal shares
-takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
+dispatching without de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split
+into p equal shares takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
 the ep group the same way (no share, no all-gather), and the rows its experts received come from the other ranks'
 routing, which each dispatch notes in the CommTracker recording the step ("rows_received", `CommTracker.noted`).
 

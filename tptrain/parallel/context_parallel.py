@@ -13,8 +13,9 @@ each mask is the rows of the whole sequence's mask for this rank's queries (caus
 documents from restarting position ids, padding), its columns ordered as the keys are gathered.
 
 Each attention layer all-gathers K and V over the cp group (one collective for both, side by side along the head
-dim, so MLA's narrower values need no padding; with GQA they are smaller than Q, and any mask works) and its backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per
-token (norms, MLPs, MoE routing: each rank routes its own tokens), so it runs on the shard unchanged.
+dim, so MLA's narrower values need no padding; with GQA they are smaller than Q, and any mask works) and its
+backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per token (norms, MLPs, MoE routing: each
+rank routes its own tokens), so it runs on the shard unchanged.
 
 The loss: each rank's token sum over the real-token count of the WHOLE batch (each rank holds the whole batch, so
 it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-reduce fwd / identity bwd), so
