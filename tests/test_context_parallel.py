@@ -165,6 +165,18 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
         phi._check_plan(DistributedConfig(cp_size=2))
 
 
+def test_plan_states_mla_keys_and_narrower_values_per_token():
+    """`tptrain plan --cp-size 2` on DeepSeek-V3: no problem, and K/V bytes per token of each head's key (8 + 8) and
+    narrower value (12), 2 heads per rank at tp 2, fp32."""
+    from tptrain.diagnostics.plan_report import plan_report
+
+    config = type(AutoConfig.for_model("deepseek_v3")).from_dict({"model_type": "deepseek_v3", **CP_FAMILIES[
+        "deepseek_v3"]})
+    report = plan_report(config, 2, cp_size=2, dtype="float32")
+    assert not report.problems, report.problems
+    assert f"{2 * (8 + 8 + 12) * 4} bytes per token" in report.text, report.text
+
+
 # ------------------------------------------------------------------ the Trainer at cp 2 against one process
 
 def _trainer(model, out_dir, cp: int, batch: int = 4, eval_dataset=None, **kw):
