@@ -34,11 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tp import MB, PeakSampler, PeerCollectives, _batches  # noqa: E402 - the sibling benchmark's tools
+from bench_tp import (MB, MOE_BATCH as BATCH, MOE_SEQ as SEQ, QWEN3_MOE, PeakSampler,  # noqa: E402 - the sibling
+                      PeerCollectives, _batches)  # benchmark's tools and its MoE workload's shape (one definition)
 
-QWEN3_MOE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
-                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
-                 num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
 DEEPSEEK_V3 = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=128,
                    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2,
@@ -46,7 +44,6 @@ DEEPSEEK_V3 = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe
                    tie_word_embeddings=False)
 MODELS = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN3_MOE),  # --model: transformers classes, shape
           "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK_V3)}
-BATCH, SEQ = 4, 256
 RUNS = {  # name: (impl, tptrain DistributedConfig keywords)
     "tptrain tp 2 (expert TP)": ("tptrain", {}),
     "tptrain ep 2 (auto: all-reduce)": ("tptrain", {"enable_expert_parallel": True}),
@@ -65,12 +62,6 @@ PEER_OF = {"tptrain one process": "peer one process", "peer one process": "peer 
 
 def _nproc(run: str) -> int:
     return 1 if "one process" in run else 2
-
-
-class PeerCollectivesA2A(PeerCollectives):
-    FUNCTIONS = PeerCollectives.FUNCTIONS + [("dist", "all_to_all_single", "all_to_all", 1),
-                                             ("funcol", "all_to_all_single", "all_to_all", 0),
-                                             ("funcol", "all_to_all_single_autograd", "all_to_all", 0)]
 
 
 def _load(impl: str, ckpt: str, kwargs: dict):
@@ -111,7 +102,7 @@ def _step_bytes(impl: str, model, ids, labels, data_parallel: bool) -> int:
         total = tracker.total_bytes("forward") + tracker.total_bytes("backward")
         total += _data_parallel_sync(model) if data_parallel else 0
     else:
-        counter = PeerCollectivesA2A()  # the peer at tp 2: no data parallelism
+        counter = PeerCollectives()  # the peer at tp 2: no data parallelism
         try:
             model(input_ids=ids, labels=labels).loss.backward()
         finally:

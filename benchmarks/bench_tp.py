@@ -9,6 +9,9 @@
     .venv/bin/python benchmarks/bench_tp.py --workloads medium --no-load --no-overlap
         # + tptrain's tp 2 rows (plain and SP) with TPTRAIN_OVERLAP=0: the backward's grad-input collectives
         #   not overlapped with the weight gradients (variant "no-overlap")
+    .venv/bin/python benchmarks/bench_tp.py --backend transformers --workloads moe --no-load
+        # the MoE workload (bench_moe.py's Qwen3-MoE shape): tptrain's native qwen3_moe, tptrain-hf (the engine on
+        #   transformers' Qwen3MoeForCausalLM) and the peer (transformers' TP with its expert plan), all at tp 2
 
 Every measurement runs in fresh processes: tp 1 as one process, tp 2 as two ranks launched with
 `python -m torch.distributed.run --standalone --nproc-per-node 2`; each rank uses ONE thread
@@ -26,6 +29,9 @@ pages and all), the figure a job scheduler or the OOM killer sees.
 Rows: tp 1 and tp 2 of both implementations, tptrain tp 2 with sequence parallelism, tptrain tp 2 with the
 LM head + loss unfused (`return_logits=True`: whole vocab-sharded logits, today's default off), and tp 4 of both
 when the machine has at least 4 cores (else reported as skipped: 4 ranks on fewer cores time the scheduler).
+The MoE workload (`--workloads moe`, not in the default run) has tp 2 rows only: tptrain's native model (experts
+split inside, `expert_tensor_parallel`), the peer with `DistributedConfig(tp_plan="auto",
+enable_expert_parallel=True)` (as bench_moe.py runs it), and with `--backend transformers` tptrain-hf.
 """
 from __future__ import annotations
 
@@ -44,10 +50,17 @@ from pathlib import Path
 QWEN3 = dict(model_type="qwen3", num_attention_heads=16, num_key_value_heads=8, hidden_size=1024,
              intermediate_size=3072, max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
              hidden_act="silu", attention_bias=False, initializer_range=0.02)
+# The MoE shape bench_moe.py runs too (it imports it from here): 8 experts, top-2, 4 layers, hidden 512
+QWEN3_MOE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, moe_intermediate_size=512,
+                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
+MOE_BATCH, MOE_SEQ = 4, 256
 WORKLOADS = {  # name: (config, batch, seq)
     "medium": (dict(QWEN3, num_hidden_layers=4, head_dim=64, vocab_size=8192, tie_word_embeddings=False), 4, 256),
     "large-vocab": (dict(QWEN3, num_hidden_layers=2, head_dim=128, vocab_size=151936, tie_word_embeddings=True), 2, 256),
+    "moe": (dict(QWEN3_MOE, model_type="qwen3_moe"), MOE_BATCH, MOE_SEQ),  # --workloads moe: MOE_RUNS, tp 2 only
 }
+DENSE = ("medium", "large-vocab")  # the default run's workloads
 LOAD_CONFIG = dict(QWEN3, num_hidden_layers=28, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # Qwen3-0.6B
 # (impl, tp, sequence parallel, variant): a variant switches one tptrain feature against its default.
 RUNS = [("tptrain", 1, False, ""), ("peer", 1, False, ""), ("tptrain", 2, False, ""), ("tptrain", 2, True, ""),
@@ -56,6 +69,8 @@ HF_RUNS = [("tptrain-hf", 1, False, ""), ("tptrain-hf", 2, False, "")]  # --back
 COMPILE_RUNS = [("tptrain+compile", 1, False, ""), ("tptrain+compile", 2, False, "")]  # --compile; compiled in warmup
 OPTIM_IN_BWD_RUNS = [("tptrain", 1, False, "optim-in-bwd"), ("tptrain", 2, False, "optim-in-bwd")]  # --optim-in-backward
 NO_OVERLAP_RUNS = [("tptrain", 2, False, "no-overlap"), ("tptrain", 2, True, "no-overlap")]  # --no-overlap
+MOE_RUNS = [("tptrain", 2, False, ""), ("peer", 2, False, "")]  # the moe workload (no SP: the router needs every token)
+MOE_HF_RUNS = [("tptrain-hf", 2, False, "")]  # --backend transformers
 VARIANTS = {"": "", "unfused-loss": "head + loss unfused (return_logits=True)",
             "no-overlap": "backward overlap off (TPTRAIN_OVERLAP=0)",
             "optim-in-bwd": "optimizer in backward (each parameter stepped, its gradient freed, in backward)"}
@@ -102,7 +117,8 @@ class PeerCollectives:
         [("funcol", "all_gather_inplace", "all_gather", 1), ("dist", "all_reduce", "all_reduce", 0),
          ("dist", "all_gather", "all_gather", 1), ("dist", "all_gather_into_tensor", "all_gather", 1),
          ("dist", "all_gather_single", "all_gather", 1), ("dist", "reduce_scatter_tensor", "reduce_scatter", 1),
-         ("dist", "reduce_scatter_single", "reduce_scatter", 1)]
+         ("dist", "reduce_scatter_single", "reduce_scatter", 1), ("dist", "all_to_all_single", "all_to_all", 1),
+         ("funcol", "all_to_all_single", "all_to_all", 0), ("funcol", "all_to_all_single_autograd", "all_to_all", 0)]
 
     def __init__(self) -> None:
         import torch.distributed as dist
@@ -146,7 +162,8 @@ def _batches(vocab: int, b: int, s: int, n: int):
     return out
 
 
-def _load(impl: str, ckpt: str, tp: int, sp: bool):
+def _load(impl: str, ckpt: str, tp: int, sp: bool, *, experts: bool = False):
+    """`experts`: the peer splits the experts with its expert plan (the MoE workload)."""
     import torch
     if impl == "tptrain+compile":
         from tptrain.training.parallelize import apply_compile
@@ -160,7 +177,8 @@ def _load(impl: str, ckpt: str, tp: int, sp: bool):
         dc = DistributedConfig(tp_size=tp, enable_sequence_parallel=sp, backend=backend) if tp > 1 else None
         return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc, backend=backend)
     import transformers
-    dc = transformers.DistributedConfig(tp_size=tp) if tp > 1 else None
+    plan = dict(tp_plan="auto", enable_expert_parallel=True) if experts else {}
+    dc = transformers.DistributedConfig(tp_size=tp, **plan) if tp > 1 else None
     return transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, distributed_config=dc)
 
 
@@ -218,7 +236,8 @@ def worker(spec: dict) -> None:
     sampler = PeakSampler()
     baseline = sampler.reset()
     start = time.perf_counter()
-    model = _load(spec["impl"], spec["ckpt"], spec["tp"], spec["sp"])
+    experts = spec["mode"] == "train" and "num_experts" in WORKLOADS[spec["workload"]][0]
+    model = _load(spec["impl"], spec["ckpt"], spec["tp"], spec["sp"], experts=experts)
     result = {"load_s": time.perf_counter() - start, "load_peak": sampler.peak - baseline}
     if spec["mode"] == "train":
         model.train()
@@ -248,7 +267,7 @@ def worker(spec: dict) -> None:
 
 # ----------------------------------------------------------------------------- orchestration
 
-def _qwen3_checkpoint(cache: Path, name: str, config: dict) -> Path:
+def _checkpoint(cache: Path, name: str, config: dict) -> Path:
     path = cache / name
     if (path / "config.json").exists():
         return path
@@ -258,7 +277,8 @@ def _qwen3_checkpoint(cache: Path, name: str, config: dict) -> Path:
     try:
         import transformers
         kw = {k: v for k, v in config.items() if k != "model_type"}
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(config["model_type"],
+                                                                                                **kw))
         model.save_pretrained(tmp)
     except ImportError:  # no peer installed: tptrain's identical random init
         from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -306,7 +326,8 @@ def _fmt_coll(c) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: medium,large-vocab")
+    parser.add_argument("--workloads", default=",".join(DENSE), help=f"comma-separated: {','.join(WORKLOADS)} (moe: "
+                        "tp 2 rows of tptrain native, tptrain-hf with --backend transformers, and the peer)")
     parser.add_argument("--impls", default="tptrain,peer", help="comma-separated: tptrain,peer (tptrain-hf comes "
                                                                 "with tptrain under --backend transformers)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (median reported)")
@@ -341,9 +362,13 @@ def main() -> None:
         if name not in WORKLOADS:
             parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
         config, b, s = WORKLOADS[name]
-        ckpt = _qwen3_checkpoint(cache, f"qwen3-{name}", config)
-        runs = RUNS + (HF_RUNS if args.backend == "transformers" else []) + (COMPILE_RUNS if args.compile else []) \
-            + (NO_OVERLAP_RUNS if args.no_overlap else []) + (OPTIM_IN_BWD_RUNS if args.optim_in_backward else [])
+        ckpt = _checkpoint(cache, "qwen3-moe-8x-top2" if name == "moe" else f"qwen3-{name}", config)  # bench_moe's
+        hf = args.backend == "transformers"
+        if name in DENSE:
+            runs = RUNS + (HF_RUNS if hf else []) + (COMPILE_RUNS if args.compile else []) \
+                + (NO_OVERLAP_RUNS if args.no_overlap else []) + (OPTIM_IN_BWD_RUNS if args.optim_in_backward else [])
+        else:
+            runs = MOE_RUNS + (MOE_HF_RUNS if hf else [])
         for impl, tp, sp, variant in runs:
             if not (impl in impls or impl in ("tptrain-hf", "tptrain+compile") and "tptrain" in impls) \
                     or tp not in args.tp:
@@ -359,7 +384,7 @@ def main() -> None:
             print(f"# {' '.join(map(str, key))}: {results[key]}", file=sys.stderr, flush=True)
     loads = {}
     if not args.no_load:
-        ckpt = _qwen3_checkpoint(cache, "qwen3-0.6b-shape", LOAD_CONFIG)
+        ckpt = _checkpoint(cache, "qwen3-0.6b-shape", LOAD_CONFIG)
         for impl in impls:
             ranks = _launch(dict(mode="load", impl=impl, tp=2, sp=False, variant="", ckpt=str(ckpt)), 2, args.timeout)
             loads[impl] = ranks if isinstance(ranks, str) else {
@@ -399,11 +424,15 @@ def _table(results: dict, loads: dict, args) -> str:
         r = results.get((name, impl, tp, sp, variant))
         return r if isinstance(r, dict) else None
 
+    if "moe" in {key[0] for key in results}:
+        rows += _moe_headline(get)
+    if not {key[0] for key in results} & set(DENSE):
+        return "\n".join(rows)
     rows += ["", "| headline | medium | large-vocab | target |", "|---|---|---|---|"]
 
     def line(label, fn, target):
         cells = []
-        for name in WORKLOADS:
+        for name in DENSE:
             try:
                 cells.append(fn(name))
             except (TypeError, KeyError, ZeroDivisionError):
@@ -472,6 +501,25 @@ def _table(results: dict, loads: dict, args) -> str:
             elif r:
                 rows.append(f"| {impl} | {r} | | | |")
     return "\n".join(rows)
+
+
+def _moe_headline(get) -> list[str]:
+    """The MoE workload's ratios at tp 2: tptrain native and tptrain-hf against the peer and each other."""
+    rows = ["", "| moe headline (tp 2) | value |", "|---|---|"]
+    pairs = [("tptrain", "peer"), ("tptrain-hf", "tptrain"), ("tptrain-hf", "peer")]
+    for label, key, fmt in (("step time", "step", "{:.2f}x"), ("CPU time/step", "cpu", "{:.2f}x"),
+                            ("bytes sent/step/rank", "coll", "{:.2f}x"), ("peak anon memory/rank", "peak", "{:.2f}x")):
+        for a, b in pairs:
+            try:
+                x, y = get("moe", a, 2)[key], get("moe", b, 2)[key]
+                value = fmt.format(x[1] / y[1] if key == "coll" else x / y)
+            except (TypeError, KeyError, ZeroDivisionError):
+                value = "-"
+            rows.append(f"| {label}, {a} / {b} | {value} |")
+    for impl in ("tptrain", "tptrain-hf"):
+        r = get("moe", impl, 2)
+        rows.append(f"| {impl} collectives == minimum | {r['coll'] == r['min'] if r and 'min' in r else '-'} |")
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.deepseek_utils import DEEPSEEK_TINY
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 
 F64 = torch.float64
@@ -19,6 +20,9 @@ CP_FAMILIES = {
     "phi3": dict(CP_TINY, partial_rotary_factor=0.5, pad_token_id=0),  # fused qkv / gate_up, partial rotary
     "qwen3_moe": dict(CP_TINY, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       norm_topk_prob=True, output_router_logits=False),
+    # MLA: values narrower than keys (v_head_dim 12, qk 8 + 8), the RoPE key shared by the heads, YaRN; group-limited
+    # routing of each rank's own tokens
+    "deepseek_v3": dict(DEEPSEEK_TINY, vocab_size=CP_TINY["vocab_size"]),
 }
 # Soft-capped scores, checked on unpacked rows: attention then takes no mask at all under cp, causal at the end (the
 # window is longer than the rows)
@@ -32,7 +36,8 @@ def write_checkpoints(root) -> dict[str, str]:
     out = {}
     for i, (model_type, kw) in enumerate({**CP_FAMILIES, **SOFTCAP}.items()):
         torch.manual_seed(i)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=F64)
+        config = type(AutoConfig.for_model(model_type)).from_dict({"model_type": model_type, **kw})
+        model = AutoModelForCausalLM.from_config(config, dtype=F64)
         with torch.no_grad():  # norms away from 1 and biases away from 0: every parameter matters
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)

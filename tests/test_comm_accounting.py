@@ -132,3 +132,52 @@ def _ep_report_worker() -> None:
 @pytest.mark.distributed
 def test_ep_dispatch_minimum_reads_the_rows_received_from_the_tracker():
     run_distributed(_ep_report_worker, 2)
+
+
+def _deepseek_report_worker() -> None:
+    from tests.deepseek_utils import DEEPSEEK_TINY
+
+    torch.manual_seed(0)
+    config = type(AutoConfig.for_model("deepseek_v3")).from_dict({"model_type": "deepseek_v3", **DEEPSEEK_TINY})
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    with torch.no_grad():  # a correction bias that changes the choice: the router's picks are not the logits' top-k
+        for block in (m for m in ref.modules() if hasattr(m, "router_logits")):
+            block.gate.e_score_correction_bias.copy_(torch.randn(config.num_experts, dtype=torch.float64))
+    b, s, tp = 2, 8, 2
+    ids, labels = batch(config.vocab_size, b=b, s=s)
+    layouts = {"expert tp": DistributedConfig(tp_size=tp),
+               "all-to-all over tp": DistributedConfig(tp_size=tp, tp_plan={"layers.*.mlp.experts":
+                                                                            "expert_parallel_all_to_all"}),
+               "ep 2": DistributedConfig(ep_size=2)}
+    for what, layout in layouts.items():
+        model = copy.deepcopy(ref).parallelize(layout)
+        shard = (ids, labels) if what != "ep 2" else batch(config.vocab_size, b=b, s=s, seed=1 + dist.get_rank())
+        report = comm_report(model, *shard)
+        assert report.matches_minimum and report.rows, f"{what}\n{report.table()}"
+        rows = {(r.phase, r.op): (r.count, r.bytes) for r in report.rows}
+        if what == "expert tp":
+            # Per MLA layer 3 narrow backward boundaries: q_b_proj's input (q_lora_rank), kv_b_proj's (kv_lora_rank)
+            # and the shared RoPE key's gradient (qk_rope_head_dim); then the dense MLP's, the MoE block's and the
+            # head's (hidden), and the routing weights' gradient (tokens, top-k). Forward: o_proj's and the MLPs' sums
+            # (the MoE layer's experts and its shared experts' down_proj one each), the embedding's, and the loss's 2.
+            layers, token = config.num_hidden_layers, b * s * 8
+            narrow = config.q_lora_rank + config.kv_lora_rank + config.qk_rope_head_dim
+            assert rows[("backward", "all_reduce")] == (3 * layers + 4, token * (layers * narrow + 3 * config.hidden_size
+                                                                                 + config.num_experts_per_tok))
+            assert rows[("forward", "all_reduce")][0] == 2 * layers + 2 + 2
+        elif what == "all-to-all over tp":  # the grouped router's picks, not the logits' top-k, are what moved
+            block = next(m for m in model.modules() if hasattr(m, "router_logits"))
+            x = torch.randn(b * s, config.hidden_size, dtype=torch.float64)
+            logits, _, chosen = block.gate(x)
+            top = torch.topk(logits, config.num_experts_per_tok, dim=-1).indices
+            assert not torch.equal(chosen.sort(-1).values, top.sort(-1).values)
+            assert rows[("forward", "all_to_all")][0] == 3 * sum(config.layer_is_moe)
+        else:
+            assert set(rows) == {("forward", "all_to_all"), ("backward", "all_to_all")}, report.table()
+
+
+@pytest.mark.distributed
+def test_deepseek_latent_attention_and_grouped_router_at_their_minimum():
+    """DeepSeek-V3 at tp 2 (expert TP; experts dispatched by all-to-all over tp) and at ep 2: comm_report's minimum
+    equals what the tracker counted, counts and bytes."""
+    run_distributed(_deepseek_report_worker, 2)

@@ -44,6 +44,10 @@ SPLIT = {"granite_swa": ("model.layers.0.self_attn.sinks", 0),
          "glm": ("model.layers.0.mlp.down_proj.weight", 1)}
 TP4 = ("llama4_text", "minicpm3")  # tp 4: KV heads replicated (2 KV heads), MLA over all 4 heads
 EP = "granitemoe_swa"  # also with enable_expert_parallel (transformers' base_model_ep_plan), at tp 2
+# comm_report's minimum equals the step's collectives (tp 2): the experts' one sum (moe_tp_experts, and
+# ep_dispatch_experts under EP), MLA's three narrow boundaries (no tp_pairs on transformers' modules). Not Llama 4:
+# its experts run on every token repeated num_experts times, a (experts x tokens, hidden) boundary.
+AT_MINIMUM = ("granitemoe_swa", "minicpm3")
 # transformers' norms compute in fp32 even in an fp64 model: a TP sum in another order moves results by ~1e-7
 TOL = dict(rtol=1e-6, atol=1e-6)
 STEP_TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW's 1/sqrt(v) turns that rounding into ~1e-5 of a step of 1e-2
@@ -99,6 +103,8 @@ def _worker(tp: int, checkpoints: dict, out) -> None:
             assert model.tp_layout.specs[name].dim == dim, (what, model.tp_layout.specs[name])
             assert dict(model.named_parameters())[name].shape[dim] * tp == model.tp_layout.global_shapes[name][dim]
         diffs[model_type] = check_against_hf(model, expected, what, TOL)
+        if tp == 2 and model_type in AT_MINIMUM:
+            _at_minimum(model, what)
         _trains_like(model, ref, what)
         if model_type == EP:  # transformers' base_model_ep_plan: experts split by expert over tp
             _expert_parallel(path, expected, tp)
@@ -114,7 +120,17 @@ def _expert_parallel(path, expected, tp: int) -> None:
     assert model.tp_plan[experts] == "ep_dispatch_experts", model.tp_plan[experts]
     assert model.get_submodule(experts).gate_up_proj.shape[0] == TINY["num_local_experts"] // tp  # whole experts
     check_against_hf(model, expected, what, TOL)
+    if tp == 2:
+        _at_minimum(model, what)
     _trains_like(model, AutoModelForCausalLM.from_pretrained(path, dtype=F64), what)
+
+
+def _at_minimum(model, what: str) -> None:
+    from tptrain.diagnostics.accounting import comm_report
+
+    report = comm_report(model, *batch(seed=3))
+    assert report.matches_minimum, f"{what}\n{report.table()}"
+    model.zero_grad()
 
 
 @pytest.mark.distributed

@@ -7,8 +7,11 @@
 The minimum counts the TP boundaries of the model's plan: every row-parallel module (o_proj,
 down_proj, the vocab-parallel embedding) ends in one sum, and every group of column-parallel siblings
 (q/k/v, gate/up, lm_head) begins with one boundary. Plain TP: one all-reduce of (batch, seq, hidden)
-at each, in forward (the sums) and backward (the boundaries). TP+SP: the same bytes as a
-reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
+at each, in forward (the sums) and backward (the boundaries). A colwise module that reads a sibling's output (its
+block's `tp_pairs`, or an input narrower than hidden_size) enters on its own, as wide as its input: DeepSeek's latent
+attention has three narrow boundaries per layer in backward, q_b_proj's (q_lora_rank features), kv_b_proj's
+(kv_lora_rank) and the shared RoPE key's gradient that 'mla_kv_a_proj' sums (qk_rope_head_dim), where q/k/v share
+one of hidden_size. TP+SP: the same bytes as a reduce-scatter plus an all-gather, and the backward re-gathers each boundary's input once instead of
 saving it, except the head's when the loss is fused with it (its gradients are computed in forward).
 The vocab-parallel loss adds 2 all-reduces per chunk of tokens (issue 24): the max (chunk,), then
 [target logit, sum-exp] (2 * chunk,), the bytes of 3 (tokens,) scalars in all; from whole logits
@@ -21,16 +24,18 @@ An MoE block whose experts dispatch by all-to-all (`expert_parallel_all_to_all`)
 share of T/p tokens: forward the per-expert counts (E int64), one row of hidden features per (token, expert)
 assignment out to the experts' owners and one per assignment this rank's experts received back, and the all-gather
 of the combined share; backward the two reverse exchanges and the all-gathers of the share's and its routing
-weights' gradients. The row counts come from the routing of the last forward (the router is replicated, so every
-rank knows every share's experts): one row per assignment each way is the minimum of dispatching without
-de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split into p equal shares
-takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
+weights' gradients. The rows sent are the share's assignments; the rows received are the other shares' routing to
+this rank's experts, which each dispatch notes in the CommTracker recording the step ("rows_received" over the TP
+group: whatever the router, DeepSeek's group-limited one too): one row per assignment each way is the minimum of
+dispatching without de-duplicating a token sent to two experts of the same rank. A batch whose tokens do not split
+into p equal shares takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
 the ep group the same way (no share, no all-gather), and the rows its experts received come from the other ranks'
 routing, which each dispatch notes in the CommTracker recording the step ("rows_received", `CommTracker.noted`).
 
 Context parallelism (cp_size, parallel/context_parallel.py) adds, per attention layer, one all-gather of this rank's
-K and V together in forward (2 x (batch, kv heads here, seq / cp, head_dim)) and one reduce-scatter of the gathered
-dK/dV in backward (2 x (batch, kv heads here, seq, head_dim)); the loss's sum over cp (one scalar all-reduce in
+K and V side by side in forward ((batch, kv heads here, seq / cp, k dim + v dim), the config's
+`key_value_head_dims`: MLA's values are narrower than its keys) and one reduce-scatter of the gathered dK/dV in
+backward ((batch, kv heads here, seq, k dim + v dim)); the loss's sum over cp (one scalar all-reduce in
 forward); and, for a bare model, every gradient summed over cp in one flat all-reduce ("grad_sync"). The TP
 minimum above is then of this rank's seq / cp tokens.
 """
@@ -145,32 +150,56 @@ def _expert_dispatch(model: nn.Module, plan: dict[str, str], tokens: int, tp: in
     return out
 
 
-def _boundaries(plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[int, int]:
-    """(column-parallel boundaries, row-parallel sums) of a resolved plan: siblings share a boundary, and a shared
-    expert's gate/up share their MoE block's."""
-    enters = {name.rpartition(".")[0] for name, style in plan.items() if issubclass(STYLES[style], ColwiseParallel)}
-    enters = {e.rpartition(".")[0] if e.rpartition(".")[0] in summed else e for e in enters} | set(summed)
+def _boundaries(model: nn.Module, plan: dict[str, str], summed: set[str] = frozenset()) -> tuple[list[int], int]:
+    """(the input features of each column-parallel boundary, row-parallel sums) of a resolved plan. Siblings reading
+    the block's input share a boundary (q/k/v, gate/up), and a shared expert's gate/up share their MoE block's; a
+    colwise module that reads a sibling's output has a boundary of its own, as wide as its input: its parent's
+    `tp_pairs` name the sibling (MLA's q_b_proj after q_a_layernorm, kv_b_proj after kv_a_layernorm), or, on
+    transformers' modules, which declare no such pair, its input is narrower than the residual stream's hidden_size."""
+    hidden = model.config.hidden_size
+    widths = {(name, None): hidden for name in summed}
+    for name, style in plan.items():
+        if issubclass(STYLES[style], ColwiseParallel):
+            parent, _, child = name.rpartition(".")
+            block = parent.rpartition(".")[0]
+            if block in summed:
+                continue
+            width = getattr(model.get_submodule(name), "in_features", hidden)
+            source = contract.pairs(model.get_submodule(parent)).get(child) or (child if width != hidden else None)
+            widths[(parent, source)] = width
     exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values()) + len(summed)
-    return len(enters), exits
+    return list(widths.values()), exits
+
+
+def _replicated_tails(model: nn.Module, plan: dict[str, str]) -> list[int]:
+    """The features each 'mla_kv_a_proj' module's heads read whole (MLA's shared RoPE key): one backward all-reduce
+    of (batch, seq, features) each, its partial gradient summed."""
+    return [contract.replicated_tail(model.get_submodule(name)) for name, style in plan.items()
+            if style == "mla_kv_a_proj"]
 
 
 def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int,
-                    weight_size: int) -> None:
-    """`add` what dispatching by all-to-all over the TP group sends from this rank (see the module doc), from each
-    block's last routing."""
+                    weight_size: int, tracker: CommTracker | None) -> None:
+    """`add` what dispatching by all-to-all over the TP group sends from this rank (see the module doc). The rows
+    this rank's experts received are the ones `tracker` saw noted over the TP group (every router's choice, the
+    group-limited one's too)."""
     hidden, k = model.config.hidden_size, model.config.num_experts_per_tok
     share = tokens // tp
-    for name in blocks:
-        block = model.get_submodule(name)
-        experts = block.experts
-        ids = torch.topk(block.router_logits, k, dim=-1).indices  # the router's choice (top-k of logits = of probs)
-        held = experts.gate_proj.shape[0]
-        received = int(((ids >= experts.expert_offset) & (ids < experts.expert_offset + held)).sum())
-        rows_out, row = share * k, hidden * act_size
-        add(("forward", "all_to_all"), 3, experts.num_experts * 8 + (rows_out + received) * row)
-        add(("forward", "all_gather"), 1, share * row)
-        add(("backward", "all_to_all"), 2, (rows_out + received) * row)
-        add(("backward", "all_gather"), 2, share * row + share * k * weight_size)
+    received = _rows_received(tracker, model.tp_layout.ctx.group_name)
+    rows_out, row, n = share * k, hidden * act_size, len(blocks)
+    experts = sum(model.get_submodule(name).experts.num_experts for name in blocks)
+    add(("forward", "all_to_all"), 3 * n, experts * 8 + (n * rows_out + received) * row)
+    add(("forward", "all_gather"), n, n * share * row)
+    add(("backward", "all_to_all"), 2 * n, (n * rows_out + received) * row)
+    add(("backward", "all_gather"), 2 * n, n * (share * row + share * k * weight_size))
+
+
+def _rows_received(tracker: CommTracker | None, group: str) -> int:
+    if tracker is None:
+        raise ValueError("the minimum of an expert dispatch by all-to-all depends on the rows the other ranks' "
+                         "routing sent here: pass the CommTracker that recorded the step (megatron_minimum(..., "
+                         "tracker=)), or use comm_report")
+    return tracker.noted("rows_received", group)
 
 
 def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, act_size: int,
@@ -183,11 +212,7 @@ def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, a
     blocks = [experts for experts in blocks if getattr(experts, "ep_dispatch", None) == "all_to_all"]
     if not blocks:
         return
-    if tracker is None:
-        raise ValueError("the minimum of an expert dispatch over an ep axis depends on the rows the other ranks' "
-                         "routing sent here: pass the CommTracker that recorded the step (megatron_minimum(..., "
-                         "tracker=)), or use comm_report")
-    received = tracker.noted("rows_received", model.tp_layout.ctx.ep_group_name)
+    received = _rows_received(tracker, model.tp_layout.ctx.ep_group_name)
     rows = (len(blocks) * tokens * k + received) * hidden * act_size
     add(("forward", "all_to_all"), 3 * len(blocks), sum(experts.num_experts for experts in blocks) * 8 + rows)
     add(("backward", "all_to_all"), 2 * len(blocks), rows)
@@ -207,7 +232,8 @@ def _add_context_parallel(add, model: nn.Module, batch: int, seq: int, dtype: to
         return seq
     config, tp = model.config, model.tp_layout.ctx.size
     layers = sum(isinstance(m, contract.TPAttention) for m in model.modules())
-    kv = 2 * batch * max(1, contract.kv_heads(config) // tp) * config.head_dim * dtype.itemsize  # K and V, per token
+    heads = max(1, contract.kv_heads(config) // tp)  # K and V side by side, per token
+    kv = batch * heads * sum(contract.key_value_head_dims(config)) * dtype.itemsize
     add(("forward", "all_gather"), layers, layers * kv * seq // ctx.size)
     add(("backward", "reduce_scatter"), layers, layers * kv * seq)
     wide = torch.promote_types(dtype, torch.float32).itemsize
@@ -242,27 +268,31 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     token_bytes = batch * seq * torch.promote_types(dtype, torch.float32).itemsize  # one float per token
     dispatch = _expert_dispatch(model, layout.plan, batch * seq, tp)
     summed = {name for name, how in dispatch.items() if how == "all_reduce"}
-    enters, exits = _boundaries(layout.plan, summed)
+    widths, exits = _boundaries(model, layout.plan, summed)
+    enters, entered = len(widths), sum(widths) * act // model.config.hidden_size  # the boundaries' input bytes
     chunks = _fused_loss_chunks(model, batch * seq, return_logits) if layout.vocab_parallel_loss else 0
     if sp:
         add(("forward", "reduce_scatter"), exits, exits * act)
-        add(("forward", "all_gather"), enters, enters * act // tp)
+        add(("forward", "all_gather"), enters, entered // tp)
         regathers = enters - (chunks > 0)  # the fused loss keeps no head input: its gradients are made in forward
-        add(("backward", "all_gather"), exits + regathers, (exits + regathers) * act // tp)
-        add(("backward", "reduce_scatter"), enters, enters * act)
+        add(("backward", "all_gather"), exits + regathers, (exits * act + entered - (chunks > 0) * act) // tp)
+        add(("backward", "reduce_scatter"), enters, entered)
     else:
         add(("forward", "all_reduce"), exits, exits * act)
-        add(("backward", "all_reduce"), enters, enters * act)
+        add(("backward", "all_reduce"), enters, entered)
+    tails = _replicated_tails(model, layout.plan)
+    if tails:
+        add(("backward", "all_reduce"), len(tails), sum(tails) * act // model.config.hidden_size)
     if layout.vocab_parallel_loss:  # the max, then [target, sum-exp], per chunk (whole logits: one chunk)
         add(("forward", "all_reduce"), 2 * max(chunks, 1), 3 * token_bytes)
     if dispatch:
-        top_k, fp32 = model.config.num_experts_per_tok, model.config.router_weights_in_float32
+        top_k, fp32 = model.config.num_experts_per_tok, getattr(model.config, "router_weights_in_float32", False)
         weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
     if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
         add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * weight_size)
     dispatched = sorted(set(dispatch) - summed)
     if dispatched:
-        _add_all_to_all(add, model, dispatched, batch * seq, tp, dtype.itemsize, weight_size)
+        _add_all_to_all(add, model, dispatched, batch * seq, tp, dtype.itemsize, weight_size, tracker)
     norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)

@@ -100,8 +100,8 @@ def _context_lines(config: Any, tp_size: int, cp_size: int, itemsize: int) -> li
     """What cp_size splits, and its collectives per attention layer (parallel/context_parallel.py)."""
     if cp_size == 1:
         return []
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes = 2 * max(1, contract.kv_heads(config) // tp_size) * head_dim * itemsize  # K and V of one token, per rank
+    # K and V of one token, per rank
+    kv_bytes = max(1, contract.kv_heads(config) // tp_size) * sum(contract.key_value_head_dims(config)) * itemsize
     return [f"context parallelism: cp_size={cp_size}: each rank computes seq / {cp_size} tokens (chunks i and "
             f"{2 * cp_size - 1}-i of {2 * cp_size}; seq_len a multiple of {2 * cp_size}); per attention layer one K/V "
             f"all-gather forward and one dK/dV reduce-scatter backward over the cp group, {kv_bytes} bytes per "

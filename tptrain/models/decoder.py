@@ -16,7 +16,6 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
@@ -25,7 +24,7 @@ from tptrain.models.configuration import (DeepseekV3Config, Gemma2Config, Gemma3
                                           LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
                                           Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PretrainedConfig,
                                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
-from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, tanh_softcap,
+from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, sdpa, tanh_softcap,
                                    softcapped_attention, split_fused)
 from tptrain.models.latent_attention import LatentAttention
 from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, load_balancing_loss
@@ -107,23 +106,9 @@ class Attention(nn.Module):
         if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.softcap is None:
-            if mask is None and q.shape[2] != k.shape[2]:  # causal aligned at the end, with no mask materialised
-                if q.device.type == "cpu":
-                    return _causal_at_the_end(q, k, v, self.scale)
-                mask = causal_lower_right(q.shape[2], k.shape[2])
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+            return sdpa(q, k, v, mask, scale=self.scale)
         # heads are independent: capping this rank's local heads is the capping of the whole
         return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
-
-
-def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Queries at the last positions of longer keys, causal. On CPU, SDPA's flash kernel takes only top-left causal
-    (a lower-right bias falls back to the math path, which keeps a (queries x keys) score matrix for backward):
-    zero queries in front make the shapes square, so the kernel runs with memory linear in the keys; their outputs
-    are dropped (no gradient reaches k or v through them). More arithmetic, less memory: what long sequences need."""
-    front = k.shape[2] - q.shape[2]
-    padded = F.pad(q, (0, 0, front, 0))
-    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale)[:, :, front:]
 
 
 class MLP(nn.Module):

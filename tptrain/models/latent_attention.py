@@ -4,16 +4,16 @@ from one shared low-rank latent, and RoPE on a decoupled slice of each head (one
 Single-device code with transformers' parameter names (DeepseekV3Attention). Under tensor parallelism the per-head
 projections (q_b_proj or q_proj, kv_b_proj) are split by heads and o_proj by its input; the latents are computed
 whole on every rank (kv_a_proj_with_mqa's RoPE key, read by every head, through the 'mla_kv_a_proj' style). Head
-counts come from the tensor shapes, never from the config.
+counts come from the tensor shapes, never from the config. Under context parallelism `attend` sees every rank's keys
+and values: each head's K (qk_nope_head_dim + qk_rope_head_dim) and V (v_head_dim), gathered together.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tptrain.models.configuration import PretrainedConfig
-from tptrain.models.layers import rms_norm
+from tptrain.models.layers import rms_norm, sdpa
 from tptrain.models.rope import apply_rotary, deinterleave
 
 
@@ -63,5 +63,11 @@ class LatentAttention(nn.Module):
         q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local heads * v dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q, k (batch, heads, queries / keys, qk dim) after RoPE (k's RoPE part expanded to every head), v (batch,
+        heads, keys, v dim), mask as `Attention.attend`'s (None: causal, the queries at the end of the keys) ->
+        (batch, heads, queries, v dim). Context parallelism wraps it to gather every rank's keys and values."""
+        return sdpa(q, k, v, mask, scale=self.scale)

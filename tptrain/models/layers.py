@@ -4,7 +4,9 @@ weight). Each is named after what it does, not after the family that brought it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from tptrain.models.configuration import PretrainedConfig
 
@@ -65,6 +67,28 @@ def offset(x: torch.Tensor, offset: float) -> torch.Tensor:
 def tanh_softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     """tanh(x / cap) * cap: x squashed smoothly into (-cap, cap); None = x unchanged."""
     return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+         scale: float | None) -> torch.Tensor:
+    """SDPA of q (batch, heads, queries, qk dim) against k (batch, heads, keys, qk dim) and v (batch, heads, keys,
+    v dim); mask (batch or 1, 1, queries, keys) bool, or None: plain causal, the queries at the last `queries` of the
+    keys' positions (context parallelism's chunks against the keys up to their end), with no mask materialised."""
+    if mask is None and q.shape[2] != k.shape[2]:
+        if q.device.type == "cpu":
+            return _causal_at_the_end(q, k, v, scale)
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Queries at the last positions of longer keys, causal. On CPU, SDPA's flash kernel takes only top-left causal
+    (a lower-right bias falls back to the math path, which keeps a (queries x keys) score matrix for backward):
+    zero queries in front make the shapes square, so the kernel runs with memory linear in the keys; their outputs
+    are dropped (no gradient reaches k or v through them). More arithmetic, less memory: what long sequences need."""
+    front = k.shape[2] - q.shape[2]
+    padded = F.pad(q, (0, 0, front, 0))
+    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale)[:, :, front:]
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,

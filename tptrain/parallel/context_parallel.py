@@ -12,9 +12,10 @@ keeps its target), the global position ids go with the tokens (RoPE and per-laye
 each mask is the rows of the whole sequence's mask for this rank's queries (causal, sliding window, packed
 documents from restarting position ids, padding), its columns ordered as the keys are gathered.
 
-Each attention layer all-gathers K and V over the cp group (one collective for both; with GQA they are smaller
-than Q, and any mask works) and its backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per
-token (norms, MLPs, MoE routing: each rank routes its own tokens), so it runs on the shard unchanged.
+Each attention layer all-gathers K and V over the cp group (one collective for both, side by side along the head
+dim, so MLA's narrower values need no padding; with GQA they are smaller than Q, and any mask works) and its
+backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per token (norms, MLPs, MoE routing: each
+rank routes its own tokens), so it runs on the shard unchanged.
 
 The loss: each rank's token sum over the real-token count of the WHOLE batch (each rank holds the whole batch, so
 it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-reduce fwd / identity bwd), so
@@ -181,10 +182,11 @@ def _gathering(attend, ctx: CPContext):
     """`attend` on this rank's queries against every rank's keys and values (gathered in rank order)."""
 
     def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if k.shape == v.shape and k.dtype == v.dtype:  # one collective for both: (2, batch, kv_heads, seq, head_dim)
-            k, v = comm.gather_over_cp(torch.stack([k, v]), ctx.group_name, dim=3).unbind(0)
-        else:
-            k, v = (comm.gather_over_cp(t, ctx.group_name, dim=2) for t in (k, v))
+        # One collective for both, side by side: (batch, kv_heads, seq / cp, k dim + v dim). MLA's values are
+        # narrower than its keys (v_head_dim < qk_nope_head_dim + qk_rope_head_dim): no padding needed.
+        assert k.shape[:-1] == v.shape[:-1] and k.dtype == v.dtype, (k.shape, v.shape, k.dtype, v.dtype)
+        k, v = comm.gather_over_cp(torch.cat([k, v], dim=-1), ctx.group_name, dim=2).split(
+            [k.shape[-1], v.shape[-1]], dim=-1)
         if mask is not None:
             return attend(q, k, v, mask)
         # Plain causal: no mask at all. The keys in sequence order; each of this rank's two chunks attends the keys

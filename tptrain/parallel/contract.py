@@ -105,10 +105,11 @@ class TPAttention(Protocol):
         num_key_value_heads (`kv_projections`; absent: (), and the module is not split by heads; () on an
         attention whose projections are fused: `tp_segments` says which rows are KV heads).
     Optional:
-    attend(q, k, v, mask): q (batch, heads, queries, head_dim), k and v (batch, kv_heads, keys, head_dim) after
-        RoPE, mask (batch or 1, 1, queries, keys) bool or None (plain causal) -> (batch, heads, queries, head_dim)
-        (`attend`; absent: None, and context parallelism refuses the model, naming the module). Context
-        parallelism wraps it on the instance to gather the keys and values of the whole sequence first.
+    attend(q, k, v, mask): q (batch, heads, queries, head_dim), k (batch, kv_heads, keys, head_dim) and v (batch,
+        kv_heads, keys, v dim: MLA's is narrower) after RoPE, mask (batch or 1, 1, queries, keys) bool or None (plain
+        causal) -> (batch, heads, queries, v dim) (`attend`; absent: None, and context parallelism refuses the model,
+        naming the module). Context parallelism wraps it on the instance to gather the keys and values of the whole
+        sequence first (side by side: `key_value_head_dims` of the config says how wide each is).
     """
 
     tp_kv_projections: tuple[str, ...]
@@ -206,6 +207,16 @@ def attention_heads(config: Any) -> int | None:
 
 def kv_heads(config: Any) -> int | None:
     return getattr(config, "num_key_value_heads", None) or attention_heads(config)
+
+
+def key_value_head_dims(config: Any) -> tuple[int, int]:
+    """(features of one key head, of one value head): the config's `key_value_head_dims` (MLA's differ), else
+    head_dim (or hidden_size / heads) for both."""
+    dims = getattr(config, "key_value_head_dims", None)
+    if dims is not None:
+        return tuple(dims)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim, head_dim
 
 
 def prefix(model: nn.Module) -> str:

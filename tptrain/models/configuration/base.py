@@ -221,6 +221,11 @@ class PretrainedConfig:
         return self.head_dim
 
     @property
+    def key_value_head_dims(self) -> tuple[int, int]:
+        """(features of one key head, of one value head) as attention sees them (context parallelism gathers both)."""
+        return self.head_dim, self.head_dim
+
+    @property
     def latent_attention(self) -> bool:
         """Multi-head latent attention (DeepSeek's MLA: low-rank q and kv, decoupled RoPE) instead of q/k/v heads."""
         return False

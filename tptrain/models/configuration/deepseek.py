@@ -110,6 +110,10 @@ class DeepseekV3Config(MoeConfig, PretrainedConfig):
         return self.qk_rope_head_dim
 
     @property
+    def key_value_head_dims(self) -> tuple[int, int]:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+
+    @property
     def attention_scale(self) -> float:
         """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim) squared (transformers'
         `yarn_apply_mscale`): the softmax temperature follows the context extension."""

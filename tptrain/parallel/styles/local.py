@@ -41,6 +41,8 @@ class MoeTPExperts(ParallelStyle):
         return specs
 
     def install(self, module, ctx):
+        module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
+
         def enter(m, args):
             x, *rest = args
             if len(rest) >= 2 and torch.is_tensor(rest[1]):  # (ids, weights): the weights' gradient is partial
