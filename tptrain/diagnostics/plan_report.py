@@ -127,7 +127,8 @@ def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int,
     """Experts per rank, their bytes per rank, and the collectives that move their tokens (MoE models only)."""
     config = model.config
     layers = [name for name, style in resolved.styles.items() if style.startswith("expert_")]
-    if not getattr(config, "num_experts", None) or not any(config.layer_is_moe):
+    # tptrain's MoE configs say which layers are MoE; a transformers config (the transformers backend) need not
+    if not getattr(config, "num_experts", None) or not any(getattr(config, "layer_is_moe", None) or ()):
         return []
     moe_layers, experts, k = sum(config.layer_is_moe), config.num_experts, config.num_experts_per_tok
     params = dict(model.named_parameters())
