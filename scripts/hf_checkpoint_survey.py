@@ -8,7 +8,8 @@ on N gloo ranks, each stage against transformers on one process (fp32; scripts/h
     forward   logits, relative error (max |diff| / max |logit|) <= 1e-5
     backward  every gradient (gathered) finite and within 1e-4 of transformers' (relative to its largest entry)
     steps     the losses of 3 AdamW steps (lr 1e-3, and the one after) within 1e-5 of transformers' own training
-    save      save_pretrained of the trained model, reloaded by transformers: every parameter bit for bit
+    save      save_pretrained of the trained model, reloaded by transformers: every tensor bit for bit what
+              transformers' own save_pretrained of the same weights reloads as
     plan      `tptrain plan` (plan_report) finds no problem and its bytes per rank are what a loaded rank holds
     peer      (--peer) transformers' own TP, from_pretrained(dir, distributed_config=transformers.DistributedConfig(
               tp_size=N)) on the same ranks: do its logits equal its single-process ones (1e-5)?

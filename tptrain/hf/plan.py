@@ -26,6 +26,8 @@ STYLE_NAMES: dict[str, str | None] = {
     "rowwise_split_input": "rowwise_split_input",
     "local_params": "local_params",
     "moe_tp_experts": "moe_tp_experts",
+    "all_reduce": "all_reduce",
+    "moe_identity_expert": "moe_identity_expert",
     "mla_kv_a_proj": "mla_kv_a_proj",
     "ep_dispatch_experts": "ep_dispatch_experts",  # tptrain.hf.styles
     "grouped_gemm": None,  # the stacked weights of ep_dispatch_experts: its own split (dim 0)
@@ -44,7 +46,7 @@ def translate_plan(plan: dict[str, str] | None) -> dict[str, str]:
 
 
 # The owners' styles under which transformers' per-parameter rules apply (the owner's forward reads its pieces).
-PARAMETER_OWNER_STYLES = ("local_params", "moe_tp_experts")
+PARAMETER_OWNER_STYLES = ("local_params", "moe_tp_experts", "all_reduce")
 
 
 def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
@@ -63,10 +65,20 @@ def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
     return None
 
 
+def packed_like_stored(spec: ShardSpec, shape: tuple[int, ...], interleaved_dim: int | None) -> ShardSpec:
+    """The split transformers' TP gives a parameter stored interleaved (gate, up rows alternating; the model holds
+    [gate; up]) under a plain 'colwise' along that dim: it cuts the stored tensor, so each rank holds its rows of
+    gate and of up, i.e. each half split alone (a packed split). Any other spec unchanged."""
+    if interleaved_dim is None or spec.dim != interleaved_dim or spec.segments or spec.replicas > 1:
+        return spec
+    half = shape[spec.dim] // 2
+    return ShardSpec(spec.dim, segments=((half, 1), (half, 1)))
+
+
 def parameter_rules(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, dict[str, ShardSpec]], dict[str, str]]:
     """The rules of `plan` (full names, transformers' spelling) that name a parameter, not a module: transformers'
     per-parameter styles (stacked MoE experts, attention sinks). Returns ({owner module: {parameter: ShardSpec}},
-    {glob: problem}): a rule applies when its owner's own rule is 'local_params' or 'moe_tp_experts' (whose
+    {glob: problem}): a rule applies when its owner's own rule is 'local_params', 'moe_tp_experts' or 'all_reduce' (whose
     forward reads the pieces as they are); any other is a problem naming it."""
     modules = dict(model.named_modules())
     specs: dict[str, dict[str, ShardSpec]] = {}
@@ -93,6 +105,16 @@ def parameter_rules(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, d
                                   f"packed_colwise, packed_rowwise; {parent!r} has "
                                   f"{plan.get(parent, 'no rule')!r}; use tp_size=1 or fix the plan")
     return specs, problems
+
+
+def vocab_parallel_embedding(embed: nn.Module, name: str, plan: dict[str, str] | None) -> bool:
+    """Whether the input embedding `embed` (`name` under the base model) is made vocab-parallel, as tptrain's own
+    plans do: an nn.Embedding (a subclass scaling its rows too, Gemma's) the plan gives no rule of its own. One the
+    plan keeps whole ('replicate', Inkling 2's), or a subclass with submodules of its own (Inkling's norm over the
+    looked-up row, which a vocabulary shard's partial row cannot go through), stays whole on every rank."""
+    if not isinstance(embed, nn.Embedding) or any(True for _ in embed.children()):
+        return False
+    return not any(_matches(glob, name) for glob in (plan or {}))
 
 
 def module_rules(model: nn.Module, plan: dict[str, str], prefix: str) -> dict[str, str]:
