@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.integrations.moe import _default_apply_gate
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tptrain.hf import styles as _styles  # noqa: F401 - registers 'ep_dispatch_experts'
@@ -81,6 +82,15 @@ def _eager_experts_for(hf: nn.Module, dtype: torch.dtype | None) -> None:
         hf.set_experts_implementation("eager")
 
 
+def _halved_gate_up(hf_model: nn.Module) -> dict[str, int]:
+    """{name: 1} of the stacked experts' `gate_up_proj` that transformers' experts interface halves into [gate; up]
+    (`@use_experts_implementation`'s default `_apply_gate`): a plain 'colwise' rule on it (Inkling's) would give
+    rank 0 only gate rows; each half is split alone instead (see `plan.packed_like_stored`)."""
+    return {f"{name}.gate_up_proj": 1 for name, module in hf_model.named_modules()
+            if getattr(type(module), "_apply_gate", None) is _default_apply_gate
+            and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3}
+
+
 class _ConfigLoader:
     """`config_class` of TransformersCausalLM: what `PreTrainedModel._open_checkpoint` calls."""
 
@@ -113,7 +123,7 @@ class TransformersCausalLM(PreTrainedModel):
         if base and name and vocab_parallel_embedding(embed, name, raw):  # as tptrain's plans (Gemma's scaled too)
             base = {name: "embedding_rowwise", **base}
         param_specs, self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
-        interleaved = interleaved_parameters(hf_model)
+        interleaved = {**interleaved_parameters(hf_model), **_halved_gate_up(hf_model)}
         for owner, specs in param_specs.items():  # read by the owner's style (hf.plan.PARAMETER_OWNER_STYLES)
             self.get_submodule(owner).tp_param_specs = {
                 leaf: packed_like_stored(spec, self.get_parameter(f"{owner}.{leaf}").shape,

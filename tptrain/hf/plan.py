@@ -66,9 +66,10 @@ def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
 
 
 def packed_like_stored(spec: ShardSpec, shape: tuple[int, ...], interleaved_dim: int | None) -> ShardSpec:
-    """The split transformers' TP gives a parameter stored interleaved (gate, up rows alternating; the model holds
-    [gate; up]) under a plain 'colwise' along that dim: it cuts the stored tensor, so each rank holds its rows of
-    gate and of up, i.e. each half split alone (a packed split). Any other spec unchanged."""
+    """The split a plain 'colwise' rule along `interleaved_dim` needs on a [gate; up] parameter its forward halves:
+    each half split alone (a packed split). transformers' TP gives it that way when the file stores the rows
+    interleaved (it cuts the stored tensor: Inkling 2); stored as [gate; up] (Inkling), its cut would give rank 0
+    only gate rows. Any other spec unchanged."""
     if interleaved_dim is None or spec.dim != interleaved_dim or spec.segments or spec.replicas > 1:
         return spec
     half = shape[spec.dim] // 2
@@ -144,7 +145,8 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     * `tp_pairs = {consumer: (producers, ...)}` on every module whose children the model's own plan splits
       column- then row-wise (attention: q/k/v -> o_proj; MLP: gate/up -> down);
     * `tp_kv_projections` on attention modules (those with `head_dim` and `num_key_value_groups`): the
-      column-parallel children whose rows are the KV heads, replicated when tp_size > num_key_value_heads;
+      column-parallel children whose rows are the KV heads (x head_dim, or x the module's v_head_dim), replicated
+      when tp_size > num_key_value_heads;
       `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it);
     * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
@@ -165,7 +167,9 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
         head_dim = getattr(module, "head_dim", None)
         if cols and head_dim and hasattr(module, "num_key_value_groups"):
             linear = {n: children[n] for n in cols if isinstance(children[n], nn.Linear)}
-            module.tp_kv_projections = tuple(n for n, c in linear.items() if c.out_features == n_kv * head_dim)
+            # K rows are KV heads x head_dim; V rows may be x v_head_dim (MiMo-V2-Flash's 128 with 192-wide keys)
+            widths = {n_kv * head_dim, n_kv * (getattr(module, "v_head_dim", None) or head_dim)}
+            module.tp_kv_projections = tuple(n for n, c in linear.items() if c.out_features in widths)
             module.tp_query_projection = next((n for n, c in linear.items() if c.out_features == heads * head_dim),
                                               None)
 
