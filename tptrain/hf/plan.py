@@ -167,9 +167,13 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
         head_dim = getattr(module, "head_dim", None)
         if cols and head_dim and hasattr(module, "num_key_value_groups"):
             linear = {n: children[n] for n in cols if isinstance(children[n], nn.Linear)}
-            # K rows are KV heads x head_dim; V rows may be x v_head_dim (MiMo-V2-Flash's 128 with 192-wide keys)
+            # K rows are KV heads x head_dim; V rows may be x v_head_dim (MiMo-V2-Flash's 128 with 192-wide keys).
+            # A layer with other KV heads than the config's (MiMo's sliding layers: twice as many) is split plainly.
             widths = {n_kv * head_dim, n_kv * (getattr(module, "v_head_dim", None) or head_dim)}
-            module.tp_kv_projections = tuple(n for n, c in linear.items() if c.out_features in widths)
+            groups = module.num_key_value_groups
+            own_kv = heads // groups if isinstance(groups, int) and groups > 0 else n_kv
+            module.tp_kv_projections = tuple(n for n, c in linear.items() if c.out_features in widths) \
+                if own_kv == n_kv else ()
             module.tp_query_projection = next((n for n, c in linear.items() if c.out_features == heads * head_dim),
                                               None)
 
