@@ -1,33 +1,45 @@
-"""Which transformers model types tptrain's transformers backend trains at tp 2 from a real checkpoint: for every
-causal-LM model type of the installed transformers whose config declares base_model_tp_plan, a tiny random
+"""Which transformers model types tptrain's transformers backend trains from a real checkpoint, stage by stage: for
+every causal-LM model type of the installed transformers whose config declares base_model_tp_plan, a tiny random
 checkpoint written by transformers' own save_pretrained (the hub's names and layout, so load-time conversions are
-exercised), loaded with `AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(tp_size=2))`
-on 2 gloo ranks; logits compared with transformers on one process (fp32, rtol 1e-4), a backward pass, and
-`save_pretrained` reloaded by transformers bit for bit.
+exercised), loaded with `AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(tp_size=N))`
+on N gloo ranks, each stage against transformers on one process (fp32; scripts/hf_survey_stages.py):
 
-    nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py [--tp-size 2] [--types gpt_neox,dots1]
+    load      tptrain's from_pretrained at tp N (the transformers backend)
+    forward   logits, relative error (max |diff| / max |logit|) <= 1e-5
+    backward  every gradient (gathered) finite and within 1e-4 of transformers' (relative to its largest entry,
+              + 1e-6 of the model's largest gradient entry)
+    steps     the losses of 3 AdamW steps (lr 1e-3, eps 1e-6; and the one after) within 1e-5 (relative) of
+              transformers' own training on one process
+    save      save_pretrained of the trained model, reloaded by transformers: every tensor bit for bit what
+              transformers' own save_pretrained of the same weights reloads as
+    plan      `tptrain plan` (plan_report) finds no problem and its bytes per rank are what a loaded rank holds
+    peer      (--peer) transformers' own TP, from_pretrained(dir, distributed_config=transformers.DistributedConfig(
+              tp_size=N)) on the same ranks: do its logits equal its single-process ones (1e-5)?
+
+    nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py --tp-size 2 --peer [--types gpt_neox,dots1]
 
 --tp-size 1 measures what is not about splitting (conversions, buffers, configs): one rank, loaded without a
-distributed_config (no plan).
-
-Prints one line per model type (OK, or the first error and where: load / forward / backward / save) and the count.
-One group of ranks runs every type in turn; a type that hangs it (a collective one rank never reached) is reported
-as such after --type-timeout seconds and the survey goes on in a fresh group. Tens of minutes on 2 CPU cores.
+distributed_config (no plan). A stage after a failed one is "-". Prints a markdown table (type x stages), the
+reason for each failure, and the count. One group of ranks runs every type in turn; a type that hangs it (a
+collective one rank never reached) is reported as such after --type-timeout seconds and the survey goes on in a
+fresh group. Tens of minutes on 2 CPU cores.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
-from hf_backend_survey import TINY  # noqa: E402 - the same tiny sizes as the meta-device survey
+import torch
+from hf_backend_survey import TINY  # the same tiny sizes as the meta-device survey
+from hf_survey_stages import STAGES, reference, run_stages
 
 # MLA attention (low-rank q/kv, decoupled RoPE): as many KV heads as query heads, consistent head sizes.
 _MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
@@ -74,9 +86,8 @@ def model_types() -> list[str]:
     return out
 
 
-def _write_checkpoint(model_type: str, directory: Path):
-    """transformers' own random tiny model, saved; (input ids, its logits, its state dict)."""
-    import torch
+def _write_checkpoint(model_type: str, directory: Path) -> tuple[torch.Tensor, dict]:
+    """transformers' own random tiny model, saved; (input ids, transformers' single-process reference)."""
     import transformers
 
     config = tiny_config(model_type)
@@ -84,79 +95,38 @@ def _write_checkpoint(model_type: str, directory: Path):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits
-    return ids, logits, {k: v.clone() for k, v in model.state_dict().items()}
+    return ids, reference(model, ids)
 
 
-def _stage(name: str, fn, state: dict) -> None:
-    """Run one stage; the first error on any rank is the type's outcome on every rank."""
-    from tptrain.distributed import comm
-
-    error = None
-    if "error" not in state:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - a survey: record and go on
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-            error = f"{name}: {type(exc).__name__}: {' '.join(lines[:2])[:240]}"  # "cannot shard ...:" + problem
-            if os.environ.get("SURVEY_TRACEBACK"):
-                traceback.print_exc()
-    errors = [e for e in comm.all_gather_object(error) if e]
-    if errors and "error" not in state:
-        state["error"] = errors[0]
-
-
-def _survey_type(model_type: str, root: Path, tp_size: int) -> str:
-    import torch
-    import transformers
-
-    from tptrain import AutoModelForCausalLM, DistributedConfig
+def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool) -> dict:
     from tptrain.distributed import comm
 
     rank = torch.distributed.get_rank()
     directory, saved = root / model_type, root / f"{model_type}-saved"
-    state: dict = {}
-    _stage("transformers (not tptrain) fails", lambda: state.update(
-        zip(("ids", "ref", "sd"), _write_checkpoint(model_type, directory)) if rank == 0 else ()), state)
-    ids = comm.all_gather_object(state.get("ids"))[0]
-    # tp 1: the single-device load (no plan at all), to see what is not about splitting.
-    layout = dict(distributed_config=DistributedConfig(tp_size=tp_size)) if tp_size > 1 else {}
-    _stage("load", lambda: state.update(model=AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, **layout)), state)
-
-    def forward():
-        with torch.no_grad():
-            logits = state["model"](ids).logits
-        if rank == 0:
-            torch.testing.assert_close(logits, state["ref"], rtol=1e-4, atol=1e-5)
-
-    def backward():
-        model = state["model"].train()
-        model(ids, labels=ids).loss.backward()
-        if not any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters()):
-            raise AssertionError("no gradient reached any parameter")
-
-    def save():
-        state["model"].save_pretrained(saved)
-        if rank == 0:
-            reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
-            bad = [k for k, v in state["sd"].items() if k not in reloaded or not torch.equal(reloaded[k], v)]
-            if bad:
-                raise AssertionError(f"{len(bad)} tensors differ after a save/reload, e.g. {bad[0]!r}")
-
-    for name, fn in (("forward", forward), ("backward", backward), ("save", save)):
-        _stage(name, fn, state)
-    backend = getattr(state.get("model"), "backend", "?")
-    return state.get("error", "OK" if backend == "transformers" else f"OK ({backend} backend)")
+    written, error = None, None
+    if rank == 0:
+        try:
+            written = _write_checkpoint(model_type, directory)
+        except Exception as exc:  # noqa: BLE001 - a survey: record and go on
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
+    error = comm.all_gather_object(error)[0]
+    if error:
+        return {"error": f"transformers (not tptrain) fails: {error}"}
+    ids = comm.all_gather_object(written[0] if written else None)[0]
+    try:
+        return run_stages(directory, saved, ids, written[1] if written else None, tp_size, peer)
+    finally:
+        comm.all_gather_object(None)  # every rank done with the files
+        if rank == 0:  # phi4_multimodal's full-size towers make GBs
+            for path in root.glob(f"{model_type}*"):
+                shutil.rmtree(path, ignore_errors=True)
 
 
-def worker(types: list[str], out: str, tp_size: int) -> None:
+def worker(types: list[str], out: str, tp_size: int, peer: bool) -> None:
     """One rank (torchrun-style env): every type in turn; rank 0 appends {"type", "result"} lines to `out`."""
-    import torch
     import transformers
 
-    from tptrain.distributed import init_distributed
+    from tptrain.distributed import comm, init_distributed
 
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
@@ -164,20 +134,13 @@ def worker(types: list[str], out: str, tp_size: int) -> None:
     init_distributed()
     rank = torch.distributed.get_rank()
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = comm_first(tmp)
+        tmp = comm.all_gather_object(tmp)[0]  # rank 0's: one shared scratch directory
         for model_type in types:
             if rank == 0:
                 _append(out, {"type": model_type, "started": True})
-            result = _survey_type(model_type, Path(tmp), tp_size)
+            result = _survey_type(model_type, Path(tmp), tp_size, peer)
             if rank == 0:
                 _append(out, {"type": model_type, "result": result})
-
-
-def comm_first(value):
-    """Rank 0's value on every rank (one shared scratch directory)."""
-    from tptrain.distributed import comm
-
-    return comm.all_gather_object(value)[0]
 
 
 def _append(path: str, record: dict) -> None:
@@ -185,19 +148,21 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _launch(types: list[str], out: Path, tp_size: int) -> subprocess.Popen:
+def _launch(types: list[str], out: Path, tp_size: int, peer: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp_size}",
-           __file__, "--worker", "--out", str(out), "--tp-size", str(tp_size), "--types", ",".join(types)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+           __file__, "--worker", "--out", str(out), "--tp-size", str(tp_size), "--types", ",".join(types),
+           *(["--peer"] if peer else [])]
+    log = open(out.with_suffix(".log"), "ab")  # the workers' output, for a crash's cause
+    return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
 
-def survey(types: list[str], tp_size: int, type_timeout: float) -> dict[str, str]:
+def survey(types: list[str], tp_size: int, type_timeout: float, peer: bool) -> dict[str, dict]:
     """Run the workers; a group that stops making progress is killed, its current type recorded as a hang."""
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    results: dict[str, str] = {}
+    results: dict[str, dict] = {}
     while len(results) < len(types):
         todo = [t for t in types if t not in results]
-        proc, last, seen = _launch(todo, out, tp_size), time.monotonic(), 0
+        proc, last, seen = _launch(todo, out, tp_size, peer), time.monotonic(), 0
         while proc.poll() is None:
             time.sleep(2)
             lines = out.read_text().splitlines() if out.exists() else []
@@ -211,28 +176,57 @@ def survey(types: list[str], tp_size: int, type_timeout: float) -> dict[str, str
         started = [r["type"] for r in records if "started" in r and r["type"] not in results]
         stuck = started[-1] if started else todo[0]
         if stuck not in results and stuck in todo:
-            results[stuck] = f"hang or crash (no result within {type_timeout:.0f}s; exit {proc.returncode})"
+            results[stuck] = {"error": f"hang or crash (no result within {type_timeout:.0f}s; exit {proc.returncode}; "
+                                       f"log {out.with_suffix('.log')})"}
     return {t: results[t] for t in types}
+
+
+def passed(result: dict) -> bool:
+    return all(result.get(stage) == "OK" for stage in STAGES)
+
+
+def table(results: dict[str, dict], tp_size: int, peer: bool) -> str:
+    """The markdown table (type x stages, the peer column) and, below it, the reason for each failure."""
+    head = ["type", "tp", *STAGES, *([f"peer (transformers TP {tp_size})"] if peer else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    reasons = []
+    for model_type, r in results.items():
+        cells = [r.get(stage, "-") for stage in STAGES] if any(s in r for s in STAGES) else ["n/a"] * len(STAGES)
+        peer_cell = r.get("peer", "-")
+        peer_cell = "OK" if peer_cell == "OK" else peer_cell.split(" (")[0].split(":")[0]
+        lines.append(f"| `{model_type}` | {tp_size} | " + " | ".join([*cells, *([peer_cell] if peer else [])]) + " |")
+        if "error" in r:
+            reasons.append(f"- `{model_type}` (tp {tp_size}): {r['error']}")
+        if peer and r.get("peer", "OK") != "OK":
+            reasons.append(f"- `{model_type}` (transformers' own TP at tp {tp_size}): {r['peer']}")
+    return "\n".join([*lines, "", *reasons])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp-size", type=int, default=2)
     parser.add_argument("--types", default="", help="comma-separated model types (default: every one with a plan)")
-    parser.add_argument("--type-timeout", type=float, default=240.0)
+    parser.add_argument("--peer", action="store_true", help="also run transformers' own TP at --tp-size (slower)")
+    parser.add_argument("--json", help="also write the results to this file ({type: {stage: outcome, ...}})")
+    parser.add_argument("--type-timeout", type=float, default=300.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     types = [t for t in args.types.split(",") if t]
     if args.worker:
-        return worker(types, args.out, args.tp_size)
-    results = survey(types or model_types(), args.tp_size, args.type_timeout)
-    for model_type, outcome in results.items():
-        print(f"{model_type:<28} {outcome}", flush=True)
-    ok = [t for t, r in results.items() if r.startswith("OK")]
-    skipped = [t for t, r in results.items() if r.startswith("transformers (not tptrain)")]
+        return worker(types, args.out, args.tp_size, args.peer)
+    results = survey(types or model_types(), args.tp_size, args.type_timeout, args.peer)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results, args.tp_size, args.peer), flush=True)
+    ok = [t for t, r in results.items() if passed(r)]
+    skipped = [t for t, r in results.items() if r.get("error", "").startswith("transformers (not tptrain)")]
     print(f"\n{len(ok)} of {len(results) - len(skipped)} model types (with a base_model_tp_plan and a tiny checkpoint "
-          f"transformers itself writes) load, match and train at tp {args.tp_size}: {', '.join(ok)}")
+          f"transformers itself writes) pass every stage at tp {args.tp_size}: {', '.join(ok)}")
+    if args.peer:
+        peers = [t for t, r in results.items() if r.get("peer") == "OK"]
+        print(f"transformers' own TP at tp {args.tp_size} matches its single-process logits on {len(peers)}: "
+              f"{', '.join(peers)}")
 
 
 if __name__ == "__main__":

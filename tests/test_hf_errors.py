@@ -55,12 +55,15 @@ def test_a_checkpoint_transformers_converts_on_load_loads_through_its_rules(tmp_
 
 
 def test_a_transformers_style_tptrain_lacks_is_named():
-    # glm's rowwise_split_input, named here before tptrain had it, now loads (tests/test_hf_styles.py); inkling_text's
-    # shared experts ('all_reduce' over per-parameter rules) are still refused, naming the rule
-    model = _meta_model("inkling_text")
-    problems = check_plan(model, "auto", 2).problems
-    assert any("unknown style 'all_reduce'" in p and "mlp.shared_experts" in p for p in problems), problems
+    # glm's rowwise_split_input and inkling_text's all_reduce, named here before tptrain had them, now load
+    # (tests/test_hf_styles.py, tests/test_hf_survey_types.py); transformers' embedding_colwise is refused, named
+    from tptrain.hf.plan import translate_plan
+    model = _meta_model("starcoder2")
+    problems = check_plan(model, translate_plan({"model.embed_tokens": "embedding_colwise"}), 2).problems
+    assert any("unknown style 'embedding_colwise'" in p and "model.embed_tokens" in p for p in problems), problems
     assert not check_plan(_meta_model("glm", partial_rotary_factor=0.5), "auto", 2).problems
+    assert not check_plan(_meta_model("inkling_text", swa_num_attention_heads=4, swa_num_key_value_heads=2),
+                          "auto", 2).problems
 
 
 def test_a_weight_between_split_projections_without_a_rule_is_a_problem():
@@ -125,6 +128,8 @@ def test_per_parameter_moe_styles_are_named():
     model = _meta_model("mixtral", num_local_experts=2, num_experts_per_tok=1)
     assert not check_plan(model, "auto", 2).problems
     assert model.get_submodule("model.layers.0.mlp.experts").tp_param_specs["gate_up_proj"].segments == ((96, 1),) * 2
-    problems = check_plan(_meta_model("inkling_text"), "auto", 2).problems
-    assert any("'model.layers.*.mlp.shared_experts.gate_proj' ('colwise') names a parameter" in p
-               and "has 'all_reduce'" in p for p in problems), problems
+    from tptrain.hf.plan import parameter_rules
+    _, problems = parameter_rules(model, {"model.layers.*.mlp.experts.gate_up_proj": "colwise",
+                                          "model.layers.*.mlp.experts": "rowwise"})
+    assert any("'model.layers.*.mlp.experts.gate_up_proj' ('colwise') names a parameter" in p
+               and "has 'rowwise'" in p for p in problems.values()), problems

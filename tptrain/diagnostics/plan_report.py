@@ -111,7 +111,10 @@ def _context_lines(config: Any, tp_size: int, cp_size: int, itemsize: int) -> li
 def _head_lines(config: Any, tp_size: int) -> list[str]:
     heads = config.num_attention_heads
     n_kv = contract.kv_heads(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    try:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    except Exception:  # noqa: BLE001 - transformers' per-layer configs (Gemma 4) refuse a global read of it
+        head_dim = "per layer"
     out = [f"attention: {heads} query heads, {n_kv} KV heads, head_dim {head_dim}; "
            f"vocab_size {config.vocab_size}, intermediate_size {getattr(config, 'intermediate_size', None)}"]
     if heads % tp_size == 0 and (n_kv % tp_size == 0 or tp_size % n_kv == 0):
@@ -127,7 +130,8 @@ def _expert_lines(model: torch.nn.Module, resolved, tp_size: int, itemsize: int,
     """Experts per rank, their bytes per rank, and the collectives that move their tokens (MoE models only)."""
     config = model.config
     layers = [name for name, style in resolved.styles.items() if style.startswith("expert_")]
-    if not getattr(config, "num_experts", None) or not any(config.layer_is_moe):
+    # tptrain's MoE configs say which layers are MoE; a transformers config (the transformers backend) need not
+    if not getattr(config, "num_experts", None) or not any(getattr(config, "layer_is_moe", None) or ()):
         return []
     moe_layers, experts, k = sum(config.layer_is_moe), config.num_experts, config.num_experts_per_tok
     params = dict(model.named_parameters())

@@ -19,6 +19,7 @@ again, bit for bit, and transformers reloads them.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -218,6 +219,20 @@ def local_box(spec: ShardSpec, shape: tuple[int, ...], tp_size: int, tp_rank: in
 def conversion_rules(hf_model) -> list:
     """transformers' rules for this model, as its from_pretrained collects them."""
     return get_model_conversion_mapping(hf_model)
+
+
+def interleaved_parameters(hf_model) -> dict[str, int]:
+    """{parameter name: dim} of the parameters one stored tensor alone builds by `Interleave(dim)` (gate and up rows
+    alternating in the file, [gate; up] in the model: Inkling's experts). transformers' TP cuts the stored tensor
+    before converting it, so its rule 'colwise' on such a parameter gives each rank its rows of gate and of up."""
+    out = {}
+    for rule in conversion_rules(hf_model):
+        ops = getattr(rule, "operations", ())
+        if isinstance(rule, WeightConverter) and len(rule.target_patterns) == 1 and len(ops) == 1 \
+                and type(ops[0]) is Interleave:
+            out.update({n: ops[0].dim for n, _ in hf_model.named_parameters()
+                        if re.search(rule.target_patterns[0], n)})
+    return out
 
 
 def checkpoint_sources(hf_model, reader) -> dict[str, str | Converted]:

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.integrations.moe import _default_apply_gate
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tptrain.hf import styles as _styles  # noqa: F401 - registers 'ep_dispatch_experts'
-from tptrain.hf.conversions import checkpoint_sources, hub_sizes, save_groups, to_hub
+from tptrain.hf.conversions import checkpoint_sources, hub_sizes, interleaved_parameters, save_groups, to_hub
 from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
-                             translate_plan, unplanned_modules, unplanned_parameters)
+                             translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
+                             packed_like_stored)
 from tptrain.hf.probe import split_readers
 from tptrain.losses import causal_lm_loss
 from tptrain.modeling import PreTrainedModel, _SkipInit, gathered_parameters
@@ -80,6 +82,15 @@ def _eager_experts_for(hf: nn.Module, dtype: torch.dtype | None) -> None:
         hf.set_experts_implementation("eager")
 
 
+def _halved_gate_up(hf_model: nn.Module) -> dict[str, int]:
+    """{name: 1} of the stacked experts' `gate_up_proj` that transformers' experts interface halves into [gate; up]
+    (`@use_experts_implementation`'s default `_apply_gate`): a plain 'colwise' rule on it (Inkling's) would give
+    rank 0 only gate rows; each half is split alone instead (see `plan.packed_like_stored`)."""
+    return {f"{name}.gate_up_proj": 1 for name, module in hf_model.named_modules()
+            if getattr(type(module), "_apply_gate", None) is _default_apply_gate
+            and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3}
+
+
 class _ConfigLoader:
     """`config_class` of TransformersCausalLM: what `PreTrainedModel._open_checkpoint` calls."""
 
@@ -105,15 +116,18 @@ class TransformersCausalLM(PreTrainedModel):
             self.add_module(name, child)
         self.base_model_prefix = prefix = base_prefix(hf_model)
         self.loss_function = causal_lm_loss
-        base = translate_plan(type(hf_model.config).base_model_tp_plan or getattr(hf_model.config,
-                                                                                 "base_model_tp_plan", None))
+        raw = type(hf_model.config).base_model_tp_plan or getattr(hf_model.config, "base_model_tp_plan", None)
+        base = translate_plan(raw)
         embed = hf_model.get_input_embeddings()
         name = next((n for n, m in getattr(hf_model, prefix).named_modules() if m is embed), None)
-        if base and name and isinstance(embed, nn.Embedding):  # vocab-parallel, as tptrain's plans (Gemma's scaled too)
+        if base and name and vocab_parallel_embedding(embed, name, raw):  # as tptrain's plans (Gemma's scaled too)
             base = {name: "embedding_rowwise", **base}
         param_specs, self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
-        for owner, specs in param_specs.items():  # read by the owner's style ('local_params', 'moe_tp_experts')
-            self.get_submodule(owner).tp_param_specs = specs
+        interleaved = {**interleaved_parameters(hf_model), **_halved_gate_up(hf_model)}
+        for owner, specs in param_specs.items():  # read by the owner's style (hf.plan.PARAMETER_OWNER_STYLES)
+            self.get_submodule(owner).tp_param_specs = {
+                leaf: packed_like_stored(spec, self.get_parameter(f"{owner}.{leaf}").shape,
+                                         interleaved.get(f"{owner}.{leaf}")) for leaf, spec in specs.items()}
         # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling). Module rules
         # only; rules matching no module are a variant's (q_proj where this config has q_a_proj / q_b_proj).
         self.tp_base_plan = module_rules(self, base, prefix)
@@ -231,7 +245,7 @@ class TransformersCausalLM(PreTrainedModel):
             for p in params:
                 p._is_hf_initialized = True
             try:
-                self.hf_model._init_weights(module)
+                self._init_owner(name)._init_weights(module)
             finally:
                 for p in params:
                     del p._is_hf_initialized
@@ -240,6 +254,17 @@ class TransformersCausalLM(PreTrainedModel):
                 raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
                                  f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
                                  f"transformers backend cannot build them")
+
+    def _init_owner(self, name: str) -> nn.Module:
+        """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
+        PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
+        reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            module = self.get_submodule(".".join(parts[:i]))
+            if isinstance(module, transformers.PreTrainedModel):
+                return module
+        return self.hf_model
 
     def _check_plan(self, distributed_config):
         if distributed_config.enable_sequence_parallel:

@@ -26,6 +26,8 @@ STYLE_NAMES: dict[str, str | None] = {
     "rowwise_split_input": "rowwise_split_input",
     "local_params": "local_params",
     "moe_tp_experts": "moe_tp_experts",
+    "all_reduce": "all_reduce",
+    "moe_identity_expert": "moe_identity_expert",
     "mla_kv_a_proj": "mla_kv_a_proj",
     "ep_dispatch_experts": "ep_dispatch_experts",  # tptrain.hf.styles
     "grouped_gemm": None,  # the stacked weights of ep_dispatch_experts: its own split (dim 0)
@@ -44,7 +46,7 @@ def translate_plan(plan: dict[str, str] | None) -> dict[str, str]:
 
 
 # The owners' styles under which transformers' per-parameter rules apply (the owner's forward reads its pieces).
-PARAMETER_OWNER_STYLES = ("local_params", "moe_tp_experts")
+PARAMETER_OWNER_STYLES = ("local_params", "moe_tp_experts", "all_reduce")
 
 
 def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
@@ -63,10 +65,21 @@ def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
     return None
 
 
+def packed_like_stored(spec: ShardSpec, shape: tuple[int, ...], interleaved_dim: int | None) -> ShardSpec:
+    """The split a plain 'colwise' rule along `interleaved_dim` needs on a [gate; up] parameter its forward halves:
+    each half split alone (a packed split). transformers' TP gives it that way when the file stores the rows
+    interleaved (it cuts the stored tensor: Inkling 2); stored as [gate; up] (Inkling), its cut would give rank 0
+    only gate rows. Any other spec unchanged."""
+    if interleaved_dim is None or spec.dim != interleaved_dim or spec.segments or spec.replicas > 1:
+        return spec
+    half = shape[spec.dim] // 2
+    return ShardSpec(spec.dim, segments=((half, 1), (half, 1)))
+
+
 def parameter_rules(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, dict[str, ShardSpec]], dict[str, str]]:
     """The rules of `plan` (full names, transformers' spelling) that name a parameter, not a module: transformers'
     per-parameter styles (stacked MoE experts, attention sinks). Returns ({owner module: {parameter: ShardSpec}},
-    {glob: problem}): a rule applies when its owner's own rule is 'local_params' or 'moe_tp_experts' (whose
+    {glob: problem}): a rule applies when its owner's own rule is 'local_params', 'moe_tp_experts' or 'all_reduce' (whose
     forward reads the pieces as they are); any other is a problem naming it."""
     modules = dict(model.named_modules())
     specs: dict[str, dict[str, ShardSpec]] = {}
@@ -93,6 +106,16 @@ def parameter_rules(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, d
                                   f"packed_colwise, packed_rowwise; {parent!r} has "
                                   f"{plan.get(parent, 'no rule')!r}; use tp_size=1 or fix the plan")
     return specs, problems
+
+
+def vocab_parallel_embedding(embed: nn.Module, name: str, plan: dict[str, str] | None) -> bool:
+    """Whether the input embedding `embed` (`name` under the base model) is made vocab-parallel, as tptrain's own
+    plans do: an nn.Embedding (a subclass scaling its rows too, Gemma's) the plan gives no rule of its own. One the
+    plan keeps whole ('replicate', Inkling 2's), or a subclass with submodules of its own (Inkling's norm over the
+    looked-up row, which a vocabulary shard's partial row cannot go through), stays whole on every rank."""
+    if not isinstance(embed, nn.Embedding) or any(True for _ in embed.children()):
+        return False
+    return not any(_matches(glob, name) for glob in (plan or {}))
 
 
 def module_rules(model: nn.Module, plan: dict[str, str], prefix: str) -> dict[str, str]:
@@ -122,7 +145,8 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     * `tp_pairs = {consumer: (producers, ...)}` on every module whose children the model's own plan splits
       column- then row-wise (attention: q/k/v -> o_proj; MLP: gate/up -> down);
     * `tp_kv_projections` on attention modules (those with `head_dim` and `num_key_value_groups`): the
-      column-parallel children whose rows are the KV heads, replicated when tp_size > num_key_value_heads;
+      column-parallel children whose rows are the KV heads (x head_dim, or x the module's v_head_dim), replicated
+      when tp_size > num_key_value_heads;
       `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it);
     * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
@@ -143,7 +167,13 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
         head_dim = getattr(module, "head_dim", None)
         if cols and head_dim and hasattr(module, "num_key_value_groups"):
             linear = {n: children[n] for n in cols if isinstance(children[n], nn.Linear)}
-            module.tp_kv_projections = tuple(n for n, c in linear.items() if c.out_features == n_kv * head_dim)
+            # K rows are KV heads x head_dim; V rows may be x v_head_dim (MiMo-V2-Flash's 128 with 192-wide keys).
+            # A layer with other KV heads than the config's (MiMo's sliding layers: twice as many) is split plainly.
+            widths = {n_kv * head_dim, n_kv * (getattr(module, "v_head_dim", None) or head_dim)}
+            groups = module.num_key_value_groups
+            own_kv = heads // groups if isinstance(groups, int) and groups > 0 else n_kv
+            module.tp_kv_projections = tuple(n for n, c in linear.items() if c.out_features in widths) \
+                if own_kv == n_kv else ()
             module.tp_query_projection = next((n for n, c in linear.items() if c.out_features == heads * head_dim),
                                               None)
 

@@ -261,7 +261,7 @@ def segments(module: nn.Module) -> Segments:
 
 def param_specs(module: nn.Module) -> Mapping[str, Any]:
     """{own parameter: ShardSpec} a module declares for its parameters one by one (`tp_param_specs`: the
-    transformers backend's per-parameter rules, read by 'local_params' / 'moe_tp_experts'; absent: {})."""
+    transformers backend's per-parameter rules, read by 'local_params' / 'moe_tp_experts' / 'all_reduce'; absent: {})."""
     return dict(getattr(module, "tp_param_specs", None) or {})
 
 

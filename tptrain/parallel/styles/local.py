@@ -23,34 +23,66 @@ class LocalParams(ParallelStyle):
 
 
 @register_style
-class MoeTPExperts(ParallelStyle):
-    """transformers' stacked experts, each split inside like a dense MLP by its per-parameter rules (gate_up along
-    the inner features, each half alone; down along its input): called on the block's whole input as
-    `experts(x, [ids, weights])`, every rank runs every token through its slice of every expert, and the partial
-    outputs are summed (the layer's one all-reduce). x and the routing weights enter through `copy_to_tp`, so
-    their gradients, partial per rank, are summed too."""
+class AllReduceParallel(ParallelStyle):
+    """A module split inside by its per-parameter rules (`tp_param_specs`; Inkling's shared experts, kept as bare
+    stacked parameters: gate / up along the inner features, down along its input) and called on whole inputs: each
+    rank's output is a partial sum, summed over TP (one all-reduce). Every floating input enters through
+    `copy_to_tp` (the first through the block boundary), so its gradient, partial per rank, is summed too."""
 
-    name = "moe_tp_experts"
-    sequence_parallel_ok = False  # the router would see a sequence shard
+    name = "all_reduce"
+    sequence_parallel_ok = False  # its inputs must be whole (a router's weights over the sequence)
 
     def param_specs(self, module):
         specs = dict(contract.param_specs(module))
         if not specs:
-            raise TypeError(f"style {self.name!r} needs per-parameter rules for the stacked experts of a "
-                            f"{type(module).__name__} (its plan's 'experts.gate_up_proj' / 'experts.down_proj')")
+            raise TypeError(f"style {self.name!r} needs per-parameter rules splitting a {type(module).__name__} "
+                            f"(its plan's rules on the module's own parameters), else its output summed over TP "
+                            f"would count the whole module tp_size times")
         return specs
 
     def install(self, module, ctx):
         module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
 
-        def enter(m, args):
+        def enter(m, args, kwargs):
             x, *rest = args
-            if len(rest) >= 2 and torch.is_tensor(rest[1]):  # (ids, weights): the weights' gradient is partial
-                rest[1] = comm.copy_to_tp(rest[1], ctx.group_name)
-            return (ctx.enter(x), *rest)
+            rest = [comm.copy_to_tp(a, ctx.group_name) if _floating(a) else a for a in rest]
+            kwargs = {k: comm.copy_to_tp(v, ctx.group_name) if _floating(v) else v for k, v in kwargs.items()}
+            return (ctx.enter(x), *rest), kwargs
 
-        module.register_forward_pre_hook(enter)
+        module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(lambda m, args, out: ctx.exit(out))
+
+
+def _floating(value) -> bool:
+    return torch.is_tensor(value) and value.is_floating_point()
+
+
+@register_style
+class MoeTPExperts(AllReduceParallel):
+    """transformers' stacked experts, each split inside like a dense MLP by its per-parameter rules (gate_up along
+    the inner features, each half alone; down along its input): called on the block's whole input as
+    `experts(x, ids, weights)`, every rank runs every token through its slice of every expert, and the partial
+    outputs are summed (the layer's one all-reduce). x and the routing weights enter through `copy_to_tp`, so
+    their gradients, partial per rank, are summed too."""
+
+    name = "moe_tp_experts"
+
+
+@register_style
+class MoeIdentityExpert(ParallelStyle):
+    """An expert that returns its input (LongCat-Flash's zero-computation experts, `nn.Identity` inside stacked
+    experts ruled 'moe_tp_experts'): every rank computes it whole, and the experts' partial outputs are summed over
+    TP, so its input is divided by tp_size first (its gradient, reaching each rank divided alike, is summed back
+    whole at the experts' input boundary)."""
+
+    name = "moe_identity_expert"
+    sequence_parallel_ok = False
+
+    def param_specs(self, module):
+        return {n: ShardSpec(None) for n in own_params(module)}
+
+    def install(self, module, ctx):
+        module.register_forward_pre_hook(lambda m, args: (args[0] / ctx.size, *args[1:]))
 
 
 @register_style

@@ -1,0 +1,226 @@
+"""The stages `hf_checkpoint_survey.py` runs on one model type, on every rank of a gloo group: load, forward,
+backward, steps, save, plan (tptrain at tp N) and peer (transformers' own TP at tp N), each against transformers on
+one process (rank 0 holds that reference). A stage after a failed one is not run ("-").
+"""
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+STAGES = ("load", "forward", "backward", "steps", "save", "plan")
+FORWARD_RTOL = 1e-5  # the issue's: logits relative to transformers' on one process, fp32
+# each gradient: within GRAD_RTOL of its largest entry plus GRAD_ATOL of the largest gradient entry of the model
+# (fp32 sums in another order; a gradient that is 0 but for rounding, a normalised router's, is rounding on both sides)
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
+LOSS_RTOL = 1e-5  # the loss of each of 3 AdamW steps (and the one after), relative
+# AdamW's eps above fp32 rounding of a gradient that is 0 but for rounding (else each side steps it by +-lr at random)
+LR, EPS, STEPS = 1e-3, 1e-6, 3
+PEER_MAX_BYTES = 2**30
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """max |got - ref| / max(max |ref|, floor): the error relative to the tensor's scale (not elementwise: a logit
+    near 0 has no meaningful elementwise relative error in fp32)."""
+    got, ref = got.detach().double(), ref.detach().double()
+    if got.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(got.shape)} != transformers' {tuple(ref.shape)}")
+    scale = max(ref.abs().max().item(), floor)
+    return (got - ref).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def _ce(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss without its model-specific extras (aux losses): shifted token mean, fp32."""
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def reference(model, ids: torch.Tensor) -> dict:
+    """transformers on one process: logits; the first backward's gradients; the losses of STEPS AdamW steps and
+    the one after (a copy of `model`, eval mode: no dropout on either side)."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    train = copy.deepcopy(model).eval()
+    opt = torch.optim.AdamW(train.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], None
+    for step in range(STEPS + 1):
+        loss = _ce(train(input_ids=ids, use_cache=False).logits, ids)
+        losses.append(loss.item())
+        if step == STEPS:
+            break
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in train.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return dict(logits=logits, grads=grads, losses=losses, model=model)
+
+
+def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None, tp_size: int, peer: bool) -> dict:
+    """{stage: "OK" / "FAIL" / "-"} plus "error" (the first failure's reason) and "peer"; the same on every rank.
+    `ref` is rank 0's (None elsewhere)."""
+    import transformers
+
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.modeling import gather_parameters
+    from tptrain.parallel.tensor_parallel import gather_full
+
+    rank = torch.distributed.get_rank()
+    state: dict = {}
+    out: dict = {}
+
+    def load():
+        # the transformers backend, also for the types tptrain implements natively (tp 1: one device, no plan)
+        layout = dict(distributed_config=DistributedConfig(tp_size=tp_size, backend="transformers")) \
+            if tp_size > 1 else dict(backend="transformers")
+        state["model"] = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **layout).eval()
+
+    def forward():
+        with torch.no_grad():
+            logits = state["model"](ids).logits
+        if rank == 0 and (err := relative_error(logits, ref["logits"])) > FORWARD_RTOL:
+            raise AssertionError(f"logits differ from transformers': relative error {err:.2e} > {FORWARD_RTOL:.0e}")
+
+    def backward():
+        model = state["model"]
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        state["losses"] = [loss.item()]
+        layout = getattr(model, "tp_layout", None)
+        bad, count = [], 0
+        largest = max(g.abs().max().item() for g in ref["grads"].values()) if rank == 0 else 0.0
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            grad = p.grad if layout is None else gather_full(p.grad, layout.specs[name], layout.ctx)
+            if not torch.isfinite(grad).all():
+                bad.append(f"{name}: not finite")
+            if rank == 0:
+                count += 1
+                want = ref["grads"].get(name)
+                if want is None:
+                    bad.append(f"{name}: transformers has no gradient")
+                elif (err := relative_error(grad, want, floor=GRAD_ATOL / GRAD_RTOL * largest)) > GRAD_RTOL:
+                    bad.append(f"{name}: relative error {err:.1e}")
+        if rank == 0:
+            missing = sorted(set(ref["grads"]) - {n for n, p in model.named_parameters() if p.grad is not None})
+            bad += [f"{n}: no gradient (transformers has one)" for n in missing]
+            if not count:
+                raise AssertionError("no gradient reached any parameter")
+        if bad:
+            raise AssertionError(f"{len(bad)} gradients differ from transformers' (> {GRAD_RTOL:.0e}): "
+                                 + "; ".join(bad[:3]))
+
+    def steps():
+        model = state["model"]
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        for step in range(STEPS):
+            opt.step()
+            opt.zero_grad()
+            loss = model(ids, labels=ids).loss
+            state["losses"].append(loss.item())
+            if step < STEPS - 1:
+                loss.backward()
+        if rank == 0:
+            got, want = torch.tensor(state["losses"]), torch.tensor(ref["losses"])
+            if not torch.allclose(got, want, rtol=LOSS_RTOL, atol=0):
+                raise AssertionError(f"losses of {STEPS} AdamW steps {[f'{x:.7f}' for x in got.tolist()]} != "
+                                     f"transformers' on one process {[f'{x:.7f}' for x in want.tolist()]}")
+
+    def save():
+        model = state["model"]
+        model.save_pretrained(saved)
+        trained = gather_parameters(model, [n for n, _ in model.named_parameters(remove_duplicate=False)])
+        if rank == 0:
+            auto = transformers.AutoModelForCausalLM
+            reloaded = auto.from_pretrained(saved, dtype=torch.float32).state_dict()
+            # what transformers' own save_pretrained of the same weights reloads as (its reload may change a tensor:
+            # youtu's zeroes its padding row)
+            own = ref["model"]
+            own.load_state_dict(trained, strict=False)
+            own.save_pretrained(f"{saved}-transformers")
+            want = auto.from_pretrained(f"{saved}-transformers", dtype=torch.float32).state_dict()
+            bad = [k for k, v in want.items() if k not in reloaded or not torch.equal(reloaded[k], v)]
+            if bad or set(reloaded) != set(want):
+                raise AssertionError(f"{len(bad)} of {len(want)} tensors differ between transformers' reload "
+                                     f"of tptrain's save_pretrained and of its own (same weights), e.g. "
+                                     f"{(bad or sorted(set(reloaded) ^ set(want)))[0]!r}")
+
+    def plan():
+        from tptrain.diagnostics.plan_report import plan_report
+        from tptrain.models import AutoConfig
+
+        if rank != 0:
+            return
+        model = state["model"]
+        report = plan_report(AutoConfig.from_pretrained(directory, backend="transformers"), tp_size, dtype=torch.float32)
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        if report.problems:
+            raise AssertionError(f"`tptrain plan` reports problems: {report.problems[0]}")
+        if report.bytes_per_rank != held:
+            raise AssertionError(f"`tptrain plan` says {report.bytes_per_rank} parameter bytes per rank, a loaded "
+                                 f"rank holds {held}")
+        if tp_size > 1 and getattr(model, "tp_layout", None) and "split" not in report.text:
+            raise AssertionError("`tptrain plan` lists no split parameter")
+
+    for name, fn in zip(STAGES, (load, forward, backward, steps, save, plan)):
+        out[name] = _stage(name, fn, out)
+    if peer:
+        out["peer"] = _peer(directory, ids, ref, tp_size)
+    state.clear()
+    return out
+
+
+def _stage(name: str, fn, out: dict) -> str:
+    """Run one stage unless one failed before; the first error on any rank is the stage's outcome on every rank."""
+    from tptrain.distributed import comm
+
+    if "error" in out:
+        return "-"
+    error = None
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - a survey: record and go on
+        error = _describe(exc)
+        if os.environ.get("SURVEY_TRACEBACK"):
+            traceback.print_exc()
+    errors = [e for e in comm.all_gather_object(error) if e]
+    if errors:
+        out["error"] = f"{name}: {errors[0]}"
+        return "FAIL"
+    return "OK"
+
+
+def _describe(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines[:2])[:300]}"
+
+
+def _peer(directory: Path, ids: torch.Tensor, ref: dict | None, tp_size: int) -> str:
+    """transformers' own TP (`DistributedConfig(tp_size=N)`) on the same ranks: does its forward equal transformers
+    on one process? "OK", "differs (relative error ...)" or "fails: <error>"."""
+    import transformers
+
+    from tptrain.distributed import comm
+
+    error = None
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    if size > PEER_MAX_BYTES:  # transformers' TP loading of it takes several times that on each rank
+        return f"not run (a {size / 2**30:.1f} GiB checkpoint: full-size sub-models)"
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, distributed_config=transformers.DistributedConfig(tp_size=tp_size)).eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        if torch.distributed.get_rank() == 0 and (err := relative_error(logits, ref["logits"])) > FORWARD_RTOL:
+            error = f"differs (relative error {err:.1e})"
+    except Exception as exc:  # noqa: BLE001 - a survey: record and go on
+        error = f"fails: {_describe(exc)}"
+        if os.environ.get("SURVEY_TRACEBACK"):
+            traceback.print_exc()
+    errors = [e for e in comm.all_gather_object(error) if e]
+    return errors[0] if errors else "OK"
