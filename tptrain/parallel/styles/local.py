@@ -7,7 +7,8 @@ import torch
 
 from tptrain.distributed import comm
 from tptrain.parallel import contract
-from tptrain.parallel.styles.base import ParallelStyle, own_params, register_style
+from tptrain.parallel.dispatch import exchange, grouped_by_forward
+from tptrain.parallel.styles.base import ParallelStyle, own_params, register_style, replace_forward
 from tptrain.parallel.styles.spec import ShardSpec
 
 
@@ -28,10 +29,17 @@ class MoeTPExperts(ParallelStyle):
     the inner features, each half alone; down along its input): called on the block's whole input as
     `experts(x, [ids, weights])`, every rank runs every token through its slice of every expert, and the partial
     outputs are summed (the layer's one all-reduce). x and the routing weights enter through `copy_to_tp`, so
-    their gradients, partial per rank, are summed too."""
+    their gradients, partial per rank, are summed too.
+
+    Over an ep axis (`DistributedConfig(ep_size=)`, as tptrain's 'expert_tensor_parallel'): ep rank e holds experts
+    [e E/ep, (e+1) E/ep) (`num_experts` becomes E/ep), each split over tp as above; its own tokens go to their
+    experts' owners by all-to-all over ep (`dispatch.exchange`, transformers' forward run there on the held ids),
+    come back, are weighted and summed, and the partial sums over tp ride the same one all-reduce."""
 
     name = "moe_tp_experts"
     sequence_parallel_ok = False  # the router would see a sequence shard
+    stacked_experts = True
+    ep_axis = True
 
     def param_specs(self, module):
         specs = dict(contract.param_specs(module))
@@ -41,6 +49,10 @@ class MoeTPExperts(ParallelStyle):
         return specs
 
     def install(self, module, ctx):
+        if ctx.ep_size > 1:
+            self._install_ep(module, ctx)
+            return
+
         def enter(m, args):
             x, *rest = args
             if len(rest) >= 2 and torch.is_tensor(rest[1]):  # (ids, weights): the weights' gradient is partial
@@ -49,6 +61,19 @@ class MoeTPExperts(ParallelStyle):
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(lambda m, args, out: ctx.exit(out))
+
+    @staticmethod
+    def _install_ep(module, ctx):
+        total = module.num_experts  # an int: plan.ep_problems checked it
+        grouped = grouped_by_forward(module, type(module).forward)
+        module.num_experts = total // ctx.ep_size  # transformers' experts index their stack by the ids it is given
+        module.tp_dispatch, module.ep_dispatch = "all_reduce", "all_to_all"  # what the communication report counts
+
+        def forward(self, x, expert_ids, weights):
+            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
+            return ctx.exit(exchange(grouped, total, x, expert_ids, weights, ctx.ep_group_name, ctx.ep_size))
+
+        replace_forward(module, forward)
 
 
 @register_style
