@@ -171,3 +171,31 @@ def _bad_layouts_raise_on_every_rank() -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_transformers_and_one_process(checkpoints, world):
     run_distributed(_worker, world, world, checkpoints, timeout=600)
+
+
+def _meta(model_type: str, **overrides):
+    from tptrain.hf.model import TransformersCausalLM
+    return TransformersCausalLM.from_config(_config(model_type, **overrides), device="meta")
+
+
+def test_what_cannot_split_is_refused_naming_it():
+    """Experts that do not split into equal shares, an experts module without transformers' experts interface under
+    ep_size or an ep style: plan problems / errors naming the module, its size and the fix (before any collective)."""
+    from tptrain.parallel.plan import check_plan
+    six = _meta("qwen3_moe", num_experts=6)
+    with pytest.raises(ValueError, match=r"ep_size=4:\n.*layers\.\*\.mlp\.experts: num_experts=6 is not divisible by "
+                                         r"ep_size=4.*use an ep_size that divides 6"):
+        check_plan(six, "auto", 1, ep_size=4).raise_problems(six)
+    problems = check_plan(six, "auto", 4, expert_parallel=True).problems
+    assert any("experts.gate_up_proj has shape (6, 32, 32)" in p and "'ep_dispatch_experts' at tp_size=4" in p
+               for p in problems), problems
+    llama4 = _meta("llama4_text", num_local_experts=4, intermediate_size=16)  # its experts take routed rows only
+    problems = check_plan(llama4, "auto", 1, ep_size=2).problems
+    assert any("feed_forward.experts (Llama4TextExperts) is not a stacked-experts module routed by expert ids" in p
+               and "drop ep_size" in p for p in problems), problems
+    with pytest.raises(TypeError, match=r"'ep_dispatch_experts' needs transformers' experts interface .* got a "
+                                        r"Qwen3MoeSparseMoeBlock without \['num_experts', '_is_expert_parallel'\]"):
+        check_plan(_meta("qwen3_moe"), {"layers.*.mlp": "ep_dispatch_experts"}, 2, expert_parallel=True)
+    over = check_plan(_meta("qwen3_moe"), {"layers.*.mlp.experts": "ep_dispatch_experts_all_to_all"}, 2, ep_size=2)
+    assert any("'ep_dispatch_experts_all_to_all', but with ep_size" in p and "'moe_tp_experts'" in p
+               for p in over.problems), over.problems
