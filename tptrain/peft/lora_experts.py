@@ -21,6 +21,8 @@ registers (`down_proj`) outermost, so the inner one's keys carry one `base_layer
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -105,8 +107,7 @@ class LoraExperts(nn.Module):
             gen = torch.Generator().manual_seed(mix_seed(self.runtime.seed, f"{self.name}.{init_key}", "init"))
             bound = shape[-1] ** -0.5
             full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
-        local = full if spec.dim is None or self.ctx is None else spec.local_chunk(full, self.ctx.size, self.ctx.rank)
-        setattr(self, attr, nn.ParameterDict({ADAPTER: nn.Parameter(local.clone().to(device, dtype))}))
+        setattr(self, attr, nn.ParameterDict({ADAPTER: nn.Parameter(self._local(full, spec).clone().to(device, dtype))}))
         self._layout[f"{attr}.{ADAPTER}"] = (spec, shape)
 
     def forward(self, *args, **kwargs):
@@ -182,9 +183,14 @@ class LoraExperts(nn.Module):
         with torch.no_grad():
             for local_name, t in full.items():
                 spec, p = self._layout[local_name][0], self.get_parameter(local_name)
-                if spec.dim is not None and self.ctx is not None:
-                    t = spec.local_chunk(t, self.ctx.size, self.ctx.rank)
-                p.copy_(t.to(p.dtype))
+                p.copy_(self._local(t, spec).to(p.dtype))
+
+    def _local(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """This rank's piece of a full factor: its experts over an ep axis, then its TP chunk."""
+        if self.ctx is None:
+            return full
+        full = spec.ep_chunk(full, self.ctx.ep_size, self.ctx.ep_rank)
+        return full if spec.dim is None else spec.local_chunk(full, self.ctx.size, self.ctx.rank)
 
     # ------------------------------------------------------------------ merging
 
@@ -219,8 +225,12 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 def fused_factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
     """(spec of A (E, r, in), spec of B (E, out, r)) for a fused stacked weight (E, out, in) laid out as `base`: as
-    `factor_specs`, B split with the weight's rows (each packed half alone) and A with its columns."""
-    if base.dim in (1, 2) and base.replicas == 1 and not base.ep_split:
+    `factor_specs`, B split with the weight's rows (each packed half alone) and A with its columns; over an ep axis
+    both split by expert as well (each rank's experts' factors only: their gradients whole on it)."""
+    if base.ep_split:  # over an ep axis the factors hold this rank's experts too, split inside as below
+        return tuple(dataclasses.replace(spec, ep_split=True)
+                     for spec in fused_factor_specs(dataclasses.replace(base, ep_split=False), where))
+    if base.dim in (1, 2) and base.replicas == 1:
         return (PARTIAL, base) if base.dim == 1 else (base, PARTIAL)
     return factor_specs(base, where)
 
