@@ -208,14 +208,21 @@ def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, a
     out and one per row received back; backward the two reverse exchanges. The rows received are the ones
     `tracker` saw noted over the ep group in forward, every block's together."""
     hidden, k = model.config.hidden_size, getattr(model.config, "num_experts_per_tok", 0)
-    blocks = [model.get_submodule(name) for name in plan]
-    blocks = [experts for experts in blocks if getattr(experts, "ep_dispatch", None) == "all_to_all"]
+    blocks = [name for name in plan if getattr(model.get_submodule(name), "ep_dispatch", None) == "all_to_all"]
     if not blocks:
         return
     received = _rows_received(tracker, model.tp_layout.ctx.ep_group_name)
     rows = (len(blocks) * tokens * k + received) * hidden * act_size
-    add(("forward", "all_to_all"), 3 * len(blocks), sum(experts.num_experts for experts in blocks) * 8 + rows)
+    counts = sum(_global_experts(model, name) for name in blocks) * 8  # one int64 per expert of the group
+    add(("forward", "all_to_all"), 3 * len(blocks), counts + rows)
     add(("backward", "all_to_all"), 2 * len(blocks), rows)
+
+
+def _global_experts(model: nn.Module, name: str) -> int:
+    """How many experts the stacked-experts module `name` holds over all ranks (its stacks' global dim 0; a module's
+    own `num_experts` may count only its share)."""
+    first = next(n for n, _ in model.get_submodule(name).named_parameters(recurse=False))
+    return model.tp_layout.global_shapes[f"{name}.{first}"][0]
 
 
 def _fused_loss_chunks(model: nn.Module, tokens: int, return_logits: bool) -> int:

@@ -30,7 +30,7 @@ from torch import nn
 from transformers.integrations.moe import _default_apply_gate
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tptrain.hf import styles as _styles  # noqa: F401 - registers 'ep_dispatch_experts'
+from tptrain.hf import styles as _styles  # noqa: F401 - registers the ep_dispatch_experts styles
 from tptrain.hf.conversions import checkpoint_sources, hub_sizes, interleaved_parameters, save_groups, to_hub
 from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
                              translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,

@@ -148,7 +148,10 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
       column-parallel children whose rows are the KV heads (x head_dim, or x the module's v_head_dim), replicated
       when tp_size > num_key_value_heads;
       `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it);
-    * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim.
+    * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim;
+    * on transformers' experts modules (`@use_experts_implementation`'s, with `_is_expert_parallel`):
+      `tp_routed_experts` (forward(x, expert_ids, weights), what an ep axis splits: `contract.routed_experts`) and
+      `tp_top_k`, the config's num_experts_per_tok, which 'ep_dispatch_experts' chooses its dispatch by.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
     """
     styles = resolve_names(model, plan)
@@ -158,7 +161,10 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     for name, style in styles.items():
         if style == "mla_kv_a_proj" and rope:
             model.get_submodule(name).tp_replicated_tail = rope
+    top_k = getattr(config, "num_experts_per_tok", None)
     for owner, module in model.named_modules():
+        if hasattr(module, "_is_expert_parallel"):
+            module.tp_routed_experts, module.tp_top_k = True, top_k if isinstance(top_k, int) else None
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
         cols = tuple(n for n in children if canonical_style(styles[f"{owner}.{n}"]) in ("colwise", "fused_colwise"))
         rows = [n for n in children if styles[f"{owner}.{n}"] == "rowwise"]

@@ -153,6 +153,9 @@ class TPExperts(Protocol):
         the weighted sum over the experts held here.
     Written by the engine for the reports: `tp_dispatch` ("all_reduce" / "all_to_all": how the TP group
     exchanged the experts' work) and, over an ep axis, `ep_dispatch` ("all_to_all").
+    Another stacked-experts module an ep axis can split by expert declares `tp_routed_experts = True`: it has an int
+    `num_experts` and forward(x, expert_ids, weights) on the ids of the experts it holds (`routed_experts`; the
+    transformers backend: transformers' experts).
     """
 
     num_experts: int
@@ -180,6 +183,13 @@ def missing(obj: Any, protocol: type) -> list[str]:
 
 
 # ---------------------------------------------------------------------- accessors: each optional fact's default
+
+
+def routed_experts(module: nn.Module) -> bool:
+    """Whether `module` holds stacked experts called as forward(x, expert_ids, weights) with an int `num_experts`: a
+    TPExperts, or a module declaring `tp_routed_experts` (see TPExperts)."""
+    return isinstance(getattr(module, "num_experts", None), int) and (
+        not missing(module, TPExperts) or getattr(module, "tp_routed_experts", False))
 
 
 def config_plan(config: Any) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """Experts over the TP group: split inside each expert (expert tensor parallelism) or split by expert (expert
-parallelism), and the token dispatch / combine by all-to-all.
+parallelism), the token dispatch / combine by all-to-all (parallel/dispatch.py) or the partial outputs summed.
 
 The experts module (tptrain.models.moe.Experts, named here only through its interface, `contract.TPExperts`: stacked
 `gate_proj`, `up_proj` (experts, inner, hidden), `down_proj` (experts, hidden, inner), `num_experts`, `top_k`,
@@ -34,11 +34,11 @@ replicated).
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from tptrain.distributed import comm
 from tptrain.parallel import contract
+from tptrain.parallel.dispatch import dispatch_and_combine, exchange
 from tptrain.parallel.styles import ParallelStyle, ShardSpec, TPContext, replace_forward, register_style
 
 __all__ = ["ExpertTensorParallel", "ExpertParallelAllReduce", "ExpertParallelAllToAll", "ExpertParallel",
@@ -55,6 +55,7 @@ class _ExpertStyle(ParallelStyle):
     router would see a sequence shard while the experts see the gathered sequence)."""
 
     sequence_parallel_ok = False
+    stacked_experts = True
 
     def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
         missing = contract.missing(module, contract.TPExperts)
@@ -85,6 +86,7 @@ class ExpertTensorParallel(_ExpertStyle):
     """Every expert split like a dense MLP: gate/up colwise along the inner dim (dim 1), down rowwise (dim 2)."""
 
     name = "expert_tensor_parallel"
+    ep_axis = True
 
     def specs(self):
         return {"gate_proj": ShardSpec(1), "up_proj": ShardSpec(1), "down_proj": ShardSpec(2)}
@@ -99,7 +101,8 @@ class ExpertTensorParallel(_ExpertStyle):
 
         def forward(self, x, expert_ids, weights):
             x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
-            return ctx.exit(exchange(self, x, expert_ids, weights, ctx.ep_group_name, ctx.ep_size))
+            return ctx.exit(exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.ep_group_name,
+                                            ctx.ep_size))
 
         replace_forward(module, forward)
 
@@ -135,7 +138,7 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
         def forward(self, x, expert_ids, weights):
             if x.shape[0] % ctx.size:
                 return summed(self, x, expert_ids, weights)
-            return dispatch_and_combine(self, x, expert_ids, weights, ctx)
+            return dispatch_and_combine(self.grouped, self.num_experts, x, expert_ids, weights, ctx)
 
         replace_forward(module, forward)
 
@@ -151,41 +154,3 @@ class ExpertParallel(ExpertParallelAllToAll):
             super().install(module, ctx)
         else:
             ExpertParallelAllReduce.install(self, module, ctx)
-
-
-def dispatch_and_combine(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                         ctx: TPContext) -> torch.Tensor:
-    """The block output (tokens, hidden) on every rank, each rank routing only its share of the tokens.
-
-    x (tokens, hidden) whole on every rank; expert_ids, weights (tokens, k). Forward: the share's `exchange` over
-    the TP group and one all-gather of the shares; backward: the reverse all-to-alls and the all-gather of the
-    input share's gradient.
-    """
-    p, group = ctx.size, ctx.group_name
-    assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
-    x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
-    combined = exchange(experts, x, expert_ids.chunk(p)[ctx.rank], weights, group, p)
-    return comm.gather_from_tp(combined, group, dim=0)
-
-
-def exchange(experts: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, group: str,
-             p: int) -> torch.Tensor:
-    """This rank's tokens x (tokens, hidden) through their experts, held by the p ranks of `group` (E/p each, in
-    rank order): (tokens, hidden), the weighted sum over each token's experts (partial over tp when the owners
-    hold a TP slice of each expert). One all-to-all of per-expert counts, one of the rows (to the owners), one of
-    the results (back). Ranks whose experts get no row still take part, with empty splits."""
-    k, held = expert_ids.shape[1], experts.gate_proj.shape[0]
-    flat = expert_ids.flatten()
-    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, so by owner rank
-    sent = torch.bincount(flat, minlength=experts.num_experts)  # (experts,) rows to each expert
-    got = comm.exchange_counts(sent, group).view(p, held)  # rows each source sends to each expert held here
-    send_splits = sent.view(p, held).sum(1).tolist()
-    recv_splits = got.sum(1).tolist()
-    rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
-    comm.note("rows_received", rows.shape[0], group)  # comm_report: the rows sent back are the others' routing
-    held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
-    by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
-    out = rows.new_empty((rows.shape[0], experts.down_proj.shape[1]))
-    out[by_expert] = experts.grouped(rows[by_expert], got.sum(0).tolist())
-    back = comm.dispatch_to_ranks(out, group, recv_splits, send_splits)  # in `order`
-    return x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))

@@ -220,7 +220,7 @@ def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None =
 
 def _experts(objects: Mapping[str, ParallelStyle]) -> list[str]:
     """The modules planned as stacked experts (any expert style)."""
-    return [name for name, style in objects.items() if isinstance(style, _expert_styles._ExpertStyle)]
+    return [name for name, style in objects.items() if style.stacked_experts]
 
 
 def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size: int) -> list[str]:
@@ -233,14 +233,21 @@ def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size:
     problems = []
     for name in experts:
         module, style = model.get_submodule(name), objects[name]
-        if style.name != "expert_tensor_parallel":
+        if not style.ep_axis:
+            axis = [n for n, s in STYLES.items() if s.ep_axis and s.stacked_experts]
             problems.append(f"{_generic(name)} has style {style.name!r}, but with ep_size the experts are split by "
-                            f"expert over ep and each expert over tp ('expert_tensor_parallel'); drop the override "
-                            f"(or drop ep_size)")
-        if module.num_experts % ep_size:
-            problems.append(f"{_generic(name)}: num_experts={module.num_experts} is not divisible by "
+                            f"expert over ep and each expert over tp (style {' or '.join(map(repr, axis))}); drop "
+                            f"the override (or drop ep_size)")
+        experts = getattr(module, "num_experts", None)
+        if not contract.routed_experts(module):
+            problems.append(f"{_generic(name)} ({type(module).__name__}) is not a stacked-experts module routed by "
+                            f"expert ids (num_experts and forward(x, expert_ids, weights); on the transformers "
+                            f"backend, transformers' experts with @use_experts_implementation), so ep_size cannot "
+                            f"split it by expert and dispatch its tokens; drop ep_size")
+        elif experts % ep_size:
+            problems.append(f"{_generic(name)}: num_experts={experts} is not divisible by "
                             f"ep_size={ep_size}: every ep rank holds the same number of whole experts; use an ep_size "
-                            f"that divides {module.num_experts}")
+                            f"that divides {experts}")
     return sorted(set(problems))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from tptrain.peft.lora_experts import FUSED, STACKED, is_experts
+from tptrain.peft.lora_experts import FUSED, STACKED, is_experts, is_fused_experts
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -284,7 +284,7 @@ def resolve_parameter_targets(model: nn.Module, config: LoraConfig
     experts: dict[str, tuple[str, ...]] = {}
     linear: dict[str, nn.Linear] = {}
     for name, module in model.named_modules():
-        if is_experts(module):
+        if is_experts(module) or is_fused_experts(module):
             hit = tuple(p for p in FUSED if _name_matches(targets, f"{name}.{p}"))
             unfused = [p for p in STACKED[:2] if _name_matches(targets, f"{name}.{p}")]
             if unfused:

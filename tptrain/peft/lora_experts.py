@@ -21,9 +21,12 @@ registers (`down_proj`) outermost, so the inner one's keys carry one `base_layer
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
+from tptrain.parallel.contract import routed_experts
 from tptrain.parallel.styles import ShardSpec, TPContext
 from tptrain.peft.lora import ADAPTER, PARTIAL, REPLICATED, LoraRuntime, mix_seed
 
@@ -60,17 +63,12 @@ class LoraExperts(nn.Module):
     def __init__(self, base: nn.Module, *, name: str, ranks: dict[str, tuple[int, float]],
                  shapes: tuple[int, int, int], specs: dict[str, ShardSpec], ctx: TPContext | None,
                  runtime: LoraRuntime, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.base_layer = base
-        self.name, self.ranks = name, dict(ranks)
-        self.targets = tuple(t for t in FUSED if t in ranks)
-        self.ctx, self.runtime = ctx, runtime
+        self._setup(base, name=name, ranks=ranks, ctx=ctx, runtime=runtime, experts=shapes[0])
         experts, inner, hidden = shapes  # global (unsharded) sizes
-        self.num_experts, self.inner = experts, inner
-        self._layout: dict[str, tuple[ShardSpec, tuple[int, ...]]] = {}
-        # {stacked weight: (A name, B name, scaling)}: which factors join which projection
-        self.pairs: dict[str, tuple[str, str, float]] = {}
         device = base.gate_proj.device
+        # {fused target: (A name, B names)}: B of gate_up_proj held as two (gate rows, up rows) beside gate / up
+        self.factor_names = {"gate_up_proj": ("lora_gate_up_A", ("lora_gate_B", "lora_up_B")),
+                             "down_proj": ("lora_down_A", ("lora_down_B",))}
         if "gate_up_proj" in ranks:
             r, scaling = ranks["gate_up_proj"]
             spec_a, spec_b = factor_specs(specs["gate_proj"], f"{name}.gate_up_proj")
@@ -87,6 +85,18 @@ class LoraExperts(nn.Module):
             self.pairs["down_proj"] = ("lora_down_A", "lora_down_B", scaling)
         base.project = self.project  # the grouped matmul's per-expert projection, now with the adapter term
 
+    def _setup(self, base: nn.Module, *, name: str, ranks: dict[str, tuple[int, float]], ctx: TPContext | None,
+               runtime: LoraRuntime, experts: int) -> None:
+        nn.Module.__init__(self)
+        self.base_layer = base
+        self.name, self.ranks = name, dict(ranks)
+        self.targets = tuple(t for t in FUSED if t in ranks)
+        self.ctx, self.runtime = ctx, runtime
+        self.num_experts = experts  # global
+        self._layout: dict[str, tuple[ShardSpec, tuple[int, ...]]] = {}
+        # {stacked weight: (A name, B name, scaling)}: which factors join which projection
+        self.pairs: dict[str, tuple[str, str, float]] = {}
+
     def _factor(self, attr: str, spec: ShardSpec, shape: tuple[int, ...], init_key: str | None,
                 dtype: torch.dtype, device: torch.device) -> None:
         """A factor from its FULL shape (A: peft's kaiming-uniform bound 1/sqrt(in) under a seed every rank shares;
@@ -97,8 +107,7 @@ class LoraExperts(nn.Module):
             gen = torch.Generator().manual_seed(mix_seed(self.runtime.seed, f"{self.name}.{init_key}", "init"))
             bound = shape[-1] ** -0.5
             full = torch.empty(shape).uniform_(-bound, bound, generator=gen)
-        local = full if spec.dim is None or self.ctx is None else spec.local_chunk(full, self.ctx.size, self.ctx.rank)
-        setattr(self, attr, nn.ParameterDict({ADAPTER: nn.Parameter(local.clone().to(device, dtype))}))
+        setattr(self, attr, nn.ParameterDict({ADAPTER: nn.Parameter(self._local(full, spec).clone().to(device, dtype))}))
         self._layout[f"{attr}.{ADAPTER}"] = (spec, shape)
 
     def forward(self, *args, **kwargs):
@@ -139,20 +148,18 @@ class LoraExperts(nn.Module):
 
     def _full_pair(self, target: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Unsharded (A, B) shapes of `target`, B of gate_up_proj being the gate rows then the up rows."""
-        if target == "gate_up_proj":
-            e, inner, r = self._layout[f"lora_gate_B.{ADAPTER}"][1]
-            return self._layout[f"lora_gate_up_A.{ADAPTER}"][1], (e, 2 * inner, r)
-        return self._layout[f"lora_down_A.{ADAPTER}"][1], self._layout[f"lora_down_B.{ADAPTER}"][1]
+        a_name, b_names = self.factor_names[target]
+        e, _, r = self._layout[f"{b_names[0]}.{ADAPTER}"][1]
+        rows = sum(self._layout[f"{b}.{ADAPTER}"][1][1] for b in b_names)
+        return self._layout[f"{a_name}.{ADAPTER}"][1], (e, rows, r)
 
     def to_disk(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """peft's tensors {key under the module name: tensor} from this layer's full factors {factor name: tensor}."""
         out = {}
         for target in self.targets:
-            if target == "gate_up_proj":
-                a = full[f"lora_gate_up_A.{ADAPTER}"]
-                b = torch.cat([full[f"lora_gate_B.{ADAPTER}"], full[f"lora_up_B.{ADAPTER}"]], dim=1)
-            else:
-                a, b = full[f"lora_down_A.{ADAPTER}"], full[f"lora_down_B.{ADAPTER}"]
+            a_name, b_names = self.factor_names[target]
+            a = full[f"{a_name}.{ADAPTER}"]
+            b = torch.cat([full[f"{b}.{ADAPTER}"] for b in b_names], dim=1)
             p = self.disk_prefix(target)
             out[f"{p}lora_A.weight"] = a.flatten(0, 1)  # (E*r, in): expert-major rows
             out[f"{p}lora_B.weight"] = b.permute(1, 2, 0).flatten(1)  # (out, r*E): column j*E + e
@@ -164,13 +171,11 @@ class LoraExperts(nn.Module):
         for target in self.targets:
             e, r, p = self.num_experts, self.ranks[target][0], self.disk_prefix(target)
             a_disk, b_disk = tensors[f"{p}lora_A.weight"], tensors[f"{p}lora_B.weight"]
-            a = a_disk.reshape(e, r, a_disk.shape[1])
+            a_name, b_names = self.factor_names[target]
+            out[f"{a_name}.{ADAPTER}"] = a_disk.reshape(e, r, a_disk.shape[1])
             b = b_disk.reshape(b_disk.shape[0], r, e).permute(2, 0, 1)  # (E, out, r)
-            if target == "gate_up_proj":
-                out[f"lora_gate_up_A.{ADAPTER}"] = a
-                out[f"lora_gate_B.{ADAPTER}"], out[f"lora_up_B.{ADAPTER}"] = b[:, :self.inner], b[:, self.inner:]
-            else:
-                out[f"lora_down_A.{ADAPTER}"], out[f"lora_down_B.{ADAPTER}"] = a, b
+            rows = [self._layout[f"{n}.{ADAPTER}"][1][1] for n in b_names]
+            out.update({f"{n}.{ADAPTER}": part for n, part in zip(b_names, b.split(rows, dim=1))})
         return out
 
     def load_full(self, full: dict[str, torch.Tensor]) -> None:
@@ -178,23 +183,83 @@ class LoraExperts(nn.Module):
         with torch.no_grad():
             for local_name, t in full.items():
                 spec, p = self._layout[local_name][0], self.get_parameter(local_name)
-                if spec.dim is not None and self.ctx is not None:
-                    t = spec.local_chunk(t, self.ctx.size, self.ctx.rank)
-                p.copy_(t.to(p.dtype))
+                p.copy_(self._local(t, spec).to(p.dtype))
+
+    def _local(self, full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+        """This rank's piece of a full factor: its experts over an ep axis, then its TP chunk."""
+        if self.ctx is None:
+            return full
+        full = spec.ep_chunk(full, self.ctx.ep_size, self.ctx.ep_rank)
+        return full if spec.dim is None else spec.local_chunk(full, self.ctx.size, self.ctx.rank)
 
     # ------------------------------------------------------------------ merging
+
+    def delta(self, weight_name: str, weight: torch.Tensor) -> torch.Tensor:
+        """s * B_e @ A_e for every held expert: this rank's block of the adapted stacked weight (experts, out, in)."""
+        a, b, scaling = self.pairs[weight_name]
+        compute = torch.promote_types(weight.dtype, torch.float32)
+        return (torch.bmm(self.factor(b).to(compute), self.factor(a).to(compute)) * scaling).to(weight.dtype)
 
     def merge(self) -> nn.Module:
         """Fold s * B_e @ A_e into this rank's block of every adapted stacked weight; return the base, unhooked."""
         base = self.base_layer
         with torch.no_grad():
-            for weight_name, (a, b, scaling) in self.pairs.items():
+            for weight_name in self.pairs:
                 weight = getattr(base, weight_name)
-                compute = torch.promote_types(weight.dtype, torch.float32)
-                delta = torch.bmm(self.factor(b).to(compute), self.factor(a).to(compute)) * scaling
-                weight.add_(delta.to(weight.dtype))
+                weight.add_(self.delta(weight_name, weight))
         return self.unhook()
 
     def unhook(self) -> nn.Module:
         del self.base_layer.project  # back to the class's plain projection
+        return self.base_layer
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """An experts module holding transformers' fused stacks as they are adapted: `gate_up_proj` (E, 2 inner, hidden)
+    and `down_proj` (E, hidden, inner), (out, in) per expert, called as forward(x, expert_ids, weights)
+    (`contract.routed_experts`: transformers' experts on the transformers backend)."""
+    return (routed_experts(module) and not getattr(module, "is_transposed", False)
+            and all(isinstance(getattr(module, n, None), nn.Parameter) and getattr(module, n).dim() == 3
+                    for n in FUSED))
+
+
+def fused_factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
+    """(spec of A (E, r, in), spec of B (E, out, r)) for a fused stacked weight (E, out, in) laid out as `base`: as
+    `factor_specs`, B split with the weight's rows (each packed half alone) and A with its columns; over an ep axis
+    both split by expert as well (each rank's experts' factors only: their gradients whole on it)."""
+    if base.ep_split:  # over an ep axis the factors hold this rank's experts too, split inside as below
+        return tuple(dataclasses.replace(spec, ep_split=True)
+                     for spec in fused_factor_specs(dataclasses.replace(base, ep_split=False), where))
+    if base.dim in (1, 2) and base.replicas == 1:
+        return (PARTIAL, base) if base.dim == 1 else (base, PARTIAL)
+    return factor_specs(base, where)
+
+
+class LoraFusedExperts(LoraExperts):
+    """LoRA on transformers' experts (`is_fused_experts`): the factors of each fused parameter as peft holds them,
+    A (E, r, in) and B (E, out, r) (gate_up_proj's B whole: its gate rows then its up rows), and forward runs the
+    module on W + s * B_e @ A_e (transformers' own experts kernel, so every expert style's collectives carry the
+    adapter), as peft's ParamWrapper does by parametrization. Each factor follows its weight's split
+    (`fused_factor_specs`)."""
+
+    def __init__(self, base: nn.Module, *, name: str, ranks: dict[str, tuple[int, float]],
+                 shapes: dict[str, tuple[int, int, int]], specs: dict[str, ShardSpec], ctx: TPContext | None,
+                 runtime: LoraRuntime, dtype: torch.dtype) -> None:
+        self._setup(base, name=name, ranks=ranks, ctx=ctx, runtime=runtime, experts=shapes["down_proj"][0])
+        self.factor_names = {}
+        device = base.down_proj.device
+        for target in self.targets:
+            (experts, out, inner), (r, scaling) = shapes[target], ranks[target]
+            spec_a, spec_b = fused_factor_specs(specs[target], f"{name}.{target}")
+            a_name, b_name = f"lora_{target[:-5]}_A", f"lora_{target[:-5]}_B"  # lora_gate_up_A, lora_down_B, ...
+            self._factor(a_name, spec_a, (experts, r, inner), target, dtype, device)
+            self._factor(b_name, spec_b, (experts, out, r), None, dtype, device)
+            self.factor_names[target], self.pairs[target] = (a_name, (b_name,)), (a_name, b_name, scaling)
+
+    def forward(self, *args, **kwargs):
+        adapted = {t: getattr(self.base_layer, t) for t in self.pairs}
+        adapted = {t: w + self.delta(t, w) for t, w in adapted.items()}
+        return torch.func.functional_call(self.base_layer, adapted, args, kwargs, tie_weights=False, strict=False)
+
+    def unhook(self) -> nn.Module:
         return self.base_layer

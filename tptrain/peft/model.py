@@ -29,7 +29,7 @@ from tptrain.peft import io
 from tptrain.peft.config import (ALL_LINEAR, LoraConfig, modules_to_save, resolve_parameter_targets, resolve_targets,
                                  rewrite_expert_targets)
 from tptrain.peft.lora import LoraEmbedding, LoraLayer, LoraLinear, LoraRuntime, factor_specs
-from tptrain.peft.lora_experts import STACKED, LoraExperts
+from tptrain.peft.lora_experts import FUSED, STACKED, LoraExperts, LoraFusedExperts, fused_factor_specs, is_fused_experts
 from tptrain.peft.lora_experts import factor_specs as expert_factor_specs
 
 
@@ -69,9 +69,13 @@ class PeftModel(nn.Module):
         full_modules = modules_to_save(model, config)
         layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
         factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in targets}
-        for name in experts:  # their layouts checked here too, before the collective below
-            for p in STACKED:
-                expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+        for name, fused in experts.items():  # their layouts checked here too, before the collective below
+            if is_fused_experts(model.get_submodule(name)):
+                for p in fused:
+                    fused_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+            else:
+                for p in STACKED:
+                    expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
 
         self.base_model = LoraModel(model)
         self.peft_config = {"default": config}
@@ -282,13 +286,16 @@ def _install(model: nn.Module, name: str, layer, layout):
 def _wrap_experts(model: nn.Module, name: str, fused: tuple[str, ...], config: LoraConfig, layout,
                   runtime: LoraRuntime) -> LoraExperts:
     module = model.get_submodule(name)
-    shapes = layout.global_shapes[f"{name}.gate_proj"] if layout is not None else tuple(module.gate_proj.shape)
-    half = module.gate_proj.dtype in (torch.float16, torch.bfloat16)
-    specs = {p: _spec(layout, f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj")}
+    stacked = FUSED if is_fused_experts(module) else STACKED  # transformers' fused stacks, or tptrain's
+    shapes = {p: layout.global_shapes[f"{name}.{p}"] if layout is not None else tuple(getattr(module, p).shape)
+              for p in stacked}
+    dtype = module.down_proj.dtype
+    specs = {p: _spec(layout, f"{name}.{p}") for p in stacked}
     ranks = {t: config.rank_and_scaling(f"{name}.{t}") for t in fused}
-    layer = LoraExperts(module, name=name, ranks=ranks, shapes=shapes,
-                        specs=specs, ctx=layout.ctx if layout is not None else None, runtime=runtime,
-                        dtype=torch.float32 if half else module.gate_proj.dtype)
+    cls = LoraFusedExperts if stacked is FUSED else LoraExperts
+    layer = cls(module, name=name, ranks=ranks, shapes=shapes if cls is LoraFusedExperts else shapes["gate_proj"],
+                specs=specs, ctx=layout.ctx if layout is not None else None, runtime=runtime,
+                dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
     return _install(model, name, layer, layout)
 
 

@@ -34,6 +34,11 @@ class ParallelStyle:
     fused: ClassVar[bool] = False
     # Works under sequence parallelism (False: the plan check refuses the combination).
     sequence_parallel_ok: ClassVar[bool] = True
+    # Its module is a stacked-experts module (`num_experts`, forward(x, expert_ids, weights)).
+    stacked_experts: ClassVar[bool] = False
+    # Over an ep axis (DistributedConfig(ep_size=)) it splits the experts by expert there too (ShardSpec.ep_split)
+    # and dispatches each rank's tokens to their owners by all-to-all (parallel/dispatch.py).
+    ep_axis: ClassVar[bool] = False
 
     def __init__(self, *, kv_replicas: int = 1) -> None:
         self.kv_replicas = kv_replicas

@@ -7,7 +7,8 @@ import torch
 
 from tptrain.distributed import comm
 from tptrain.parallel import contract
-from tptrain.parallel.styles.base import ParallelStyle, own_params, register_style
+from tptrain.parallel.dispatch import exchange, grouped_by_forward
+from tptrain.parallel.styles.base import ParallelStyle, own_params, register_style, replace_forward
 from tptrain.parallel.styles.spec import ShardSpec
 
 
@@ -61,11 +62,37 @@ def _floating(value) -> bool:
 class MoeTPExperts(AllReduceParallel):
     """transformers' stacked experts, each split inside like a dense MLP by its per-parameter rules (gate_up along
     the inner features, each half alone; down along its input): called on the block's whole input as
-    `experts(x, ids, weights)`, every rank runs every token through its slice of every expert, and the partial
+    `experts(x, [ids, weights])`, every rank runs every token through its slice of every expert, and the partial
     outputs are summed (the layer's one all-reduce). x and the routing weights enter through `copy_to_tp`, so
-    their gradients, partial per rank, are summed too."""
+    their gradients, partial per rank, are summed too.
+
+    Over an ep axis (`DistributedConfig(ep_size=)`, as tptrain's 'expert_tensor_parallel'): ep rank e holds experts
+    [e E/ep, (e+1) E/ep) (`num_experts` becomes E/ep), each split over tp as above; its own tokens go to their
+    experts' owners by all-to-all over ep (`dispatch.exchange`, transformers' forward run there on the held ids),
+    come back, are weighted and summed, and the partial sums over tp ride the same one all-reduce."""
 
     name = "moe_tp_experts"
+    stacked_experts = True
+    ep_axis = True
+
+    def install(self, module, ctx):
+        if ctx.ep_size > 1:
+            self._install_ep(module, ctx)
+        else:
+            super().install(module, ctx)
+
+    @staticmethod
+    def _install_ep(module, ctx):
+        total = module.num_experts  # an int: plan.ep_problems checked it
+        grouped = grouped_by_forward(module, type(module).forward)
+        module.num_experts = total // ctx.ep_size  # transformers' experts index their stack by the ids it is given
+        module.tp_dispatch, module.ep_dispatch = "all_reduce", "all_to_all"  # what the communication report counts
+
+        def forward(self, x, expert_ids, weights):
+            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
+            return ctx.exit(exchange(grouped, total, x, expert_ids, weights, ctx.ep_group_name, ctx.ep_size))
+
+        replace_forward(module, forward)
 
 
 @register_style

@@ -1,0 +1,70 @@
+"""Token dispatch and combine by all-to-all: each (token, expert) row sent to the rank holding the expert, run there,
+and sent back, for any stacked-experts module, named only through two facts about it: how many experts the ranks of
+the group hold together (in rank order, the same number each) and `grouped(rows, counts)`, the held experts applied
+to rows sorted by held expert (`counts[i]` rows for the i-th held one), unweighted. tptrain's own `Experts.grouped`
+is one; the transformers backend passes transformers' experts forward called on local ids with weight 1
+(tptrain/hf/styles.py). The styles choosing these live in parallel/expert_parallel.py and parallel/styles/local.py.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from tptrain.distributed import comm
+
+if TYPE_CHECKING:  # the styles import this module
+    from tptrain.parallel.styles.context import TPContext
+
+Grouped = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def dispatch_and_combine(grouped: Grouped, num_experts: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                         weights: torch.Tensor, ctx: "TPContext") -> torch.Tensor:
+    """The block output (tokens, hidden) on every rank of the TP group, each rank routing only its share of the
+    tokens to the `num_experts` experts held over the group.
+
+    x (tokens, hidden) whole on every rank; expert_ids, weights (tokens, k). Forward: the share's `exchange` over
+    the TP group and one all-gather of the shares; backward: the reverse all-to-alls and the all-gather of the
+    input share's gradient.
+    """
+    p, group = ctx.size, ctx.group_name
+    assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
+    x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
+    combined = exchange(grouped, num_experts, x, expert_ids.chunk(p)[ctx.rank], weights, group, p)
+    return comm.gather_from_tp(combined, group, dim=0)
+
+
+def exchange(grouped: Grouped, num_experts: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+             group: str, p: int) -> torch.Tensor:
+    """This rank's tokens x (tokens, hidden) through their experts, the `num_experts` held by the p ranks of `group`
+    (num_experts / p each, in rank order): (tokens, hidden), the weighted sum over each token's experts (partial over
+    tp when the owners hold a TP slice of each expert). One all-to-all of per-expert counts, one of the rows (to the
+    owners), one of the results (back). Ranks whose experts get no row still take part, with empty splits."""
+    k, held = expert_ids.shape[1], num_experts // p
+    flat = expert_ids.flatten()
+    order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, so by owner rank
+    sent = torch.bincount(flat, minlength=num_experts)  # (experts,) rows to each expert
+    got = comm.exchange_counts(sent, group).view(p, held)  # rows each source sends to each expert held here
+    send_splits = sent.view(p, held).sum(1).tolist()
+    recv_splits = got.sum(1).tolist()
+    rows = comm.dispatch_to_ranks(x[order // k], group, send_splits, recv_splits)  # by (source, expert)
+    comm.note("rows_received", rows.shape[0], group)  # comm_report: the rows sent back are the others' routing
+    held_ids = torch.arange(held, device=got.device).repeat(p)  # (source, expert) blocks -> the expert held here
+    by_expert = torch.sort(torch.repeat_interleave(held_ids, got.flatten()), stable=True).indices
+    ran = grouped(rows[by_expert], got.sum(0).tolist())  # (rows, hidden), by expert
+    out = ran.new_empty(ran.shape)
+    out[by_expert] = ran
+    back = comm.dispatch_to_ranks(out, group, recv_splits, send_splits)  # in `order`
+    return x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))
+
+
+def grouped_by_forward(module: torch.nn.Module, forward: Callable) -> Grouped:
+    """`grouped` of an experts module whose forward(x, ids, weights) takes the ids of the experts it holds (0 ..
+    held - 1): each row through its expert, weight 1 (the weighted sum is `exchange`'s)."""
+    def grouped(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        held = torch.arange(len(counts), device=rows.device)
+        ids = torch.repeat_interleave(held, torch.tensor(counts, device=rows.device))[:, None]  # (rows, 1)
+        return forward(module, rows, ids, rows.new_ones(ids.shape))
+
+    return grouped
