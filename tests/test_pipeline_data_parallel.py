@@ -14,15 +14,16 @@ from tests.dist_utils import run_distributed
 from tests.helpers import reference_losses, tiny_dataset, training_args, tptrain_train
 from tests.test_pipeline_parallel import save_family
 from tptrain import DistributedConfig
-from tptrain.models import AutoModelForCausalLM
+from tptrain.models import AutoConfig, AutoModelForCausalLM
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 def _trainer(root: str, family: str, out: str, *, schedule: str = "1F1B", pp: int = 2, dp_shard: int = 1,
-             dp_replicate: int = 1, ep: int | None = None, tp: int = 1, steps: int = 3, accumulation: int = 1, **kw):
-    """A Trainer of `family` at pp x dp_replicate x dp_shard x tp (ep inside dp_shard), 2 rows per dp rank and
-    micro-batch, 2 pipeline microbatches."""
+             dp_replicate: int = 1, ep: int | None = None, tp: int = 1, steps: int = 3, accumulation: int = 1, microbatches: int = 2,
+             **kw):
+    """A Trainer of `family` at pp x dp_replicate x dp_shard x tp (ep inside dp_shard), one row per dp rank and
+    pipeline microbatch in each micro-batch."""
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
 
@@ -30,24 +31,27 @@ def _trainer(root: str, family: str, out: str, *, schedule: str = "1F1B", pp: in
     model = AutoModelForCausalLM.from_pretrained(os.path.join(root, family), dtype=torch.float64,
                                                  distributed_config=DistributedConfig(pp_size=pp, pp_schedule=schedule,
                                                                                       **sizes))
-    config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=2 if pp > 1 else None, **sizes)
-    args = training_args(os.path.join(root, out), max_steps=steps, per_device_train_batch_size=2,
+    config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=microbatches if pp > 1 else None,
+                               **sizes)
+    args = training_args(os.path.join(root, out), max_steps=steps, per_device_train_batch_size=microbatches,
                          gradient_accumulation_steps=accumulation, parallelism_config=config, **kw)
     return Trainer(model, args=args, train_dataset=tiny_dataset())
 
 
 def _train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_replicate: int = 1,
-                ep: int | None = None, accumulation: int = 1) -> None:
+                ep: int | None = None, accumulation: int = 1, microbatches: int = 2) -> None:
+    from torch.distributed.fsdp import FSDPModule
     import torch.distributed as dist
 
     what = f"{family} {schedule} pp 2 x dp_replicate {dp_replicate} x dp_shard {dp_shard} (ep {ep})"
     out = what.replace(" ", "_").replace("(", "").replace(")", "")
     trainer = _trainer(root, family, out, schedule=schedule, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
-                       accumulation=accumulation)
+                       accumulation=accumulation, microbatches=microbatches)
+    assert trainer.fsdp and all(isinstance(m, FSDPModule) for m in trainer.pipeline.modules), what
     losses = trainer.train().losses
     ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, family), dtype=torch.float64).train()
     expected = reference_losses(ref, tiny_dataset(), trainer.args,
-                                global_batch=2 * dp_shard * dp_replicate * accumulation)
+                                global_batch=microbatches * dp_shard * dp_replicate * accumulation)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL,
                                msg=lambda m: f"{what} losses: {m}")
     if dist.get_rank() == 0:  # final/: one ordinary checkpoint, gathered over dp and sent from the stages
@@ -95,3 +99,52 @@ def test_pp2_fsdp2_ddp_and_ep_equal_one_process(tmp_path):
              ("qwen3_tied", "1F1B", dict(dp_replicate=2)),
              ("qwen3_moe", "1F1B", dict(dp_shard=2, ep=2))]
     run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=600)
+
+
+@pytest.mark.distributed
+def test_pp2_zero_bubble_v_fsdp2_equals_one_process(tmp_path):
+    """ZBVZeroBubble (rank 0 holds the first and the last stage) with FSDP2 on an untied model: each rank wraps two
+    stage modules."""
+    save_family("llama", tmp_path)
+    run_distributed(_cases, 4, str(tmp_path), [("llama", "ZBVZeroBubble", dict(dp_shard=2, microbatches=4))],
+                    timeout=600)
+
+
+@pytest.mark.distributed
+def test_cli_trains_with_pp_size_and_data_parallel(tmp_path):
+    """`tptrain train --pp-size 2 --nproc-per-node 4`: the ranks past pp x tp are FSDP2 data-parallel over each
+    stage; the run ends with one ordinary checkpoint that transformers loads, equal to tptrain's reading of it."""
+    from transformers import AutoModelForCausalLM as HFAutoModel
+
+    out = tmp_path / "run"
+    run = tptrain_train("--output-dir", str(out), "--tp-size", "1", "--pp-size", "2", "--nproc-per-node", "4",
+                        "--pp-microbatches", "2", "--max-steps", "2")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "world size 4, tp 1, pp 2" in run.stdout, run.stdout
+    ours = dict(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).named_parameters())
+    hf = HFAutoModel.from_pretrained(out / "final", dtype=torch.float32)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(p, ours[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
+    """What stays refused, before any process group: a V schedule with tied embeddings and data parallelism (one
+    parameter in two stage modules, which FSDP2 cannot wrap), sequence and context parallelism with pp."""
+    from tptrain.parallel import pipeline_parallel as pp
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.parallelize import resolve_parallelism
+
+    path = save_family("qwen3_tied", tmp_path)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
+    model.pp_plan = pp.plan_pipeline(model, pp=2, pp_rank=0, schedule="ZBVZeroBubble")
+    config = ParallelismConfig(pp_size=2, pp_schedule="ZBVZeroBubble", tp_size=1)
+    with pytest.raises(ValueError, match=r"ZBVZeroBubble' puts the first and the last stage on one rank.*"
+                                         r"model.embed_tokens.weight = lm_head.weight.*dp_shard 2.*looped schedule"):
+        resolve_parallelism(model, config, world_size=4)
+    assert resolve_parallelism(model, config, world_size=2).dp == 1  # pp x tp only: one parameter, no FSDP
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for extra, what in ((dict(enable_sequence_parallel=True), "enable_sequence_parallel"), (dict(cp_size=2), "cp_size")):
+        meta = AutoModelForCausalLM.from_config(model.config, device="meta")
+        with pytest.raises(ValueError, match=rf"DistributedConfig\(pp_size=2\) does not compose with {what}"):
+            meta._check_plan(DistributedConfig(pp_size=2, tp_size=2 if "enable_sequence_parallel" in extra else 1,
+                                               **extra))
