@@ -39,8 +39,9 @@ def _trainer(root: str, family: str, out: str, *, schedule: str = "1F1B", pp: in
 
 
 def _train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_replicate: int = 1,
-                ep: int | None = None, accumulation: int = 1, microbatches: int = 2) -> None:
+                ep: int | None = None, accumulation: int = 1, microbatches: int = 2, evaluate: bool = False) -> None:
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
     import torch.distributed as dist
 
     what = f"{family} {schedule} pp 2 x dp_replicate {dp_replicate} x dp_shard {dp_shard} (ep {ep})"
@@ -54,6 +55,13 @@ def _train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_
                                 global_batch=microbatches * dp_shard * dp_replicate * accumulation)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL,
                                msg=lambda m: f"{what} losses: {m}")
+    if evaluate:  # eval_loss over dp and the stages; FSDP2 reshards after a no-grad forward
+        held = tiny_dataset(6, seed=2)  # 3 rows per dp rank: the second batch of 2 is padded
+        rows = torch.stack([held[i] for i in range(len(held))])
+        with torch.no_grad():
+            want = ref.eval()(rows, labels=rows).loss.item()
+        torch.testing.assert_close(trainer.evaluate(held)["eval_loss"], want, **TOL)
+        assert all(isinstance(p, DTensor) for p in trainer.inner.parameters()), what
     if dist.get_rank() == 0:  # final/: one ordinary checkpoint, gathered over dp and sent from the stages
         saved = dict(AutoModelForCausalLM.from_pretrained(os.path.join(root, out, "final")).named_parameters())
         for name, p in ref.named_parameters():
@@ -95,7 +103,7 @@ def test_pp2_fsdp2_ddp_and_ep_equal_one_process(tmp_path):
     for family in ("qwen3_tied", "llama", "qwen3_moe"):
         save_family(family, tmp_path)
     cases = [("qwen3_tied", "1F1B", dict(dp_shard=2, accumulation=2)),
-             ("llama", "Interleaved1F1B", dict(dp_shard=2)),
+             ("llama", "Interleaved1F1B", dict(dp_shard=2, evaluate=True)),
              ("qwen3_tied", "1F1B", dict(dp_replicate=2)),
              ("qwen3_moe", "1F1B", dict(dp_shard=2, ep=2))]
     run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=600)

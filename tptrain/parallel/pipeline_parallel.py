@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -295,10 +294,6 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses, **kwargs)
-        if not train:  # FSDP2 keeps a root's parameters gathered after a forward (for the backward): free them
-            for module in self.modules:
-                if isinstance(module, FSDPModule):
-                    module.reshard()
         device = batch["input_ids"].device
         return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
                                                                                        device=device))
