@@ -1,7 +1,7 @@
 """Pipeline parallelism composed with data parallelism (FSDP2 over each stage's modules, DDP, HSDP by the same code)
 and with expert parallelism: the Trainer at pp 2 x dp 2 and pp 2 x ep 2 against plain single-device training in
 fp64 (losses of 3 AdamW steps, and the parameters after them, read back from final/), DCP resume across pp sizes
-with dp, the CLI, and the refusals.
+with dp, and the refusals. The CLI with --pp-size and data parallelism: tests/test_pipeline_parallel.py.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import reference_losses, tiny_dataset, training_args, tptrain_train
+from tests.helpers import reference_losses, tiny_dataset, training_args
 from tests.test_pipeline_parallel import save_family
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -116,23 +116,6 @@ def test_pp2_zero_bubble_v_fsdp2_equals_one_process(tmp_path):
     save_family("llama", tmp_path)
     run_distributed(_cases, 4, str(tmp_path), [("llama", "ZBVZeroBubble", dict(dp_shard=2, microbatches=4))],
                     timeout=600)
-
-
-@pytest.mark.distributed
-def test_cli_trains_with_pp_size_and_data_parallel(tmp_path):
-    """`tptrain train --pp-size 2 --nproc-per-node 4`: the ranks past pp x tp are FSDP2 data-parallel over each
-    stage; the run ends with one ordinary checkpoint that transformers loads, equal to tptrain's reading of it."""
-    from transformers import AutoModelForCausalLM as HFAutoModel
-
-    out = tmp_path / "run"
-    run = tptrain_train("--output-dir", str(out), "--tp-size", "1", "--pp-size", "2", "--nproc-per-node", "4",
-                        "--pp-microbatches", "2", "--max-steps", "2")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "world size 4, tp 1, pp 2" in run.stdout, run.stdout
-    ours = dict(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).named_parameters())
-    hf = HFAutoModel.from_pretrained(out / "final", dtype=torch.float32)
-    for name, p in hf.named_parameters():
-        torch.testing.assert_close(p, ours[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
