@@ -20,8 +20,8 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 
 
 def _trainer(root: str, family: str, out: str, *, schedule: str = "1F1B", pp: int = 2, dp_shard: int = 1,
-             dp_replicate: int = 1, ep: int | None = None, tp: int = 1, steps: int = 3, accumulation: int = 1, microbatches: int = 2,
-             **kw):
+             dp_replicate: int = 1, ep: int | None = None, tp: int = 1, steps: int = 3, accumulation: int = 1,
+             microbatches: int = 2, **kw):
     """A Trainer of `family` at pp x dp_replicate x dp_shard x tp (ep inside dp_shard), one row per dp rank and
     pipeline microbatch in each micro-batch."""
     from tptrain.training.args import ParallelismConfig
@@ -80,7 +80,8 @@ def _run(root: str, out: str, *, pp: int, steps: int, resume: str | None = None)
 
 def _resume(root: str) -> None:
     """Saved at pp 2 x dp_shard 2, resumed at pp 1 x dp_shard 2 (x tp 2), and that run's checkpoint resumed at
-    pp 2 x dp_shard 2 (DCP reshards model and AdamW state): the resumed steps' losses are those of uninterrupted one-process training."""
+    pp 2 x dp_shard 2 (DCP reshards model and AdamW state): the resumed steps' losses are those of uninterrupted
+    one-process training."""
     ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64).train()
     args = training_args(root, max_steps=5, per_device_train_batch_size=2, lr_scheduler_type="constant",
                          warmup_steps=0)
@@ -134,8 +135,8 @@ def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
         resolve_parallelism(model, config, world_size=4)
     assert resolve_parallelism(model, config, world_size=2).dp == 1  # pp x tp only: one parameter, no FSDP
     monkeypatch.setenv("WORLD_SIZE", "4")
-    for extra, what in ((dict(enable_sequence_parallel=True), "enable_sequence_parallel"), (dict(cp_size=2), "cp_size")):
+    for extra in (dict(enable_sequence_parallel=True, tp_size=2), dict(cp_size=2, tp_size=1)):
         meta = AutoModelForCausalLM.from_config(model.config, device="meta")
+        what = "enable_sequence_parallel" if "enable_sequence_parallel" in extra else "cp_size"
         with pytest.raises(ValueError, match=rf"DistributedConfig\(pp_size=2\) does not compose with {what}"):
-            meta._check_plan(DistributedConfig(pp_size=2, tp_size=2 if "enable_sequence_parallel" in extra else 1,
-                                               **extra))
+            meta._check_plan(DistributedConfig(pp_size=2, **extra))

@@ -3,8 +3,8 @@ tensor parallel -> activation checkpointing -> torch.compile (per decoder layer)
 
 Tensor parallelism is applied when the model is loaded (`from_pretrained(distributed_config=...)` or
 `model.parallelize(...)`); this module checks that the training layout agrees with it, then wraps
-the TP-sharded model in FSDP2 over the data-parallel axes. TP parameters are plain local tensors,
-so FSDP shards each rank's TP shard as an ordinary parameter.
+the TP-sharded model (under pipeline parallelism: each stage module) in FSDP2 over the data-parallel axes.
+TP parameters are plain local tensors, so FSDP shards each rank's TP shard as an ordinary parameter.
 """
 from __future__ import annotations
 
@@ -127,9 +127,11 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool,
     gradients are shares of one batch's, which its reduce-scatter sums.
 
     `stages`: under pipeline parallelism, this rank's stage modules, each wrapped last in place of the model (it
-    holds what no layer of the stage holds: the embedding, the final norm, the head; torchtitan's 3-D layout). torch's PipelineStage sees an FSDP module: it holds the gradient
-    reduce-scatter back until the last microbatch and runs it at the end of the schedule's step. Parameters then stay gathered from a microbatch's forward to the step's end (reshard_after_forward
-    False, torchtitan's default under pp), instead of one all-gather per microbatch and layer."""
+    holds what no layer of the stage holds: the embedding, the final norm, the head; torchtitan's 3-D layout).
+    torch's PipelineStage sees an FSDP module: it holds the gradient reduce-scatter back until the last microbatch
+    and runs it at the end of the schedule's step. Parameters stay gathered from a microbatch's forward to the
+    step's end (reshard_after_forward False, torchtitan's default under pp), instead of one all-gather per
+    microbatch and layer."""
     rep, shards = mesh["dp_replicate"].size(), dp_shard_cp_mesh(mesh)
     if rep * shards.size() == 1:
         return False
