@@ -140,3 +140,21 @@ def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
         what = "enable_sequence_parallel" if "enable_sequence_parallel" in extra else "cp_size"
         with pytest.raises(ValueError, match=rf"DistributedConfig\(pp_size=2\) does not compose with {what}"):
             meta._check_plan(DistributedConfig(pp_size=2, **extra))
+
+
+def test_cli_refuses_a_v_schedule_with_tied_embeddings_and_data_parallel(tmp_path, monkeypatch, capsys):
+    """The same refusal before any worker starts: the bundled tiny Qwen3 ties its embeddings."""
+    from tptrain.cli import main
+    from tptrain.cli import train as train_cli
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(train_cli, "_launch", no_workers)
+    monkeypatch.setattr(train_cli, "_worker", no_workers)
+    code = main(["train", "--smoke-test", "--output-dir", str(tmp_path / "run"), "--tp-size", "1", "--pp-size", "2",
+                 "--pp-schedule", "ZBVZeroBubble", "--pp-microbatches", "4", "--batch-size", "4",
+                 "--nproc-per-node", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("tptrain train: error: pp_schedule='ZBVZeroBubble' puts the first and the "
+                                        "last stage on one rank"), err

@@ -50,7 +50,7 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
     config = dataclasses.replace(config, tp_size=model_tp, ep_size=model_ep if model_ep > 1 else None,
                                  cp_size=model_cp, **_pipeline(model, config))
     dims = config.parallel_dims(world_size, tp_note=tp_note)
-    _check_tied_stages(model, dims)
+    check_tied_stages(model, dims)
     return dims
 
 
@@ -67,7 +67,7 @@ def _pipeline(model: nn.Module, config: ParallelismConfig) -> dict:
     return dict(pp_size=pp, pp_schedule=schedule)
 
 
-def _check_tied_stages(model: nn.Module, dims: ParallelDims) -> None:
+def check_tied_stages(model: nn.Module, dims: ParallelDims) -> None:
     """A V schedule puts the first and the last stage on one rank, where a tied embedding and head are one parameter
     of two stage modules: FSDP2 (DDP and HSDP too: all are fully_shard here) cannot wrap one parameter in two."""
     plan = getattr(model, "pp_plan", None)
