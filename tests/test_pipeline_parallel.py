@@ -171,15 +171,16 @@ def test_trainer_pp2_tp2_and_pp4_equal_one_process(tmp_path):
 
 @pytest.mark.distributed
 def test_cli_trains_with_pp_size(tmp_path):
-    """`tptrain train --pp-size 2` on the bundled tiny Qwen3 (tied embeddings): the run ends with one ordinary
-    checkpoint that transformers loads, equal to tptrain's reading of it."""
+    """`tptrain train --pp-size 2 --nproc-per-node 4` on the bundled tiny Qwen3 (tied embeddings): the ranks past
+    pp x tp are FSDP2 data-parallel over each stage; the run ends with one ordinary checkpoint that transformers
+    loads, equal to tptrain's reading of it."""
     from transformers import AutoModelForCausalLM as HFAutoModel
 
     out = tmp_path / "run"
     run = tptrain_train("--output-dir", str(out), "--tp-size", "1", "--pp-size", "2", "--pp-schedule",
-                        "Interleaved1F1B", "--pp-microbatches", "2")
+                        "Interleaved1F1B", "--pp-microbatches", "2", "--nproc-per-node", "4")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "world size 2, tp 1, pp 2" in run.stdout, run.stdout
+    assert "world size 4, tp 1, pp 2" in run.stdout, run.stdout
     ours = dict(AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).named_parameters())
     hf = HFAutoModel.from_pretrained(out / "final", dtype=torch.float32)
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # still tied

@@ -164,12 +164,14 @@ def _check_cp(config, cp_size: int, model: str, seq_len: int) -> None:
 def _check_pipeline(args: argparse.Namespace, config, training_args, nproc: int) -> None:
     from tptrain.models import AutoModelForCausalLM
     from tptrain.parallel.pipeline_parallel import plan_pipeline
+    from tptrain.training.parallelize import check_tied_stages
     from tptrain.training.setup import check_pipeline
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
-    plan_pipeline(meta, pp=args.pp_size, pp_rank=0, schedule=args.pp_schedule)
+    meta.pp_plan = plan_pipeline(meta, pp=args.pp_size, pp_rank=0, schedule=args.pp_schedule)
     dims = training_args.parallelism_config.parallel_dims(nproc * args.nnodes)
     check_pipeline(training_args, dims)
+    check_tied_stages(meta, dims)
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
@@ -213,12 +215,13 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
 
 
 def _parallelism_config(args: argparse.Namespace):
-    """None (the model's tp_size, the other ranks FSDP2) unless the model is cut into pipeline stages."""
+    """None (the model's tp_size, the other ranks FSDP2) unless the model is cut into pipeline stages (then, too,
+    the ranks past pp x tp are FSDP2 data-parallel over each stage)."""
     from tptrain.training.args import ParallelismConfig
 
     if args.pp_size == 1:
         return None
-    return ParallelismConfig(tp_size=args.tp_size, dp_shard_size=1, pp_size=args.pp_size,
+    return ParallelismConfig(tp_size=args.tp_size, pp_size=args.pp_size,
                              pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
 
 

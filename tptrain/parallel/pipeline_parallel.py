@@ -28,6 +28,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from tptrain.distributed import comm
 from tptrain.parallel import contract
+from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.plan import ResolvedPlan
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -271,6 +272,11 @@ class Pipeline:
                                  n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
         self.tie_group = tie_group(mesh, plan)
 
+    @property
+    def modules(self) -> list[nn.Module]:
+        """This rank's stage modules, what FSDP2 wraps under data parallelism (torch's stages then see it)."""
+        return [stage.submod for stage in self.stages]
+
     def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor | None, dict]:
         """(args of the first stage, target of the last, kwargs of every stage): each rank gives what its stages
         take; the schedule splits them into microbatches along the batch dim."""
@@ -294,13 +300,14 @@ class Pipeline:
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the tied copies (first stage's embedding, last stage's head) over their two ranks,
-        so both copies take the same optimizer step and stay equal."""
+        so both copies take the same optimizer step and stay equal. Under FSDP2 each holds its dp shard of the
+        weight, the same rows of it on both stages (the same mesh and placements): the shards are summed."""
         if self.tie_group is None:
             return
         params = dict(self.model.named_parameters())
         for names in self.plan.tied:
             p = next(params[n] for n in names if n in params)
-            comm.all_reduce(p.grad, self.tie_group, phase="tied_grad")
+            comm.all_reduce(local_tensor(p.grad), self.tie_group, phase="tied_grad")
 
     def norm_duplicates(self) -> set[str]:
         """Names of tied copies another rank counts in the gradient norm (the last stage's, when two ranks hold
@@ -312,9 +319,8 @@ def check(model: nn.Module, resolved: ResolvedPlan, config) -> PipelinePlan:
     """Every problem of cutting `model` (whole, unsharded) as `config` (a DistributedConfig) says, as a ValueError:
     the stages, and what does not compose with pipeline parallelism yet. No process group."""
     pp = config.pp_size
-    if resolved.sequence_parallel or resolved.ep_size > 1 or (config.cp_size or 1) > 1:
-        what = ("enable_sequence_parallel" if resolved.sequence_parallel else "ep_size" if resolved.ep_size > 1
-                else "cp_size")
+    if resolved.sequence_parallel or (config.cp_size or 1) > 1:
+        what = "enable_sequence_parallel" if resolved.sequence_parallel else "cp_size"
         raise ValueError(f"DistributedConfig(pp_size={pp}) does not compose with {what} yet (the stages exchange "
                          f"whole hidden states over the pp axis alone); drop it")
     if getattr(model.config, "output_router_logits", False):

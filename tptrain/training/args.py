@@ -34,8 +34,8 @@ class ParallelismConfig:
     cp_size: context-parallel degree (accelerate's name): each sequence split over that many ranks, which share
         one data-parallel rank's batch; must equal the model's (None: take the model's). FSDP2 then shards over
         dp_shard x cp.
-    pp_size: pipeline stages (the outermost axis); must equal the model's DistributedConfig(pp_size=) (None: the
-        model's).
+    pp_size: pipeline stages (the outermost axis; the dp sizes then lay out each stage's ranks, FSDP2 wrapping each
+        stage module); must equal the model's DistributedConfig(pp_size=) (None: the model's).
     pp_schedule: torch.distributed.pipelining's schedule ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", ...); must be
         the one the model was cut for (None: the model's).
     pp_microbatches: microbatches each micro-batch of per_device_train_batch_size rows is split into for the

@@ -3,12 +3,13 @@ tensor parallel -> activation checkpointing -> torch.compile (per decoder layer)
 
 Tensor parallelism is applied when the model is loaded (`from_pretrained(distributed_config=...)` or
 `model.parallelize(...)`); this module checks that the training layout agrees with it, then wraps
-the TP-sharded model in FSDP2 over the data-parallel axes. TP parameters are plain local tensors,
-so FSDP shards each rank's TP shard as an ordinary parameter.
+the TP-sharded model (under pipeline parallelism: each stage module) in FSDP2 over the data-parallel axes.
+TP parameters are plain local tensors, so FSDP shards each rank's TP shard as an ordinary parameter.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -48,12 +49,14 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None,
                          f"{config.cp_size}) or set ParallelismConfig(cp_size={model_cp})")
     config = dataclasses.replace(config, tp_size=model_tp, ep_size=model_ep if model_ep > 1 else None,
                                  cp_size=model_cp, **_pipeline(model, config))
-    return config.parallel_dims(world_size, tp_note=tp_note)
+    dims = config.parallel_dims(world_size, tp_note=tp_note)
+    check_tied_stages(model, dims)
+    return dims
 
 
 def _pipeline(model: nn.Module, config: ParallelismConfig) -> dict:
     """The model's pp_size and pp_schedule, which `config` must agree with (as tp_size): a model is cut into its
-    stages when it is loaded. Data parallelism over the stages is not composed yet."""
+    stages when it is loaded."""
     plan = getattr(model, "pp_plan", None)
     pp, schedule = (plan.pp, plan.schedule) if plan is not None else (1, "1F1B")
     wanted = (config.pp_size or pp, pipeline_parallel.schedule_name(config.pp_schedule or schedule))
@@ -61,11 +64,20 @@ def _pipeline(model: nn.Module, config: ParallelismConfig) -> dict:
         raise ValueError(f"ParallelismConfig(pp_size={config.pp_size}, pp_schedule={config.pp_schedule!r}) disagrees "
                          f"with the model, cut into stages for pp_size={pp}, pp_schedule={schedule!r}; load it with "
                          f"DistributedConfig(pp_size={wanted[0]}, pp_schedule={wanted[1]!r}) or leave them None")
-    if pp > 1 and (config.dp_shard_size or 1) * config.dp_replicate_size > 1:
-        raise ValueError(f"pp_size={pp} with data parallelism (dp_shard_size={config.dp_shard_size}, "
-                         f"dp_replicate_size={config.dp_replicate_size}) is not supported yet: use pp x tp ranks "
-                         f"only (dp_shard_size=1)")
-    return dict(pp_size=pp, pp_schedule=schedule, dp_shard_size=1 if pp > 1 else config.dp_shard_size)
+    return dict(pp_size=pp, pp_schedule=schedule)
+
+
+def check_tied_stages(model: nn.Module, dims: ParallelDims) -> None:
+    """A V schedule puts the first and the last stage on one rank, where a tied embedding and head are one parameter
+    of two stage modules: FSDP2 (DDP and HSDP too: all are fully_shard here) cannot wrap one parameter in two."""
+    plan = getattr(model, "pp_plan", None)
+    if plan is None or not plan.tied or dims.dp == 1 or plan.stage_rank(0) != plan.stage_rank(plan.n_stages - 1):
+        return
+    raise ValueError(f"pp_schedule={plan.schedule!r} puts the first and the last stage on one rank, where the tied "
+                     f"embedding and head ({plan.tied[0][0]} = {plan.tied[0][1]}) are one parameter of two stage "
+                     f"modules, and data parallelism (dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}) "
+                     f"cannot wrap one parameter in two FSDP2 modules; use a looped schedule (1F1B, Interleaved1F1B, "
+                     f"InterleavedZeroBubble) with data parallelism, or pp x tp ranks only (dp_shard_size=1)")
 
 
 def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, torch.device]:
@@ -98,7 +110,8 @@ def ep_split_modules(model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(name) for name in names]
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> bool:
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool,
+                        stages: Sequence[nn.Module] | None = None) -> bool:
     """FSDP2 over dp_shard; HSDP over (dp_replicate, dp_shard) when dp_replicate > 1 (plain replicated
     DP when dp_shard is 1). Returns whether the model was wrapped (False when both dp degrees are 1).
 
@@ -111,19 +124,28 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool) -> bo
     everything else is sharded over dp_shard (ep included) as without it.
 
     With context parallelism FSDP2 shards over dp_shard x cp flattened (torchtitan's dp_shard_cp): the cp ranks'
-    gradients are shares of one batch's, which its reduce-scatter sums."""
+    gradients are shares of one batch's, which its reduce-scatter sums.
+
+    `stages`: under pipeline parallelism, this rank's stage modules, each wrapped last in place of the model (it
+    holds what no layer of the stage holds: the embedding, the final norm, the head; torchtitan's 3-D layout).
+    torch's PipelineStage sees an FSDP module: it holds the gradient reduce-scatter back until the last microbatch
+    and runs it at the end of the schedule's step. Parameters stay gathered from a microbatch's forward to the
+    step's end (reshard_after_forward False, torchtitan's default under pp), instead of one all-gather per
+    microbatch and layer."""
     rep, shards = mesh["dp_replicate"].size(), dp_shard_cp_mesh(mesh)
     if rep * shards.size() == 1:
         return False
     dp_mesh = mesh["dp_replicate", shards.mesh_dim_names[0]] if rep > 1 else shards
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
                  else MixedPrecisionPolicy())
+    reshard = stages is None  # each unit's reshard_after_forward
     for experts in ep_split_modules(model):
-        fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy)
+        fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy, reshard_after_forward=reshard)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
-    for module in model.modules():
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    for root in stages or (model,):
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    for module in (m for root in stages or (model,) for m in root.modules()):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # A plain SUM everywhere: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
@@ -167,10 +189,11 @@ def apply_compile(model: nn.Module, *, backend: str) -> None:
         layer.forward = torch.compile(layer.forward, backend=backend)
 
 
-def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_checkpointing: bool,
-                             bf16: bool, compile_backend: str | None = None) -> bool:
+def prepare_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_checkpointing: bool,
+                         compile_backend: str | None = None) -> None:
     """TP (already applied) -> activation checkpointing -> torch.compile per layer (`compile_backend`, None: not
-    compiled) -> FSDP2/HSDP/DDP. Returns whether FSDP wraps it.
+    compiled); FSDP2/HSDP/DDP (`apply_data_parallel`) comes next, after a pipeline's stage modules are built
+    (they are views of the model as it is then).
 
     The TP engine's partial-gradient sum switches to once per optimizer step (its hooks would sit on
     the parameter objects FSDP replaces): the Trainer calls it after the last micro-batch."""
@@ -182,4 +205,3 @@ def parallelize_for_training(model: nn.Module, mesh: DeviceMesh, *, gradient_che
         apply_compile(model, backend=compile_backend)
     if getattr(model, "tp_layout", None) is not None:
         model.tp_layout.grad_sync.set_mode("step")
-    return apply_data_parallel(model, mesh, bf16=bf16)

@@ -4,8 +4,9 @@
     data = training_data(args, dims, train, eval, build=...)           # 2. rows, global batch,   no collective
                                                                        #    max_steps
     placement = place(model, args, dims, data)                         # 3. the mesh: the first collective
-    fsdp = parallelize(model, args, placement)                         # 4. agreements, then TP -> activation
-                                                                       #    checkpointing -> compile -> FSDP2
+    fsdp, pipe = parallelize(model, args, placement)                   # 4. agreements, then TP -> activation
+                                                                       #    checkpointing -> compile -> (pp: the
+                                                                       #    stages) -> FSDP2
     optimizer, scheduler = optimizer_and_schedule(model, args, data.max_steps)    # 5.
 
 Stages 1 and 2 are pure, so whatever one rank can get wrong there (the layout, the sequence length, a data file, the
@@ -35,7 +36,7 @@ from tptrain.training.data import DataOrder
 from tptrain.training.evaluation import split_dataset
 from tptrain.training.optim import build_optimizer, build_scheduler
 from tptrain.training.optim_in_backward import OptimizerInBackward
-from tptrain.training.parallelize import compile_error, parallelize_for_training, training_mesh
+from tptrain.training.parallelize import apply_data_parallel, compile_error, prepare_for_training, training_mesh
 from tptrain.training.streaming import StreamOrder, TextStream, check_streaming
 
 
@@ -94,19 +95,23 @@ def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: T
     return Placement(mesh, device, dist.get_rank(), order)
 
 
-def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement) -> bool:
+def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement
+                ) -> tuple[bool, pipeline_parallel.Pipeline | None]:
     """What every rank must agree on first (final/ writable on rank 0, the compiler on every rank), the model on
-    this rank's device, then TP (applied when it was loaded) -> activation checkpointing -> compile -> FSDP2.
-    Returns whether FSDP2 wraps the model."""
+    this rank's device, then TP (applied when it was loaded) -> activation checkpointing -> compile -> (a cut
+    model: its pipeline's stages) -> FSDP2 (of each stage under pipeline parallelism). Returns whether FSDP2 wraps
+    the model, and the pipeline (None without pp)."""
     raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if placement.rank == 0 else None)
     if any(p.device != placement.device for p in model.parameters()):  # a model built or loaded elsewhere
         model.to(placement.device)
     torch.manual_seed(args.seed)
     if args.torch_compile:  # the same machine image on every rank, but say which rank lacks the compiler
         raise_on_any_rank(compile_error(args.torch_compile_backend, placement.device), exc_type=ValueError)
-    return parallelize_for_training(model, placement.mesh, gradient_checkpointing=args.gradient_checkpointing,
-                                    bf16=args.bf16,
-                                    compile_backend=args.torch_compile_backend if args.torch_compile else None)
+    prepare_for_training(model, placement.mesh, gradient_checkpointing=args.gradient_checkpointing,
+                         compile_backend=args.torch_compile_backend if args.torch_compile else None)
+    pipe = pipeline(model, args, placement) if getattr(model, "pp_plan", None) is not None else None
+    fsdp = apply_data_parallel(model, placement.mesh, bf16=args.bf16, stages=pipe.modules if pipe else None)
+    return fsdp, pipe
 
 
 def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = False) -> None:
@@ -127,7 +132,7 @@ def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = 
 
 def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement) -> pipeline_parallel.Pipeline:
     """Stage 4 under pipeline parallelism: this rank's stages and torch's schedule over them (after TP, activation
-    checkpointing and compile, which the stages' views share)."""
+    checkpointing and compile, which the stages' views share; before FSDP2, which wraps each stage module)."""
     config = args.parallelism_config
     pipeline_parallel.check_backend(model.pp_plan.schedule, dist.get_backend())
     return pipeline_parallel.Pipeline(model, placement.mesh, n_microbatches=config.pp_microbatches or model.pp_plan.pp,

@@ -43,7 +43,7 @@ from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.optim import clip_grad_norm_
 from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
-from tptrain.training.setup import (check_pipeline, optimizer_and_schedule, parallelize, pipeline, place,
+from tptrain.training.setup import (check_pipeline, optimizer_and_schedule, parallelize, place,
                                     training_data)
 
 
@@ -91,8 +91,7 @@ class Trainer:
         placement = place(model, args, self.dims, data)  # the first collective
         self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
-        self.fsdp = parallelize(model, args, placement)
-        self.pipeline = pipeline(model, args, placement) if self.dims.pp > 1 else None
+        self.fsdp, self.pipeline = parallelize(model, args, placement)
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
         self.converter = ckpt.StateConverter(model, self.mesh)
         # --async-checkpoint: DCP's background writes run their collectives on a group of their own.
