@@ -331,34 +331,3 @@ def cut_for_rank(model: nn.Module, resolved: ResolvedPlan, config, pp_rank: int)
     cut_model(model, plan)
     return stage_plan(resolved, model)
 
-
-def across_stages(model: nn.Module, sizes: dict[str, int], tensors):
-    """The whole model's checkpoint from this rank's stage(s): ({checkpoint name: bytes} of every stage, in stage
-    rank order, a tied tensor once), and an iterator factory that gathers them in that order. Each stage gathers
-    its own tensors (over its TP group: `tensors()`), and its rank of the writer's group sends them one at a time to
-    global rank 0, which yields them; every other rank runs its own share. Collective over the pp group."""
-    mesh, plan = model.device_mesh, model.pp_plan
-    group = mesh["pp"].get_group()
-    per_rank = comm.all_gather_object(list(sizes.items()), group)
-    owner: dict[str, int] = {}
-    for r, items in enumerate(per_rank):
-        for name, _ in items:
-            owner.setdefault(name, r)
-    merged = {name: nbytes for r, items in enumerate(per_rank) for name, nbytes in items if owner[name] == r}
-    ranks = dist.get_process_group_ranks(group)  # this (dp, tp) coordinate's ranks, stage rank order
-    sends = ranks[0] == 0 and mesh["tp"].get_local_rank() == 0  # the group of the writer, global rank 0
-    me = mesh["pp"].get_local_rank()
-
-    def gathered():
-        for r in range(plan.pp):
-            if r == me:
-                for name, t in tensors():
-                    if owner[name] == r:
-                        if sends and r != 0:
-                            comm.send_object(t, ranks[0])
-                        yield name, t
-            elif me == 0 and sends:
-                for name, _ in per_rank[r]:
-                    if owner[name] == r:
-                        yield name, comm.recv_object(ranks[r])
-    return merged, gathered
