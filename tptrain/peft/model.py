@@ -24,6 +24,8 @@ from torch import nn
 
 from tptrain.distributed import comm
 from tptrain.modeling import gather_parameters, is_sharded, save_once
+from tptrain.parallel.pipeline_checkpoint import gather_stages
+from tptrain.parallel.pipeline_parallel import held_elsewhere
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft import io
 from tptrain.peft.config import (ALL_LINEAR, LoraConfig, modules_to_save, resolve_parameter_targets, resolve_targets,
@@ -88,9 +90,11 @@ class PeftModel(nn.Module):
         self._saved = _trainable_extras(model, config, targets, full_modules)
         self._saved += [n for n, p in model.named_parameters() if _is_lora(n)]
         self.set_trainable(trainable)
-        self._step_hook = model.register_forward_pre_hook(lambda m, args: self._advance())
+        self._step_hook = model.register_forward_pre_hook(lambda m, args: self.count_forward())
 
-    def _advance(self) -> None:
+    def count_forward(self) -> None:
+        """Advance the dropout masks' forward count: before each forward of the model, or under pipeline
+        parallelism (where the model's forward never runs) of each stage."""
         self.runtime.step += 1
 
     def __getattr__(self, name: str):
@@ -127,23 +131,33 @@ class PeftModel(nn.Module):
     # ---------------------------------------------------------------- saving / loading
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group;
-        the dict on TP rank 0, None elsewhere."""
-        state = gather_parameters(self.get_base_model(), self._saved)
-        if state is None:
-            return None
-        out = {}
-        for name, layer in self._expert_layers().items():  # stacked factors -> peft's fused, flattened tensors
-            full = {n[len(name) + 1:]: state.pop(n) for n in list(state) if n.startswith(f"{name}.lora_")}
-            out.update({f"{io.PREFIX}{name}.{key}": t for key, t in layer.to_disk(full).items()})
-        return {**{io.disk_key(name): t for name, t in state.items()}, **out}
+        """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group (and,
+        cut into pipeline stages, the pp group: every stage's tensors); the dict on TP rank 0 (of global rank 0's
+        pp ranks under pp), None elsewhere."""
+        model = self.get_base_model()
+        state = gather_parameters(model, self._saved)
+        if state is not None:
+            out = {}
+            for name, layer in self._expert_layers().items():  # stacked factors -> peft's fused, flattened tensors
+                full = {n[len(name) + 1:]: state.pop(n) for n in list(state) if n.startswith(f"{name}.lora_")}
+                out.update({f"{io.PREFIX}{name}.{key}": t for key, t in layer.to_disk(full).items()})
+            state = {**{io.disk_key(name): t for name, t in state.items()}, **out}
+        if getattr(model, "pp_plan", None) is not None:
+            state = gather_stages(model, state)
+        return state
 
     def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
         """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
         Collective: every rank calls it; global rank 0 writes atomically; a failure is raised on every rank."""
         model = self.get_base_model()
+        config = self.peft_config["default"]
+        if getattr(model, "pp_plan", None) is not None and isinstance(config.target_modules, list):
+            # "all-linear" became this stage's module names: the file's config names every stage's
+            names = comm.all_gather_object(config.target_modules, model.device_mesh["pp"].get_group())
+            if any(n != config.target_modules for n in names):
+                config = dataclasses.replace(config, target_modules=sorted(set().union(*names)))
         save_once(save_directory, collective=is_sharded(model), gather=self.adapter_state_dict,
-                  write=lambda state: io.write_adapter(save_directory, state, self.peft_config["default"]))
+                  write=lambda state: io.write_adapter(save_directory, state, config))
 
     @classmethod
     def from_pretrained(cls, model: nn.Module, model_id: str | os.PathLike, *,
@@ -182,7 +196,8 @@ class PeftModel(nn.Module):
                 shapes[f"{io.PREFIX}{name}.{key}"] = shape
         extra = {io.PREFIX + n: n for n in params if not _is_lora(n)}
         with io.open_adapter(directory) as reader:
-            keys = io.check_adapter_file(reader, expected, extra, shapes)
+            keys = io.check_adapter_file(reader, expected, extra, shapes,
+                                         elsewhere=lambda name: held_elsewhere(model, name))
             plain = {k: n for k, n in keys.items() if n in params}
             io.read_slices(reader, plain, params, layout.specs if layout else {},
                            layout.ctx.size if layout else 1, layout.ctx.rank if layout else 0)

@@ -109,14 +109,11 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement)
                                     compile_backend=args.torch_compile_backend if args.torch_compile else None)
 
 
-def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = False) -> None:
+def check_pipeline(args: TrainingArguments, dims: ParallelDims) -> None:
     """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch, and what does not
     compose with it yet. No collective."""
     if dims.pp == 1:
         return
-    if lora:
-        raise ValueError(f"LoRA (a PeftModel) with pp_size={dims.pp} is not supported yet (the adapter is saved from "
-                         f"one stage); train the adapter at pp_size=1")
     config = args.parallelism_config
     schedule = pipeline_parallel.schedule_name(config.pp_schedule or "1F1B")
     check_microbatches(schedule, dims.pp, config.pp_microbatches or dims.pp, args.per_device_train_batch_size)
@@ -125,13 +122,15 @@ def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = 
                          "embedding's gradient is summed after it; train without optim_in_backward")
 
 
-def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement) -> pipeline_parallel.Pipeline:
+def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement, *,
+             on_forward=None) -> pipeline_parallel.Pipeline:
     """Stage 4 under pipeline parallelism: this rank's stages and torch's schedule over them (after TP, activation
-    checkpointing and compile, which the stages' views share)."""
+    checkpointing and compile, which the stages' views share). `on_forward`: called before each stage's forward (a
+    PeftModel's dropout-mask count, which the whole model's forward, never run under pp, advances otherwise)."""
     config = args.parallelism_config
     pipeline_parallel.check_backend(model.pp_plan.schedule, dist.get_backend())
     return pipeline_parallel.Pipeline(model, placement.mesh, n_microbatches=config.pp_microbatches or model.pp_plan.pp,
-                                      device=placement.device)
+                                      device=placement.device, on_forward=on_forward)
 
 
 def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int
