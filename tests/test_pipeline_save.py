@@ -193,9 +193,33 @@ def _zbv_pp4(root: str) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-10, atol=1e-10)
 
 
+def _lora_on_stages(root: str) -> None:
+    """Targets a stage may lack: found on another stage they are fine, found on none an error on every rank; a tied
+    weight trained on one stage's copy only is refused on every rank."""
+    from tptrain.peft import LoraConfig, get_peft_model
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64,
+                                                 distributed_config=DistributedConfig(pp_size=2, tp_size=2))
+    with pytest.raises(ValueError, match=r"target_modules=\['q_prj'\] matches no module of any pipeline stage"):
+        get_peft_model(model, LoraConfig(r=2, target_modules=["q_prj"]))
+    with pytest.raises(ValueError, match=r"modules_to_save entries \['nrm'\] match no module of any pipeline stage"):
+        get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["nrm"]))
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["embed_tokens"]))  # on stage 0 only
+    assert list(adapted.lora_layers) == (["model.embed_tokens"] if model.pp_plan.holds(0) else [])
+    adapted.unload()
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["embed_tokens"]))
+    args = training_args(os.path.join(root, "refused"), max_steps=1, parallelism_config=ParallelismConfig(
+        tp_size=2, pp_size=2, pp_microbatches=2))
+    with pytest.raises(ValueError, match="only one pipeline stage's copy of the tied weight"):
+        Trainer(adapted, args=args, train_dataset=tiny_dataset())
+
+
 def _world4(root: str) -> None:
     _save_cases(root)
     _lora_case(root, "qwen3_tied", "1F1B", 2)
+    _lora_on_stages(root)
     _zbv_pp4(root)
 
 

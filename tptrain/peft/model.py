@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.distributed import comm
+from tptrain.distributed import comm, raise_on_any_rank
 from tptrain.modeling import gather_parameters, is_sharded, save_once
 from tptrain.parallel.pipeline_checkpoint import gather_stages
 from tptrain.parallel.pipeline_parallel import held_elsewhere
@@ -56,24 +56,13 @@ class PeftModel(nn.Module):
         if isinstance(model, PeftModel):
             raise TypeError("the model already has LoRA adapters (it is a PeftModel); merge_and_unload() it first, "
                             "or load the adapter onto the plain base model")
-        config = rewrite_expert_targets(model, config)  # transformers 4's expert names, as peft rewrites them
-        targets = resolve_targets(model, config)  # pure checks first: identical errors on every rank
-        experts, weights = resolve_parameter_targets(model, config)
-        both = sorted(set(targets) & set(weights))
-        if both:
-            raise ValueError(f"{both[0]!r} is targeted by both target_modules and target_parameters (its weight); "
-                             "name it in one of them")
-        if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
-            config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
+        # Pure checks first: identical errors on every rank (a pipeline stage's agreed with the others' first).
+        resolve = _resolve_stage if getattr(model, "pp_plan", None) is not None else _resolve
+        config, targets, experts, weights, full_modules, factors = resolve(model, config)
         targets = {**targets, **weights}  # an nn.Linear's weight as a parameter target: peft's LoRA on it is Linear's
         if config.base_model_name_or_path is None:
             config = dataclasses.replace(config, base_model_name_or_path=getattr(model, "name_or_path", None))
-        full_modules = modules_to_save(model, config)
-        layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
-        factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in targets}
-        for name in experts:  # their layouts checked here too, before the collective below
-            for p in STACKED:
-                expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+        layout = getattr(model, "tp_layout", None)
 
         self.base_model = LoraModel(model)
         self.peft_config = {"default": config}
@@ -247,6 +236,51 @@ def get_peft_model(model: nn.Module, config: LoraConfig) -> PeftModel:
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _resolve(model: nn.Module, config: LoraConfig, *, part: bool = False):
+    """(config as saved, {module: module} of target_modules, {experts module: fused parameters} and {module:
+    nn.Linear} of target_parameters, modules_to_save's modules, {module: its factors' specs}), every layout checked.
+    Pure (no collective)."""
+    config = rewrite_expert_targets(model, config)  # transformers 4's expert names, as peft rewrites them
+    targets = resolve_targets(model, config, part=part)
+    experts, weights = resolve_parameter_targets(model, config, part=part)
+    both = sorted(set(targets) & set(weights))
+    if both:
+        raise ValueError(f"{both[0]!r} is targeted by both target_modules and target_parameters (its weight); "
+                         "name it in one of them")
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
+    layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
+    factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in {**targets, **weights}}
+    for name in experts:
+        for p in STACKED:
+            expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+    return config, targets, experts, weights, modules_to_save(model, config, part=part), factors
+
+
+def _resolve_stage(model: nn.Module, config: LoraConfig):
+    """`_resolve` on a pipeline stage, which may hold none of the targets: a stage's error, or a target matching
+    nothing on any stage, raised on every rank (ValueError). Collective (world)."""
+    resolved, error = None, None
+    try:
+        resolved = _resolve(model, config, part=True)
+    except Exception as exc:  # noqa: BLE001 - raised below on every rank
+        error = exc
+    raise_on_any_rank(error, exc_type=ValueError)
+    _, targets, experts, weights, full_modules, _ = resolved
+    entries = config.modules_to_save or []
+    found = comm.all_gather_object((bool(targets), bool(experts or weights),
+                                    [e for e in entries if any(n.endswith(e) for n in full_modules)]))
+    where = f"any pipeline stage of {type(model).__name__}"
+    missing = [e for e in entries if not any(e in saved for _, _, saved in found)]
+    error = (f"LoraConfig.target_modules={config.target_modules!r} matches no module of {where}"
+             if config.target_modules and not any(t for t, _, _ in found) else
+             f"LoraConfig.target_parameters={config.target_parameters!r} matches no parameter of {where}"
+             if config.target_parameters and not any(p for _, p, _ in found) else
+             f"LoraConfig.modules_to_save entries {missing} match no module of {where}" if missing else None)
+    raise_on_any_rank(error, exc_type=ValueError)
+    return resolved
 
 
 def _is_lora(name: str) -> bool:
