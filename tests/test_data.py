@@ -13,7 +13,7 @@ import torch
 from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
-from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset, load_tokenizer
+from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset, load_tokenizer, read_documents
 from tptrain.generation import greedy_generate
 from tptrain.training.reporting import Reporter, read_metrics
 
@@ -85,6 +85,12 @@ def test_jsonl_and_its_errors(tmp_path):
         build_dataset(path, BYTES, seq_len=2)
     path.write_text('{"text": "hi"}\n{oops\n', encoding="utf-8")
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        build_dataset(path, BYTES, seq_len=2)
+    # a raw U+2028 inside a JSON string is one line of the file (str.splitlines would cut the record in two)
+    path.write_text('{"text": "a\u2028b"}\n', encoding="utf-8")
+    assert read_documents(path)[1] == ["a\u2028b"]
+    path.write_bytes(b'{"text": "hi"}\n{"text": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"not valid UTF-8: byte offset 25"):
         build_dataset(path, BYTES, seq_len=2)
 
 

@@ -16,6 +16,7 @@ import itertools
 import json
 import re
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, Iterable, Protocol
 
 import numpy as np
@@ -240,10 +241,10 @@ def read_documents(source: Any) -> tuple[str, list[str]]:
 def _documents(source: Any) -> tuple[str, list[str]]:
     if isinstance(source, (str, Path)):
         path = Path(source).expanduser()
-        text = _read_text(path)
         if path.suffix == ".jsonl":
-            return str(path), _jsonl_documents(text, path)
-        return str(path), [d for d in DOCUMENT_BREAK.split(text) if d.strip()]
+            _check_file(path)
+            return str(path), _jsonl_documents(path)
+        return str(path), [d for d in DOCUMENT_BREAK.split(_read_text(path)) if d.strip()]
     if isinstance(source, (list, tuple)):
         for i, doc in enumerate(source):
             if not isinstance(doc, str):
@@ -255,10 +256,14 @@ def _documents(source: Any) -> tuple[str, list[str]]:
                     "of strings, a datasets.Dataset with a 'text' column, or a PackedDataset")
 
 
-def _read_text(path: Path) -> str:
+def _check_file(path: Path) -> None:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise FileNotFoundError(f"dataset file {path} {what}; pass a .txt or .jsonl file")
+
+
+def _read_text(path: Path) -> str:
+    _check_file(path)
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
@@ -273,15 +278,33 @@ def utf8_error(path: Path, exc: UnicodeDecodeError, offset: int) -> ValueError:
                       f"the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`.")
 
 
-def _jsonl_documents(text: str, path: Path) -> list[str]:
+def jsonl_records(path: Path, progress: Callable[[int], None] = lambda n: None, *,
+                  start: int = 0) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed record) of each non-blank line of a .jsonl file from the `start`-th on (the ones before
+    are counted, not parsed), read a line at a time; `progress` gets each line's bytes."""
+    offset, row = 0, 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            progress(len(raw))
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise utf8_error(path, exc, offset + exc.start) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            row += 1
+            if row <= start:
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
+
+
+def _jsonl_documents(path: Path) -> list[str]:
     documents = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
+    for number, row in jsonl_records(path):
         if not isinstance(row, dict) or "text" not in row:
             raise ValueError(f"{path} line {number} has no \"text\" field; each line must be an object like "
                              '{"text": "..."}')

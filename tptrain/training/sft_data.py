@@ -31,7 +31,8 @@ from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_templa
 from tptrain.training.data import build_dataset, packed_dataset
 from tptrain.training.streaming import StreamingText, TextStream, as_stream
 from tptrain.training.token_cache import Store, open_or_build
-from tptrain.training.token_stream import jsonl_records, text_documents
+from tptrain.training.data import jsonl_records
+from tptrain.training.token_stream import text_documents
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -79,7 +80,7 @@ def scan_data_file(path: Path) -> bool:
             raise ValueError(f"dataset {path} is empty: it has no text to train on")
         return False
     chat, count = False, 0
-    for count, record in enumerate(jsonl_records(path, ignore), start=1):
+    for count, (_, record) in enumerate(jsonl_records(path, ignore), start=1):
         fmt = record_format(record, count - 1, str(path))
         chat |= fmt == "messages" or isinstance(record.get("prompt"), list)
     if not count:

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from tptrain.training.data import check_dp_split
+from tptrain.training.data import check_dp_split, jsonl_records
 
 SUFFIXES = (".parquet", ".arrow", ".jsonl")
 _READ_ROWS = 1024  # rows per pyarrow batch
@@ -170,21 +170,11 @@ def _arrow_rows(path: Path, column: str, start: int) -> Iterator[Any]:
 
 def _jsonl_rows(path: Path, column: str, start: int) -> Iterator[Any]:
     """One row per non-blank line (as data.py reads jsonl)."""
-    row = 0
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            if row >= start:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
-                if not isinstance(record, dict) or column not in record:
-                    keys = sorted(record) if isinstance(record, dict) else [type(record).__name__]
-                    raise _column_error(path, keys, column)
-                yield record[column]
-            row += 1
+    for _, record in jsonl_records(path, start=start):
+        if not isinstance(record, dict) or column not in record:
+            keys = sorted(record) if isinstance(record, dict) else [type(record).__name__]
+            raise _column_error(path, keys, column)
+        yield record[column]
 
 
 _READERS = {".parquet": _parquet_rows, ".arrow": _arrow_rows, ".jsonl": _jsonl_rows}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import itertools
-import json
 import sys
 import time
 from array import array
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tptrain.losses import IGNORE_INDEX
-from tptrain.training.data import DOCUMENT_BREAK, utf8_error
+from tptrain.training.data import DOCUMENT_BREAK, jsonl_records, utf8_error
 
 TOKENS, TARGETS, OFFSETS = "tokens.bin", "targets.bin", "offsets.npy"
 _READ_BYTES = 8 << 20
@@ -69,26 +68,6 @@ def _decoded_pieces(path: Path, progress: Callable[[int], None]) -> Iterator[tup
             yield text, not data
             if not data:
                 return
-
-
-def jsonl_records(path: Path, progress: Callable[[int], None]) -> Iterator[Any]:
-    """The parsed non-blank lines of a .jsonl file, one at a time."""
-    offset = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            progress(len(raw))
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise utf8_error(path, exc, offset + exc.start) from None
-            offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
-            yield record
 
 
 class TokenWriter:
@@ -149,7 +128,7 @@ def tokenize_file(path: Path, directory: Path, tokenizer: Any, *, encoder: Any, 
             if encoder is None:
                 kind, texts = "text", _encode_texts(text_documents(path, bar.update), tokenizer, writer, targets=False)
             else:
-                kind, texts = _encode_records(jsonl_records(path, bar.update), tokenizer, writer, encoder)
+                kind, texts = _encode_records((r for _, r in jsonl_records(path, bar.update)), tokenizer, writer, encoder)
         finally:  # on an error too: the caller removes the directory
             writer.close_files()
     if kind == "text" and not texts:
