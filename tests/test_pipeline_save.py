@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -115,6 +116,15 @@ def _save_cases(root: str) -> None:
         assert os.path.isdir(out) and not [n for n in os.listdir(root) if n.startswith(".")]  # no staging left
         if dist.get_rank() == 0:
             _compare_with_transformers(path, out)
+    # A stage's writer on another filesystem (it cannot see rank 0's staging directory): said, on every rank.
+    is_dir = Path.is_dir
+    hidden = (lambda self: ".tmp-" not in self.name and is_dir(self)) if dist.get_rank() == 2 else is_dir
+    with mock.patch.object(Path, "is_dir", hidden), \
+            pytest.raises(OSError, match=r"staging directory .* is not visible on this rank: .* on a filesystem all "
+                                         r"ranks share.*\(on rank 2 of 4\)"):
+        model.save_pretrained(os.path.join(root, "elsewhere"))
+    dist.barrier()  # rank 0 removes its staging directory as it raises
+    assert not [n for n in os.listdir(root) if n.startswith(".") or n == "elsewhere"]
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"]
