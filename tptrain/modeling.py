@@ -27,7 +27,7 @@ from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel, raise_context_problems
-from tptrain.parallel import pipeline_parallel
+from tptrain.parallel import pipeline_checkpoint, pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
 
@@ -276,15 +276,18 @@ class PreTrainedModel(nn.Module):
         Collective: every rank must call it. Streamed: the parameters are gathered one at a time, and
         global rank 0 writes each shard file (`max_shard_size`) as soon as its tensors are in, so it
         holds at most one shard plus one tensor, never the model; the index and config.json come last
-        and the directory is renamed into place. A failure on the writer is raised on every rank.
+        and the directory is renamed into place. A failure on the writer is raised on every rank. Cut into
+        pipeline stages, each stage writes its own shard files and rank 0 the one index
+        (parallel/pipeline_checkpoint.py).
         """
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-        gather = checkpoint_tensors
-        if getattr(self, "pp_plan", None) is not None:  # every stage's tensors, written by global rank 0
-            sizes, gather = pipeline_parallel.across_stages(self, sizes, checkpoint_tensors)
-        save_once(save_directory, collective=is_sharded(self), gather=gather,
+        if getattr(self, "pp_plan", None) is not None:  # each stage writes its own files, rank 0 the index
+            pipeline_checkpoint.save_stages(self, sizes, checkpoint_tensors, save_directory,
+                                            max_shard_size=max_shard_size, extra_files={"config.json": config_json})
+            return
+        save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
                                                       extra_files={"config.json": config_json}))
 

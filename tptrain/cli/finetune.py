@@ -98,8 +98,9 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
         raise ValueError("--lora-target-parameters needs --lora-r (a LoRA run)")
     if args.lora_r:
         lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
-    if args.merge and nproc > args.tp_size:
-        raise ValueError(f"--merge needs --nproc-per-node equal to --tp-size ({args.tp_size}): merging an FSDP-sharded "
+    if args.merge and nproc > args.tp_size * args.pp_size:
+        raise ValueError(f"--merge needs --nproc-per-node equal to --tp-size x --pp-size ({args.tp_size * args.pp_size}): "
+                         "merging an FSDP-sharded "
                          "model is not implemented; merge afterwards with PeftModel.from_pretrained(base, "
                          "'final/adapter').merge_and_unload().save_pretrained(dir)")
 

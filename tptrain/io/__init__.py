@@ -9,11 +9,13 @@ import importlib
 
 _EXPORTS = {"tptrain.io.hub": ("resolve_checkpoint",),
             "tptrain.io.reader": ("INDEX_FILE", "SINGLE_FILE", "CheckpointReader", "check_tensor_shape"),
-            "tptrain.io.writer": ("atomic_directory", "fsync_path", "parse_size", "save_checkpoint", "save_streamed",
-                                  "writable_error")}
+            "tptrain.io.writer": ("atomic_directory", "fsync_path", "parse_size", "plan_files", "publish",
+                                  "save_checkpoint", "save_streamed", "staging_directory", "writable_error",
+                                  "write_index", "write_shards")}
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "CheckpointReader", "atomic_directory", "check_tensor_shape", "fsync_path",
-           "parse_size", "resolve_checkpoint", "save_checkpoint", "save_streamed", "writable_error"]
+           "parse_size", "plan_files", "publish", "resolve_checkpoint", "save_checkpoint", "save_streamed",
+           "staging_directory", "writable_error", "write_index", "write_shards"]
 assert sorted(__all__) == sorted(_MODULE_OF)
 
 

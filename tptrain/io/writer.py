@@ -62,29 +62,55 @@ def save_streamed(sizes: dict[str, int], tensors: Iterator[tuple[str, torch.Tens
     (name, tensor) in the order of `sizes` ({name: bytes}, which plans the shard files up front). Each file
     is written as soon as its tensors are in, so at most one shard plus one tensor is held; the index and
     `extra_files` are written last, then the directory is swapped into place (atomic as save_checkpoint)."""
-    header_meta = _header_metadata(metadata)
-    shards = _plan_shards(sizes, parse_size(max_shard_size))
-    files = _shard_file_names(len(shards))
+    (files,) = plan_files([sizes], max_shard_size)
     extra = extra_files or {}
-    _check_extra_files(extra, files)
+    _check_extra_files(extra, [f for f, _ in files])
     with atomic_directory(directory) as tmp:
-        total = 0
-        for file_name, names in zip(files, shards):
-            shard = {}
-            for expected in names:
-                name, tensor = next(tensors)
-                assert name == expected, (name, expected)  # `tensors` follows `sizes`
-                shard[name] = tensor
-            shard = _shard_tensors(shard, names)
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-            save_file(shard, os.fspath(tmp / file_name), metadata=header_meta)
-            del shard
-        if len(shards) > 1:
-            weight_map = {name: file_name for file_name, names in zip(files, shards) for name in names}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_file(tmp / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        for name, content in extra.items():
-            _write_file(tmp / name, content.encode() if isinstance(content, str) else content)
+        total = write_shards(tmp, files, tensors, metadata=metadata)
+        write_index(tmp, files, total, extra_files=extra)
+
+
+def plan_files(part_sizes: list[dict[str, int]], max_shard_size: int | str) -> list[list[tuple[str, list[str]]]]:
+    """Each part's shard files, as (file name, tensor names), for a checkpoint written in parts (one per pipeline
+    stage, say; one part: a plain save): each part's tensors split at `max_shard_size`, the files numbered over
+    all parts in order, as transformers names them (`model-0000K-of-0000N.safetensors`; one file in all:
+    `model.safetensors`)."""
+    max_size = parse_size(max_shard_size)
+    plans = [_plan_shards(sizes, max_size) if sizes else [] for sizes in part_sizes]
+    names = iter(_shard_file_names(sum(map(len, plans))))
+    return [[(next(names), shard) for shard in plan] for plan in plans]
+
+
+def write_shards(directory: Path, files: list[tuple[str, list[str]]], tensors: Iterator[tuple[str, torch.Tensor]],
+                 *, metadata: dict[str, str] | None = None) -> int:
+    """Write `files` ((file name, tensor names), from `plan_files`) into `directory`, each as soon as its tensors
+    are taken from `tensors` (which yields them in that order), and fsync each. Returns the bytes written."""
+    header_meta = _header_metadata(metadata)
+    total = 0
+    for file_name, names in files:
+        shard = {}
+        for expected in names:
+            name, tensor = next(tensors)
+            assert name == expected, (name, expected)  # `tensors` follows the plan
+            shard[name] = tensor
+        shard = _shard_tensors(shard, names)
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        save_file(shard, os.fspath(directory / file_name), metadata=header_meta)
+        fsync_path(directory / file_name)
+        del shard
+    return total
+
+
+def write_index(directory: Path, files: list[tuple[str, list[str]]], total: int, *,
+                extra_files: dict[str, bytes | str] | None = None) -> None:
+    """The index of `files` (every part's, when several; none for a single file) and `extra_files` (config.json),
+    written last, each fsynced."""
+    if len(files) > 1:
+        weight_map = {name: file_name for file_name, names in files for name in names}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_file(directory / INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    for name, content in (extra_files or {}).items():
+        _write_file(directory / name, content.encode() if isinstance(content, str) else content)
 
 
 @contextlib.contextmanager
@@ -92,20 +118,32 @@ def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary sibling of `directory` to fill. On success every file in it is
     fsynced and it is swapped into place (an existing `directory` is replaced whole); on any error,
     KeyboardInterrupt too, it is removed and `directory` is left untouched."""
-    target = Path(os.path.abspath(directory))
-    _check_replaceable(target)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier process that had our pid
+    tmp = staging_directory(directory)
     try:
-        tmp.mkdir()
         yield tmp
-        for path in tmp.iterdir():
-            fsync_path(path)
-        _swap_into_place(tmp, target)
+        publish(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def staging_directory(directory: str | os.PathLike, *, tag: str | None = None) -> Path:
+    """A new, empty temporary sibling `.{name}.tmp-<tag>` of `directory` (tag: this process's pid) to fill and then
+    `publish`; refused if `directory` exists and does not look like a checkpoint (it would be replaced)."""
+    target = Path(os.path.abspath(directory))
+    _check_replaceable(target)
+    tmp = target.parent / f".{target.name}.tmp-{tag or os.getpid()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier process that had our pid
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, directory: str | os.PathLike) -> None:
+    """Fsync every file of the filled `tmp` (a `staging_directory`) and swap it into place as `directory`."""
+    for path in tmp.iterdir():
+        fsync_path(path)
+    _swap_into_place(tmp, Path(os.path.abspath(directory)))
 
 
 def writable_error(target: Path) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from tptrain.distributed import comm
+from tptrain.distributed import comm, raise_on_any_rank
 from tptrain.parallel import contract
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.plan import ResolvedPlan
@@ -257,7 +258,8 @@ class Pipeline:
     """This rank's stages (PipelineStage over StageModule views) and torch's schedule running them, for a model
     cut by `cut_model`. Built once for the run, on every rank of the mesh (`mesh` has the pp axis)."""
 
-    def __init__(self, model: nn.Module, mesh, *, n_microbatches: int, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, mesh, *, n_microbatches: int, device: torch.device,
+                 on_forward: Callable[[], None] | None = None) -> None:
         plan = self.plan = model.pp_plan
         self.model, self.loss = model, MicrobatchLoss(model)
         if getattr(model, "tp_layout", None) is not None:
@@ -267,10 +269,13 @@ class Pipeline:
         last = plan.n_stages - 1
         self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),
                                      s, plan.n_stages, device, group=mesh["pp"].get_group()) for s in plan.stages]
+        for stage in self.stages if on_forward is not None else ():
+            stage.submod.register_forward_pre_hook(lambda module, args: on_forward())
         schedule = get_schedule_class(plan.schedule)
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],
                                  n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
         self.tie_group = tie_group(mesh, plan)
+        self.tied_trainable = self._check_tied()
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -302,17 +307,49 @@ class Pipeline:
         """Sum the gradients of the tied copies (first stage's embedding, last stage's head) over their two ranks,
         so both copies take the same optimizer step and stay equal. Under FSDP2 each holds its dp shard of the
         weight, the same rows of it on both stages (the same mesh and placements): the shards are summed."""
-        if self.tie_group is None:
+        if self.tie_group is None or not self.tied_trainable:
             return
         params = dict(self.model.named_parameters())
         for names in self.plan.tied:
             p = next(params[n] for n in names if n in params)
             comm.all_reduce(local_tensor(p.grad), self.tie_group, phase="tied_grad")
 
+    def _check_tied(self) -> bool:
+        """Whether the tied copies train (a LoRA run freezes both); a ValueError on every rank when only one of
+        them does. Collective."""
+        plan = self.plan
+        if not plan.tied or plan.stage_rank(0) == plan.stage_rank(plan.n_stages - 1):
+            return False
+        error, flags = None, []
+        if self.tie_group is not None:  # this rank holds a copy
+            params = dict(self.model.named_parameters())
+            # A copy no longer under its name is the base of an adapter's wrapper (LoRA on the embedding): frozen.
+            mine = [next((params[n].requires_grad for n in names if n in params), False) for names in plan.tied]
+            flags = comm.all_gather_object(mine, self.tie_group)
+            if flags[0] != flags[1]:
+                error = (f"only one pipeline stage's copy of the tied weight(s) {list(plan.tied)} trains (e.g. a "
+                         f"LoRA modules_to_save naming one of them); with pp_size={plan.pp} train both or neither: "
+                         f"drop it from modules_to_save, or untie them (tie_word_embeddings=False)")
+        raise_on_any_rank(error, exc_type=ValueError)
+        return any(flags[0]) if flags else False
+
     def norm_duplicates(self) -> set[str]:
         """Names of tied copies another rank counts in the gradient norm (the last stage's, when two ranks hold
         the tied weight)."""
         return {last for _, last in self.plan.tied} if self.tie_group is not None and not self.plan.holds(0) else set()
+
+
+def held_elsewhere(model: nn.Module, name: str) -> bool:
+    """Whether parameter `name` (its whole-model name) belongs to a stage this rank of a cut `model` does not hold
+    (a file of the whole model's tensors, a LoRA adapter's, names it: this rank skips it)."""
+    plan = getattr(model, "pp_plan", None)
+    if plan is None:
+        return False
+    layers, first, last = contract.pipeline_parts(model)
+    if name.startswith(f"{layers}."):
+        return int(name[len(layers) + 1:].split(".")[0]) not in plan.layers()
+    paths = (() if plan.holds(0) else first) + (() if plan.holds(plan.n_stages - 1) else last)
+    return any(name.startswith(f"{path}.") for path in paths)
 
 
 def check(model: nn.Module, resolved: ResolvedPlan, config) -> PipelinePlan:
@@ -337,34 +374,3 @@ def cut_for_rank(model: nn.Module, resolved: ResolvedPlan, config, pp_rank: int)
     cut_model(model, plan)
     return stage_plan(resolved, model)
 
-
-def across_stages(model: nn.Module, sizes: dict[str, int], tensors):
-    """The whole model's checkpoint from this rank's stage(s): ({checkpoint name: bytes} of every stage, in stage
-    rank order, a tied tensor once), and an iterator factory that gathers them in that order. Each stage gathers
-    its own tensors (over its TP group: `tensors()`), and its rank of the writer's group sends them one at a time to
-    global rank 0, which yields them; every other rank runs its own share. Collective over the pp group."""
-    mesh, plan = model.device_mesh, model.pp_plan
-    group = mesh["pp"].get_group()
-    per_rank = comm.all_gather_object(list(sizes.items()), group)
-    owner: dict[str, int] = {}
-    for r, items in enumerate(per_rank):
-        for name, _ in items:
-            owner.setdefault(name, r)
-    merged = {name: nbytes for r, items in enumerate(per_rank) for name, nbytes in items if owner[name] == r}
-    ranks = dist.get_process_group_ranks(group)  # this (dp, tp) coordinate's ranks, stage rank order
-    sends = ranks[0] == 0 and mesh["tp"].get_local_rank() == 0  # the group of the writer, global rank 0
-    me = mesh["pp"].get_local_rank()
-
-    def gathered():
-        for r in range(plan.pp):
-            if r == me:
-                for name, t in tensors():
-                    if owner[name] == r:
-                        if sends and r != 0:
-                            comm.send_object(t, ranks[0])
-                        yield name, t
-            elif me == 0 and sends:
-                for name, _ in per_rank[r]:
-                    if owner[name] == r:
-                        yield name, comm.recv_object(ranks[r])
-    return merged, gathered

@@ -221,8 +221,9 @@ def rewrite_expert_targets(model: nn.Module, config: LoraConfig) -> LoraConfig:
                                target_parameters=params, rank_pattern=rank, alpha_pattern=alpha)
 
 
-def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module]:
-    """{module name: module} the adapter wraps. Pure (no collective), so every rank raises the same errors."""
+def resolve_targets(model: nn.Module, config: LoraConfig, *, part: bool = False) -> dict[str, nn.Module]:
+    """{module name: module} the adapter wraps. Pure (no collective), so every rank raises the same errors. `part`:
+    `model` is one pipeline stage, which may hold none of the targets (the caller checks the whole model)."""
     names = [(n, m) for n, m in model.named_modules() if n]
     experts = [n for n, m in names if is_experts(m)]
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
@@ -236,7 +237,7 @@ def resolve_targets(model: nn.Module, config: LoraConfig) -> dict[str, nn.Module
         found = {n: m for n, m in names if matches(config, n)}
     if experts and isinstance(config.target_modules, str) and config.target_modules.lower() != ALL_LINEAR:
         _refuse_per_expert_regex(model, config, experts)
-    if not found and config.target_modules:
+    if not found and config.target_modules and not part:
         raise ValueError(f"LoraConfig.target_modules={config.target_modules!r} matches no module of "
                          f"{type(model).__name__} (module names look like {names[min(5, len(names) - 1)][0]!r}); "
                          "give names such as ['q_proj', 'v_proj'], a regex over full names, or 'all-linear'")
@@ -276,10 +277,11 @@ def _name_matches(targets: list[str], name: str) -> bool:
     return name in targets or any(name.endswith(f".{t}") for t in targets)
 
 
-def resolve_parameter_targets(model: nn.Module, config: LoraConfig
+def resolve_parameter_targets(model: nn.Module, config: LoraConfig, *, part: bool = False
                               ) -> tuple[dict[str, tuple[str, ...]], dict[str, nn.Linear]]:
     """({experts module name: its targeted fused parameters, in FUSED order}, {module name: nn.Linear whose
-    `weight` is targeted}) for `target_parameters`, matched as peft does. Pure (no collective)."""
+    `weight` is targeted}) for `target_parameters`, matched as peft does. Pure (no collective); `part` as
+    `resolve_targets`."""
     targets = config.target_parameters or []
     experts: dict[str, tuple[str, ...]] = {}
     linear: dict[str, nn.Linear] = {}
@@ -302,18 +304,18 @@ def resolve_parameter_targets(model: nn.Module, config: LoraConfig
                                  f"shape {tuple(p.shape)}); tptrain's LoRA on parameters supports the MoE experts' "
                                  "gate_up_proj / down_proj and nn.Linear weights")
             linear[name] = module
-    if targets and not experts and not linear:
+    if targets and not experts and not linear and not part:
         raise ValueError(f"LoraConfig.target_parameters={targets!r} matches no parameter of {type(model).__name__}; "
                          "for a mixture-of-experts model write ['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
     return experts, linear
 
 
-def modules_to_save(model: nn.Module, config: LoraConfig) -> list[str]:
-    """Modules trained in full; peft matches any module name ending with an entry."""
+def modules_to_save(model: nn.Module, config: LoraConfig, *, part: bool = False) -> list[str]:
+    """Modules trained in full; peft matches any module name ending with an entry (`part` as `resolve_targets`)."""
     entries = config.modules_to_save or []
     found = [n for n, _ in model.named_modules() if n and any(n.endswith(e) for e in entries)]
     missing = [e for e in entries if not any(n.endswith(e) for n in found)]
-    if missing:
+    if missing and not part:
         raise ValueError(f"LoraConfig.modules_to_save entries {missing} match no module of {type(model).__name__}")
     # A module inside another saved module is saved with it.
     return [n for n in found if not any(n.startswith(f"{o}.") for o in found)]

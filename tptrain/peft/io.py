@@ -48,12 +48,13 @@ def open_adapter(directory: str | os.PathLike) -> CheckpointReader:
 
 
 def check_adapter_file(reader: CheckpointReader, expected: dict[str, str], extra: dict[str, str],
-                       shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+                       shapes: dict[str, tuple[int, ...]], *, elsewhere=lambda name: False) -> dict[str, str]:
     """Match the file's keys to model parameters: `expected` {disk key: name} must all be present, `extra`
-    {disk key: name} may be (base tensors peft saves too, e.g. a targeted embedding's base weight).
+    {disk key: name} may be (base tensors peft saves too, e.g. a targeted embedding's base weight); keys whose
+    parameter name `elsewhere` says another pipeline stage holds are skipped.
     Raises on a missing, unknown or wrongly shaped tensor. Returns {disk key: parameter name} to load."""
     path = reader.files[0]
-    file_shapes = {k: reader.shape(k) for k in reader.keys()}
+    file_shapes = {k: reader.shape(k) for k in reader.keys() if not elsewhere(k[len(PREFIX):])}
     missing = [k for k in expected if k not in file_shapes]
     if missing:
         raise ValueError(f"{path} lacks {len(missing)} tensor(s) the adapter config implies, e.g. {missing[:3]}; "

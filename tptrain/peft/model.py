@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tptrain.distributed import comm
+from tptrain.distributed import comm, raise_on_any_rank
 from tptrain.modeling import gather_parameters, is_sharded, save_once
+from tptrain.parallel.pipeline_checkpoint import gather_stages
+from tptrain.parallel.pipeline_parallel import held_elsewhere
 from tptrain.parallel.styles import ShardSpec
 from tptrain.peft import io
 from tptrain.peft.config import (ALL_LINEAR, LoraConfig, modules_to_save, resolve_parameter_targets, resolve_targets,
@@ -54,28 +56,13 @@ class PeftModel(nn.Module):
         if isinstance(model, PeftModel):
             raise TypeError("the model already has LoRA adapters (it is a PeftModel); merge_and_unload() it first, "
                             "or load the adapter onto the plain base model")
-        config = rewrite_expert_targets(model, config)  # transformers 4's expert names, as peft rewrites them
-        targets = resolve_targets(model, config)  # pure checks first: identical errors on every rank
-        experts, weights = resolve_parameter_targets(model, config)
-        both = sorted(set(targets) & set(weights))
-        if both:
-            raise ValueError(f"{both[0]!r} is targeted by both target_modules and target_parameters (its weight); "
-                             "name it in one of them")
-        if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
-            config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
+        # Pure checks first: identical errors on every rank (a pipeline stage's agreed with the others' first).
+        resolve = _resolve_stage if getattr(model, "pp_plan", None) is not None else _resolve
+        config, targets, experts, weights, full_modules, factors = resolve(model, config)
         targets = {**targets, **weights}  # an nn.Linear's weight as a parameter target: peft's LoRA on it is Linear's
         if config.base_model_name_or_path is None:
             config = dataclasses.replace(config, base_model_name_or_path=getattr(model, "name_or_path", None))
-        full_modules = modules_to_save(model, config)
-        layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
-        factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in targets}
-        for name, fused in experts.items():  # their layouts checked here too, before the collective below
-            if is_fused_experts(model.get_submodule(name)):
-                for p in fused:
-                    fused_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
-            else:
-                for p in STACKED:
-                    expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+        layout = getattr(model, "tp_layout", None)
 
         self.base_model = LoraModel(model)
         self.peft_config = {"default": config}
@@ -92,9 +79,11 @@ class PeftModel(nn.Module):
         self._saved = _trainable_extras(model, config, targets, full_modules)
         self._saved += [n for n, p in model.named_parameters() if _is_lora(n)]
         self.set_trainable(trainable)
-        self._step_hook = model.register_forward_pre_hook(lambda m, args: self._advance())
+        self._step_hook = model.register_forward_pre_hook(lambda m, args: self.count_forward())
 
-    def _advance(self) -> None:
+    def count_forward(self) -> None:
+        """Advance the dropout masks' forward count: before each forward of the model, or under pipeline
+        parallelism (where the model's forward never runs) of each stage."""
         self.runtime.step += 1
 
     def __getattr__(self, name: str):
@@ -131,23 +120,33 @@ class PeftModel(nn.Module):
     # ---------------------------------------------------------------- saving / loading
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group;
-        the dict on TP rank 0, None elsewhere."""
-        state = gather_parameters(self.get_base_model(), self._saved)
-        if state is None:
-            return None
-        out = {}
-        for name, layer in self._expert_layers().items():  # stacked factors -> peft's fused, flattened tensors
-            full = {n[len(name) + 1:]: state.pop(n) for n in list(state) if n.startswith(f"{name}.lora_")}
-            out.update({f"{io.PREFIX}{name}.{key}": t for key, t in layer.to_disk(full).items()})
-        return {**{io.disk_key(name): t for name, t in state.items()}, **out}
+        """The adapter under peft's keys, gathered to full shape on the CPU. Collective over the TP group (and,
+        cut into pipeline stages, the pp group: every stage's tensors); the dict on TP rank 0 (of global rank 0's
+        pp ranks under pp), None elsewhere."""
+        model = self.get_base_model()
+        state = gather_parameters(model, self._saved)
+        if state is not None:
+            out = {}
+            for name, layer in self._expert_layers().items():  # stacked factors -> peft's fused, flattened tensors
+                full = {n[len(name) + 1:]: state.pop(n) for n in list(state) if n.startswith(f"{name}.lora_")}
+                out.update({f"{io.PREFIX}{name}.{key}": t for key, t in layer.to_disk(full).items()})
+            state = {**{io.disk_key(name): t for name, t in state.items()}, **out}
+        if getattr(model, "pp_plan", None) is not None:
+            state = gather_stages(model, state)
+        return state
 
     def save_pretrained(self, save_directory: str | os.PathLike, **_ignored) -> None:
         """Write adapter_config.json + adapter_model.safetensors (full tensors, whatever tp_size is).
         Collective: every rank calls it; global rank 0 writes atomically; a failure is raised on every rank."""
         model = self.get_base_model()
+        config = self.peft_config["default"]
+        if getattr(model, "pp_plan", None) is not None and isinstance(config.target_modules, list):
+            # "all-linear" became this stage's module names: the file's config names every stage's
+            names = comm.all_gather_object(config.target_modules, model.device_mesh["pp"].get_group())
+            if any(n != config.target_modules for n in names):
+                config = dataclasses.replace(config, target_modules=sorted(set().union(*names)))
         save_once(save_directory, collective=is_sharded(model), gather=self.adapter_state_dict,
-                  write=lambda state: io.write_adapter(save_directory, state, self.peft_config["default"]))
+                  write=lambda state: io.write_adapter(save_directory, state, config))
 
     @classmethod
     def from_pretrained(cls, model: nn.Module, model_id: str | os.PathLike, *,
@@ -186,7 +185,8 @@ class PeftModel(nn.Module):
                 shapes[f"{io.PREFIX}{name}.{key}"] = shape
         extra = {io.PREFIX + n: n for n in params if not _is_lora(n)}
         with io.open_adapter(directory) as reader:
-            keys = io.check_adapter_file(reader, expected, extra, shapes)
+            keys = io.check_adapter_file(reader, expected, extra, shapes,
+                                         elsewhere=lambda name: held_elsewhere(model, name))
             plain = {k: n for k, n in keys.items() if n in params}
             io.read_slices(reader, plain, params, layout.specs if layout else {},
                            layout.ctx.size if layout else 1, layout.ctx.rank if layout else 0)
@@ -236,6 +236,55 @@ def get_peft_model(model: nn.Module, config: LoraConfig) -> PeftModel:
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _resolve(model: nn.Module, config: LoraConfig, *, part: bool = False):
+    """(config as saved, {module: module} of target_modules, {experts module: fused parameters} and {module:
+    nn.Linear} of target_parameters, modules_to_save's modules, {module: its factors' specs}), every layout checked.
+    Pure (no collective)."""
+    config = rewrite_expert_targets(model, config)  # transformers 4's expert names, as peft rewrites them
+    targets = resolve_targets(model, config, part=part)
+    experts, weights = resolve_parameter_targets(model, config, part=part)
+    both = sorted(set(targets) & set(weights))
+    if both:
+        raise ValueError(f"{both[0]!r} is targeted by both target_modules and target_parameters (its weight); "
+                         "name it in one of them")
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
+    layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
+    factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in {**targets, **weights}}
+    for name, fused in experts.items():
+        if is_fused_experts(model.get_submodule(name)):
+            for p in fused:
+                fused_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+        else:
+            for p in STACKED:
+                expert_factor_specs(_spec(layout, f"{name}.{p}"), f"{name}.{p}")
+    return config, targets, experts, weights, modules_to_save(model, config, part=part), factors
+
+
+def _resolve_stage(model: nn.Module, config: LoraConfig):
+    """`_resolve` on a pipeline stage, which may hold none of the targets: a stage's error, or a target matching
+    nothing on any stage, raised on every rank (ValueError). Collective (world)."""
+    resolved, error = None, None
+    try:
+        resolved = _resolve(model, config, part=True)
+    except Exception as exc:  # noqa: BLE001 - raised below on every rank
+        error = exc
+    raise_on_any_rank(error, exc_type=ValueError)
+    _, targets, experts, weights, full_modules, _ = resolved
+    entries = config.modules_to_save or []
+    found = comm.all_gather_object((bool(targets), bool(experts or weights),
+                                    [e for e in entries if any(n.endswith(e) for n in full_modules)]))
+    where = f"any pipeline stage of {type(model).__name__}"
+    missing = [e for e in entries if not any(e in saved for _, _, saved in found)]
+    error = (f"LoraConfig.target_modules={config.target_modules!r} matches no module of {where}"
+             if config.target_modules and not any(t for t, _, _ in found) else
+             f"LoraConfig.target_parameters={config.target_parameters!r} matches no parameter of {where}"
+             if config.target_parameters and not any(p for _, p, _ in found) else
+             f"LoraConfig.modules_to_save entries {missing} match no module of {where}" if missing else None)
+    raise_on_any_rank(error, exc_type=ValueError)
+    return resolved
 
 
 def _is_lora(name: str) -> bool:

@@ -95,12 +95,12 @@ def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: T
     return Placement(mesh, device, dist.get_rank(), order)
 
 
-def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement
+def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement, *, on_forward=None
                 ) -> tuple[bool, pipeline_parallel.Pipeline | None]:
     """What every rank must agree on first (final/ writable on rank 0, the compiler on every rank), the model on
     this rank's device, then TP (applied when it was loaded) -> activation checkpointing -> compile -> (a cut
     model: its pipeline's stages) -> FSDP2 (of each stage under pipeline parallelism). Returns whether FSDP2 wraps
-    the model, and the pipeline (None without pp)."""
+    the model, and the pipeline (None without pp; `on_forward` as `pipeline`'s)."""
     raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if placement.rank == 0 else None)
     if any(p.device != placement.device for p in model.parameters()):  # a model built or loaded elsewhere
         model.to(placement.device)
@@ -109,19 +109,16 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement
         raise_on_any_rank(compile_error(args.torch_compile_backend, placement.device), exc_type=ValueError)
     prepare_for_training(model, placement.mesh, gradient_checkpointing=args.gradient_checkpointing,
                          compile_backend=args.torch_compile_backend if args.torch_compile else None)
-    pipe = pipeline(model, args, placement) if getattr(model, "pp_plan", None) is not None else None
+    pipe = pipeline(model, args, placement, on_forward=on_forward) if getattr(model, "pp_plan", None) is not None else None
     fsdp = apply_data_parallel(model, placement.mesh, bf16=args.bf16, stages=pipe.modules if pipe else None)
     return fsdp, pipe
 
 
-def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = False) -> None:
+def check_pipeline(args: TrainingArguments, dims: ParallelDims) -> None:
     """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch, and what does not
     compose with it yet. No collective."""
     if dims.pp == 1:
         return
-    if lora:
-        raise ValueError(f"LoRA (a PeftModel) with pp_size={dims.pp} is not supported yet (the adapter is saved from "
-                         f"one stage); train the adapter at pp_size=1")
     config = args.parallelism_config
     schedule = pipeline_parallel.schedule_name(config.pp_schedule or "1F1B")
     check_microbatches(schedule, dims.pp, config.pp_microbatches or dims.pp, args.per_device_train_batch_size)
@@ -130,13 +127,16 @@ def check_pipeline(args: TrainingArguments, dims: ParallelDims, *, lora: bool = 
                          "embedding's gradient is summed after it; train without optim_in_backward")
 
 
-def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement) -> pipeline_parallel.Pipeline:
+def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement, *,
+             on_forward=None) -> pipeline_parallel.Pipeline:
     """Stage 4 under pipeline parallelism: this rank's stages and torch's schedule over them (after TP, activation
-    checkpointing and compile, which the stages' views share; before FSDP2, which wraps each stage module)."""
+    checkpointing and compile, which the stages' views share; before FSDP2, which wraps each stage module).
+    `on_forward`: called before each stage's forward (a PeftModel's dropout-mask count, which the whole model's
+    forward, never run under pp, advances otherwise)."""
     config = args.parallelism_config
     pipeline_parallel.check_backend(model.pp_plan.schedule, dist.get_backend())
     return pipeline_parallel.Pipeline(model, placement.mesh, n_microbatches=config.pp_microbatches or model.pp_plan.pp,
-                                      device=placement.device)
+                                      device=placement.device, on_forward=on_forward)
 
 
 def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int

@@ -83,7 +83,7 @@ class Trainer:
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config)
         self._check_sequence_length(self.dims)
-        check_pipeline(args, self.dims, lora=self.model is not self.inner)
+        check_pipeline(args, self.dims)
         data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:
@@ -91,7 +91,8 @@ class Trainer:
         placement = place(model, args, self.dims, data)  # the first collective
         self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
-        self.fsdp, self.pipeline = parallelize(model, args, placement)
+        self.fsdp, self.pipeline = parallelize(model, args, placement,
+                                               on_forward=getattr(self.model, "count_forward", None))
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
         self.converter = ckpt.StateConverter(model, self.mesh)
         # --async-checkpoint: DCP's background writes run their collectives on a group of their own.

@@ -10,8 +10,8 @@
 Callers read `comm.all_reduce(...)`, `comm.copy_to_tp(...)`, `comm.raise_on_any_rank(...)`: everything is
 re-exported here.
 """
-from tptrain.distributed.comm.agreement import (all_gather_object, any_rank, barrier, raise_on_any_rank, recv_object,
-                                               send_object, side_group, subgroup)
+from tptrain.distributed.comm.agreement import (all_gather_object, any_rank, barrier, raise_on_any_rank, side_group,
+                                               subgroup)
 from tptrain.distributed.comm.collectives import (ProcessGroup, all_gather, all_reduce, all_to_all, group_name,
                                                   reduce_scatter, resolve_group, split)
 from tptrain.distributed.comm.handles import Pending, start_all_gather, start_all_reduce, start_reduce_scatter
@@ -29,8 +29,8 @@ __all__ = [
     "CommRecord", "CommTracker", "Pending", "ProcessGroup", "all_gather", "all_gather_object", "all_reduce",
     "all_to_all", "any_rank", "barrier", "copy_to_tp", "destroy_process_group", "dispatch_to_ranks", "exchange_counts",
     "gather_from_tp", "gather_over_cp", "gather_to_sp", "group_name", "init_process_group", "note",
-    "process_group_timeout", "raise_on_any_rank", "recv_object", "reduce_from_tp", "reduce_scatter",
-    "reduce_scatter_to_sp", "rendezvous_timeout", "resolve_group", "send_object", "side_group", "split", "split_to_tp",
+    "process_group_timeout", "raise_on_any_rank", "reduce_from_tp", "reduce_scatter",
+    "reduce_scatter_to_sp", "rendezvous_timeout", "resolve_group", "side_group", "split", "split_to_tp",
     "start_all_gather", "start_all_reduce", "start_reduce_scatter", "subgroup", "sum_over_cp", "sum_over_tp",
     "shared_mesh",
     "track_mesh",

@@ -21,20 +21,6 @@ def all_gather_object(obj: object, group: ProcessGroup | None = None) -> list:
     return out
 
 
-def send_object(obj: object, dst: int) -> None:
-    """Send a picklable `obj` (a tensor, say) to global rank `dst`, which calls `recv_object` (a pipeline stage's
-    tensors going to the rank that writes the checkpoint)."""
-    record_object("send_object", obj, None)
-    dist.send_object_list([obj], dst=dst)
-
-
-def recv_object(src: int) -> object:
-    """What global rank `src` sends with `send_object`."""
-    out = [None]
-    dist.recv_object_list(out, src=src)
-    return out[0]
-
-
 def side_group() -> ProcessGroup:
     """A gloo group over every rank for collectives that run off the main thread (DCP's async save), so
     they never interleave with the training step's on the same group. Collective: every rank, once."""
