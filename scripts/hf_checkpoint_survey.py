@@ -8,10 +8,11 @@ on N gloo ranks, each stage against transformers on one process (fp32; scripts/h
     forward   logits, relative error (max |diff| / max |logit|) <= 1e-5
     backward  every gradient (gathered) finite and within 1e-4 of transformers' (relative to its largest entry,
               + 1e-6 of the model's largest gradient entry)
-    steps     the losses of 3 AdamW steps (lr 1e-3, eps 1e-6; and the one after) within 1e-5 (relative) of
+    steps     the model loaded again in fp64 on both sides (fp32 for a checkpoint over 256 MiB): the losses of
+              3 AdamW steps (lr 1e-3, eps 1e-6; and the one after) within 1e-9 (fp32: 1e-5) relative of
               transformers' own training on one process
-    save      save_pretrained of the trained model, reloaded by transformers: every tensor bit for bit what
-              transformers' own save_pretrained of the same weights reloads as
+    save      save_pretrained after one AdamW step on the backward's gradients, reloaded by transformers: every
+              tensor bit for bit what transformers' own save_pretrained of the same weights reloads as
     plan      `tptrain plan` (plan_report) finds no problem and its bytes per rank are what a loaded rank holds
     peer      (--peer) transformers' own TP, from_pretrained(dir, distributed_config=transformers.DistributedConfig(
               tp_size=N)) on the same ranks: do its logits equal its single-process ones (1e-5)?
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import torch
 from hf_backend_survey import TINY  # the same tiny sizes as the meta-device survey
-from hf_survey_stages import STAGES, reference, run_stages
+from hf_survey_stages import STAGES, reference, run_stages, steps_dtype
 
 # MLA attention (low-rank q/kv, decoupled RoPE): as many KV heads as query heads, consistent head sizes.
 _MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
@@ -95,7 +96,7 @@ def _write_checkpoint(model_type: str, directory: Path) -> tuple[torch.Tensor, d
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
-    return ids, reference(model, ids)
+    return ids, reference(model, ids, steps_dtype(directory))
 
 
 def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool) -> dict:
