@@ -156,6 +156,37 @@ def _worker(world: int, checkpoints: dict) -> None:
             _over_tp(path, expected, copy.deepcopy(ref), world, style)
         for tp, ep in EP_AXIS[world] if model_type == "qwen3_moe" else EP_AXIS[world][:1]:
             _over_ep_axis(path, expected, copy.deepcopy(ref), tp, ep)
+        if model_type == "olmoe":  # world 2: ep 2 (FSDP2 over ep); world 4: tp 2 x FSDP2 2
+            _trainer_with_fsdp(path, copy.deepcopy(ref), **(dict(ep=2) if world == 2 else dict(tp=2)))
+
+
+def _trainer_with_fsdp(path, ref, *, tp: int = 1, ep: int | None = None) -> None:
+    """The Trainer on the backend with FSDP2 over 2 dp ranks: at ep_size 2 (the dense parameters sharded over the ep
+    ranks, each rank's experts its own) or at tp 2 (every expert split inside, FSDP2 cutting the stacks by expert).
+    The experts' gate_up_proj is fused ([gate; up] halves split each alone, along dim 1): grad-norm clipping over
+    all of it, and a DCP checkpoint at step 2 that saves its boxes without a gather. The losses of 3 steps, and of
+    the third step resumed from the checkpoint, equal plain one-process training on the same global batches."""
+    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+    out, what = f"{path}-trainer-tp{tp}-ep{ep}", f"olmoe Trainer at tp {tp} ep_size {ep} on the backend"
+
+    def trainer():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(
+            tp_size=tp, ep_size=ep, backend="transformers"))
+        # eps 1e-4: as _trains_like (the fp32 router's rounding would become whole steps of lr)
+        args = training_args(out, max_steps=3, per_device_train_batch_size=2, adam_epsilon=1e-4, save_steps=2,
+                             parallelism_config=ParallelismConfig(tp_size=tp, ep_size=ep, dp_shard_size=2))
+        return Trainer(model=model, args=args, train_dataset=tiny_dataset())
+
+    first = trainer()
+    assert first.fsdp, what
+    losses = first.train().losses
+    resumed = trainer().train(resume_from_checkpoint=f"{out}/checkpoint-2").losses
+    expected = reference_losses(ref.train(), tiny_dataset(), first.args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(losses + resumed), torch.tensor(expected + expected[2:]), **STEP_TOL,
+                               msg=lambda m: f"{what} (+ the third step resumed): {m}")
 
 
 def _bad_layouts_raise_on_every_rank() -> None:

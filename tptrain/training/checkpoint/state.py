@@ -126,18 +126,23 @@ class StateConverter:
         """A fused tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
         FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (fused_shards.py)
         does, still without a gather or a copy. Loaded into an empty global tensor (`fused_target`)."""
-        dp = dp_placements(t)
-        assert dp.get("dp_shard", Shard(0)) == Shard(0), (name, dp)  # FSDP2 shards dim 0
+        dp, spec = dp_placements(t), self._spec(name)
+        fsdp = dp.get("dp_shard_mod_ep" if spec.ep_split else "dp_shard")
+        assert fsdp in (None, Shard(0), Replicate()), (name, dp)  # FSDP2 shards dim 0
         local = (t.to_local() if isinstance(t, DTensor) else t).detach()
-        return fused_sharded_tensor(local, self._spec(name), self.global_shapes[name], self.mesh,
-                                     fsdp="dp_shard" in dp)
+        return fused_sharded_tensor(local, spec, self.global_shapes[name], self.mesh, fsdp=fsdp == Shard(0),
+                                    ep=ParallelDims.of(self.mesh).ep if spec.ep_split else 1)
 
     def fused_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local_device_of(like))
 
     def copy_fused(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
         """Write this rank's shard of a loaded fused global tensor into its training tensor `dest`."""
-        local = self._spec(name).local_chunk(loaded, self.ctx.size, self.ctx.rank)
+        spec = self._spec(name)
+        if spec.ep_split:  # this ep rank's experts first (dim 0, outer), then FSDP's chunk of them below
+            held = loaded.shape[0] // self.mesh["ep"].size()
+            loaded = loaded.narrow(0, self.mesh["ep"].get_local_rank() * held, held)
+        local = spec.local_chunk(loaded, self.ctx.size, self.ctx.rank)
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()
             dest = dest.to_local()
