@@ -8,9 +8,9 @@ on N gloo ranks, each stage against transformers on one process (fp32; scripts/h
     forward   logits, relative error (max |diff| / max |logit|) <= 1e-5
     backward  every gradient (gathered) finite and within 1e-4 of transformers' (relative to its largest entry,
               + 1e-6 of the model's largest gradient entry)
-    steps     the model loaded again in fp64 on both sides (fp32 for a checkpoint over 256 MiB): the losses of
-              3 AdamW steps (lr 1e-3, eps 1e-6; and the one after) within 1e-7 (fp32: 1e-5) relative of
-              transformers' own training on one process
+    steps     the model loaded again in fp64 on both sides (fp32 for a checkpoint over 256 MiB or where
+              transformers fails in fp64): the losses of 3 AdamW steps (lr 1e-3, eps 1e-6; and the one after)
+              within 1e-7 (fp32 logits: 1e-5) relative of transformers' own training on one process
     save      save_pretrained after one AdamW step on the backward's gradients, reloaded by transformers: every
               tensor bit for bit what transformers' own save_pretrained of the same weights reloads as
     plan      `tptrain plan` (plan_report) finds no problem and its bytes per rank are what a loaded rank holds
@@ -114,9 +114,9 @@ def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool) -> dict:
     error = comm.all_gather_object(error)[0]
     if error:
         return {"error": f"transformers (not tptrain) fails: {error}"}
-    ids = comm.all_gather_object(written[0] if written else None)[0]
+    ids, dtype = comm.all_gather_object((written[0], written[1]["steps_dtype"]) if written else None)[0]
     try:
-        return run_stages(directory, saved, ids, written[1] if written else None, tp_size, peer)
+        return run_stages(directory, saved, ids, written[1] if written else None, tp_size, peer, steps_dtype=dtype)
     finally:
         comm.all_gather_object(None)  # every rank done with the files
         if rank == 0:  # phi4_multimodal's full-size towers make GBs

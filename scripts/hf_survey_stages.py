@@ -21,7 +21,8 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 # rounding into a step of +-lr, so fp32 trajectories part at ~1e-5 without any bug), in fp32 for a checkpoint above
 # FP64_MAX_BYTES (phi4_multimodal's full-size towers). fp64's 1e-7: transformers keeps fp32 islands in an fp64 model
 # (Gemma's norms, eager attention's softmax), where TP's other summation order rounds differently (gemma4_text's
-# gradients part at 1e-7 with them, at 4e-14 with them made fp64; its third loss at 2e-9).
+# gradients part at 1e-7 with them, at 4e-14 with them made fp64; its third loss at 2e-9). The tolerance is the
+# logits' dtype's: a model that returns fp32 logits in fp64 (beam) is compared as fp32.
 LOSS_RTOL = {torch.float64: 1e-7, torch.float32: 1e-5}  # the loss of each of 3 AdamW steps (and the one after)
 FP64_MAX_BYTES = 2**28
 # AdamW's eps above fp32 rounding of a gradient that is 0 but for rounding (else each side steps it by +-lr at random)
@@ -63,30 +64,45 @@ def eager_experts(model) -> None:
 
 def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
     """transformers on one process (eval mode: no dropout on either side): logits and the first backward's
-    gradients in fp32; the losses of STEPS AdamW steps and the one after, on a copy of `model` in `dtype`."""
+    gradients in fp32; the losses of STEPS AdamW steps and the one after, on a copy of `model` in `dtype` (fp32
+    where transformers itself fails in fp64). "steps_dtype": the dtype trained in; "loss_dtype": the logits'
+    (transformers may compute them in fp32 in an fp64 model: beam's softcapping), which sets the tolerance."""
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits
     train = copy.deepcopy(model).eval()
     _ce(train(input_ids=ids, use_cache=False).logits, ids).backward()
     grads = {n: p.grad for n, p in train.named_parameters() if p.grad is not None}
+    try:
+        losses, loss_dtype = _trajectory(model, ids, dtype)
+    except RuntimeError:
+        if dtype == torch.float32:
+            raise
+        dtype = torch.float32  # inkling2_text: transformers' own fp64 forward mixes dtypes
+        losses, loss_dtype = _trajectory(model, ids, dtype)
+    return dict(logits=logits, grads=grads, losses=losses, model=model, steps_dtype=dtype, loss_dtype=loss_dtype)
+
+
+def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype]:
     train = copy.deepcopy(model).to(dtype).eval()
     eager_experts(train)
     opt = torch.optim.AdamW(train.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS + 1):
-        loss = _ce(train(input_ids=ids, use_cache=False).logits, ids)
+        logits = train(input_ids=ids, use_cache=False).logits
+        loss = _ce(logits, ids)
         losses.append(loss.item())
         if step == STEPS:
             break
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return dict(logits=logits, grads=grads, losses=losses, model=model)
+    return losses, logits.dtype
 
 
-def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None, tp_size: int, peer: bool) -> dict:
+def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None, tp_size: int, peer: bool, *,
+               steps_dtype: torch.dtype) -> dict:
     """{stage: "OK" / "FAIL" / "-"} plus "error" (the first failure's reason) and "peer"; the same on every rank.
-    `ref` is rank 0's (None elsewhere)."""
+    `ref` is rank 0's (None elsewhere); `steps_dtype` its, on every rank."""
     import transformers
 
     from tptrain import AutoModelForCausalLM, DistributedConfig
@@ -142,7 +158,7 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
                                  + "; ".join(bad[:3]))
 
     def steps():
-        dtype = steps_dtype(directory)
+        dtype = steps_dtype
         model = loaded(dtype)
         eager_experts(getattr(model, "hf_model", model))
         opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
@@ -158,8 +174,8 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         del model, opt
         if rank == 0:
             got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
-            if not torch.allclose(got, want, rtol=LOSS_RTOL[dtype], atol=0):
-                raise AssertionError(f"losses of {STEPS} AdamW steps in {dtype} {[f'{x:.10f}' for x in got.tolist()]}"
+            if not torch.allclose(got, want, rtol=LOSS_RTOL[ref["loss_dtype"]], atol=0):
+                raise AssertionError(f"losses of {STEPS} AdamW steps in {dtype} (logits {ref['loss_dtype']}) {[f'{x:.10f}' for x in got.tolist()]}"
                                      f" != transformers' on one process {[f'{x:.10f}' for x in want.tolist()]}")
 
     def save():
