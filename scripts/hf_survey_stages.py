@@ -4,6 +4,7 @@ one process (rank 0 holds that reference). A stage after a failed one is not run
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -19,10 +20,12 @@ FORWARD_RTOL = 1e-5  # the issue's: logits relative to transformers' on one proc
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 # The steps run in fp64 on both sides (a layout bug is O(1) there; in fp32 AdamW's normalised step turns a gradient's
 # rounding into a step of +-lr, so fp32 trajectories part at ~1e-5 without any bug), in fp32 for a checkpoint above
-# FP64_MAX_BYTES (phi4_multimodal's full-size towers). fp64's 1e-7: transformers keeps fp32 islands in an fp64 model
-# (Gemma's norms, eager attention's softmax), where TP's other summation order rounds differently (gemma4_text's
-# gradients part at 1e-7 with them, at 4e-14 with them made fp64; its third loss at 2e-9). The tolerance is the
-# logits' dtype's: a model that returns fp32 logits in fp64 (beam) is compared as fp32.
+# FP64_MAX_BYTES (phi4_multimodal's full-size towers). transformers keeps fp32 islands in an fp64 model (Gemma's norms,
+# eager attention's softmax, beam's softcapped logits), where TP's other summation order rounds differently:
+# gemma4_unified_text's gradients at tp 4 part from one process's at 2e-7 with them, at 3e-14 without, and AdamW
+# grows that to 1e-6 in the fourth loss. So both sides run under `fp64_throughout`; the islands it leaves (norms
+# written `x.to(torch.float32)`, which it cannot tell from casts that must stay) move the losses by ~2e-9 (beam,
+# qwen3_moe at tp 4): the bound is 1e-7, where a layout bug moves them by ~1e-2. The tolerance is the logits' dtype's.
 LOSS_RTOL = {torch.float64: 1e-7, torch.float32: 1e-5}  # the loss of each of 3 AdamW steps (and the one after)
 FP64_MAX_BYTES = 2**28
 # AdamW's eps above fp32 rounding of a gradient that is 0 but for rounding (else each side steps it by +-lr at random)
@@ -32,6 +35,24 @@ PEER_MAX_BYTES = 2**30
 
 def checkpoint_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def fp64_throughout():
+    """fp64 tensors stay fp64 where a model casts them to fp32 by `x.float()` or a softmax with dtype=torch.float32:
+    an fp64 model computed in fp64 but for casts spelled otherwise. Both sides of the steps stage run under it."""
+    f64, f32 = torch.float64, torch.float32
+    float_, softmax = torch.Tensor.float, F.softmax
+
+    def keep_softmax(x, dim=None, _stacklevel=3, dtype=None):
+        return softmax(x, dim=dim, dtype=None if x.dtype == f64 and dtype is f32 else dtype)
+
+    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == f64 else float_(self, *a, **k)
+    F.softmax = keep_softmax
+    try:
+        yield
+    finally:
+        torch.Tensor.float, F.softmax = float_, softmax
 
 
 def steps_dtype(directory: Path) -> torch.dtype:
@@ -85,18 +106,25 @@ def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
 def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype]:
     train = copy.deepcopy(model).to(dtype).eval()
     eager_experts(train)
-    opt = torch.optim.AdamW(train.parameters(), lr=LR, eps=EPS)
+    with fp64_throughout():
+        with torch.no_grad():
+            loss_dtype = train(input_ids=ids, use_cache=False).logits.dtype
+        return train_losses(train, lambda m: _ce(m(input_ids=ids, use_cache=False).logits, ids)), loss_dtype
+
+
+def train_losses(model, loss) -> list[float]:
+    """STEPS AdamW steps of `model` on `loss(model)`: its value before each and after the last."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(STEPS + 1):
-        logits = train(input_ids=ids, use_cache=False).logits
-        loss = _ce(logits, ids)
-        losses.append(loss.item())
+        value = loss(model)
+        losses.append(value.item())
         if step == STEPS:
             break
-        loss.backward()
+        value.backward()
         opt.step()
         opt.zero_grad()
-    return losses, logits.dtype
+    return losses
 
 
 def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None, tp_size: int, peer: bool, *,
@@ -161,17 +189,9 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         dtype = steps_dtype
         model = loaded(dtype)
         eager_experts(getattr(model, "hf_model", model))
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-        losses = []
-        for step in range(STEPS + 1):
-            loss = model(ids, labels=ids).loss
-            losses.append(loss.item())
-            if step == STEPS:
-                break
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        del model, opt
+        with fp64_throughout():
+            losses = train_losses(model, lambda m: m(ids, labels=ids).loss)
+        del model
         if rank == 0:
             got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
             if not torch.allclose(got, want, rtol=LOSS_RTOL[ref["loss_dtype"]], atol=0):

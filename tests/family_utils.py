@@ -33,6 +33,63 @@ def randomize(hf, seed: int = 0, *, norm_weight: float = 1.0) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (norm_weight if name.endswith("norm.weight") else 0.0))
 
 
+def random_checkpoint(tmp_path_factory, name: str, build, *, norm_weight: float = 1.0):
+    """(directory, model): transformers' model from `build()` (seed 0), every parameter random, its experts (if any)
+    through the eager loop (its grouped_mm kernels take no fp64), saved by its own save_pretrained."""
+    torch.manual_seed(0)
+    hf = build().eval()
+    if hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")
+    randomize(hf, norm_weight=norm_weight)
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def transformers_fp64(path):
+    """transformers' model from `path` in fp64, eval mode, its experts (if any) through the eager loop."""
+    import warnings
+
+    import transformers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
+    if hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
+    return hf
+
+
+def step_both(ref, model, batches, dp=None, summed=lambda name: True):
+    """One training step's forward and backward of the one-process `ref` and the distributed `model` on
+    `dp_batches`' `batches`: (the loss summed over `dp`, ref's loss); over `dp` the gradients of the parameters
+    named by `summed` are summed as data parallelism sums them."""
+    import torch.distributed as dist
+    ids, labels, all_ids, all_labels, count = batches
+    ref_loss = ref(all_ids, labels=all_labels, num_items_in_batch=count).loss
+    loss = model(ids, labels=labels, num_items_in_batch=count).loss
+    ref_loss.backward(), loss.backward()
+    if dp is not None:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=dp.get_group())
+        for n, p in model.named_parameters():
+            if p.grad is not None and summed(n):
+                dist.all_reduce(p.grad, group=dp.get_group())
+    return loss, ref_loss
+
+
+def dp_batches(dp=None, seed: int = 2):
+    """(ids, labels) this rank feeds and (all ids, all labels, token count) one process feeds: `batch(seed)` without
+    data parallelism; over `dp` (a process-group mesh) each rank its own batch (seed 10 + rank), one process their
+    concatenation (every loss then normalised by the global token count)."""
+    if dp is None:
+        ids, labels = all_ids, all_labels = batch(seed=seed)
+    else:
+        parts = [batch(seed=10 + r) for r in range(dp.size())]
+        ids, labels = parts[dp.get_local_rank()]
+        all_ids, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return ids, labels, all_ids, all_labels, int((all_labels[:, 1:] != -100).sum())
+
+
 def check_against_hf(model, expected: dict[str, torch.Tensor], what: str, tol: dict) -> float:
     """Asserts logits and loss equal transformers'; returns max |logits - transformers|."""
     ids, labels = batch()

@@ -10,12 +10,13 @@ its experts); fp64, compared with transformers on one process (logits, loss) and
 """
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import batch, check_against_hf, randomize
+from tests.family_utils import batch, check_against_hf, dp_batches, random_checkpoint, step_both
 from tests.helpers import full_grads, full_params
 
 F64 = torch.float64
@@ -51,12 +52,8 @@ def checkpoints(tmp_path_factory):
     import transformers
     out = {}
     for model_type in TYPES:
-        torch.manual_seed(0)
-        hf = transformers.AutoModelForCausalLM.from_config(_config(model_type)).eval()
-        randomize(hf)
-        path = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(path)
-        hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
+        path, hf = random_checkpoint(tmp_path_factory, model_type,
+                                     partial(transformers.AutoModelForCausalLM.from_config, _config(model_type)))
         out[model_type] = (path, _references(hf.to(F64)))
     return out
 
@@ -65,27 +62,13 @@ def _trains_like(model, ref, what: str, dp=None) -> None:
     """Gradients and 3 AdamW steps of `model` equal the one-process `ref`. `dp` (an ep axis): each dp rank feeds its
     own batch (seed 10 + rank), `ref` the concatenation, every loss normalised by the global token count; the dense
     gradients are summed over dp as data parallelism does (the experts' are whole on their owners)."""
-    if dp is None:
-        ids, labels = all_ids, all_labels = batch(seed=2)
-    else:
-        parts = [batch(seed=10 + r) for r in range(dp.size())]
-        ids, labels = parts[dp.get_local_rank()]
-        all_ids, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    count = int((all_labels[:, 1:] != -100).sum())
+    batches = dp_batches(dp)
     specs = model.tp_layout.specs
     # eps 1e-4: the router's softmax is fp32 in an fp64 model, and AdamW would turn its rounding (~1e-7 of gradients
     # that are ~0 for an expert few tokens reach) into whole steps of lr; a layout bug still moves every step by ~lr.
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (ref, model)]
     for step in range(3):
-        ref_loss = ref(all_ids, labels=all_labels, num_items_in_batch=count).loss
-        loss = model(ids, labels=labels, num_items_in_batch=count).loss
-        ref_loss.backward(), loss.backward()
-        if dp is not None:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=dp.get_group())
-            for n, p in model.named_parameters():
-                if not specs[n].ep_split:
-                    dist.all_reduce(p.grad, group=dp.get_group())
+        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not specs[n].ep_split)
         torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{what} loss, step {step}: {m}")
         if step == 0:
             grads = full_grads(model)

@@ -10,14 +10,14 @@ equals one process's. fp64.
 """
 from __future__ import annotations
 
-import warnings
+from functools import partial
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import batch, randomize
+from tests.family_utils import batch, dp_batches, random_checkpoint, step_both, transformers_fp64
 from tests.helpers import adapter_keys_and_shapes, random_lora
 from tptrain.parallel.tensor_parallel import gather_full
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model
@@ -35,14 +35,6 @@ SETTINGS = dict(r=2, lora_alpha=4, target_modules=["q_proj"],
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
 
-def _hf(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
-    return hf
-
-
 def _ours(path, **distributed):
     from tptrain import DistributedConfig
     from tptrain.hf.model import TransformersCausalLM
@@ -54,18 +46,16 @@ def _ours(path, **distributed):
 def bases(tmp_path_factory):
     out = {}
     for model_type in TYPES:
-        torch.manual_seed(0)
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **TINY))
-        randomize(hf)
-        out[model_type] = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(out[model_type])
+        config = transformers.AutoConfig.for_model(model_type, **TINY)
+        out[model_type], _ = random_checkpoint(tmp_path_factory, model_type,
+                                               partial(transformers.AutoModelForCausalLM.from_config, config))
     return out
 
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_adapters_cross_between_peft_and_the_backend(bases, model_type, tmp_path):
     ids = batch()[0]
-    hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    hf = peft.get_peft_model(transformers_fp64(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
     random_lora(hf, seed=1)  # peft starts B at zero, which would hide a layout bug
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
@@ -80,7 +70,7 @@ def test_adapters_cross_between_peft_and_the_backend(bases, model_type, tmp_path
     random_lora(ours, seed=2)
     ours.save_pretrained(tmp_path / "ours")
     assert adapter_keys_and_shapes(tmp_path / "ours") == adapter_keys_and_shapes(tmp_path / "peft")
-    reloaded = peft.PeftModel.from_pretrained(_hf(bases[model_type]), tmp_path / "ours")
+    reloaded = peft.PeftModel.from_pretrained(transformers_fp64(bases[model_type]), tmp_path / "ours")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, ours(ids).logits, **TOL)
         merged = ours.merge_and_unload()(ids).logits  # folded into the stacks: the same function
@@ -98,28 +88,15 @@ def _trains_like(model, ref, what: str, dp=None) -> None:
     """LoRA gradients and 3 AdamW steps equal one process's. `dp` (an ep axis): each rank its own batch (seed 10 +
     rank), `ref` the concatenation, the losses normalised by the global token count, the factors not split by expert
     summed over dp (as data parallelism does)."""
-    if dp is None:
-        ids, labels = all_ids, all_labels = batch(seed=2)
-    else:
-        parts = [batch(seed=10 + r) for r in range(dp.size())]
-        ids, labels = parts[dp.get_local_rank()]
-        all_ids, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    count = int((all_labels[:, 1:] != -100).sum())
+    batches = ids, labels, all_ids, all_labels, count = dp_batches(dp)
     base = model.get_base_model()
     with torch.no_grad():
         want = ref(all_ids).logits.chunk(1 if dp is None else dp.size())[0 if dp is None else dp.get_local_rank()]
         torch.testing.assert_close(model(ids).logits, want, **TOL, msg=lambda m: f"{what}: {m}")
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, model)]
     for step in range(3):
-        ref_loss = ref(all_ids, labels=all_labels, num_items_in_batch=count).loss
-        loss = model(ids, labels=labels, num_items_in_batch=count).loss
-        ref_loss.backward(), loss.backward()
-        if dp is not None:
-            loss = loss.detach().clone()
-            torch.distributed.all_reduce(loss, group=dp.get_group())
-            for n, p in base.named_parameters():
-                if p.requires_grad and not base.tp_layout.spec(n).ep_split:
-                    torch.distributed.all_reduce(p.grad, group=dp.get_group())
+        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not base.tp_layout.spec(
+            n.removeprefix("base_model.model.")).ep_split)
         torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{what} loss {step}: {m}")
         if step == 0:
             got, want = _lora(model, "grad"), _lora(ref, "grad")

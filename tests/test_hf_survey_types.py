@@ -9,12 +9,14 @@ value heads (v_head_dim != head_dim) replicated with its KV heads at tp 4. Tiny 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import check_against_hf, hf_reference, randomize
+from tests.family_utils import check_against_hf, hf_reference, random_checkpoint
 from tests.test_hf_styles import TINY, TOL, _trains_like
 from tptrain import AutoModelForCausalLM, DistributedConfig
 
@@ -43,14 +45,9 @@ def checkpoints(tmp_path_factory):
     import transformers
     out = {}
     for model_type, (extra, _, _) in ARCHS.items():
-        torch.manual_seed(0)
         config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
-        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-        if hasattr(hf, "set_experts_implementation"):
-            hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
-        randomize(hf, norm_weight=0.0 if model_type == "gemma3n_text" else 1.0)
-        path = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(path)
+        path, hf = random_checkpoint(tmp_path_factory, model_type, partial(transformers.AutoModelForCausalLM.from_config,
+                                                                          config), norm_weight=0.0 if model_type == "gemma3n_text" else 1.0)
         out[model_type] = (path, hf_reference(hf.to(F64)))
     return out
 

@@ -6,14 +6,14 @@ peft 0.21 + transformers 5.23 at one device and against one device under expert 
 from __future__ import annotations
 
 import json
-import warnings
+from functools import partial
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from tests.dist_utils import run_distributed
-from tests.family_utils import VOCAB, batch, randomize
+from tests.family_utils import VOCAB, batch, random_checkpoint, transformers_fp64
 from tests.helpers import adapter_keys_and_shapes, random_lora
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
@@ -40,24 +40,14 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SETTINGS = dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS + ["mlp.gate.weight"])
 
 
-def _hf(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
-    return hf
-
-
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     """{model_type: directory of a random tiny checkpoint written by transformers}."""
     out = {}
     for model_type, (config_cls, model_cls, keys) in FAMILIES.items():
-        torch.manual_seed(0)
-        hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **keys))
-        randomize(hf)
-        out[model_type] = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(out[model_type])
+        config = getattr(transformers, config_cls)(**TINY, **keys)
+        out[model_type], _ = random_checkpoint(tmp_path_factory, model_type,
+                                               partial(getattr(transformers, model_cls), config))
     return out
 
 
@@ -67,7 +57,7 @@ def bases(tmp_path_factory):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
     ids = batch()[0]
-    hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    hf = peft.get_peft_model(transformers_fp64(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
     random_lora(hf, seed=1)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
@@ -93,7 +83,7 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
     assert config["target_parameters"] == SETTINGS["target_parameters"]
     with torch.no_grad():
         mine = ours(ids).logits
-        reloaded = peft.PeftModel.from_pretrained(_hf(bases[model_type]), tmp_path / "ours")
+        reloaded = peft.PeftModel.from_pretrained(transformers_fp64(bases[model_type]), tmp_path / "ours")
         torch.testing.assert_close(reloaded(ids).logits, mine, **HF_TOL)
         merged = ours.merge_and_unload()  # s * B_e @ A_e folded into the stacked weights
         torch.testing.assert_close(merged(ids).logits, mine, **TOL)
@@ -104,7 +94,7 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
 def test_key_nesting_follows_peft(bases, targets, tmp_path):
     """peft nests one ParamWrapper per parameter (down_proj outermost): the keys depend on which are targeted."""
     settings = dict(r=3, lora_alpha=3, target_parameters=targets)
-    hf = peft.get_peft_model(_hf(bases["qwen3_moe"]), peft.LoraConfig(task_type="CAUSAL_LM", **settings))
+    hf = peft.get_peft_model(transformers_fp64(bases["qwen3_moe"]), peft.LoraConfig(task_type="CAUSAL_LM", **settings))
     hf.save_pretrained(tmp_path / "peft")
     get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), LoraConfig(**settings)).save_pretrained(
         tmp_path / "ours")
@@ -216,7 +206,7 @@ def test_transformers_4_names_are_rewritten_as_peft_does(bases, model_type, targ
     experts and the router, gate_up_proj at rank 2r (rank_pattern); on Qwen2-MoE they match only the shared expert.
     The same LoraConfig in tptrain writes peft's file (keys, shapes, targets), and peft's adapter loads into tptrain."""
     ids = batch()[0]
-    hf = peft.get_peft_model(_hf(bases[model_type]), peft.LoraConfig(
+    hf = peft.get_peft_model(transformers_fp64(bases[model_type]), peft.LoraConfig(
         r=2, lora_alpha=3, task_type="CAUSAL_LM", target_modules=target_modules))
     random_lora(hf, seed=4)
     hf.save_pretrained(tmp_path / "peft")
