@@ -93,6 +93,7 @@ def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
     train = copy.deepcopy(model).eval()
     _ce(train(input_ids=ids, use_cache=False).logits, ids).backward()
     grads = {n: p.grad for n, p in train.named_parameters() if p.grad is not None}
+    del train  # one copy at a time (phi4_multimodal's is 3.3 GB)
     try:
         losses, loss_dtype = _trajectory(model, ids, dtype)
     except RuntimeError:
@@ -104,7 +105,8 @@ def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
 
 
 def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype]:
-    train = copy.deepcopy(model).to(dtype).eval()
+    same = dtype == next(model.parameters()).dtype  # trains `model` itself: the save stage reloads its weights
+    train = model if same else copy.deepcopy(model).to(dtype).eval()
     eager_experts(train)
     with fp64_throughout():
         with torch.no_grad():
@@ -187,7 +189,11 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
 
     def steps():
         dtype = steps_dtype
-        model = loaded(dtype)
+        if dtype == torch.float32:  # the loaded model (a large checkpoint: no second copy on any rank)
+            model = state["model"]
+            model.zero_grad(set_to_none=True)
+        else:
+            model = loaded(dtype)
         eager_experts(getattr(model, "hf_model", model))
         with fp64_throughout():
             losses = train_losses(model, lambda m: m(ids, labels=ids).loss)
