@@ -18,6 +18,11 @@ on N gloo ranks, each stage against transformers on one process (fp32; scripts/h
               tp_size=N)) on the same ranks: do its logits equal its single-process ones (1e-5)?
 
     nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py --tp-size 2 --peer [--types gpt_neox,dots1]
+    nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py --tp-size 4 --expert-parallel   # the MoE types
+
+--expert-parallel loads tptrain with enable_expert_parallel (the experts split by expert over the TP group, as
+transformers' base_model_ep_plan), over the types with an ep plan (--peer stays transformers' plain TP: its
+enable_expert_parallel asks for a tp_plan these types' configs do not give it).
 
 --tp-size 1 measures what is not about splitting (conversions, buffers, configs): one rank, loaded without a
 distributed_config (no plan). A stage after a failed one is "-". Prints a markdown table (type x stages), the
@@ -73,7 +78,9 @@ def tiny_config(model_type: str):
     return transformers.CONFIG_MAPPING[model_type](**{**kwargs, **TINY_OVERRIDES.get(model_type, {})})
 
 
-def model_types() -> list[str]:
+def model_types(expert_parallel: bool = False) -> list[str]:
+    """The causal-LM types of the installed transformers whose config declares base_model_tp_plan (with
+    `expert_parallel`: also base_model_ep_plan)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -83,7 +90,8 @@ def model_types() -> list[str]:
             config_class = transformers.CONFIG_MAPPING[model_type]
         except (KeyError, ImportError):
             continue
-        if getattr(config_class, "base_model_tp_plan", None):
+        if getattr(config_class, "base_model_tp_plan", None) and (
+                not expert_parallel or getattr(config_class, "base_model_ep_plan", None)):
             out.append(model_type)
     return out
 
@@ -100,7 +108,7 @@ def _write_checkpoint(model_type: str, directory: Path) -> tuple[torch.Tensor, d
     return ids, reference(model, ids, steps_dtype(directory))
 
 
-def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool) -> dict:
+def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool, ep: bool) -> dict:
     from tptrain.distributed import comm
 
     rank = torch.distributed.get_rank()
@@ -116,7 +124,8 @@ def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool) -> dict:
         return {"error": f"transformers (not tptrain) fails: {error}"}
     ids, dtype = comm.all_gather_object((written[0], written[1]["steps_dtype"]) if written else None)[0]
     try:
-        return run_stages(directory, saved, ids, written[1] if written else None, tp_size, peer, steps_dtype=dtype)
+        return run_stages(directory, saved, ids, written[1] if written else None, tp_size, peer, steps_dtype=dtype,
+                          expert_parallel=ep)
     finally:
         comm.all_gather_object(None)  # every rank done with the files
         if rank == 0:  # phi4_multimodal's full-size towers make GBs
@@ -124,7 +133,7 @@ def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool) -> dict:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def worker(types: list[str], out: str, tp_size: int, peer: bool) -> None:
+def worker(types: list[str], out: str, tp_size: int, peer: bool, ep: bool) -> None:
     """One rank (torchrun-style env): every type in turn; rank 0 appends {"type", "result"} lines to `out`."""
     import transformers
 
@@ -140,7 +149,7 @@ def worker(types: list[str], out: str, tp_size: int, peer: bool) -> None:
         for model_type in types:
             if rank == 0:
                 _append(out, {"type": model_type, "started": True})
-            result = _survey_type(model_type, Path(tmp), tp_size, peer)
+            result = _survey_type(model_type, Path(tmp), tp_size, peer, ep)
             if rank == 0:
                 _append(out, {"type": model_type, "result": result})
 
@@ -150,21 +159,21 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _launch(types: list[str], out: Path, tp_size: int, peer: bool) -> subprocess.Popen:
+def _launch(types: list[str], out: Path, tp_size: int, peer: bool, ep: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp_size}",
            __file__, "--worker", "--out", str(out), "--tp-size", str(tp_size), "--types", ",".join(types),
-           *(["--peer"] if peer else [])]
+           *(["--peer"] if peer else []), *(["--expert-parallel"] if ep else [])]
     log = open(out.with_suffix(".log"), "ab")  # the workers' output, for a crash's cause
     return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
 
-def survey(types: list[str], tp_size: int, type_timeout: float, peer: bool) -> dict[str, dict]:
+def survey(types: list[str], tp_size: int, type_timeout: float, peer: bool, ep: bool) -> dict[str, dict]:
     """Run the workers; a group that stops making progress is killed, its current type recorded as a hang."""
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     results: dict[str, dict] = {}
     while len(results) < len(types):
         todo = [t for t in types if t not in results]
-        proc, last, seen = _launch(todo, out, tp_size, peer), time.monotonic(), 0
+        proc, last, seen = _launch(todo, out, tp_size, peer, ep), time.monotonic(), 0
         while proc.poll() is None:
             time.sleep(2)
             lines = out.read_text().splitlines() if out.exists() else []
@@ -209,6 +218,9 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=2)
     parser.add_argument("--types", default="", help="comma-separated model types (default: every one with a plan)")
     parser.add_argument("--peer", action="store_true", help="also run transformers' own TP at --tp-size (slower)")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="enable_expert_parallel (experts split by expert over the TP group, transformers' "
+                             "base_model_ep_plan) on both sides; default types: those with an ep plan")
     parser.add_argument("--json", help="also write the results to this file ({type: {stage: outcome, ...}})")
     parser.add_argument("--type-timeout", type=float, default=300.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -216,15 +228,17 @@ def main() -> None:
     args = parser.parse_args()
     types = [t for t in args.types.split(",") if t]
     if args.worker:
-        return worker(types, args.out, args.tp_size, args.peer)
-    results = survey(types or model_types(), args.tp_size, args.type_timeout, args.peer)
+        return worker(types, args.out, args.tp_size, args.peer, args.expert_parallel)
+    results = survey(types or model_types(expert_parallel=args.expert_parallel), args.tp_size, args.type_timeout,
+                     args.peer, args.expert_parallel)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results, args.tp_size, args.peer), flush=True)
     ok = [t for t, r in results.items() if passed(r)]
     skipped = [t for t, r in results.items() if r.get("error", "").startswith("transformers (not tptrain)")]
     print(f"\n{len(ok)} of {len(results) - len(skipped)} model types (with a base_model_tp_plan and a tiny checkpoint "
-          f"transformers itself writes) pass every stage at tp {args.tp_size}: {', '.join(ok)}")
+          f"transformers itself writes) pass every stage at tp {args.tp_size}"
+          f"{' with enable_expert_parallel' if args.expert_parallel else ''}: {', '.join(ok)}")
     if args.peer:
         peers = [t for t, r in results.items() if r.get("peer") == "OK"]
         print(f"transformers' own TP at tp {args.tp_size} matches its single-process logits on {len(peers)}: "

@@ -130,9 +130,10 @@ def train_losses(model, loss) -> list[float]:
 
 
 def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None, tp_size: int, peer: bool, *,
-               steps_dtype: torch.dtype) -> dict:
+               steps_dtype: torch.dtype, expert_parallel: bool = False) -> dict:
     """{stage: "OK" / "FAIL" / "-"} plus "error" (the first failure's reason) and "peer"; the same on every rank.
-    `ref` is rank 0's (None elsewhere); `steps_dtype` its, on every rank."""
+    `ref` is rank 0's (None elsewhere); `steps_dtype` its, on every rank. `expert_parallel`: tptrain's experts split
+    by expert over the TP group (enable_expert_parallel); the peer stays transformers' plain TP."""
     import transformers
 
     from tptrain import AutoModelForCausalLM, DistributedConfig
@@ -145,7 +146,8 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
 
     def loaded(dtype):
         # the transformers backend, also for the types tptrain implements natively (tp 1: one device, no plan)
-        layout = dict(distributed_config=DistributedConfig(tp_size=tp_size, backend="transformers")) \
+        layout = dict(distributed_config=DistributedConfig(tp_size=tp_size, backend="transformers",
+                                                           enable_expert_parallel=expert_parallel)) \
             if tp_size > 1 else dict(backend="transformers")
         return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **layout).eval()
 
@@ -231,7 +233,8 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         if rank != 0:
             return
         model = state["model"]
-        report = plan_report(AutoConfig.from_pretrained(directory, backend="transformers"), tp_size, dtype=torch.float32)
+        report = plan_report(AutoConfig.from_pretrained(directory, backend="transformers"), tp_size, dtype=torch.float32,
+                             expert_parallel=expert_parallel)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         if report.problems:
             raise AssertionError(f"`tptrain plan` reports problems: {report.problems[0]}")
