@@ -64,18 +64,28 @@ TINY_OVERRIDES: dict[str, dict] = {
         for t in ("sliding_attention", "full_attention")}),
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
                          vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, laurel_rank=8),
+    # one MoE layer of two (their defaults make the first layers dense: a tiny model had no experts)
+    "beam": dict(mlp_layer_types=["dense", "sparse"]),
+    "flint": dict(mlp_only_layers=[0]),
     "gemma4_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16),  # 262144 rows by default
     # a composite config: the tiny keys go to its text config (else a full-size one, which no process holds)
     "llama4": dict(text_config={k: v for k, v in TINY.items() if k != "layer_types"}),
 }
 
 
-def tiny_config(model_type: str):
-    """The tiny config of one type: TINY, then its TINY_OVERRIDES."""
+# Under --expert-parallel only: the MoE variant of a type whose tiny config is otherwise dense (Gemma 4 26B-A4B).
+EP_OVERRIDES: dict[str, dict] = {
+    "gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+}
+
+
+def tiny_config(model_type: str, expert_parallel: bool = False):
+    """The tiny config of one type: TINY, then its TINY_OVERRIDES (and EP_OVERRIDES with `expert_parallel`)."""
     import transformers
 
     kwargs = {k: v for k, v in TINY.items() if k != "layer_types" or v is not None}
-    return transformers.CONFIG_MAPPING[model_type](**{**kwargs, **TINY_OVERRIDES.get(model_type, {})})
+    extra = {**TINY_OVERRIDES.get(model_type, {}), **(EP_OVERRIDES.get(model_type, {}) if expert_parallel else {})}
+    return transformers.CONFIG_MAPPING[model_type](**{**kwargs, **extra})
 
 
 def model_types(expert_parallel: bool = False) -> list[str]:
@@ -96,11 +106,11 @@ def model_types(expert_parallel: bool = False) -> list[str]:
     return out
 
 
-def _write_checkpoint(model_type: str, directory: Path) -> tuple[torch.Tensor, dict]:
+def _write_checkpoint(model_type: str, directory: Path, ep: bool) -> tuple[torch.Tensor, dict]:
     """transformers' own random tiny model, saved; (input ids, transformers' single-process reference)."""
     import transformers
 
-    config = tiny_config(model_type)
+    config = tiny_config(model_type, ep)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
@@ -116,7 +126,7 @@ def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool, ep: bool
     written, error = None, None
     if rank == 0:
         try:
-            written = _write_checkpoint(model_type, directory)
+            written = _write_checkpoint(model_type, directory, ep)
         except Exception as exc:  # noqa: BLE001 - a survey: record and go on
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
     error = comm.all_gather_object(error)[0]

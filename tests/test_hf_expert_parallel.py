@@ -213,3 +213,25 @@ def test_what_cannot_split_is_refused_naming_it():
     over = check_plan(_meta("qwen3_moe"), {"layers.*.mlp.experts": "ep_dispatch_experts_all_to_all"}, 2, ep_size=2)
     assert any("'ep_dispatch_experts_all_to_all', but with ep_size" in p and "'moe_tp_experts'" in p
                for p in over.problems), over.problems
+
+
+def test_experts_no_token_reached_still_join_the_graph():
+    """transformers' eager experts loop runs only the experts some row reached; on a rank whose experts no row reached
+    the output must still depend on the rows and on every expert weight: else that rank's backward skips the
+    collectives at its input boundaries (a mismatched collective across ranks) and AdamW skips its experts'
+    weight decay and step count, which one process gives the whole stack (afmoe under enable_expert_parallel parted
+    from one process at 2e-5 after 2 steps)."""
+    import transformers
+
+    from tptrain.parallel.dispatch import grouped_by_forward
+    hf = transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe")).to(F64)
+    hf.set_experts_implementation("eager")
+    experts = hf.get_submodule(EXPERTS)
+    grouped = grouped_by_forward(experts, type(experts).forward)
+    rows = torch.zeros(0, TINY["hidden_size"], dtype=F64, requires_grad=True)
+    out = grouped(rows, [0] * TINY["num_experts"])
+    assert out.shape == (0, TINY["hidden_size"]) and out.requires_grad
+    (out.sum() + 1.0).backward()
+    assert rows.grad is not None
+    for name, p in experts.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name

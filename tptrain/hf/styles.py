@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tptrain.distributed import comm
-from tptrain.parallel.dispatch import dispatch_and_combine, grouped_by_forward
+from tptrain.parallel.dispatch import depends_on, dispatch_and_combine, grouped_by_forward
 from tptrain.parallel.expert_parallel import all_to_all_wins
 from tptrain.parallel.styles import ParallelStyle, ShardSpec, register_style, replace_forward
 from tptrain.parallel.styles.base import own_params
@@ -24,7 +24,8 @@ def _summed(module, ctx, forward):
         off = expert_ids // local != ctx.rank
         expert_ids = torch.where(off, local, expert_ids % local)
         weights = comm.copy_to_tp(weights, ctx.group_name).masked_fill(off, 0.0)
-        return ctx.exit(forward(self, ctx.enter(x), expert_ids, weights))
+        x = ctx.enter(x)
+        return ctx.exit(depends_on(forward(self, x, expert_ids, weights), x, weights, *self.parameters()))
 
     return summed
 

@@ -59,12 +59,23 @@ def exchange(grouped: Grouped, num_experts: int, x: torch.Tensor, expert_ids: to
     return x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))
 
 
+def depends_on(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """`out` plus a zero term of each input (one element of it): transformers' eager experts loop runs only the
+    experts some row reached, so on a rank none reached, its output is new zeros outside the autograd graph. That
+    rank's backward would then skip the collectives at its inputs' boundaries that the other ranks run (a mismatched
+    collective: a crash or a hang), and its experts would get no gradient at all, where one process gives the whole
+    stack one (zero rows for the experts no token reached): AdamW would skip their weight decay and step count."""
+    for t in inputs:
+        out = out + 0 * t.reshape(-1)[:1].sum()
+    return out
+
+
 def grouped_by_forward(module: torch.nn.Module, forward: Callable) -> Grouped:
     """`grouped` of an experts module whose forward(x, ids, weights) takes the ids of the experts it holds (0 ..
     held - 1): each row through its expert, weight 1 (the weighted sum is `exchange`'s)."""
     def grouped(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         held = torch.arange(len(counts), device=rows.device)
         ids = torch.repeat_interleave(held, torch.tensor(counts, device=rows.device))[:, None]  # (rows, 1)
-        return forward(module, rows, ids, rows.new_ones(ids.shape))
+        return depends_on(forward(module, rows, ids, rows.new_ones(ids.shape)), rows, *module.parameters())
 
     return grouped
