@@ -65,7 +65,7 @@ TINY_OVERRIDES: dict[str, dict] = {
     "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0,
                          vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, laurel_rank=8),
     # one MoE layer of two (their defaults make the first layers dense: a tiny model had no experts)
-    "beam": dict(mlp_layer_types=["dense", "sparse"]),
+    "beam": dict(mlp_layer_types=["dense", "sparse"], **_ONE_GROUP),
     "flint": dict(mlp_only_layers=[0]),
     "gemma4_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16),  # 262144 rows by default
     # a composite config: the tiny keys go to its text config (else a full-size one, which no process holds)
