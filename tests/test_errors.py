@@ -103,7 +103,7 @@ CASES = [
      ["DistributedConfig(tp_size=4, dp_shard_size=auto, dp_replicate_size=1)", "multiple of tp_size=4",
       "the world size is 2"]),
     ("unknown_style", lambda p: _load(p["good"], tp_plan={"layers.*.mlp.up_proj": "colwize"}), ValueError,
-     ["'model.layers.*.mlp.up_proj'", "unknown style 'colwize'", "known styles: colwise"]),
+     ["'model.layers.*.mlp.up_proj'", "unknown style 'colwize'", "known styles: all_reduce, colwise"]),
     ("rule_matches_nothing", lambda p: _load(p["good"], tp_plan={"layers.*.mlp.upproj": "colwise"}), ValueError,
      ["'model.layers.*.mlp.upproj' matches no module", "closest module name: 'model.layers.*.mlp.up_proj'",
       "fix or remove the rule"]),
