@@ -126,7 +126,8 @@ def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
                                          r"model.embed_tokens.weight = lm_head.weight.*dp_shard 2.*looped schedule"):
         resolve_parallelism(model, config, world_size=4)
     assert resolve_parallelism(model, config, world_size=2).dp == 1  # pp x tp only: one parameter, no FSDP
-    monkeypatch.setenv("WORLD_SIZE", "4")
+    # 4 ranks, whatever process group an earlier test in this process left open (env_world_size reads it first)
+    monkeypatch.setattr("tptrain.distributed.env_world_size", lambda: 4)
     for extra in (dict(enable_sequence_parallel=True, tp_size=2), dict(cp_size=2, tp_size=1)):
         meta = AutoModelForCausalLM.from_config(model.config, device="meta")
         what = "enable_sequence_parallel" if "enable_sequence_parallel" in extra else "cp_size"
