@@ -286,7 +286,7 @@ def _peer(directory: Path, ids: torch.Tensor, ref: dict | None, tp_size: int) ->
     from tptrain.distributed import comm
 
     error = None
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    size = checkpoint_bytes(directory)
     if size > PEER_MAX_BYTES:  # transformers' TP loading of it takes several times that on each rank
         return f"not run (a {size / 2**30:.1f} GiB checkpoint: full-size sub-models)"
     try:

@@ -31,7 +31,7 @@ def fused_sharded_tensor(local: torch.Tensor, spec: ShardSpec, shape: tuple[int,
     tensor of global `shape`, laid out over `mesh` (dp_replicate, dp_shard, tp), as a ShardedTensor. `ep`:
     the ep axis's size when dim 0 is split over it (`ShardSpec.ep_split`; dp_shard is (dp_shard_mod_ep, ep)
     flattened, FSDP shards over dp_shard_mod_ep)."""
-    assert spec.segments and (spec.dim == 0) <= (ep == 1), spec
+    assert spec.segments and (ep == 1 or spec.dim != 0), spec  # an ep split cuts dim 0: segments lie across it
     ranks = rank_grid(mesh)
     rep, dp_shard, tp = ranks.shape
     me, shards, metas = dist.get_rank(), [], []

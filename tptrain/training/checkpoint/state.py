@@ -125,24 +125,21 @@ class StateConverter:
     def fused_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A fused tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
         FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (fused_shards.py)
-        does, still without a gather or a copy. Loaded into an empty global tensor (`fused_target`)."""
+        does, without a gather (a copy only of a box across a later dim than FSDP's). Loaded into an empty global tensor (`fused_target`)."""
         dp, spec = dp_placements(t), self._spec(name)
         fsdp = dp.get("dp_shard_mod_ep" if spec.ep_split else "dp_shard")
         assert fsdp in (None, Shard(0), Replicate()), (name, dp)  # FSDP2 shards dim 0
         local = (t.to_local() if isinstance(t, DTensor) else t).detach()
         return fused_sharded_tensor(local, spec, self.global_shapes[name], self.mesh, fsdp=fsdp == Shard(0),
-                                    ep=ParallelDims.of(self.mesh).ep if spec.ep_split else 1)
+                                    ep=self.ctx.ep_size if spec.ep_split else 1)
 
     def fused_target(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(self.global_shapes[name], dtype=like.dtype, device=local_device_of(like))
 
     def copy_fused(self, name: str, loaded: torch.Tensor, dest: torch.Tensor) -> None:
         """Write this rank's shard of a loaded fused global tensor into its training tensor `dest`."""
-        spec = self._spec(name)
-        if spec.ep_split:  # this ep rank's experts first (dim 0, outer), then FSDP's chunk of them below
-            held = loaded.shape[0] // self.mesh["ep"].size()
-            loaded = loaded.narrow(0, self.mesh["ep"].get_local_rank() * held, held)
-        local = spec.local_chunk(loaded, self.ctx.size, self.ctx.rank)
+        spec, ctx = self._spec(name), self.ctx
+        local = spec.local_chunk(spec.ep_chunk(loaded, ctx.ep_size, ctx.ep_rank), ctx.size, ctx.rank)  # its experts
         if isinstance(dest, DTensor):  # keep only this rank's FSDP shard (a local slice: no communication)
             local = distribute_tensor(local, dest.device_mesh, dest.placements, src_data_rank=None).to_local()
             dest = dest.to_local()
