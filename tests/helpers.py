@@ -183,6 +183,19 @@ BIG = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden
            num_key_value_heads=4, head_dim=64, max_position_embeddings=64)
 
 
+def pin_mmap_threshold(threshold: int = 64 * 1024) -> None:
+    """Make glibc map every allocation over `threshold` on its own and unmap it when freed, so a freed tensor
+    leaves RssAnon at once and cannot hide (or inflate) a later one. Called in the rank itself: a rank forked
+    from the test fork server inherits that server's malloc settings, not the test's MALLOC_MMAP_THRESHOLD_;
+    glibc's dynamic threshold then keeps freed tensors in the heap and the measured rise depends on which tests
+    ran before."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (setting it also stops glibc's dynamic adjustment)
+    libc.malloc_trim(0)  # what the heap already holds free goes back to the OS now
+
+
 def _rss_anon() -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -4,8 +4,8 @@ TP 2 x FSDP 2 on 4 ranks, a ~150 MB fp32 model (params + 2 AdamW moments: ~115 M
 samples its private resident memory (RssAnon, tests/test_load_memory.py's PeakSampler) during its second
 save (the first pays one-time imports) and asserts the rise stays within its largest local tensor + 10%
 of its training state. Gathering over dp (the earlier format) costs every rank its whole TP shard of
-params and moments again, ~115 MB, and fails this. glibc's dynamic mmap threshold is pinned (children
-inherit MALLOC_MMAP_THRESHOLD_) so freed tensors go back to the OS and cannot hide a later allocation.
+params and moments again, ~115 MB, and fails this. glibc's dynamic mmap threshold is pinned in each rank
+(tests.helpers.pin_mmap_threshold) so freed tensors go back to the OS and cannot hide a later allocation.
 
     .venv/bin/python -m pytest tests/test_checkpoint_memory.py -q -s   # -s prints the measured numbers
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import BIG, PeakSampler, _rss_anon
+from tests.helpers import BIG, PeakSampler, _rss_anon, pin_mmap_threshold
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
@@ -35,6 +35,7 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def _save_worker(tmp: str) -> None:
+    pin_mmap_threshold()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **BIG), dtype=torch.float32)
     model.parallelize(DistributedConfig(tp_size=2))
@@ -57,8 +58,7 @@ def _save_worker(tmp: str) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_save_stays_at_training_memory(tmp_path, monkeypatch):
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+def test_save_stays_at_training_memory(tmp_path):
     run_distributed(_save_worker, 4, str(tmp_path), timeout=400)
     measured = [tuple(map(int, (tmp_path / f"rank{rank}.txt").read_text().split())) for rank in range(4)]
     for rank, (rise, state, largest) in enumerate(measured):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import BIG, PeakSampler, _rss_anon, tiny_model
+from tests.helpers import BIG, PeakSampler, _rss_anon, pin_mmap_threshold, tiny_model
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import writer as safetensors_io
 from tptrain.training.args import ParallelismConfig, TrainingArguments
@@ -54,6 +54,7 @@ def _record_writes(log: list[str]) -> None:
 
 
 def _export_worker(tmp: str) -> None:
+    pin_mmap_threshold()  # freed tensors go back to the OS
     model = _big_model().parallelize(DistributedConfig(tp_size=2))
     data = PackedDataset(torch.zeros(64, dtype=torch.long), 16)
     args = TrainingArguments(output_dir=f"{tmp}/run", max_steps=1, seq_len=16, per_device_train_batch_size=1,
@@ -71,9 +72,8 @@ def _export_worker(tmp: str) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_streamed_export_memory_order_and_transformers(tmp_path, monkeypatch):
+def test_streamed_export_memory_order_and_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # freed tensors go back to the OS
     run_distributed(_export_worker, 4, str(tmp_path), timeout=400)
     result = json.loads((tmp_path / "rank0.json").read_text())
     ref = _big_model()
