@@ -1,5 +1,6 @@
-"""The `tptrain` command's surface: --version / tptrain.__version__, the sections of `tptrain train --help`, and an
-unknown model_type refused before torch, transformers or the training stack is imported."""
+"""The `tptrain` command's surface: --version / tptrain.__version__, the sections of `tptrain train --help`, an
+unknown model_type refused before torch, transformers or the training stack is imported, and a launcher that
+checks a run without the Trainer's imports."""
 from __future__ import annotations
 
 import json
@@ -94,3 +95,25 @@ def test_unknown_model_type_is_refused_before_the_heavy_imports(tmp_path):
     assert result["stderr"].startswith("tptrain train: error: model_type 'nonexistent_type' is not supported: "
                                        "tptrain implements deepseek_v3, gemma2, "), result
     assert "qwen3, qwen3_moe, smollm3, and the installed transformers has no causal LM" in result["stderr"], result
+
+
+LAUNCHER_CHECKS = r'''
+import json, sys
+import tptrain.cli.launcher
+from tptrain.cli import main
+
+tptrain.cli.launcher.launch = lambda args, nproc, worker: 0  # every check before the workers start, then stop
+code = main(["train", "--smoke-test", "--output-dir", sys.argv[1]])
+heavy = ("tptrain.training.trainer", "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch._dynamo")
+print(json.dumps({"code": code, "imported": [m for m in heavy if m in sys.modules]}))
+'''
+
+
+def test_launcher_checks_the_run_without_the_trainers_imports(tmp_path):
+    """The launcher reads the config, plan, flags, data and output directory before it starts the workers, without
+    the Trainer, DCP, pipelining or torch._dynamo (~2 s more before any worker starts): they load in the workers."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", LAUNCHER_CHECKS, str(tmp_path / "run")], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {"code": 0, "imported": []}, run.stdout

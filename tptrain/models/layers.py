@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from tptrain.models.configuration import PretrainedConfig
 
@@ -77,6 +76,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     if mask is None and q.shape[2] != k.shape[2]:
         if q.device.type == "cpu":
             return _causal_at_the_end(q, k, v, scale)
+        # imported here: torch.nn.attention.bias imports torch._dynamo (~1 s of every process's start-up)
+        from torch.nn.attention.bias import causal_lower_right
+
         mask = causal_lower_right(q.shape[2], k.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
 

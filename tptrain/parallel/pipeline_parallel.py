@@ -24,8 +24,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from tptrain.distributed import comm, raise_on_any_rank
 from tptrain.parallel import contract
@@ -50,6 +48,9 @@ def schedule_name(name: str) -> str:
 
 
 def stages_per_rank(schedule: str) -> int:
+    # torch.distributed.pipelining imports torch._dynamo (~1 s): loaded by the runs that use a pipeline only
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
     return 1 if issubclass(get_schedule_class(schedule), PipelineScheduleSingle) else 2
 
 
@@ -260,6 +261,9 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, mesh, *, n_microbatches: int, device: torch.device,
                  on_forward: Callable[[], None] | None = None) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
         plan = self.plan = model.pp_plan
         self.model, self.loss = model, MicrobatchLoss(model)
         if getattr(model, "tp_layout", None) is not None:
