@@ -42,11 +42,26 @@ TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
 
 
 def tptrain_train(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return finish_tptrain_train(start_tptrain_train(*flags), timeout)
+
+
+def start_tptrain_train(*flags: str) -> subprocess.Popen:
+    """`tptrain train --smoke-test FLAGS` started, not waited for (finish_tptrain_train collects it)."""
     require_distributed_marker("tptrain train")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "tptrain", "train", "--smoke-test", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", "tptrain", "train", "--smoke-test", *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_tptrain_train(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"tptrain train still running after {timeout} s:\n{out}\n{err}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 # ------------------------------------------------------------------ TP against one device (from test_tensor_parallel.py)
