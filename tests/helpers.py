@@ -55,13 +55,7 @@ def start_tptrain_train(*flags: str) -> subprocess.Popen:
 
 
 def finish_tptrain_train(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"tptrain train still running after {timeout} s:\n{out}\n{err}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, *finish(proc, timeout))
 
 
 # ------------------------------------------------------------------ TP against one device (from test_tensor_parallel.py)

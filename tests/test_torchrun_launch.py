@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import batch, make_config
+from tests.helpers import batch, finish, make_config
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
 
@@ -55,13 +55,8 @@ def _torchrun(*args: str) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 180) -> str:
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"torchrun did not finish within {timeout}s:\n{stdout}\n{stderr}") from None
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{stdout}\n{stderr}"
+    code, stdout, stderr = finish(proc, timeout)
+    assert code == 0, f"exit {code}:\n{stdout}\n{stderr}"
     return stdout
 
 
