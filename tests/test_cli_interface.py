@@ -84,13 +84,17 @@ print(json.dumps({"code": code, "stderr": err.getvalue(), "imported": [m for m i
 '''
 
 
+def _fresh_python(code: str, *args: str) -> dict:
+    """The JSON that `code` prints last, run in a fresh interpreter (nothing imported yet) on this checkout."""
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])
+
+
 def test_unknown_model_type_is_refused_before_the_heavy_imports(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "nonexistent_type"}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", UNKNOWN_TYPE, str(tmp_path)], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert run.returncode == 0, run.stderr
-    result = json.loads(run.stdout)
+    result = _fresh_python(UNKNOWN_TYPE, str(tmp_path))
     assert result["code"] == 2 and result["imported"] == [], result
     assert result["stderr"].startswith("tptrain train: error: model_type 'nonexistent_type' is not supported: "
                                        "tptrain implements deepseek_v3, gemma2, "), result
@@ -112,8 +116,4 @@ print(json.dumps({"code": code, "imported": [m for m in heavy if m in sys.module
 def test_launcher_checks_the_run_without_the_trainers_imports(tmp_path):
     """The launcher reads the config, plan, flags, data and output directory before it starts the workers, without
     the Trainer, DCP, pipelining or torch._dynamo (~2 s more before any worker starts): they load in the workers."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", LAUNCHER_CHECKS, str(tmp_path / "run")], capture_output=True,
-                         text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout.splitlines()[-1]) == {"code": 0, "imported": []}, run.stdout
+    assert _fresh_python(LAUNCHER_CHECKS, str(tmp_path / "run")) == {"code": 0, "imported": []}

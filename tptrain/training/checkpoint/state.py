@@ -125,7 +125,8 @@ class StateConverter:
     def fused_view(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A fused tensor (fused q/k/v, gate/up) to save: a rank holds a piece of each segment, cut again by
         FSDP, which no DTensor placement describes; a ShardedTensor of those pieces (fused_shards.py)
-        does, without a gather (a copy only of a box across a later dim than FSDP's). Loaded into an empty global tensor (`fused_target`)."""
+        does, without a gather (a copy only of a box across a later dim than FSDP's). Loaded into an empty
+        global tensor (`fused_target`)."""
         dp, spec = dp_placements(t), self._spec(name)
         fsdp = dp.get("dp_shard_mod_ep" if spec.ep_split else "dp_shard")
         assert fsdp in (None, Shard(0), Replicate()), (name, dp)  # FSDP2 shards dim 0
