@@ -25,28 +25,12 @@ from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint
                                 writable_error)
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
+from tptrain.dtypes import resolve_dtype
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel, raise_context_problems
 from tptrain.parallel import pipeline_checkpoint, pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float64": torch.float64,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None, config: Any) -> torch.dtype:
-    """None/"auto": the checkpoint's own dtype from config.json (float32 if it names none)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32"
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    name = str(dtype).replace("torch.", "")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(set(_DTYPES))} or a torch.dtype")
-    return _DTYPES[name]
 
 
 class _SkipInit(TorchFunctionMode):
@@ -357,12 +341,18 @@ def to_checkpoint_names(state: dict[str, torch.Tensor], keys: dict[str, str | li
 
 
 def _check_has_weights(directory: Path) -> None:
-    """A directory with config.json but no safetensors is a model to initialise, not to load."""
-    if not (directory / SINGLE_FILE).is_file() and not (directory / INDEX_FILE).is_file():
+    """A directory with config.json but no weights (io.weights_file) is a model to initialise, not to load."""
+    from tptrain.io import ADAPTER_FILE, weights_file
+
+    if weights_file(directory) is None:
+        adapter = (f"; its {ADAPTER_FILE} is a LoRA adapter: load its base model, then "
+                   f"PeftModel.from_pretrained(model, {str(directory)!r})"
+                   if weights_file(directory, single_file=ADAPTER_FILE) else "")
         raise FileNotFoundError(
             f"checkpoint directory {directory} holds config.json but no weights (no {SINGLE_FILE} or "
             f"{INDEX_FILE}); to start from random weights use AutoModelForCausalLM.from_config("
-            f"AutoConfig.from_pretrained({str(directory)!r})) (what `tptrain train --model {directory}` does)")
+            f"AutoConfig.from_pretrained({str(directory)!r})) (what `tptrain train --model {directory}` does)"
+            f"{adapter}")
 
 
 def gathered_parameters(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Sequence
 
 from tptrain.backends import BACKENDS
+from tptrain.dtypes import NAMES, canonical_name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,7 +71,8 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="model code: tptrain's own (native), transformers' under tptrain's engine (transformers, "
                            "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
-    plan.add_argument("--dtype", default=None, help="dtype for the byte counts (default: the config's torch_dtype)")
+    plan.add_argument("--dtype", default=None, choices=NAMES, type=canonical_name,
+                      help="dtype for the byte counts (default: the config's torch_dtype)")
     plan.set_defaults(handler=_run_plan)
     _add_prepare_data(sub)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")

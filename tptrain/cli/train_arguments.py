@@ -8,6 +8,8 @@ import argparse
 from dataclasses import dataclass
 from importlib.resources import files
 
+from tptrain.dtypes import NAMES, canonical_name
+
 BUNDLED_MODEL = str(files("tptrain") / "data" / "tiny-qwen3")
 BUNDLED_DATA = str(files("tptrain") / "data" / "corpus.txt")
 DEFAULT_PROMPT = "Ham.\nTo be, or not to be"
@@ -49,10 +51,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _model(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", default=BUNDLED_MODEL,
-                   help="checkpoint directory or hub id; a directory without *.safetensors (default: the bundled "
-                        "tiny Qwen3 config) is initialised at random (--seed)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="parameter dtype (default: float32)")
+                   help="checkpoint directory or hub id; a directory without weights (no model.safetensors or its "
+                        "index; default: the bundled tiny Qwen3 config) is initialised at random (--seed)")
+    g.add_argument("--dtype", default="float32", choices=NAMES, type=canonical_name,
+                   help="parameter dtype (default: float32; bf16, fp16, fp32 accepted too)")
     g.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data order (default: 0)")
 
 

@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 import torch
 
-from tptrain.modeling import resolve_dtype
+from tptrain.checks import check_positive_int
+from tptrain.dtypes import dtype_name, resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.expert_parallel import all_to_all_wins
 from tptrain.parallel import contract, pipeline_parallel
@@ -44,9 +45,8 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     """Resolve `tp_plan` for `config` at `tp_size` (and the experts over an ep axis of `ep_size`) and describe
     every module's shards; with `cp_size`, what context parallelism splits and what keeps it from the model; with
     `pp_size` > 1, the pipeline stages of each pp rank, their layers and bytes."""
-    for what, size in (("tp_size", tp_size), ("ep_size", ep_size), ("cp_size", cp_size), ("pp_size", pp_size)):
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{what} must be a positive int, got {size!r}")
+    for name, size in (("tp_size", tp_size), ("ep_size", ep_size), ("cp_size", cp_size), ("pp_size", pp_size)):
+        check_positive_int(size, name)
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
     resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel,
@@ -57,7 +57,7 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     lines = [f"tptrain plan: {name} (model_type {config.model_type!r}), tp_size={tp_size}, "
              + (f"ep_size={ep_size} (experts over ep ranks of dp_shard; dense layers data-parallel there), "
                 if ep_size > 1 else "") +
-             f"dtype={str(dtype).removeprefix('torch.')}, sequence_parallel={sequence_parallel}",
+             f"dtype={dtype_name(dtype)}, sequence_parallel={sequence_parallel}",
              f"backend: {model.backend}" + (" (transformers' modeling code on tptrain's engine)"
                                             if model.backend == "transformers" else " (tptrain's own model code)"),
              *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size),

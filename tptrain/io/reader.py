@@ -1,6 +1,7 @@
 """Reading Hugging Face safetensors checkpoints: one rank's slice of a tensor, straight from the files.
 
-Layout (what transformers' save_pretrained writes and from_pretrained reads):
+Layout (what transformers' save_pretrained writes and from_pretrained reads; weights.py decides which a
+directory has):
   model.safetensors                                   when everything fits in one shard, else
   model-00001-of-0000N.safetensors ... + model.safetensors.index.json
       {"metadata": {"total_size": bytes}, "weight_map": {tensor name: file name}}
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from tptrain.io.json_files import read_json
+from tptrain.io.weights import INDEX_FILE, SINGLE_FILE, weights_file
 
 # safetensors header dtype strings (the spec's spelling) -> torch dtypes.
 _DTYPES = {
@@ -148,32 +149,32 @@ def _check_chunk(name: str, shape: tuple[int, ...], dim: int, index: int, count:
 
 def _load_tensor_table(directory: Path, single_file: str) -> tuple[list[Path], dict[str, _TensorInfo]]:
     """The checkpoint's files and, for every tensor, where it lives, its dtype and shape."""
-    single, index = directory / single_file, directory / INDEX_FILE
-    if single.is_file():  # transformers prefers the single file too
-        return [single], {name: _tensor_info(name, entry, single)
-                          for name, entry in _read_header(single).items()}
-    if not index.is_file():
+    declared = weights_file(directory, single_file=single_file)
+    if declared is None:
         raise FileNotFoundError(
             f"checkpoint directory {directory} has neither {single_file} nor {INDEX_FILE}")
-    weight_map = _read_weight_map(index)
+    if declared.name == single_file:
+        return [declared], {name: _tensor_info(name, entry, declared)
+                            for name, entry in _read_header(declared).items()}
+    weight_map = _read_weight_map(declared)
     files = [directory / f for f in dict.fromkeys(weight_map.values())]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise FileNotFoundError(f"{index} lists shard file(s) missing from {directory}: {', '.join(missing)}")
+        raise FileNotFoundError(f"{declared} lists shard file(s) missing from {directory}: {', '.join(missing)}")
     headers = {f: _read_header(f) for f in files}
     table = {}
     for name, file_name in weight_map.items():
         file = directory / file_name
         if name not in headers[file]:
-            raise ValueError(f"{index} maps tensor {name!r} to {file_name}, which has no such tensor")
+            raise ValueError(f"{declared} maps tensor {name!r} to {file_name}, which has no such tensor")
         table[name] = _tensor_info(name, headers[file][name], file)
     return files, table
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+        weight_map = read_json(index)["weight_map"]
+    except (ValueError, KeyError) as e:
         raise ValueError(
             f"checkpoint index {index} is corrupt (expected JSON with a 'weight_map'): {e}") from e
     if not isinstance(weight_map, dict):

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from tptrain.io.reader import INDEX_FILE, SINGLE_FILE
+from tptrain.io.weights import ADAPTER_FILE, INDEX_FILE, SINGLE_FILE, weights_file
 
 # HF convention: "5GB" is decimal (5 * 10**9); the binary units are spelled "GiB".
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -166,9 +166,10 @@ def _check_replaceable(target: Path) -> None:
     if target.exists() and not target.is_dir():
         raise NotADirectoryError(f"cannot save a checkpoint to {target}: it exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not (
-            (target / "config.json").exists() or any(target.glob("*.safetensors"))):
-        raise ValueError(f"refusing to replace {target}: it is a non-empty directory without config.json or "
-                         "*.safetensors, so it does not look like a checkpoint; save to a new directory")
+            (target / "config.json").is_file() or weights_file(target) or weights_file(target, single_file=ADAPTER_FILE)):
+        raise ValueError(f"refusing to replace {target}: it is a non-empty directory without config.json or the "
+                         f"weights of a model ({SINGLE_FILE}, {INDEX_FILE}) or an adapter ({ADAPTER_FILE}), so it "
+                         "does not look like a checkpoint; save to a new directory")
 
 
 def _header_metadata(metadata: dict[str, str] | None) -> dict[str, str]:

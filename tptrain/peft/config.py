@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from tptrain.checks import check_positive_int
 from tptrain.peft.lora_experts import FUSED, STACKED, is_experts, is_fused_experts
 
 CONFIG_NAME = "adapter_config.json"
@@ -81,8 +82,7 @@ class LoraConfig:
     peft_type: str = field(default="LORA", init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
-            raise ValueError(f"LoraConfig.r must be a positive int (the adapter rank), got {self.r!r}")
+        check_positive_int(self.r, "LoraConfig.r", what=" (the adapter rank)")
         if not isinstance(self.lora_alpha, (int, float)) or self.lora_alpha <= 0:
             raise ValueError(f"LoraConfig.lora_alpha must be a positive number, got {self.lora_alpha!r}")
         if not isinstance(self.lora_dropout, (int, float)) or not 0.0 <= self.lora_dropout < 1.0:

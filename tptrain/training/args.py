@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from tptrain.checks import check_positive_int
 from tptrain.distributed import DistributedConfig, ParallelDims
 
 SCHEDULERS = ("linear", "cosine", "constant")
@@ -186,9 +187,7 @@ class TrainingArguments:
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
                     "logging_steps")
         for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TrainingArguments.{name} must be a positive int, got {value!r}")
+            check_positive_int(getattr(self, name), f"TrainingArguments.{name}")
         for name in ("warmup_steps", "save_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

@@ -18,6 +18,7 @@ import os
 import pathlib
 from typing import Any, ClassVar
 
+from tptrain.checks import is_positive_int
 from tptrain.io.hub import resolve_checkpoint
 
 CONFIG_NAME = "config.json"
@@ -127,7 +128,7 @@ class PretrainedConfig:
             value, nullable = getattr(self, f.name), "None" in str(f.type)  # typed `int | None`
             if f.name not in SIZE_FIELDS or (value is None and nullable):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_positive_int(value):
                 key = getattr(self, "experts_key", f.name) if f.name == "num_experts" else f.name  # Mixtral's
                 null = " or null" if nullable else ""
                 raise ValueError(f"{type(self).__name__}: {key} must be a positive integer{null}, got {value!r} "
