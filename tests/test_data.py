@@ -13,7 +13,8 @@ import torch
 from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
-from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset, load_tokenizer, read_documents
+from tptrain.text import ByteTokenizer, load_tokenizer
+from tptrain.training.data import DataOrder, build_dataset, read_documents
 from tptrain.generation import greedy_generate
 from tptrain.training.reporting import Reporter, read_metrics
 

@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
 LAYERS = [
     ("tptrain.losses", "tptrain.distributed", "tptrain.backends", "tptrain.dtypes", "tptrain.checks"),
     ("tptrain.io",),
+    ("tptrain.text",),  # tokenizers and chat templates: reads files through io, below training and generation
     ("tptrain.parallel",),
     ("tptrain.modeling",),
     ("tptrain.models", "tptrain.hf"),

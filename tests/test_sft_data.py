@@ -8,8 +8,7 @@ import torch
 
 from tests.sft_utils import CHATML_GENERATION, CHATS, QWEN3, chat_checkpoint
 from tptrain.losses import IGNORE_INDEX
-from tptrain.training.chat_template import load_chat_template
-from tptrain.training.data import load_tokenizer
+from tptrain.text import load_chat_template, load_tokenizer
 from tptrain.training.sft_data import SampleEncoder, build_sft_dataset, collate, read_records
 
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig, TrainingArguments
-from tptrain.training.data import load_tokenizer
+from tptrain.text import load_tokenizer
 from tptrain.training.trainer import Trainer
 
 pytestmark = pytest.mark.distributed

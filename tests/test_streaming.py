@@ -13,7 +13,8 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.helpers import SEQ, tiny_model, training_args
 from tptrain.training.args import ParallelismConfig
-from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset
+from tptrain.text import ByteTokenizer
+from tptrain.training.data import DataOrder, build_dataset
 from tptrain.training.sft_data import build_training_data
 from tptrain.training.streaming import StreamingText, check_streaming
 from tptrain.training.trainer import Trainer

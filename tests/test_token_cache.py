@@ -15,8 +15,8 @@ from tests.dist_utils import run_distributed
 from tests.sft_utils import CHATML_GENERATION, CHATS, chat_checkpoint
 from tptrain.losses import IGNORE_INDEX
 from tptrain.training import token_cache, token_stream
-from tptrain.training.chat_template import load_chat_template
-from tptrain.training.data import ByteTokenizer, DataOrder, build_dataset, load_tokenizer, read_documents
+from tptrain.text import ByteTokenizer, load_chat_template, load_tokenizer
+from tptrain.training.data import DataOrder, build_dataset, read_documents
 from tptrain.training.sft_data import SampleEncoder, SFTDataset, build_training_data
 
 TINY_QWEN3 = Path(str(files("tptrain") / "data" / "tiny-qwen3"))

@@ -18,7 +18,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM
-from tptrain.training.data import ByteTokenizer, load_tokenizer
+from tptrain.text import ByteTokenizer, load_tokenizer
 
 TINY = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=64)

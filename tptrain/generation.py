@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tptrain.parallel.context_parallel import gather_sequence
-
-from tptrain.training.data import Tokenizer
+from tptrain.text import Tokenizer
 
 
 @torch.no_grad()

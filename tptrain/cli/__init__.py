@@ -103,7 +103,7 @@ def _run_prepare_data(args: argparse.Namespace) -> int:
 
     from tptrain.io import resolve_checkpoint
     from tptrain.models import AutoConfig
-    from tptrain.training.data import load_tokenizer
+    from tptrain.text import load_tokenizer
     from tptrain.training.sft_data import cache_store
 
     try:

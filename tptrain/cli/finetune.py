@@ -71,8 +71,8 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:
     """Checks before any worker starts: the tokenizer, the data files (records parsed, chat template present when a
     record is a chat), the eval flags, LoRA's values. Raises the first problem found."""
-    from tptrain.training.chat_template import load_chat_template
-    from tptrain.training.data import load_tokenizer, read_documents
+    from tptrain.text import load_chat_template, load_tokenizer
+    from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
 
     _check_streaming(args)

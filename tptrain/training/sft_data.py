@@ -17,7 +17,6 @@ padded as a sample of its own with labels -100. Without packing each sample is a
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,11 @@ import torch
 from torch.utils.data import Dataset
 
 from tptrain.losses import IGNORE_INDEX
-from tptrain.training.chat_template import ROLES, ChatTemplate, load_chat_template
+from tptrain.io import jsonl_records
+from tptrain.text import ROLES, ChatTemplate, load_chat_template
 from tptrain.training.data import build_dataset, packed_dataset
 from tptrain.training.streaming import StreamingText, TextStream, as_stream
 from tptrain.training.token_cache import Store, open_or_build
-from tptrain.training.data import jsonl_records
 from tptrain.training.token_stream import text_documents
 
 TRUNCATION = ("truncate", "error")
@@ -45,14 +44,7 @@ def read_records(source: Any) -> tuple[str, list[dict[str, Any]]] | None:
         path = Path(source).expanduser()
         if path.suffix != ".jsonl" or not path.is_file():
             return None
-        records = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
-        name = str(path)
+        records, name = [record for _, record in jsonl_records(path)], str(path)
     elif isinstance(source, (list, tuple)) and any(isinstance(r, dict) for r in source):
         records, name = list(source), f"(list of {len(source)} records)"
     elif type(source).__module__.split(".")[0] == "datasets":

@@ -38,7 +38,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from tptrain.training.data import check_dp_split, jsonl_records
+from tptrain.io import jsonl_records
+from tptrain.training.data import check_dp_split
 
 SUFFIXES = (".parquet", ".arrow", ".jsonl")
 _READ_ROWS = 1024  # rows per pyarrow batch

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from tptrain.losses import IGNORE_INDEX
-from tptrain.training.data import DOCUMENT_BREAK, jsonl_records, utf8_error
+from tptrain.io import jsonl_records, utf8_error
+from tptrain.training.data import DOCUMENT_BREAK
 
 TOKENS, TARGETS, OFFSETS = "tokens.bin", "targets.bin", "offsets.npy"
 _READ_BYTES = 8 << 20

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from tptrain.checks import is_positive_int
 from tptrain.io.hub import resolve_checkpoint
+from tptrain.io.json_files import read_json
 
 CONFIG_NAME = "config.json"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -345,8 +346,9 @@ def absorb_rope_parameters(d: dict[str, Any]) -> None:
 
 
 def load_config_dict(path_or_id: str | os.PathLike) -> dict[str, Any]:
-    """The parsed `config.json` of a checkpoint directory or hub id."""
-    return json.loads((resolve_checkpoint(path_or_id, config_only=True) / CONFIG_NAME).read_text())
+    """The parsed `config.json` of a checkpoint directory or hub id (ValueError naming the file and line when it is
+    not a JSON object)."""
+    return read_json(resolve_checkpoint(path_or_id, config_only=True) / CONFIG_NAME)
 
 
 def _sliding_windows(config: PretrainedConfig, layer_types: list[str]) -> list[int | None]:

@@ -22,6 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from tptrain.io import read_json
+
 ROLES = ("system", "user", "assistant", "tool", "developer")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -178,7 +180,7 @@ def load_chat_template(model_dir: str | Path | None, override: str | Path | None
     chat_template.jinja. ValueError naming the fix when there is none."""
     directory = Path(model_dir) if model_dir is not None else None
     config_path = directory / "tokenizer_config.json" if directory is not None else None
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path and config_path.is_file() else {}
+    config = read_json(config_path) if config_path and config_path.is_file() else {}
     variables = _special_tokens(config)
     if override is not None:
         path = Path(override).expanduser()

@@ -7,10 +7,11 @@ Needs `sentencepiece` and `protobuf` (the pieces' character offsets, for chat te
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable
+
+from tptrain.io import read_json
 
 SPM_FILE = "tokenizer.model"
 
@@ -103,10 +104,7 @@ def _added_tokens(config_path: Path, sp: Any) -> dict[str, int]:
     pad_token, additional_special_tokens) that are pieces of the model."""
     if not config_path.is_file():
         return {}
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{config_path} is not valid JSON: {exc}") from None
+    config = read_json(config_path)
     named = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
     named += config.get("additional_special_tokens") or []
     added = {}
