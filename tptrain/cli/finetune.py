@@ -69,13 +69,13 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:
-    """Checks before any worker starts: the tokenizer, the data files (records parsed, chat template present when a
-    record is a chat), the eval flags, LoRA's values. Raises the first problem found."""
+    """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
+    (records parsed, chat template present when a record is a chat), LoRA's values. Raises the first problem found."""
     from tptrain.text import load_chat_template, load_tokenizer
     from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
 
-    _check_streaming(args)
+    _check_data_options(args)
     load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is None or (flag == "--data" and args.streaming):
@@ -84,10 +84,6 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
             read_documents(path)  # raises, naming the path
         if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
             load_chat_template(model_dir, args.chat_template)
-    if args.eval_data and args.eval_split:
-        raise ValueError("pass --eval-data or --eval-split, not both")
-    if (args.eval_steps or args.save_best) and not (args.eval_data or args.eval_split):
-        raise ValueError("--eval-steps and --save-best need an eval set: add --eval-data FILE or --eval-split 0.05")
     if args.num_epochs is not None and max_steps_given:
         raise ValueError("pass --max-steps or --num-epochs, not both")
     if args.lora_r < 0:
@@ -105,17 +101,21 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
                          "'final/adapter').merge_and_unload().save_pretrained(dir)")
 
 
-def _check_streaming(args: argparse.Namespace) -> None:
-    """--streaming: the files and their text column, and the flags a stream (no known length) cannot serve."""
-    if not args.streaming:
-        return
-    from tptrain.training.streaming import StreamingText
+def _check_data_options(args: argparse.Namespace) -> None:
+    """The Trainer's checks of its data against its arguments (training/setup.py's stage 2: what a stream, with no
+    known length, cannot serve; the eval set's options), on the TrainingArguments these flags make, so the launcher
+    and the Trainer say the same; first, --streaming's files and their text column."""
+    from tptrain.training.args import TrainingArguments
+    from tptrain.training.setup import check_eval_set
+    from tptrain.training.streaming import StreamingText, check_streaming
 
-    StreamingText(args.data, text_column=args.text_column).check()
-    for flag, given in (("--num-epochs", args.num_epochs is not None), ("--eval-split", args.eval_split)):
-        if given:
-            raise ValueError(f"--streaming reads --data without knowing its length: {flag} cannot be used; "
-                             "pass --max-steps (and --eval-data for an eval set)")
+    train = args.data
+    if args.streaming:
+        train = StreamingText(args.data, text_column=args.text_column)
+        train.check()
+    training_args = TrainingArguments(output_dir=args.output_dir, **training_kwargs(args))
+    check_streaming(training_args, train, args.eval_data)
+    check_eval_set(training_args, args.eval_data)
 
 
 def lora_config(args: argparse.Namespace):

@@ -67,15 +67,10 @@ def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any
     batches). No collective."""
     check_streaming(args, train_source, eval_source)
     train = build(train_source)
+    check_eval_set(args, eval_source)
     held = None
     if args.eval_split:
-        if eval_source is not None:
-            raise ValueError("pass either eval_dataset or TrainingArguments.eval_split (--eval-data or "
-                             "--eval-split), not both")
         train, held = split_dataset(train, args.eval_split, args.seed)
-    elif eval_source is None and (args.eval_steps or args.save_best):
-        raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
-                         "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
     elif eval_source is not None:
         held = build(eval_source)
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dims.dp
@@ -83,6 +78,17 @@ def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any
     if args.num_train_epochs is not None:
         max_steps = max(1, math.ceil(args.num_train_epochs * (len(train) // max(1, global_batch))))
     return TrainingData(train, held, global_batch, max_steps)
+
+
+def check_eval_set(args: TrainingArguments, eval_source: Any) -> None:
+    """Stage 2's eval options against the eval set given (None: none), pure: `tptrain train`'s preflight runs it
+    too, so both raise the same message."""
+    if args.eval_split and eval_source is not None:
+        raise ValueError("pass either eval_dataset or TrainingArguments.eval_split (--eval-data or "
+                         "--eval-split), not both")
+    if not args.eval_split and eval_source is None and (args.eval_steps or args.save_best):
+        raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
+                         "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
 
 
 def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: TrainingData) -> Placement:
