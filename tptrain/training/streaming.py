@@ -321,8 +321,8 @@ def check_streaming(args: Any, train_dataset: Any, eval_dataset: Any) -> None:
     if not isinstance(train_dataset, (StreamingText, TextStream)):
         return
     if args.num_train_epochs is not None:
-        raise ValueError("a StreamingText (--streaming) has no known length, so num_train_epochs (--num-epochs) "
-                         "cannot be turned into steps; set max_steps (--max-steps)")
+        raise ValueError("a StreamingText (--streaming) has no known length, so num_train_epochs (--num-epochs cannot "
+                         "be used with it) cannot be turned into steps; set max_steps (--max-steps)")
     if args.eval_split:
         raise ValueError("eval_split (--eval-split) cannot hold out rows of a StreamingText (--streaming); pass "
                          "an eval set of its own (eval_dataset, --eval-data)")
