@@ -195,10 +195,8 @@ def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = 
 
 
 def _config_only(model_dir: Path) -> bool:
-    """A directory without weights (io.weights_file: a stray adapter file is none): the model is initialised at
-    random (from_config), not loaded."""
+    """A directory without weights (io.weights_file; an adapter file is none): initialised at random, not loaded."""
     from tptrain.io import weights_file
-
     return weights_file(model_dir) is None
 
 
