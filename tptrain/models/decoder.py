@@ -11,14 +11,12 @@ from the config, and the loss goes through `self.loss_function`, which the TP en
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
+from tptrain.losses import CausalLMOutput, causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GraniteConfig,
                                           LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
@@ -29,14 +27,6 @@ from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_i
 from tptrain.models.latent_attention import LatentAttention
 from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, load_balancing_loss
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
-
-
-@dataclasses.dataclass
-class CausalLMOutput:
-    loss: torch.Tensor | None  # scalar, None without labels
-    logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
-    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
-
 
 
 class Attention(nn.Module):
