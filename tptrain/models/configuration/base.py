@@ -1,5 +1,5 @@
 """The config base: one typed dataclass reading and writing Hugging Face `config.json`, the decoder's default
-TP/SP plans, and the RoPE-key helpers every family shares.
+TP/SP plans (DECODER_TP_PLAN, DECODER_SP_PLAN), and the RoPE-key helpers every family shares.
 
     cfg = AutoConfig.from_pretrained("path/to/checkpoint")   # or Qwen3Config.from_pretrained(...)
     cfg.save_pretrained("out/")                              # transformers' AutoConfig loads it too
@@ -33,8 +33,9 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "sliding_window", "original_max_position_embeddings", "no_rope_layer_interval", "kv_lora_rank",
                "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group")
 
-# HF's plan for LlamaModel / Qwen2Model, plus our vocab-parallel embedding.
-_DECODER_TP_PLAN = {
+# The decoder's TP plan, shared by the families (a family's `base_model_tp_plan` is it, or it with rules added or
+# left out): transformers' plan for LlamaModel / Qwen2Model, plus the vocab-parallel embedding.
+DECODER_TP_PLAN = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -45,8 +46,9 @@ _DECODER_TP_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
-# Norms on the residual stream between TP regions: sharded along the sequence under sequence parallelism.
-_DECODER_SP_PLAN = {
+# The decoder's SP plan (a family's `base_model_sp_plan`): the norms on the residual stream between TP regions,
+# sharded along the sequence under sequence parallelism.
+DECODER_SP_PLAN = {
     "norm": "sequence_parallel",
     "layers.*.input_layernorm": "sequence_parallel",
     "layers.*.post_attention_layernorm": "sequence_parallel",
