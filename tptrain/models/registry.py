@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tptrain.backends import BACKENDS
 
-# model_type -> (config class in tptrain.models.configuration, model class in tptrain.models.decoder)
+# model_type -> (config class in tptrain.models.configuration, the name of its model class). The model class is the one
+# decoder with that config class, made by auto.py: a new family is its config file and its entry here.
 NATIVE_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
