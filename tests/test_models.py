@@ -225,7 +225,7 @@ def test_each_model_class_is_the_decoder_made_from_its_registry_entry(tmp_path):
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     with pytest.raises(AttributeError, match="GPT2ForCausalLM"):
-        tptrain.models.GPT2ForCausalLM
+        _ = tptrain.models.GPT2ForCausalLM
 
 
 def _shard(linear: nn.Linear, dim: int, chunks: int, index: int) -> nn.Linear:
