@@ -153,28 +153,7 @@ class PretrainedConfig:
                 raise ValueError(f"{name}: {key} has {len(per_layer)} entries, num_hidden_layers="
                                  f"{self.num_hidden_layers} needs one per layer.")
         for _, scaling in self.layer_ropes:
-            rope_type = rope_type_of(scaling)
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
-                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
-            required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",),
-                        "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
-            if missing := [k for k in required if k not in scaling]:
-                raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
-            if rope_type == "longrope":
-                self._validate_longrope(scaling)
-
-    def _validate_longrope(self, scaling: dict[str, Any]) -> None:
-        name, half = type(self).__name__, self.rotary_dim // 2
-        for key in ("short_factor", "long_factor"):
-            factors = scaling.get(key)
-            if not isinstance(factors, list) or len(factors) != half:
-                raise ValueError(f"{name}: rope_scaling of type 'longrope' needs {key}, a list of {half} numbers "
-                                 f"(rotary_dim // 2), got {factors!r}.")
-        has_top = getattr(self, "original_max_position_embeddings", None) or self.extra.get(
-            "original_max_position_embeddings")
-        if not (has_top or scaling.get("original_max_position_embeddings")):
-            raise ValueError(f"{name}: rope_scaling of type 'longrope' needs original_max_position_embeddings.")
+            _check_rope_scaling(self, scaling)
 
     @property
     def rope_type(self) -> str:
@@ -315,6 +294,30 @@ def rope_type_of(scaling: dict[str, Any] | None) -> str:
     """The rope type of a `rope_scaling` dict (None: "default"); transformers reads "rope_type", then "type"."""
     scaling = scaling or {}
     return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _check_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any] | None) -> None:
+    """One layer's rope_scaling: a supported type, with the keys that type needs."""
+    name, rope_type = type(config).__name__, rope_type_of(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+    required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",),
+                "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
+    if missing := [k for k in required if k not in scaling]:
+        raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
+    if rope_type != "longrope":
+        return
+    half = config.rotary_dim // 2
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != half:
+            raise ValueError(f"{name}: rope_scaling of type 'longrope' needs {key}, a list of {half} numbers "
+                             f"(rotary_dim // 2), got {factors!r}.")
+    has_top = getattr(config, "original_max_position_embeddings", None) or config.extra.get(
+        "original_max_position_embeddings")
+    if not (has_top or scaling.get("original_max_position_embeddings")):
+        raise ValueError(f"{name}: rope_scaling of type 'longrope' needs original_max_position_embeddings.")
 
 
 def absorb_rope_parameters(d: dict[str, Any]) -> None:
