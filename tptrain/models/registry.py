@@ -1,7 +1,7 @@
 """Which code runs a model_type: tptrain's own (native), or transformers' under tptrain's engine (tptrain.hf).
 
 Decided from config.json's model_type alone, without importing torch or transformers (seconds of imports), so the
-CLI refuses an unknown model_type at once. auto.py's MODEL_REGISTRY resolves the names below to the classes.
+CLI refuses an unknown model_type at once. auto.py makes the classes of the entries below (MODEL_REGISTRY).
 """
 from __future__ import annotations
 
