@@ -10,12 +10,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
 
 # Lowest first. The package root (`tptrain/__init__.py`: the public API) and the CLI sit on top.
 LAYERS = [
-    ("tptrain.losses", "tptrain.distributed", "tptrain.backends", "tptrain.dtypes", "tptrain.checks"),
+    ("tptrain.losses", "tptrain.distributed", "tptrain.backends", "tptrain.dtypes", "tptrain.checks",
+     "tptrain.meta_init"),
     ("tptrain.io",),
     ("tptrain.text",),  # tokenizers and chat templates: reads files through io, below training and generation
     ("tptrain.parallel",),
     ("tptrain.modeling",),
-    ("tptrain.models", "tptrain.hf"),
+    # The configs are data (no torch) that both backends read. The transformers backend sits below tptrain's own
+    # model code: the registry and the Auto classes choose it (importing it inside the functions that do), and it
+    # never imports them.
+    ("tptrain.models.configuration",),
+    ("tptrain.hf",),
+    ("tptrain.models",),
     ("tptrain.diagnostics",),
     ("tptrain.training", "tptrain.peft", "tptrain.generation"),
     ("tptrain.cli", "tptrain.__main__", "tptrain"),
@@ -63,6 +69,17 @@ def test_every_import_points_down_the_layers():
     upward = [f"{mod} (layer {_layer(mod)}) imports {dep} (layer {_layer(dep)})"
               for mod, deps in sorted(_graph().items()) for dep in sorted(deps) if _layer(dep) > _layer(mod)]
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_the_backend_choice_imports_the_transformers_backend_and_never_the_reverse():
+    # models.registry / models.auto import tptrain.hf inside functions; tptrain.hf imports no tptrain.models module
+    # but the configs (the layer order above makes the upward one an error).
+    assert _layer("tptrain.models.configuration.base") < _layer("tptrain.hf.model") < _layer("tptrain.models.auto")
+    assert _layer("tptrain.hf.model") < _layer("tptrain.models.registry") == _layer("tptrain.models.decoder")
+    graph = _graph()
+    assert "tptrain.hf.model" in graph["tptrain.models.registry"] | graph["tptrain.models.auto"]
+    assert not {dep for mod, deps in graph.items() if mod.startswith("tptrain.hf") for dep in deps
+                if dep.startswith("tptrain.models") and not dep.startswith("tptrain.models.configuration")}
 
 
 def test_no_import_cycle():

@@ -208,6 +208,26 @@ def test_unknown_model_type_and_unsupported_features(tmp_path):
         AutoConfig.from_pretrained(tmp_path / "empty")
 
 
+def test_each_model_class_is_the_decoder_made_from_its_registry_entry(tmp_path):
+    import pickle
+
+    import tptrain.models
+    from tptrain.models.decoder import DecoderForCausalLM
+    from tptrain.models.registry import NATIVE_MODEL_TYPES
+
+    for model_type, (config_name, model_name) in NATIVE_MODEL_TYPES.items():
+        cls = getattr(tptrain.models, model_name)
+        assert MODEL_REGISTRY[model_type] == (getattr(tptrain.models, config_name), cls), model_type
+        assert cls.__name__ == model_name and cls.__mro__[1] is DecoderForCausalLM, cls.__mro__
+        assert cls.config_class.model_type == model_type and pickle.loads(pickle.dumps(cls)) is cls
+    model = LlamaForCausalLM(LlamaConfig(**TINY, num_attention_heads=4))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(AttributeError, match="GPT2ForCausalLM"):
+        _ = tptrain.models.GPT2ForCausalLM
+
+
 def _shard(linear: nn.Linear, dim: int, chunks: int, index: int) -> nn.Linear:
     """A copy of `linear` holding chunk `index` of its weight (and bias) split along `dim`."""
     shard = copy.deepcopy(linear)

@@ -1,14 +1,24 @@
-"""Causal-LM loss helpers shared by the models and the tensor-parallel loss (a leaf: imports torch only).
+"""Causal-LM loss helpers shared by the models and the tensor-parallel loss, and what a causal LM's forward returns
+(CausalLMOutput, the same for tptrain's decoder and the transformers backend). A leaf: imports torch only.
 
     loss = causal_lm_loss(logits, labels)                  # mean over real target tokens
     loss = causal_lm_loss(logits, labels, num_items)       # sum / num_items (gradient accumulation)
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    loss: torch.Tensor | None  # scalar, None without labels
+    logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

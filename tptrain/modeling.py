@@ -6,7 +6,6 @@ each parameter with only this rank's slice, read straight from the safetensors f
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -19,28 +18,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
 
 from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
                                 writable_error)
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
 from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
 from tptrain.dtypes import resolve_dtype
+from tptrain.meta_init import build_on
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel, raise_context_problems
 from tptrain.parallel import pipeline_checkpoint, pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
 from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
-
-
-class _SkipInit(TorchFunctionMode):
-    """Make torch.nn.init.* no-ops. Meta tensors hold no values, and the meta kernel of normal_ would
-    import torch._dynamo and sympy on first use (~2 s and ~70 MB per rank, on every load)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
 
 
 class PreTrainedModel(nn.Module):
@@ -69,7 +58,7 @@ class PreTrainedModel(nn.Module):
             torch.set_default_dtype(dtype)
         device = torch.device(device or "cpu")
         try:
-            with device, (_SkipInit() if device.type == "meta" else contextlib.nullcontext()):
+            with build_on(device):
                 return cls(config)
         finally:
             torch.set_default_dtype(prev)

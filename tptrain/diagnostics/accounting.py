@@ -304,6 +304,12 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)
         add(("backward", "all_reduce"), norms, norms * token_bytes)
+    _add_grad_sync(add, model, layout, tp, dtype)
+    return dict(out)
+
+
+def _add_grad_sync(add, model: nn.Module, layout, tp: int, dtype: torch.dtype) -> None:
+    """The grad sync's one bucketed all-reduce of the trained parameters' partial gradients (fp32 at least)."""
     params = dict(model.named_parameters())
     sync = [(part, piece) for n, s in layout.partial_grad_specs().items() if n in params and params[n].requires_grad
             for part, piece in s.local_parts(params[n].detach(), tp) if part.partial_grad]  # fused: its KV parts
@@ -311,7 +317,6 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
         grad_dtype = torch.promote_types(dtype, torch.float32)
         add(("grad_sync", "all_reduce"), 1,
             sum(piece.numel() * s.num_chunks(tp) for s, piece in sync) * grad_dtype.itemsize)
-    return dict(out)
 
 
 def comm_report(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, **forward_kwargs) -> CommReport:

@@ -36,10 +36,10 @@ from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parame
                              translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
                              packed_like_stored)
 from tptrain.hf.probe import split_readers
-from tptrain.losses import causal_lm_loss
-from tptrain.modeling import PreTrainedModel, _SkipInit, gathered_parameters
+from tptrain.losses import CausalLMOutput, causal_lm_loss
+from tptrain.meta_init import build_on
+from tptrain.modeling import PreTrainedModel, gathered_parameters
 from tptrain.models.configuration import load_config_dict
-from tptrain.models.decoder import CausalLMOutput
 from tptrain.parallel import contract
 
 TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
@@ -150,7 +150,7 @@ class TransformersCausalLM(PreTrainedModel):
             return set()
         config = copy.deepcopy(self.config)
         config._attn_implementation = "eager"  # sdpa's meta kernel refuses grouped KV heads
-        with torch.device("meta"), _SkipInit():
+        with build_on(torch.device("meta")):
             meta_model = type(self.hf_model)(config)
         kinds = split_readers(meta_model, styles, candidates) or {}
         for name, kind in kinds.items():
@@ -174,7 +174,7 @@ class TransformersCausalLM(PreTrainedModel):
         if dtype is not None:
             torch.set_default_dtype(dtype)
         try:
-            with device, _SkipInit():
+            with build_on(device):
                 hf = model_class(config)
         finally:
             torch.set_default_dtype(prev)

@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import importlib
 
+from tptrain.models.registry import NATIVE_MODEL_TYPES
+
 _EXPORTS = {
-    "tptrain.models.auto": ("MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM"),
+    # with each native model_type's class (LlamaForCausalLM, ...), made there from the registry
+    "tptrain.models.auto": ("MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM",
+                            *(model_name for _, model_name in NATIVE_MODEL_TYPES.values())),
     "tptrain.models.configuration": (
         "PretrainedConfig", "LlamaConfig", "Qwen2Config", "Qwen3Config", "MistralConfig", "MinistralConfig",
         "Ministral3Config", "GraniteConfig", "SmolLM3Config", "Olmo2Config", "Olmo3Config", "Gemma2Config",
         "Gemma3TextConfig", "Phi3Config", "MoeConfig", "Qwen3MoeConfig", "MixtralConfig", "Qwen2MoeConfig",
         "OlmoeConfig", "DeepseekV3Config"),
-    "tptrain.models.decoder": (
-        "CausalLMOutput", "DecoderForCausalLM", "DecoderModel", "RMSNorm", "causal_lm_loss", "LlamaForCausalLM",
-        "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM",
-        "GraniteForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-        "OlmoeForCausalLM", "DeepseekV3ForCausalLM"),
+    "tptrain.models.decoder": ("CausalLMOutput", "DecoderForCausalLM", "DecoderModel", "RMSNorm", "causal_lm_loss"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = list(_MODULE_OF)

@@ -9,16 +9,35 @@ import os
 from typing import Any
 
 from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
-from tptrain.models import configuration, decoder
+from tptrain.models import configuration
 from tptrain.models.configuration import PretrainedConfig, absorb_rope_parameters, load_config_dict
 from tptrain.models.decoder import DecoderForCausalLM
 from tptrain.models.registry import NATIVE_MODEL_TYPES, check_native, select_backend
 
-__all__ = ["MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM", "select_backend"]
 
+def _family(config_name: str, model_name: str) -> tuple[type[PretrainedConfig], type[DecoderForCausalLM]]:
+    """A registry entry's classes: its config class, and the one decoder reading it under the name transformers gives
+    that model (a saved config.json's `architectures` is the class name)."""
+    config_class = getattr(configuration, config_name)
+    model_class = type(model_name, (DecoderForCausalLM,), {
+        "config_class": config_class, "__module__": __name__, "__qualname__": model_name,
+        "__doc__": f"The decoder as a {config_class.model_type!r} model (config class {config_name})."})
+    return config_class, model_class
+
+
+# model_type -> (config class, model class), made from the registry: a new family is a config class and an entry there.
 MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]]] = {
-    model_type: (getattr(configuration, config_name), getattr(decoder, model_name))
-    for model_type, (config_name, model_name) in NATIVE_MODEL_TYPES.items()}
+    model_type: _family(*names) for model_type, names in NATIVE_MODEL_TYPES.items()}
+MODEL_CLASSES = {model.__name__: model for _, model in MODEL_REGISTRY.values()}
+
+__all__ = ["MODEL_CLASSES", "MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM", "select_backend"]
+
+
+def __getattr__(name: str) -> type[DecoderForCausalLM]:
+    """Each model class by its name (`from tptrain.models import LlamaForCausalLM`; pickle finds them so too)."""
+    if name in MODEL_CLASSES:
+        return MODEL_CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _lookup(model_type: str | None) -> tuple[type[PretrainedConfig], type[DecoderForCausalLM]]:

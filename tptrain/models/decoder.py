@@ -2,7 +2,7 @@
 Gemma 2/3, Phi-3 and the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3; their
 block is in moe.py, DeepSeek's attention in latent_attention.py) differ only by config flags.
 
-    model = LlamaForCausalLM.from_config(LlamaConfig(...))
+    model = LlamaForCausalLM.from_config(LlamaConfig(...))   # the classes per model_type: models/auto.py
     out = model(input_ids, labels=input_ids)        # CausalLMOutput(loss, logits)
 
 Single-device code with Hugging Face parameter names. Under tensor parallelism the same code runs
@@ -11,32 +11,19 @@ from the config, and the loss goes through `self.loss_function`, which the TP en
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tptrain.losses import causal_lm_loss, chunked_causal_lm_loss
+from tptrain.losses import CausalLMOutput, causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
-from tptrain.models.configuration import (DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GraniteConfig,
-                                          LlamaConfig, Ministral3Config, MinistralConfig, MistralConfig, MixtralConfig,
-                                          Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, PretrainedConfig,
-                                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+from tptrain.models.configuration import PretrainedConfig
 from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, sdpa, tanh_softcap,
                                    softcapped_attention, split_fused)
 from tptrain.models.latent_attention import LatentAttention
 from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, load_balancing_loss
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
-
-
-@dataclasses.dataclass
-class CausalLMOutput:
-    loss: torch.Tensor | None  # scalar, None without labels
-    logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
-    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
-
 
 
 class Attention(nn.Module):
@@ -234,7 +221,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(PreTrainedModel):
-    """DecoderModel + lm_head. Subclasses only name their config class."""
+    """DecoderModel + lm_head. Each model_type's class (LlamaForCausalLM, ...) is this with its config class, made
+    from the registry (models/auto.py)."""
 
     config_class = PretrainedConfig
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -349,74 +337,3 @@ class DecoderForCausalLM(PreTrainedModel):
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.dtype)
         return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss)
 
-
-class LlamaForCausalLM(DecoderForCausalLM):
-    config_class = LlamaConfig
-
-
-class Qwen2ForCausalLM(DecoderForCausalLM):
-    config_class = Qwen2Config
-
-
-class Qwen3ForCausalLM(DecoderForCausalLM):
-    config_class = Qwen3Config
-
-
-class MistralForCausalLM(DecoderForCausalLM):
-    config_class = MistralConfig
-
-
-class MinistralForCausalLM(DecoderForCausalLM):
-    config_class = MinistralConfig
-
-
-class GraniteForCausalLM(DecoderForCausalLM):
-    config_class = GraniteConfig
-
-
-class SmolLM3ForCausalLM(DecoderForCausalLM):
-    config_class = SmolLM3Config
-
-
-class Olmo2ForCausalLM(DecoderForCausalLM):
-    config_class = Olmo2Config
-
-
-class Gemma2ForCausalLM(DecoderForCausalLM):
-    config_class = Gemma2Config
-
-
-class Gemma3ForCausalLM(DecoderForCausalLM):
-    config_class = Gemma3TextConfig
-
-
-class Phi3ForCausalLM(DecoderForCausalLM):
-    config_class = Phi3Config
-
-
-class Ministral3ForCausalLM(DecoderForCausalLM):
-    config_class = Ministral3Config
-
-
-class Olmo3ForCausalLM(DecoderForCausalLM):
-    config_class = Olmo3Config
-
-
-class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    config_class = Qwen3MoeConfig
-
-
-class MixtralForCausalLM(DecoderForCausalLM):
-    config_class = MixtralConfig
-
-
-class Qwen2MoeForCausalLM(DecoderForCausalLM):
-    config_class = Qwen2MoeConfig
-
-
-class OlmoeForCausalLM(DecoderForCausalLM):
-    config_class = OlmoeConfig
-
-
-class DeepseekV3ForCausalLM(DecoderForCausalLM):
-    config_class = DeepseekV3Config

@@ -1,7 +1,7 @@
 """Which code runs a model_type: tptrain's own (native), or transformers' under tptrain's engine (tptrain.hf).
 
 Decided from config.json's model_type alone, without importing torch or transformers (seconds of imports), so the
-CLI refuses an unknown model_type at once. auto.py's MODEL_REGISTRY resolves the names below to the classes.
+CLI refuses an unknown model_type at once. auto.py makes the classes of the entries below (MODEL_REGISTRY).
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tptrain.backends import BACKENDS
 
-# model_type -> (config class in tptrain.models.configuration, model class in tptrain.models.decoder)
+# model_type -> (config class in tptrain.models.configuration, the name of its model class). The model class is the one
+# decoder with that config class, made by auto.py: a new family is its config file and its entry here.
 NATIVE_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

@@ -6,18 +6,15 @@
 
     torchrun --nproc-per-node 4 train.py     # tp 2 x dp_shard 2
 
-One optimizer step: the real (non -100) target tokens of the GLOBAL batch are counted once (one
-all-reduce), every micro-batch's loss is its token sum divided by that count, and data-parallel
-gradients are summed, so the update equals one step on the whole batch on one device.
+The Trainer runs the loop: its set-up is one ordered pass (setup.py), each optimizer step a TrainStep (step.py: the
+update equals one step on the whole global batch on one device), its saves and resume a Checkpointer (saving.py).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,13 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tptrain.io.hub import TOKENIZER_PATTERNS
-from tptrain.distributed import ParallelDims, comm, raise_on_any_rank
-from tptrain.distributed.topology import dp_mesh
-from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.distributed import ParallelDims
 from tptrain.parallel.context_parallel import check_sequence_length as check_cp_sequence_length
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training.checkpoint import dirs as dirs
@@ -40,11 +33,12 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.training.data import PackedDataset, load_tokenizer
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
-from tptrain.training.optim import clip_grad_norm_
 from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
+from tptrain.training.saving import Checkpointer
 from tptrain.training.setup import (check_pipeline, optimizer_and_schedule, parallelize, place,
                                     training_data)
+from tptrain.training.step import TrainStep
 
 
 @dataclass
@@ -68,7 +62,8 @@ class Trainer:
     Every rank must construct the Trainer and call `train()`; all validation happens in the
     constructor, identically on every rank, before any collective. The constructor is one ordered pass
     (training/setup.py): layout, data, mesh, parallelisms, optimizer. `args` are the arguments as run,
-    max_steps resolved from num_train_epochs.
+    max_steps resolved from num_train_epochs. The Trainer runs the loop; `step` (a TrainStep) does each optimizer
+    step, `checkpoints` (a Checkpointer) the saves and the resume.
     """
 
     def __init__(self, model: nn.Module, *, args: TrainingArguments, train_dataset: Any, tokenizer: Any = None,
@@ -94,13 +89,11 @@ class Trainer:
         self.fsdp, self.pipeline = parallelize(model, args, placement,
                                                on_forward=getattr(self.model, "count_forward", None))
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
+        self.step = TrainStep(self.model, args=args, mesh=self.mesh, device=self.device, pipeline=self.pipeline,
+                              fsdp=self.fsdp)
         self.converter = ckpt.StateConverter(model, self.mesh)
-        # --async-checkpoint: DCP's background writes run their collectives on a group of their own.
-        self.async_group = comm.side_group() if args.async_checkpoint else None
-        self._pending_save: ckpt.PendingSave | None = None
-        layout = getattr(model, "tp_layout", None)
-        self.specs = layout.specs if layout else {}
-        self.grad_sync = layout.grad_sync if layout else None
+        self.checkpoints = Checkpointer(self.model, args=args, optimizer=self.optimizer, converter=self.converter,
+                                        is_rank0=self.is_rank0)
         self.global_step = 0
         self.best_eval_loss: float | None = None
         self._report_tokenizer()
@@ -155,7 +148,7 @@ class Trainer:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         resume, overwrite = dirs.resume_after_restart(resume, args.overwrite_output_dir, args.output_dir)
-        self._claim_output_dir(resume, overwrite)
+        self.checkpoints.claim_output_dir(resume, overwrite)
         path = dirs.resolve_resume(resume, args.output_dir)
         if path is not None:
             self._load(path)
@@ -200,48 +193,7 @@ class Trainer:
         b = self.args.per_device_train_batch_size
         rows = [self.dataset[i] if isinstance(i, int) else i for i in indices]
         micro = [self._batch(rows[k:k + b]) for k in range(0, len(rows), b)]
-        num_items = self._global_token_count(micro)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in micro:
-            with self._autocast():
-                if self.pipeline is not None:  # forward and backward of every pipeline microbatch
-                    loss_sum += self.pipeline.step(batch, num_items)
-                    continue
-                loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                                  num_items_in_batch=num_items).loss
-            loss.backward()
-            loss_sum += loss.detach().to(torch.float64)
-        if self.pipeline is not None:
-            self.pipeline.sync_tied_grads()
-        # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
-        # gradients left: the optimizer held them back for this sum and steps them now
-        if self.grad_sync is not None:
-            self.grad_sync.sync_grads(self.inner)
-        grad_norm = None  # optim_in_backward: most gradients were freed in backward, no norm exists
-        if not self.args.optim_in_backward:
-            exclude = self.pipeline.norm_duplicates() if self.pipeline is not None else set()
-            grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh,
-                                        exclude=exclude).item()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        # Every TP rank of a dp rank holds the same loss: the global one is the sum over the dp ranks.
-        comm.all_reduce(loss_sum, dp_mesh(self.mesh).get_group(), phase="loss")
-        if self.pipeline is not None:  # only the ranks holding the last stage have a loss
-            comm.all_reduce(loss_sum, self.mesh["pp"].get_group(), phase="loss")
-        return loss_sum.item(), grad_norm
-
-    def _global_token_count(self, micro: list[dict[str, torch.Tensor]]) -> int:
-        """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
-        local = sum(int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum()) for batch in micro)
-        count = torch.tensor([local], dtype=torch.int64, device=self.device)
-        comm.all_reduce(count, dp_mesh(self.mesh).get_group(), phase="token_count")  # TP ranks share their dp rank's
-        return int(count.item())
-
-    def _autocast(self):
-        if self.args.bf16 and not self.fsdp:  # under FSDP2 its MixedPrecisionPolicy casts instead
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.step(micro, self.optimizer, self.scheduler)
 
     def _reporter(self):
         try:
@@ -291,7 +243,7 @@ class Trainer:
                                      seq_len=self.args.seq_len, mesh=self.mesh, device=self.device,
                                      pad_id=self._padding()["pad_id"])
         return evaluate_loss(self.model, data, batch_size=batch_size, mesh=self.mesh, device=self.device,
-                             autocast=self._autocast, **self._padding())
+                             autocast=self.step.autocast, **self._padding())
 
     def _evaluate_and_log(self, reporter) -> dict[str, float]:
         metrics = self.evaluate()
@@ -308,48 +260,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _claim_output_dir(self, resume: bool | str | os.PathLike | None, overwrite: bool) -> None:
-        """Refuse an output_dir holding an earlier run unless told to resume it or overwrite it (then its
-        checkpoints and metrics are deleted). Checked on rank 0, raised on every rank."""
-        output_dir = self.args.output_dir
-        raise_on_any_rank(dirs.earlier_run_error(output_dir, resume=resume, overwrite=overwrite)
-                          if self.is_rank0 else None, exc_type=ValueError)
-        if overwrite:
-            error = None
-            if self.is_rank0:
-                try:
-                    dirs.clear_earlier_run(output_dir)
-                except OSError as exc:
-                    error = f"overwrite_output_dir=True: cannot delete the earlier run in {output_dir}: {exc}"
-            raise_on_any_rank(error)
-
     def save_checkpoint(self) -> Path:
         """Write output_dir/checkpoint-<step> (collective); returns its path. With async_checkpoint the
         tensors are still being written when it returns (the previous save is finished first)."""
-        self.finish_checkpoint()
         state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
                  "layout": self.dims.sizes(), "best_eval_loss": self.best_eval_loss}
         runtime = getattr(self.model, "runtime", None)  # a PeftModel's dropout-mask stream (seed, forward count)
         if runtime is not None:
             state["lora_runtime"] = {"seed": runtime.seed, "step": runtime.step}
-        saved = ckpt.save_checkpoint(self.args.output_dir, self.global_step, model=self.inner,
-                                     optimizer=self.optimizer, conv=self.converter, trainer_state=state,
-                                     save_total_limit=self.args.save_total_limit, async_group=self.async_group)
-        self._pending_save = saved if saved.future is not None else None
-        return saved.final
+        return self.checkpoints.save(self.global_step, state)
 
     def finish_checkpoint(self) -> None:
         """Wait for an async checkpoint still being written and publish it (collective; no-op if none)."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.finish()
+        self.checkpoints.finish()
 
     def _load(self, path: Path) -> None:
-        step = dirs.read_trainer_state(path)["global_step"]  # the same file on every rank: raised on all
-        if step >= self.args.max_steps:
-            raise ValueError(f"{path} is at step {step} and max_steps={self.args.max_steps}: nothing is left to "
-                             f"train; raise max_steps (--max-steps) above {step} to continue this run")
-        state = ckpt.load_checkpoint(path, model=self.inner, optimizer=self.optimizer, conv=self.converter)
+        state = self.checkpoints.load(path)
         self.global_step, self.run_id = state["global_step"], state["run_id"]
         self.best_eval_loss = state.get("best_eval_loss")
         if "lora_runtime" in state and getattr(self.model, "runtime", None) is not None:
@@ -365,19 +291,7 @@ class Trainer:
         """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter),
         loadable by transformers (and peft), plus the source model's tokenizer files. Collective: FSDP and TP
         shards are gathered, rank 0 writes."""
-        target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
-        if output_dir is None and self.model is not self.inner:  # a PeftModel: its adapter, in PEFT's format
-            target = target / "adapter"
-        self.model.save_pretrained(target)
-        if self.is_rank0:
-            source = self._tokenizer_dir()
-            for pattern in TOKENIZER_PATTERNS if source is not None else ():
-                for path in source.glob(pattern):
-                    if path.is_file():
-                        shutil.copy2(path, target / path.name)
-        if dist.is_initialized():
-            comm.barrier()
-        return target
+        return self.checkpoints.save_model(output_dir, self._tokenizer_dir() if self.is_rank0 else None)
 
     def _tokenizer_dir(self) -> Path | None:
         path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json

@@ -1,5 +1,5 @@
 """The config base: one typed dataclass reading and writing Hugging Face `config.json`, the decoder's default
-TP/SP plans, and the RoPE-key helpers every family shares.
+TP/SP plans (DECODER_TP_PLAN, DECODER_SP_PLAN), and the RoPE-key helpers every family shares.
 
     cfg = AutoConfig.from_pretrained("path/to/checkpoint")   # or Qwen3Config.from_pretrained(...)
     cfg.save_pretrained("out/")                              # transformers' AutoConfig loads it too
@@ -35,8 +35,9 @@ SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
                "sliding_window", "original_max_position_embeddings", "no_rope_layer_interval", "kv_lora_rank",
                "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group")
 
-# HF's plan for LlamaModel / Qwen2Model, plus our vocab-parallel embedding.
-_DECODER_TP_PLAN = {
+# The decoder's TP plan, shared by the families (a family's `base_model_tp_plan` is it, or it with rules added or
+# left out): transformers' plan for LlamaModel / Qwen2Model, plus the vocab-parallel embedding.
+DECODER_TP_PLAN = {
     "embed_tokens": "embedding_rowwise",
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -47,8 +48,9 @@ _DECODER_TP_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 
-# Norms on the residual stream between TP regions: sharded along the sequence under sequence parallelism.
-_DECODER_SP_PLAN = {
+# The decoder's SP plan (a family's `base_model_sp_plan`): the norms on the residual stream between TP regions,
+# sharded along the sequence under sequence parallelism.
+DECODER_SP_PLAN = {
     "norm": "sequence_parallel",
     "layers.*.input_layernorm": "sequence_parallel",
     "layers.*.post_attention_layernorm": "sequence_parallel",
@@ -153,28 +155,7 @@ class PretrainedConfig:
                 raise ValueError(f"{name}: {key} has {len(per_layer)} entries, num_hidden_layers="
                                  f"{self.num_hidden_layers} needs one per layer.")
         for _, scaling in self.layer_ropes:
-            rope_type = rope_type_of(scaling)
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
-                                 f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
-            required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",),
-                        "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
-            if missing := [k for k in required if k not in scaling]:
-                raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
-            if rope_type == "longrope":
-                self._validate_longrope(scaling)
-
-    def _validate_longrope(self, scaling: dict[str, Any]) -> None:
-        name, half = type(self).__name__, self.rotary_dim // 2
-        for key in ("short_factor", "long_factor"):
-            factors = scaling.get(key)
-            if not isinstance(factors, list) or len(factors) != half:
-                raise ValueError(f"{name}: rope_scaling of type 'longrope' needs {key}, a list of {half} numbers "
-                                 f"(rotary_dim // 2), got {factors!r}.")
-        has_top = getattr(self, "original_max_position_embeddings", None) or self.extra.get(
-            "original_max_position_embeddings")
-        if not (has_top or scaling.get("original_max_position_embeddings")):
-            raise ValueError(f"{name}: rope_scaling of type 'longrope' needs original_max_position_embeddings.")
+            _check_rope_scaling(self, scaling)
 
     @property
     def rope_type(self) -> str:
@@ -315,6 +296,30 @@ def rope_type_of(scaling: dict[str, Any] | None) -> str:
     """The rope type of a `rope_scaling` dict (None: "default"); transformers reads "rope_type", then "type"."""
     scaling = scaling or {}
     return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _check_rope_scaling(config: PretrainedConfig, scaling: dict[str, Any] | None) -> None:
+    """One layer's rope_scaling: a supported type, with the keys that type needs."""
+    name, rope_type = type(config).__name__, rope_type_of(scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{name}: rope_scaling type {rope_type!r} is not implemented; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+    required = {"llama3": _LLAMA3_ROPE_KEYS, "linear": ("factor",),
+                "yarn": ("original_max_position_embeddings",)}.get(rope_type, ())
+    if missing := [k for k in required if k not in scaling]:
+        raise ValueError(f"{name}: rope_scaling of type {rope_type!r} lacks {missing}.")
+    if rope_type != "longrope":
+        return
+    half = config.rotary_dim // 2
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != half:
+            raise ValueError(f"{name}: rope_scaling of type 'longrope' needs {key}, a list of {half} numbers "
+                             f"(rotary_dim // 2), got {factors!r}.")
+    has_top = getattr(config, "original_max_position_embeddings", None) or config.extra.get(
+        "original_max_position_embeddings")
+    if not (has_top or scaling.get("original_max_position_embeddings")):
+        raise ValueError(f"{name}: rope_scaling of type 'longrope' needs original_max_position_embeddings.")
 
 
 def absorb_rope_parameters(d: dict[str, Any]) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN, _DECODER_TP_PLAN, _sliding_windows
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_SP_PLAN, DECODER_TP_PLAN, _sliding_windows
 
 
 # Gemma's residual-stream norms: all four per layer and the final one hold sequence shards under SP.
 _GEMMA_SP_PLAN = {
-    **_DECODER_SP_PLAN,
+    **DECODER_SP_PLAN,
     "layers.*.pre_feedforward_layernorm": "sequence_parallel",
     "layers.*.post_feedforward_layernorm": "sequence_parallel",
 }
@@ -22,7 +22,7 @@ class Gemma2Config(PretrainedConfig):
     sliding-window and full layers (`layer_types`), tied embeddings."""
 
     model_type: ClassVar[str] = "gemma2"
-    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
+    base_model_tp_plan: ClassVar[dict[str, str]] = DECODER_TP_PLAN
     base_model_sp_plan: ClassVar[dict[str, str]] = _GEMMA_SP_PLAN
     norm_sublayer_output: ClassVar[bool] = True
     norm_weight_offset: ClassVar[float] = 1.0
@@ -112,7 +112,7 @@ class Gemma3TextConfig(Gemma2Config):
 
     model_type: ClassVar[str] = "gemma3_text"
     base_model_tp_plan: ClassVar[dict[str, str]] = {
-        **_DECODER_TP_PLAN,
+        **DECODER_TP_PLAN,
         "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN, _DECODER_TP_PLAN
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_SP_PLAN, DECODER_TP_PLAN
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -12,8 +12,8 @@ class GraniteConfig(PretrainedConfig):
     """IBM Granite (3.x dense): scalar multipliers on embeddings, residual branches, scores and logits."""
 
     model_type: ClassVar[str] = "granite"
-    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_tp_plan: ClassVar[dict[str, str]] = DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
 
     embedding_multiplier: float = 1.0  # token embeddings are multiplied by it
     residual_multiplier: float = 1.0  # each attention / MLP output is multiplied by it before the residual add

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN, _DECODER_TP_PLAN
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_SP_PLAN, DECODER_TP_PLAN
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -12,8 +12,8 @@ class LlamaConfig(PretrainedConfig):
     """Llama 2/3 (and Llama-architecture models such as TinyLlama, SmolLM)."""
 
     model_type: ClassVar[str] = "llama"
-    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_tp_plan: ClassVar[dict[str, str]] = DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -21,8 +21,8 @@ class Qwen2Config(PretrainedConfig):
     """Qwen2 / Qwen2.5: bias on q/k/v, none on o_proj."""
 
     model_type: ClassVar[str] = "qwen2"
-    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_tp_plan: ClassVar[dict[str, str]] = DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
 
     vocab_size: int = 151936
     intermediate_size: int = 22016
@@ -42,11 +42,11 @@ class Qwen3Config(PretrainedConfig):
 
     model_type: ClassVar[str] = "qwen3"
     base_model_tp_plan: ClassVar[dict[str, str]] = {
-        **_DECODER_TP_PLAN,
+        **DECODER_TP_PLAN,
         "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
     }
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
     qk_norm: ClassVar[str | None] = "head"
 
     vocab_size: int = 151936

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN, _DECODER_TP_PLAN, _sliding_windows
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_SP_PLAN, DECODER_TP_PLAN, _sliding_windows
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -12,8 +12,8 @@ class MistralConfig(PretrainedConfig):
     """Mistral: every layer attends over a sliding window of `sliding_window` keys (None: full)."""
 
     model_type: ClassVar[str] = "mistral"
-    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_tp_plan: ClassVar[dict[str, str]] = DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
 
     intermediate_size: int = 14336
     num_key_value_heads: int | None = 8

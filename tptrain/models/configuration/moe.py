@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_TP_PLAN
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_TP_PLAN
 from tptrain.models.configuration.llama import Qwen3Config
 from tptrain.models.configuration.mistral import MistralConfig
 
 
 # Attention rules of the MoE families (the dense MLP rules are added only where a layer keeps a dense MLP).
-_ATTENTION_TP_PLAN = {k: v for k, v in _DECODER_TP_PLAN.items() if ".mlp." not in k}
-_DENSE_MLP_TP_PLAN = {k: v for k, v in _DECODER_TP_PLAN.items() if ".mlp." in k}
+_ATTENTION_TP_PLAN = {k: v for k, v in DECODER_TP_PLAN.items() if ".mlp." not in k}
+_DENSE_MLP_TP_PLAN = {k: v for k, v in DECODER_TP_PLAN.items() if ".mlp." in k}
 
 
 @dataclasses.dataclass(kw_only=True)

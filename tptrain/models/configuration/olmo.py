@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_TP_PLAN, _sliding_windows
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_TP_PLAN, _sliding_windows
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -15,7 +15,7 @@ class Olmo2Config(PretrainedConfig):
 
     model_type: ClassVar[str] = "olmo2"
     base_model_tp_plan: ClassVar[dict[str, str]] = {
-        **_DECODER_TP_PLAN,
+        **DECODER_TP_PLAN,
         "layers.*.self_attn.q_norm": "distributed_rmsnorm",
         "layers.*.self_attn.k_norm": "distributed_rmsnorm",
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN, _sliding_windows
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_SP_PLAN, _sliding_windows
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -20,7 +20,7 @@ class Phi3Config(PretrainedConfig):
         "layers.*.mlp.gate_up_proj": "fused_colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
     fused_projections: ClassVar[bool] = True
 
     vocab_size: int = 32064

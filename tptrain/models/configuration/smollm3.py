@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, _DECODER_SP_PLAN, _DECODER_TP_PLAN
+from tptrain.models.configuration.base import PretrainedConfig, DECODER_SP_PLAN, DECODER_TP_PLAN
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -12,8 +12,8 @@ class SmolLM3Config(PretrainedConfig):
     """SmolLM3: some layers have no rotary embedding (NoPE), listed in `no_rope_layers`."""
 
     model_type: ClassVar[str] = "smollm3"
-    base_model_tp_plan: ClassVar[dict[str, str]] = _DECODER_TP_PLAN
-    base_model_sp_plan: ClassVar[dict[str, str]] = _DECODER_SP_PLAN
+    base_model_tp_plan: ClassVar[dict[str, str]] = DECODER_TP_PLAN
+    base_model_sp_plan: ClassVar[dict[str, str]] = DECODER_SP_PLAN
 
     vocab_size: int = 128256
     hidden_size: int = 2048

@@ -1,0 +1,86 @@
+"""The Trainer's optimizer step: micro-batches in, (global-batch loss, grad norm) out.
+
+    step = TrainStep(model, args=args, mesh=mesh, device=device, pipeline=pipeline, fsdp=fsdp)
+    loss, grad_norm = step(micro_batches, optimizer, scheduler)
+
+The real (non -100) target tokens of the GLOBAL batch are counted once (one all-reduce over dp), every
+micro-batch's loss is its token sum divided by that count, and data-parallel gradients are summed, so the update
+equals one step on the whole batch on one device.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from tptrain.distributed import comm
+from tptrain.distributed.topology import dp_mesh
+from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.training.args import TrainingArguments
+from tptrain.training.optim import clip_grad_norm_
+
+
+class TrainStep:
+    """One optimizer step of `model` (a PeftModel runs forward; its base model's layout is synced and clipped) as
+    parallelised by the Trainer's set-up: `pipeline` (pipeline parallelism, or None), `fsdp` (whether FSDP2 wraps it:
+    its mixed precision casts instead of autocast)."""
+
+    def __init__(self, model: nn.Module, *, args: TrainingArguments, mesh: Any, device: torch.device,
+                 pipeline: Any, fsdp: bool) -> None:
+        self.model, self.args, self.mesh, self.device = model, args, mesh, device
+        self.pipeline, self.fsdp = pipeline, fsdp
+        self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        layout = getattr(self.inner, "tp_layout", None)
+        self.specs = layout.specs if layout else {}
+        self.grad_sync = layout.grad_sync if layout else None
+
+    def __call__(self, micro: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+                 scheduler: Any) -> tuple[float, float | None]:
+        """Forward and backward of every micro-batch of this dp rank's share of the step, then the optimizer and
+        schedule step; returns (global-batch loss, grad norm: None with optim_in_backward)."""
+        num_items = self.token_count(micro)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in micro:
+            with self.autocast():
+                if self.pipeline is not None:  # forward and backward of every pipeline microbatch
+                    loss_sum += self.pipeline.step(batch, num_items)
+                    continue
+                loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
+                                  num_items_in_batch=num_items).loss
+            loss.backward()
+            loss_sum += loss.detach().to(torch.float64)
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads()
+        # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
+        # gradients left: the optimizer held them back for this sum and steps them now
+        if self.grad_sync is not None:
+            self.grad_sync.sync_grads(self.inner)
+        grad_norm = None  # optim_in_backward: most gradients were freed in backward, no norm exists
+        if not self.args.optim_in_backward:
+            exclude = self.pipeline.norm_duplicates() if self.pipeline is not None else set()
+            grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh,
+                                        exclude=exclude).item()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        # Every TP rank of a dp rank holds the same loss: the global one is the sum over the dp ranks.
+        comm.all_reduce(loss_sum, dp_mesh(self.mesh).get_group(), phase="loss")
+        if self.pipeline is not None:  # only the ranks holding the last stage have a loss
+            comm.all_reduce(loss_sum, self.mesh["pp"].get_group(), phase="loss")
+        return loss_sum.item(), grad_norm
+
+    def token_count(self, micro: list[dict[str, torch.Tensor]]) -> int:
+        """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""
+        local = sum(int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum()) for batch in micro)
+        count = torch.tensor([local], dtype=torch.int64, device=self.device)
+        comm.all_reduce(count, dp_mesh(self.mesh).get_group(), phase="token_count")  # TP ranks share their dp rank's
+        return int(count.item())
+
+    def autocast(self):
+        """bf16 autocast for `args.bf16` (evaluation runs under it too); under FSDP2 its MixedPrecisionPolicy casts
+        instead."""
+        if self.args.bf16 and not self.fsdp:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
