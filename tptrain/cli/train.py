@@ -208,7 +208,7 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
     return TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
-        max_steps=args.max_steps or FULL.max_steps,  # unset with --num-epochs: the Trainer counts the steps
+        max_steps=FULL.max_steps if args.max_steps is None else args.max_steps,  # None: --num-epochs counts them
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         max_grad_norm=args.max_grad_norm, optim_in_backward=args.optim_in_backward,
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
