@@ -2,6 +2,7 @@
 
     tptrain train                                   # bundled tiny Qwen3 on the bundled corpus, TP 2, CPU
     tptrain train --model PATH --data FILE --tp-size 4 --nproc-per-node 8 --max-steps 1000
+    tptrain train --config run.yaml --lr 1e-4       # the options in a run file (cli/run_file.py), a flag over it
     torchrun --nproc-per-node 4 -m tptrain train --tp-size 4 ...   # under an existing launcher
     tptrain train --max-restarts 3 ...              # a dead rank: restart the group, resume the latest checkpoint
     tptrain train --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST0:29400 ...   # the same on every node
