@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 RUN_CONFIG = "run_config.yaml"  # the resolved configuration, saved in --output-dir
-_NOT_IN_FILE = ("help", "config", "print_config")  # what a run file cannot say (it cannot name another)
+_COMMAND_LINE_ONLY = ("help", "config", "print_config")  # flags a run file cannot set (it cannot name another)
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def read_run_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -> d
     values, keys = {}, _options(parser)
     for key, value in raw.items():
         name = str(key).replace("_", "-")
-        if name in ("config", "print-config"):
+        if name.replace("-", "_") in _COMMAND_LINE_ONLY:
             raise ValueError(f"--config {path}: '{key}' is a command-line flag only, not a run file's key")
         if name not in keys:
             close = difflib.get_close_matches(name, list(keys), n=1)
@@ -191,7 +191,7 @@ def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """{name: action}: each option under its long flag without the dashes (max-steps), in --help's order."""
     table = {}
     for action in parser._actions:  # argparse has no public list of its options
-        if action.dest not in _NOT_IN_FILE and action.option_strings:
+        if action.dest not in _COMMAND_LINE_ONLY and action.option_strings:
             table[action.option_strings[0].removeprefix("--")] = action
     return table
 
