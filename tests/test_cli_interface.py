@@ -56,6 +56,7 @@ def test_train_help_lists_every_flag_in_its_section(capsys):
         main(["train", "--help"])
     sections = _sections(capsys.readouterr().out)
     expected = {
+        "run file": ["--config", "--print-config"],
         "parallelism": ["--tp-size", "--expert-parallel", "--ep-size", "--nproc-per-node"],
         "faults": ["--preemption-grace", "--max-restarts", "--pg-timeout", "--async-checkpoint"],
         "multi-node": ["--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id"],

@@ -35,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as exc:
             return _fail("train", f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
     args = _parser(train).parse_args(argv)
+    if train is not None:  # the flags given override a run file's values (--config): it reads them from argv
+        return train.run_train(args, argv[1:])
     return args.handler(args)
 
 
@@ -78,7 +80,6 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
     if train is not None:
         train.add_train_arguments(train_parser)
-        train_parser.set_defaults(handler=train.run_train)
     return parser
 
 

@@ -40,8 +40,9 @@ def add_finetune_arguments(sections: dict[str, argparse._ArgumentGroup]) -> None
     optimisation.add_argument("--grad-accum", type=int, default=1,
                               help="micro-batches per optimizer step (default: 1)")
     sections["checkpoints and output"].add_argument(
-        "--report-to", choices=("none", "tensorboard"), default="none",
-        help="also log to TensorBoard (--output-dir/runs; needs `pip install tensorboard`)")
+        "--report-to", choices=("none", "tensorboard", "wandb"), default="none",
+        help="also log to TensorBoard (--output-dir/runs; needs `pip install tensorboard`) or to a Weights & Biases "
+             "run with the resolved configuration (needs `pip install wandb`; $WANDB_MODE=offline: no network)")
     _lora_arguments(sections["LoRA"])
 
 

@@ -2,6 +2,7 @@
 
     tptrain train                                   # bundled tiny Qwen3 on the bundled corpus, TP 2, CPU
     tptrain train --model PATH --data FILE --tp-size 4 --nproc-per-node 8 --max-steps 1000
+    tptrain train --config run.yaml --lr 1e-4       # the options in a run file (cli/run_file.py), a flag over it
     torchrun --nproc-per-node 4 -m tptrain train --tp-size 4 ...   # under an existing launcher
     tptrain train --max-restarts 3 ...              # a dead rank: restart the group, resume the latest checkpoint
     tptrain train --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST0:29400 ...   # the same on every node
@@ -15,7 +16,6 @@ a checkpoint and exits 0 within --preemption-grace seconds.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -23,26 +23,27 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, SMOKE, add_train_arguments
+from tptrain.cli.run_file import apply_run_file, dump, resolved_config, save_run_config
+from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, add_train_arguments, fill_defaults
 
 __all__ = ["add_train_arguments", "run_train"]
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Entry point of `tptrain train`; returns the process exit code (2: refused before any worker started)."""
-    defaults = SMOKE if args.smoke_test else FULL
-    args.max_steps_given = args.max_steps is not None
-    for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(defaults, name))
-    if args.warmup_steps is None:  # --num-epochs: the step count is known only once the data is tokenized
-        args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
-    nproc = args.nproc_per_node
-    if nproc is None:
-        nproc = args.tp_size * max(1, args.cp_size) * args.pp_size
+def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
+    """Entry point of `tptrain train`; returns the process exit code (2: refused before any worker started).
+    `argv`: the command line after `train`, whose flags override a run file's values (--config)."""
     try:
+        args = apply_run_file(args, argv)
+        fill_defaults(args)
+        args.run_config = resolved_config(args)  # saved in --output-dir, and the W&B run's config
+        if args.print_config:
+            print(dump(args.run_config), end="")
+            return 0
+        nproc = args.nproc_per_node
+        if nproc is None:
+            nproc = args.tp_size * max(1, args.cp_size) * args.pp_size
         _check_sizes(args, nproc)
         model_dir = _check_model_type(args.model)  # before torch is imported
         from tptrain.distributed.comm import PG_TIMEOUT_ENV, process_group_timeout
@@ -54,6 +55,8 @@ def run_train(args: argparse.Namespace) -> int:
         args.resume, args.overwrite_output_dir = resume_after_restart(args.resume, args.overwrite_output_dir,
                                                                       args.output_dir)  # under torchrun
         _preflight(args, nproc, model_dir)
+        if os.environ.get("RANK", "0") == "0":  # the launcher (or rank 0 under torchrun)
+            save_run_config(args.run_config, args.output_dir)
     except (OSError, ValueError, TypeError) as exc:
         print(f"tptrain train: error: {exc}", file=sys.stderr)
         return 2
@@ -206,7 +209,8 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
 
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
     return TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.max_steps,
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
+        max_steps=FULL.max_steps if args.max_steps is None else args.max_steps,  # None: --num-epochs counts them
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         max_grad_norm=args.max_grad_norm, optim_in_backward=args.optim_in_backward,
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
@@ -242,10 +246,13 @@ def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
     """One rank's run. User errors (bad flags, data, sizes) print one line; anything else its traceback."""
     from tptrain.cli.launcher import worker_started
     from tptrain.training.preemption import StopOnSignal
+    from tptrain.training.reporting import wandb_run
 
     rank = os.environ.get("RANK", "0")
+    # --report-to wandb: rank 0's W&B run, with the resolved configuration as its config; the Trainer logs to it
+    tracker = wandb_run(args.output_dir, args.run_config, enabled=args.report_to == "wandb" and rank == "0")
     try:
-        with StopOnSignal(args.preemption_grace):  # a signal while starting up: the Trainer stops after step 1
+        with StopOnSignal(args.preemption_grace), tracker:  # a signal while starting up: the Trainer stops after step 1
             worker_started(error_dir)
             _train(args)
         return 0
@@ -279,6 +286,7 @@ def _train(args: argparse.Namespace) -> None:
     from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
     from tptrain.cli import finetune as finetune_cli
+    from tptrain.cli.messages import announce, summary
     from tptrain.generation import greedy_generate
     from tptrain.training.trainer import Trainer
 
@@ -300,7 +308,7 @@ def _train(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
     rank = torch.distributed.get_rank()
     if rank == 0:
-        _announce(args, inputs, model, threads)
+        announce(args, inputs, model, threads)
     model = finetune_cli.apply_lora(model, args)  # --lora-r: only the adapters train
     trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer,
                       eval_dataset=inputs.eval_dataset)
@@ -316,7 +324,7 @@ def _train(args: argparse.Namespace) -> None:
     if args.pp_size == 1:
         text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
-        _summary(args, result, time.perf_counter() - start, text)
+        summary(args, result, time.perf_counter() - start, text)
 
 
 def _read_inputs(args: argparse.Namespace) -> _Inputs:
@@ -345,35 +353,6 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
                    None if args.eval_data is None else build(args.eval_data))
 
 
-def _announce(args: argparse.Namespace, inputs: _Inputs, model, threads: int) -> None:
-    import torch
-
-    params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart:
-        print(f"tptrain train: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a "
-              f"worker failure: resuming from the latest complete checkpoint in {args.output_dir} (if none, "
-              "starting over)", flush=True)
-    source = (f"initialised at random (seed {args.seed}) from {args.model}, which has config.json but no weights"
-              if inputs.from_scratch else f"loaded from {args.model}")
-    print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
-          f"{_describe_data(inputs.dataset, args)}; "
-          f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
-          + (f", ep {args.ep_size}" if args.ep_size else "") + (f", cp {args.cp_size}" if args.cp_size > 1 else "")
-          + (f", pp {args.pp_size}" if args.pp_size > 1 else "")
-          + f", {threads} thread"
-          f"{'s' * (threads > 1)} per rank; lr {inputs.training_args.learning_rate:g}", flush=True)
-
-
-def _describe_data(dataset, args: argparse.Namespace) -> str:
-    if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
-        rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
-        return f"{dataset.num_samples:,} samples ({dataset.num_tokens:,} target tokens) from {args.data}, {rows}"
-    if args.streaming:
-        return f"streaming {len(dataset.files):,} file(s) of {args.data} in blocks of {args.seq_len}"
-    return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
-
-
 def _set_threads(torch) -> int:
     """cores // local processes, unless OMP_NUM_THREADS says otherwise: ranks must not oversubscribe.
     Returns the count: float results depend on it (it changes how matmuls split their sums)."""
@@ -385,18 +364,3 @@ def _set_threads(torch) -> int:
         threads = cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, threads))
     return max(1, threads)
-
-
-def _summary(args: argparse.Namespace, result, seconds: float, text: str | None) -> None:
-    """The run in three lines; the loss figures are those of metrics.jsonl (earlier, resumed steps included),
-    so the final figure is the one loss.png's title states."""
-    from tptrain.training.reporting import logged_losses, loss_headline, read_metrics
-
-    out = Path(args.output_dir)
-    losses = [loss for _, loss in logged_losses(read_metrics(out / "metrics.jsonl"))]
-    if losses:
-        print(f"trained to step {result.global_step}: {loss_headline(losses)}; last step {losses[-1]:.3f}")
-    print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
-          f"metrics: {out / 'metrics.jsonl'}")
-    if text is not None:
-        print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)

@@ -1,6 +1,7 @@
 """`tptrain train`'s flags, one function per --help section; unset sizes come from the default run (or --smoke-test).
 
-finetune.py adds its flags (instruction data, evaluation, LoRA, logging) to the same sections.
+finetune.py adds its flags (instruction data, evaluation, LoRA, logging) to the same sections; run_file.py reads
+every one of them from a run file (--config).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ BUNDLED_DATA = str(files("tptrain") / "data" / "corpus.txt")
 DEFAULT_PROMPT = "Ham.\nTo be, or not to be"
 SCRATCH_LR, FINETUNE_LR = 6e-3, 3e-5  # the first is tuned on the bundled 4.2M-parameter model
 # The --help sections, in order; "options" (-h) comes first.
-SECTIONS = ("model", "data", "evaluation", "parallelism", "optimisation", "checkpoints and output", "faults",
+SECTIONS = ("run file", "model", "data", "evaluation", "parallelism", "optimisation", "checkpoints and output", "faults",
             "multi-node", "LoRA")
 
 
@@ -39,6 +40,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from tptrain.cli.finetune import add_finetune_arguments
 
     sections = {title: parser.add_argument_group(title) for title in SECTIONS}
+    _run_file(sections["run file"])
     _model(sections["model"])
     _data(sections["data"])
     _parallelism(sections["parallelism"])
@@ -47,6 +49,27 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     _faults(sections["faults"])
     _multi_node(sections["multi-node"])
     add_finetune_arguments(sections)
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """The sizes a run leaves unset, from the default run (or --smoke-test); --warmup-steps from --max-steps.
+    With --num-epochs --max-steps stays unset (the Trainer counts the steps once the data is tokenized)."""
+    defaults = SMOKE if args.smoke_test else FULL
+    args.max_steps_given = args.max_steps is not None
+    for name in ("max_steps", "batch_size", "seq_len", "save_steps", "max_new_tokens"):
+        if getattr(args, name) is None and not (name == "max_steps" and args.num_epochs is not None):
+            setattr(args, name, getattr(defaults, name))
+    if args.warmup_steps is None:
+        args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
+
+
+def _run_file(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--config", metavar="FILE",
+                   help="a run file (YAML, or TOML: *.toml) of options, each named as its flag without the dashes "
+                        "(max-steps: 300); the flags given on the command line override it")
+    g.add_argument("--print-config", action="store_true",
+                   help="print every option's final value as a run file (what --output-dir/run_config.yaml "
+                        "saves) and exit without training")
 
 
 def _model(g: argparse._ArgumentGroup) -> None:

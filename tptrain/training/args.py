@@ -8,7 +8,7 @@ process group exists.
 """
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -131,7 +131,9 @@ class TrainingArguments:
     per_device_eval_batch_size: eval rows per forward on one data-parallel rank (None: the train size).
     save_best: after each evaluation with the lowest eval loss so far, write output_dir/best (the model,
         or the adapter) and best/eval_results.json.
-    report_to: None, or "tensorboard" (scalars also written to output_dir/runs; needs `tensorboard`).
+    report_to: None, "tensorboard" (scalars also written to output_dir/runs; needs `tensorboard`) or "wandb" (the
+        same to a Weights & Biases run with these arguments as its config, or to the run already active; needs
+        `wandb`; WANDB_PROJECT, WANDB_DIR, WANDB_MODE=offline as wandb reads them), from rank 0.
     data_cache_dir: where .txt / .jsonl data is tokenized once and memory-mapped by every rank
         (training/token_cache.py); None: $TPTRAIN_CACHE, else ~/.cache/tptrain/data.
 
@@ -254,14 +256,12 @@ class TrainingArguments:
             raise ValueError(f"TrainingArguments.eval_steps must be an int >= 0, got {self.eval_steps!r}")
         if not 0.0 <= self.eval_split < 1.0:
             raise ValueError(f"TrainingArguments.eval_split must be in [0, 1), got {self.eval_split!r}")
-        if self.report_to not in (None, "none", "tensorboard"):
-            raise ValueError(f"TrainingArguments.report_to must be None or 'tensorboard', got {self.report_to!r}")
-        if self.report_to == "tensorboard":
-            try:
-                importlib.import_module("torch.utils.tensorboard")
-            except ImportError:
-                raise ValueError("report_to='tensorboard' (--report-to tensorboard) needs the tensorboard package, "
-                                 "which is not installed: pip install tensorboard (or drop the option)") from None
+        if self.report_to not in (None, "none", "tensorboard", "wandb"):
+            raise ValueError(f"TrainingArguments.report_to must be None, 'tensorboard' or 'wandb', got "
+                             f"{self.report_to!r}")
+        if self.report_to in ("tensorboard", "wandb") and importlib.util.find_spec(self.report_to) is None:
+            raise ValueError(f"report_to='{self.report_to}' (--report-to {self.report_to}) needs the {self.report_to} "
+                             f"package, which is not installed: pip install {self.report_to} (or drop the option)")
         if self.per_device_eval_batch_size is not None and self.per_device_eval_batch_size < 1:
             raise ValueError(f"TrainingArguments.per_device_eval_batch_size must be >= 1, got "
                              f"{self.per_device_eval_batch_size!r}")

@@ -1,19 +1,24 @@
-"""What the user sees while training: a rank-0 progress bar, a metrics JSONL, a loss-curve PNG.
+"""What the user sees while training: a rank-0 progress bar, a metrics JSONL, a loss-curve PNG, and a tracker.
 
-    reporter = Reporter("runs/x", total_steps=300, enabled=rank == 0)
+    reporter = Reporter("runs/x", total_steps=300, enabled=rank == 0, report_to="wandb", config={...})
     reporter.log(step, {"loss": 3.2, "learning_rate": 1e-3, "num_tokens": 8192})
     reporter.close()   # writes runs/x/loss.png
 
 Every other rank passes enabled=False and stays silent, so the console shows one bar, not one per rank.
+Trackers (report_to): "tensorboard" (a SummaryWriter on output_dir/runs) or "wandb" (a Weights & Biases run:
+the active one if the caller started one, as `tptrain train` does with `wandb_run`, else a new one); each gets
+every numeric metric, as train/<name> or eval/<name>. Their packages are imported only when asked for.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 class Reporter:
@@ -24,13 +29,15 @@ class Reporter:
     together) gives tokens/s since the previous log; every key is written to the JSONL line as given.
     """
 
-    def __init__(self, output_dir: str | Path, *, total_steps: int, enabled: bool, tensorboard: bool = False) -> None:
+    def __init__(self, output_dir: str | Path, *, total_steps: int, enabled: bool, report_to: str | None = None,
+                 config: dict[str, Any] | None = None) -> None:
+        """report_to: None / "none", "tensorboard" or "wandb"; config: the W&B run's config when this starts it."""
         self.enabled = enabled
-        self._tensorboard = None  # a SummaryWriter on output_dir/runs (report_to="tensorboard"), rank 0 only
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(str(Path(output_dir) / "runs"))
+        self._tracker = None  # rank 0 only
+        if enabled and report_to == "tensorboard":
+            self._tracker = _TensorBoard(output_dir)
+        elif enabled and report_to == "wandb":
+            self._tracker = _WandB(output_dir, config or {})
         self.path = Path(output_dir) / "metrics.jsonl"
         self.plot_path = Path(output_dir) / "loss.png"
         self.total_steps = total_steps
@@ -50,11 +57,10 @@ class Reporter:
             record["tokens_per_second"] = round(record["num_tokens"] * steps / elapsed, 1)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(key.replace("eval_", "eval/") if key.startswith("eval_")
-                                                 else f"train/{key}", value, step)
+        if self._tracker is not None:
+            self._tracker.log({key.replace("eval_", "eval/") if key.startswith("eval_") else f"train/{key}": value
+                               for key, value in record.items() if key != "step" and isinstance(value, (int, float))},
+                              step)
         shown = {"loss": record.get("loss"), "lr": record.get("learning_rate"),
                  "tok/s": record.get("tokens_per_second")}
         self._bar.set_postfix({k: _short(v) for k, v in shown.items() if v is not None}, refresh=False)
@@ -74,8 +80,8 @@ class Reporter:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        if self._tracker is not None:
+            self._tracker.close()
         records = read_metrics(self.path)
         if records:
             plot_loss(records, self.plot_path)
@@ -91,6 +97,76 @@ class Reporter:
         self._bar = tqdm(total=self.total_steps, initial=step - 1, desc="train", unit="step", dynamic_ncols=True,
                          mininterval=0.5 if sys.stderr.isatty() else 30)
         self._last_time = now  # the first step has no previous one to time against: no tokens/s for it
+
+
+class _TensorBoard:
+    def __init__(self, output_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(Path(output_dir) / "runs"))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _WandB:
+    """Logs to the active W&B run (the caller's: it finishes it) or to one started here (finished at close)."""
+
+    def __init__(self, output_dir: str | Path, config: dict[str, Any]) -> None:
+        wandb = _import_wandb()
+        self._started = wandb.run is None
+        self.run = _init_wandb(output_dir, config) if self._started else wandb.run
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._started:
+            self.run.finish()
+
+
+@contextlib.contextmanager
+def wandb_run(output_dir: str | Path, config: dict[str, Any], *, enabled: bool) -> Iterator[Any]:
+    """While active (when `enabled`: rank 0 of a --report-to wandb run): a W&B run with `config` as its config,
+    which a Reporter inside logs to; finished on exit, with exit code 1 after an exception. Yields the run (or
+    None when not enabled)."""
+    if not enabled:
+        yield None
+        return
+    run = _init_wandb(output_dir, config)
+    failed = True
+    try:
+        yield run
+        failed = False
+    finally:
+        run.finish(exit_code=int(failed))
+
+
+def _init_wandb(output_dir: str | Path, config: dict[str, Any]) -> Any:
+    """A new W&B run: project $WANDB_PROJECT (default "tptrain"), its local files under output_dir/wandb unless
+    $WANDB_DIR says where ($WANDB_MODE=offline: only there, no network)."""
+    wandb = _import_wandb()
+    directory = os.environ.get("WANDB_DIR") or str(output_dir)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", "tptrain"), dir=directory, config=_json_safe(config))
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("report_to='wandb' (--report-to wandb) needs the wandb package, which is not installed: "
+                          "pip install wandb (or pip install \"tptrain[wandb]\")") from None
+    return wandb
+
+
+def _json_safe(config: dict[str, Any]) -> dict[str, Any]:
+    """Paths, dtypes and other objects as their strings (W&B keeps a config as JSON)."""
+    return json.loads(json.dumps(config, default=str))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

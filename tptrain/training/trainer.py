@@ -201,7 +201,7 @@ class Trainer:
         except ImportError:
             return None
         return Reporter(self.args.output_dir, total_steps=self.args.max_steps, enabled=self.is_rank0,
-                        tensorboard=self.args.report_to == "tensorboard")
+                        report_to=self.args.report_to, config=dataclasses.asdict(self.args))
 
     # ------------------------------------------------------------------ fine-tuning data and evaluation
 
