@@ -330,7 +330,7 @@ def _train(args: argparse.Namespace) -> None:
 def _read_inputs(args: argparse.Namespace) -> _Inputs:
     from tptrain.io import resolve_checkpoint
     from tptrain.models import AutoConfig
-    from tptrain.training.data import load_tokenizer
+    from tptrain.text import load_tokenizer
     from tptrain.training.sft_data import build_training_data
 
     model_dir = resolve_checkpoint(args.model)

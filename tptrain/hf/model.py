@@ -36,6 +36,7 @@ from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parame
                              translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
                              packed_like_stored)
 from tptrain.hf.probe import split_readers
+from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss
 from tptrain.meta_init import build_on
 from tptrain.modeling import PreTrainedModel, gathered_parameters
@@ -329,6 +330,6 @@ class TransformersCausalLM(PreTrainedModel):
     def config_json(self, dtype: torch.dtype) -> str:
         """transformers' own config.json, with the saved dtype."""
         config = self.config.to_dict()
-        config["dtype"] = str(dtype).replace("torch.", "")
+        config["dtype"] = dtype_name(dtype)
         config["architectures"] = [type(self.hf_model).__name__]
         return json.dumps(self.config._encode_special_floats(config), indent=2, sort_keys=True) + "\n"

@@ -21,8 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tptrain.io import jsonl_records, utf8_error
-# load_tokenizer: the import of trainer.py and cli/train.py (not this branch's files) until they take tptrain.text's
-from tptrain.text import Tokenizer, load_tokenizer  # noqa: F401
+from tptrain.text import Tokenizer
 
 # Inside a document a single blank line separates paragraphs; two or more separate documents.
 DOCUMENT_BREAK = re.compile(r"\n[ \t\r]*\n[ \t\r]*\n\s*")

@@ -30,7 +30,8 @@ from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training.checkpoint import dirs as dirs
 from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import TrainingArguments, check_seq_len
-from tptrain.training.data import PackedDataset, load_tokenizer
+from tptrain.text import load_tokenizer
+from tptrain.training.data import PackedDataset
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.parallelize import resolve_parallelism
