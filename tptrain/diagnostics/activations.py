@@ -245,9 +245,10 @@ def fused_loss(hidden: int, local_vocab: int, work: Work) -> LossMemory:
 def logits_loss(hidden: int, local_vocab: int, work: Work) -> LossMemory:
     """The loss from whole logits (a pipeline's last stage; `loss="logits"`): the head's input and the fp32
     (log-)softmax the cross-entropy keeps; the logits themselves (the output); in forward their fp32 copy (half
-    precision), in backward the fp32 gradient of the logits and its cast; the head's gradient, made in backward."""
+    precision); in backward the gradient of the log-softmax and the one it makes (fp32 each, beside the kept
+    log-softmax); the head's gradient, made in backward."""
     p, w = work.precision, work.tokens
     c, scores = p.compute, w * local_vocab
     return LossMemory(scores * 4 + linear_input(hidden, w, p.residual, p), output=scores * c,
-                      forward=scores * 4 if c != 4 else 0, backward=scores * (4 + (c if c != 4 else 0)),
+                      forward=scores * 4 if c != 4 else 0, backward=scores * 8,
                       head_grad=local_vocab * hidden * p.param)

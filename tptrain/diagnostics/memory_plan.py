@@ -171,7 +171,7 @@ def stage_activations(facts: ModelFacts, stage: _Stage, layout: Layout, settings
     else:
         loss = LossMemory(0)
     if layout.pp > 1:  # a stage's input (received, its gradient wanted) and its output, kept until its backward
-        extras += work.tokens * facts.hidden * prec.residual * ((not stage.first) + (not stage.last))
+        extras += work.sp_tokens * facts.hidden * prec.residual * ((not stage.first) + (not stage.last))
     transient = {i: layer_backward_transient(facts.layers[i], work) for i in stage.layers}
     return _Acts(full, kept, extras, loss, transient, ledgers[stage.layers[0]] if stage.layers else {})
 
@@ -209,31 +209,45 @@ def _scenarios(layout: Layout, microbatches: int, flight: float, last: bool) -> 
     return out
 
 
+def _unit_grads(st: _States, layout: Layout, prec: Precision) -> dict:
+    """{unit: gradient bytes it leaves once its backward is done}: this rank's gradients, or under FSDP2 in a pipeline
+    the unsharded ones it accumulates over the microbatches (in the reduce dtype) until the last one's."""
+    if layout.pp > 1 and layout.data_parallel:
+        return {u: b * prec.reduce // prec.unsharded for u, b in st.unsharded_grads.items()}
+    return dict(st.grads_of)
+
+
 def _moments(stage: _Stage, st: _States, acts: _Acts, layout: Layout, settings: TrainSettings, prec: Precision,
              sc: _Scenario, device: str) -> dict[str, dict[str, int]]:
     """{moment: terms} of one step on this stage under scenario `sc`: the loss, the loss's backward, each layer's
-    backward, the end of backward (the embedding; FSDP2's root reduce-scatter), the optimizer step. On a CPU (gloo) a
-    reduce-scatter works on a copy of its input."""
+    backward, the end of backward (the embedding; FSDP2's reduce-scatters), the optimizer step."""
     pp, fsdp, oib, loss = layout.pp > 1, layout.data_parallel, settings.optim_in_backward, acts.loss
     kept, saved = acts.kept, sum(acts.kept.values()) + acts.extras
-    other = sc.others * (saved + loss.held)
+    # the other microbatches in flight: their saved tensors, and their losses' only where every forward comes before
+    # any backward (GPipe, looped BFS: the last stage too holds all); otherwise the last stage runs each
+    # microbatch's backward right after its forward
+    gpipe = settings.pp_schedule in ("GPipe", "LoopedBFS")
+    other = sc.others * (saved + loss.held * gpipe)
     outputs = sc.outputs * loss.output
     base = dict(parameters=st.params, optimizer_states=st.optimizer)
     root = st.gathered.get("first", 0) + st.gathered.get("last", 0)
     held = sum(st.gathered.values()) if pp else root  # a pipeline keeps its stage gathered
-    if pp and fsdp and sc.accumulated:  # its unsharded gradients, held until the last microbatch (in the reduce dtype)
-        held += sum(st.unsharded_grads.values()) * prec.reduce // prec.unsharded
-    earlier = st.grads if sc.accumulated and not fsdp and not oib else 0
+    unit_grads = _unit_grads(st, layout, prec)
+    earlier = sum(unit_grads.values()) if sc.accumulated and not oib else 0
     head = loss.head_grad if stage.last else 0
     fused = loss.chunk > 0
     moments = {"forward end (loss)": _terms(**base, activations=other + saved + loss.held + max(outputs, loss.output),
                                             gradients=earlier + head * fused, communication_buffers=held,
                                             largest_transient=loss.forward)}
-    if stage.last:  # the loss's backward, the head's gradient (the root gathered again for it under FSDP2)
-        moments["loss backward"] = _terms(**base, activations=other + saved + (loss.held if fused else 0) + outputs,
-                                          gradients=earlier + head, largest_transient=loss.backward,
-                                          communication_buffers=held + (root if fsdp and not pp else 0))
-    done = 0 if sc.accumulated else head
+    if stage.last:  # the loss's backward (the root gathered again for it under FSDP2), then the head's
+        regather = root if fsdp and not pp else 0
+        moments["loss backward"] = _terms(**base, activations=other + saved + loss.held + outputs,
+                                          gradients=earlier + head * fused, largest_transient=loss.backward,
+                                          communication_buffers=held + regather)
+        if not fused:  # whole logits: the head's gradient appears beside the logits' (in the compute dtype)
+            moments["head backward"] = _terms(**base, activations=other + saved + outputs, gradients=earlier + head,
+                                              largest_transient=loss.output, communication_buffers=held)
+    done = 0 if sc.accumulated or oib else unit_grads.get("last", 0) + head * (fsdp and not pp)
     order = sorted(stage.layers, reverse=True)
     for k, i in enumerate(order):
         comm = held
@@ -243,27 +257,31 @@ def _moments(stage: _Stage, st: _States, acts: _Acts, layout: Layout, settings: 
         fresh = st.largest_of.get(i, 0) if earlier or oib else 0  # a gradient before it is added (or stepped)
         moments[f"backward of layer {i}"] = _terms(
             **base, activations=other + outputs + sum(kept[j] for j in stage.layers if j < i) + acts.full[i]
-            + acts.extras, gradients=earlier + (0 if oib else done), communication_buffers=comm,
+            + acts.extras, gradients=earlier + done, communication_buffers=comm,
             largest_transient=acts.transient[i] + fresh)
-        done += st.grads_of.get(i, 0) if not (fsdp and pp) else 0
-    moments["backward end"] = _backward_end(stage, st, layout, prec, oib, earlier, outputs, head, device)
+        done += 0 if sc.accumulated or oib else unit_grads.get(i, 0)
+    moments["backward end"] = _backward_end(stage, st, layout, prec, oib, earlier or done, outputs, head, device)
     clip = 0 if oib else st.largest_grad * (1 if prec.param >= 4 else 3)  # the norm's fp32 square of each gradient
     moments["optimizer step"] = _terms(**base, gradients=0 if oib else st.grads, largest_transient=clip)
     return {sc.name + name: terms for name, terms in moments.items()}
 
 
-def _backward_end(stage: _Stage, st: _States, layout: Layout, prec: Precision, oib: bool, earlier: int, outputs: int,
-                  head: int, device: str) -> dict[str, int]:
-    """The end of backward: the embedding's fresh gradient (added to earlier microbatches'), or FSDP2's root: its
-    gradients copied into one flat buffer in the reduce dtype and reduce-scattered (a CPU's gloo on a copy of it;
-    dp_replicate's all-reduce on another); in mixed precision the head's gradient outlives the copy."""
+def _backward_end(stage: _Stage, st: _States, layout: Layout, prec: Precision, oib: bool, grads_then: int,
+                  outputs: int, head: int, device: str) -> dict[str, int]:
+    """The end of backward: the embedding's fresh gradient beside the others; under FSDP2 the reduce-scatter of the
+    root (or, in a pipeline, of each unit's accumulated gradients): its gradients copied into one flat buffer in the
+    reduce dtype (a CPU's gloo reduce-scatters a copy of it; dp_replicate's all-reduce works on another); in mixed
+    precision the head's gradient outlives the copy."""
     base = dict(parameters=st.params, optimizer_states=st.optimizer)
     grads = 0 if oib else st.grads
-    if not layout.data_parallel or layout.pp > 1:
-        fresh = st.largest_of.get("first", 0) if stage.first and (earlier or oib) else 0
-        return _terms(**base, gradients=grads, activations=outputs, largest_transient=fresh)
-    flat = (st.unsharded_grads.get("first", 0) + st.unsharded_grads.get("last", 0)) * prec.reduce // prec.unsharded
+    if not layout.data_parallel:
+        fresh = st.largest_of.get("first", 0) if stage.first else 0
+        return _terms(**base, gradients=grads_then, activations=outputs, largest_transient=fresh)
     copies = (device == "cpu" and layout.fsdp_shards > 1) + (layout.dp_replicate > 1) / layout.fsdp_shards
+    if layout.pp > 1:  # the largest unit's flat buffer, beside every unit's accumulated gradients
+        flat = max(st.unsharded_grads.values(), default=0) * prec.reduce // prec.unsharded
+        return _terms(**base, gradients=grads_then + grads, communication_buffers=int(flat * (1 + copies)))
+    flat = (st.unsharded_grads.get("first", 0) + st.unsharded_grads.get("last", 0)) * prec.reduce // prec.unsharded
     mixed = prec.reduce != prec.unsharded
     return _terms(**base, gradients=grads + head * mixed, communication_buffers=int(flat * (1 + copies)))
 
