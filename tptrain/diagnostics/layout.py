@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # the spelling order of `Layout.spell`
+AXES = ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep")  # the order `Layout.spell` writes them in (`--layout`)
 
 
 @dataclass(frozen=True)

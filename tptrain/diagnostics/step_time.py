@@ -74,9 +74,10 @@ def _ring(size: int) -> float:
 
 
 def comm_bytes(facts: ModelFacts, layout: Layout, settings: TrainSettings, gathered: int, grads: int
-               ) -> tuple[dict[str, int], dict[str, float]]:
-    """({axis: bytes one rank sends per step}, {axis: bytes it puts on the wire, counting the ring's factors}).
-    `gathered` / `grads`: the rank's parameters as FSDP2 gathers them and its gradients as it reduces them."""
+               ) -> tuple[dict[str, int], dict[str, list[tuple[str, float]]]]:
+    """({axis: bytes one rank sends per step}, {axis: [(collective, bytes it puts on the wire, counting the ring's
+    factors)]}). `gathered` / `grads`: the rank's parameters as FSDP2 gathers them and its gradients as it reduces
+    them."""
     m = settings.microbatches(layout.pp)
     mb, c = settings.batch_size // m, (2 if settings.bf16 else settings.dtype.itemsize)
     tokens = mb * settings.seq_len // layout.cp  # per microbatch, on this rank
@@ -84,31 +85,33 @@ def comm_bytes(facts: ModelFacts, layout: Layout, settings: TrainSettings, gathe
     h, recompute = facts.hidden, 1 + settings.gradient_checkpointing
     act = tokens * h * c
     sent: dict[str, float] = {}
-    wire: dict[str, float] = {}
+    wire: dict[str, list[tuple[str, float]]] = {}
     if layout.tp > 1:  # 2 sums in forward, 2 boundaries in backward per layer; the embedding's sum, the head's boundary
         sent["tp"] = m * act * (layers * 2 * (recompute + 1) + 2)
-        wire["tp"] = sent["tp"] * 2 * _ring(layout.tp)
+        wire["tp"] = [("all_reduce", sent["tp"] * 2 * _ring(layout.tp))]
     if layout.cp > 1:
-        kv = max(1, facts.layers[0].kv_heads // layout.tp) * (facts.layers[0].q_dim + facts.layers[0].v_dim)
-        gather, scatter = mb * settings.seq_len // layout.cp * kv * c, mb * settings.seq_len * kv * c
+        first = facts.layers[0]
+        kv = max(1, first.kv_heads // layout.tp) * (first.q_dim + first.v_dim)
+        gather, scatter = tokens * kv * c, mb * settings.seq_len * kv * c
         sent["cp"] = m * layers * (recompute * gather + scatter)
-        wire["cp"] = m * layers * (recompute * gather * (layout.cp - 1) + scatter * _ring(layout.cp))
+        wire["cp"] = [("all_gather", m * layers * recompute * gather * (layout.cp - 1)),
+                      ("reduce_scatter", m * layers * scatter * _ring(layout.cp))]
     shards = layout.fsdp_shards
     if layout.data_parallel and shards > 1:
         gathers = 1 if layout.pp > 1 else 2  # forward and again before backward; a pipeline keeps its stage gathered
         sent["dp_shard"] = gathers * gathered // shards + grads
-        wire["dp_shard"] = (gathers * gathered + grads) * _ring(shards)
+        wire["dp_shard"] = [("all_gather", gathers * gathered * _ring(shards)), ("reduce_scatter", grads * _ring(shards))]
     if layout.dp_replicate > 1:
         sent["dp_replicate"] = grads // shards
-        wire["dp_replicate"] = sent["dp_replicate"] * 2 * _ring(layout.dp_replicate)
+        wire["dp_replicate"] = [("all_reduce", sent["dp_replicate"] * 2 * _ring(layout.dp_replicate))]
     moe_layers = sum(layer.moe is not None for layer in facts.layers) // layout.pp
-    if layout.ep > 1 and moe_layers:
+    if layout.ep > 1 and moe_layers:  # rows out and results back, in forward (twice with recompute) and backward
         rows = tokens * facts.layers[-1].moe.top_k * h * c
         sent["ep"] = m * moe_layers * rows * 2 * (1 + recompute)
-        wire["ep"] = sent["ep"] * _ring(layout.ep)
+        wire["ep"] = [("all_to_all", sent["ep"] * _ring(layout.ep))]
     if layout.pp > 1:
         sent["pp"] = 2 * m * act  # each microbatch's hidden states forward, their gradient backward
-        wire["pp"] = sent["pp"]
+        wire["pp"] = [("send", sent["pp"])]
     return {axis: int(v) for axis, v in sent.items()}, wire
 
 
@@ -137,8 +140,8 @@ def step_time(facts: ModelFacts, layout: Layout, settings: TrainSettings, profil
     bw = profile.memory_bw * profile.efficiency * profile.compute_share(world_on_node)
     memory = 3 * activation_bytes / bw
     sent, wire = comm_bytes(facts, layout, settings, gathered, grads)
-    timed = {axis: wire[axis] / (_link(axis if axis != "ep" else "dp_shard", layout, profile) * profile.efficiency)
-             for axis in wire}
+    timed = {axis: sum(nbytes / (_link(axis if axis != "ep" else "dp_shard", layout, profile) * profile.efficiency
+                                 * profile.collective(op)) for op, nbytes in wire[axis]) for axis in wire}
     in_line = sum(t for axis, t in timed.items() if axis in ("tp", "cp", "ep", "pp")) / m
     hidden = sum(t for axis, t in timed.items() if axis in ("dp_shard", "dp_replicate"))
     per_microbatch = compute + memory + in_line
