@@ -259,3 +259,52 @@ def test_measured_peak_of_a_single_device_step():
     facts = ModelFacts.of(config, dtype=torch.float32)
     predicted = rank_memory(facts, Layout(), TrainSettings(batch_size=2, seq_len=64), device="cpu")[0].peak
     assert abs(predicted / meter.peak - 1) < 0.05, (predicted, meter.peak)
+
+
+def _train_args(*flags: str):
+    import argparse
+
+    from tptrain.cli.train_arguments import add_train_arguments
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--batch-size", "4", "--seq-len", "32", *flags])
+    return args
+
+
+def test_train_layout_auto_sets_the_sizes(capsys):
+    """`tptrain train --layout auto`: the plan's fastest layout that fits, as --tp-size / --cp-size / --pp-size /
+    --ep-size, printed; spelled-out sizes are checked by the same rules; a refused layout is exit code 2."""
+    from tptrain.cli.plan_train import resolve_train_layout
+
+    args = _train_args("--layout", "auto", "--nproc-per-node", "4")
+    assert resolve_train_layout(args) is False
+    out = capsys.readouterr().out
+    assert out.startswith("tptrain train: --layout auto: ") and "on 4 ranks (the fastest that fits cpu" in out
+    assert args.tp_size * args.cp_size * args.pp_size <= 4 and 4 % (args.tp_size * args.cp_size * args.pp_size) == 0
+    args = _train_args("--layout", "tp=2,cp=2", "--nproc-per-node", "4")
+    assert resolve_train_layout(args) is False and (args.tp_size, args.cp_size, args.pp_size) == (2, 2, 1)
+    args = _train_args("--layout", "tp=3", "--nproc-per-node", "3")
+    assert resolve_train_layout(args) is True
+    assert "num_attention_heads=4 is not divisible by tp_size=3" in capsys.readouterr().err
+
+
+def test_train_gradient_checkpointing_flag():
+    from tptrain.cli.train import _training_args
+
+    args = _train_args("--gradient-checkpointing", "--max-steps", "3", "--warmup-steps", "0", "--save-steps", "0",
+                       "--max-new-tokens", "1")
+    assert _training_args(args, from_scratch=True).gradient_checkpointing
+    assert not _training_args(_train_args("--max-steps", "3", "--warmup-steps", "0", "--save-steps", "0",
+                                          "--max-new-tokens", "1"), from_scratch=True).gradient_checkpointing
+
+
+@pytest.mark.distributed
+def test_tptrain_train_layout_auto_trains(tmp_path):
+    """The whole command: the layout chosen before the workers start, then trained with activation checkpointing."""
+    from tests.helpers import finish_tptrain_train, start_tptrain_train
+
+    run = finish_tptrain_train(start_tptrain_train("--layout", "auto", "--nproc-per-node", "2",
+                                                   "--gradient-checkpointing", "--output-dir", str(tmp_path / "run")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tptrain train: --layout auto: " in run.stdout and " on 2 ranks (the fastest that fits cpu" in run.stdout

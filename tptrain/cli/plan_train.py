@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -109,3 +110,66 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
           + ("what would fit: " + "; ".join(hints) if hints else "nothing tried fits (up to --world 4096)"),
           file=sys.stderr)
     return 2
+
+
+def resolve_train_layout(args: argparse.Namespace) -> bool:
+    """`tptrain train --layout auto` (the fastest layout that fits, by the plan) or `--layout tp=2,cp=2,...`: sets
+    --tp-size, --cp-size, --pp-size and --ep-size from it, before any worker starts, and prints the choice. The world
+    is --nproc-per-node (default: the visible GPUs) x --nnodes; every layout computes the same losses, so the choice
+    changes speed and memory only. Returns True (after printing the error) when it cannot: nothing fits (what would
+    is `tptrain plan --train`'s), or the flags say otherwise."""
+    try:
+        line = _train_layout(args)
+    except (OSError, ValueError) as exc:
+        print(f"tptrain train: error: {exc}", file=sys.stderr)
+        return True
+    if os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+    return False
+
+
+def _train_layout(args: argparse.Namespace) -> str:
+    import torch
+
+    from tptrain.diagnostics.layout import Layout, TrainSettings
+    from tptrain.diagnostics.model_facts import ModelFacts
+    from tptrain.diagnostics.train_plan import layout_problem, plan_training
+    from tptrain.models import AutoConfig
+
+    nproc = args.nproc_per_node or torch.cuda.device_count()
+    if not nproc:
+        raise ValueError("--layout needs the number of ranks: pass --nproc-per-node N (no GPU is visible)")
+    if args.layout == "auto" and "RANK" in os.environ and not torch.cuda.is_available():
+        raise ValueError("--layout auto under torchrun needs GPUs (each process would measure the cpu profile on its "
+                         "own, and could choose differently); give the sizes: --layout tp=2,... or --tp-size ...")
+    world = nproc * args.nnodes
+    args.nproc_per_node = nproc
+    dtype = getattr(torch, args.dtype)
+    settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
+                             gradient_checkpointing=args.gradient_checkpointing, lora_r=getattr(args, "lora_r", 0),
+                             optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
+                             pp_microbatches=args.pp_microbatches, expert_parallel=args.expert_parallel)
+    facts = ModelFacts.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
+    note = ""
+    if args.layout != "auto":
+        chosen = Layout.parse(args.layout, world)
+        problem = layout_problem(facts, chosen, settings)
+        if problem:
+            raise ValueError(f"--layout {chosen.spell()}: {problem}")
+    else:
+        profile = _profile(argparse.Namespace(device=None, gpu_memory=None))
+        plan = plan_training(facts, world=world, settings=settings, profile=profile)
+        usable = [p for p in plan.layouts if p.fits and p.layout.dp_replicate == 1]  # tptrain train: no dp_replicate
+        if not usable:
+            raise ValueError(f"--layout auto: no layout of {world} ranks fits {profile.name}'s memory at --batch-size "
+                             f"{args.batch_size} --seq-len {args.seq_len}; `tptrain plan {args.model} --train --world "
+                             f"{world} ...` says what would")
+        best = usable[0]
+        chosen = best.layout
+        note = (f" (the fastest that fits {profile.name}: peak {best.peak / 2**30:.1f} of {best.budget / 2**30:.1f} "
+                f"GiB per rank, about {best.time.seconds:.3g} s per step)")
+    if chosen.dp_replicate > 1:
+        raise ValueError(f"--layout {chosen.spell()}: tptrain train has no dp_replicate; use dp_shard")
+    args.tp_size, args.cp_size, args.pp_size = chosen.tp, chosen.cp, chosen.pp
+    args.ep_size = chosen.ep if chosen.ep > 1 else None
+    return f"tptrain train: --layout {args.layout}: {chosen.spell()} on {world} ranks{note}"

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tptrain.cli.plan_train import resolve_train_layout
 from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, SMOKE, add_train_arguments
 
 __all__ = ["add_train_arguments", "run_train"]
@@ -39,6 +40,8 @@ def run_train(args: argparse.Namespace) -> int:
             setattr(args, name, getattr(defaults, name))
     if args.warmup_steps is None:  # --num-epochs: the step count is known only once the data is tokenized
         args.warmup_steps = 0 if args.num_epochs is not None else args.max_steps // 10
+    if args.layout is not None and resolve_train_layout(args):  # --layout: the sizes, before anything else
+        return 2
     nproc = args.nproc_per_node
     if nproc is None:
         nproc = args.tp_size * max(1, args.cp_size) * args.pp_size
@@ -209,7 +212,8 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         max_grad_norm=args.max_grad_norm, optim_in_backward=args.optim_in_backward,
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        seed=args.seed, bf16=args.bf16, torch_compile=args.compile, resume_from_checkpoint=args.resume,
+        seed=args.seed, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+        torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
         preemption_grace=args.preemption_grace, parallelism_config=_parallelism_config(args), **training_kwargs(args))
 
