@@ -57,22 +57,22 @@ def check_train_arguments(args: argparse.Namespace) -> str | None:
 def _profile(args: argparse.Namespace):
     from tptrain.diagnostics.device_profiles import device_profile, parse_memory, with_memory
 
-    name = args.device or _visible_device()
-    profile = device_profile(name)
+    profile = device_profile(args.device) if args.device else _visible_device()
     return with_memory(profile, parse_memory(args.gpu_memory)) if args.gpu_memory else profile
 
 
-def _visible_device() -> str:
-    """The profile of the GPU torch sees (by name), else this machine's CPU."""
+def _visible_device():
+    """The profile of the GPU torch sees (its family by name, an H100's when unknown, with its own memory), else
+    this machine's CPU."""
     import torch
 
-    from tptrain.diagnostics.device_profiles import PROFILES
+    from tptrain.diagnostics.device_profiles import PROFILES, device_profile, with_memory
 
     if not torch.cuda.is_available():
-        return "cpu"
+        return device_profile("cpu")
     name = torch.cuda.get_device_name().lower().replace(" ", "")
-    found = [key for key in PROFILES if key.split("-")[0] in name]
-    return found[0] if found else "h100"
+    family = next((key for key in PROFILES if key.split("-")[0] in name), "h100")
+    return with_memory(PROFILES[family], torch.cuda.get_device_properties(0).total_memory)
 
 
 def run_train_plan(args: argparse.Namespace, config) -> int:

@@ -226,7 +226,7 @@ def _moments(stage: _Stage, st: _States, acts: _Acts, layout: Layout, settings: 
     # the other microbatches in flight: their saved tensors, and their losses' only where every forward comes before
     # any backward (GPipe, looped BFS: the last stage too holds all); otherwise the last stage runs each
     # microbatch's backward right after its forward
-    gpipe = settings.pp_schedule in ("GPipe", "LoopedBFS")
+    gpipe = pp and pipeline_parallel.schedule_name(settings.pp_schedule) in ("GPipe", "LoopedBFS")
     other = sc.others * (saved + loss.held * gpipe)
     outputs = sc.outputs * loss.output
     base = dict(parameters=st.params, optimizer_states=st.optimizer)
