@@ -195,7 +195,7 @@ def explain_best(plans: list[LayoutPlan], best: int | None) -> str:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profile: DeviceProfile,

@@ -82,9 +82,11 @@ def plan_text(plan: TrainPlan, facts: ModelFacts, *, model_name: str) -> str:
     lines.append("")
     lines.append(f"best: {plan.why}" if plan.best is not None else "no layout fits")
     if plan.refused:
-        sample = sorted(plan.refused.items(), key=lambda item: item[0].spell())[:3]
-        lines.append(f"{len(plan.refused)} other layout(s) of {plan.world} ranks are refused by the rules, e.g. "
-                     + "; ".join(f"{lay.spell()}: {why.split(';')[0]}" for lay, why in sample))
+        reasons: dict[str, list[str]] = {}
+        for lay, why in sorted(plan.refused.items(), key=lambda item: item[0].spell()):
+            reasons.setdefault(why, []).append(lay.spell())
+        lines.append(f"{len(plan.refused)} other layout(s) of {plan.world} ranks are refused by the rules:")
+        lines += [f"  {', '.join(lays[:3])}{' ...' * (len(lays) > 3)}: {why}" for why, lays in list(reasons.items())[:4]]
     lines.append(f"{unit} per rank at its peak (sent: per step); not included: the CUDA caching allocator's reserve and "
                  "fragmentation, compiled kernels' workspaces, pinned host memory (docs/planning.md)")
     return "\n".join(lines) + "\n"
