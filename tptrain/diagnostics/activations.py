@@ -113,11 +113,18 @@ def attention(shape: LayerShape, work: Work) -> dict[str, int]:
         out["attention"] = w * (q + v_out) * c + work.batch * work.seq * k_heads * (shape.q_dim + shape.v_dim) * c \
             + scores * 8
         return out
+    if work.device == "cpu" and shape.q_dim != shape.v_dim:  # CPU's math path (latent attention's V is narrower):
+        # q and K scaled, V, and every (query, key) probability in fp32
+        out["attention"] = w * heads * (shape.q_dim + shape.v_dim) * c + work.batch * work.seq * heads * \
+            shape.q_dim * c + heads * (w // work.batch) * work.batch * work.seq * 4
+        return out
     kv_bytes = keys * k_heads * (shape.q_dim + shape.v_dim) * c
     if work.cp > 1 and not expanded:  # SDPA keeps views of the sorted, gathered K and V of the whole sequence
         kv_bytes = work.batch * work.seq * kv * (shape.q_dim + shape.v_dim) * c
     queries = keys if (work.cp > 1 and work.device == "cpu") else w  # CPU: zero queries pad each chunk to its keys
     out["attention"] = queries * (q * c + v_out * c + heads * 4) + kv_bytes
+    if shape.window is not None and shape.window < work.seq:  # SDPA keeps the boolean mask as an additive float one
+        out["attention mask"] = work.seq // work.cp * work.seq * c
     if work.cp > 1:  # the two chunks' outputs concatenated, then laid out (batch, seq, heads * v_dim) for o_proj
         out["o_proj input"] = w * v_out * c
     return out

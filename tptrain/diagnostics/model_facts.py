@@ -58,6 +58,7 @@ class LayerShape:
     gqa_expanded: bool = True  # K and V repeated to every query head before attention
     latent: tuple[int, int] | None = None
     fused: bool = False  # one qkv_proj and one gate_up_proj (Phi-3) instead of separate projections
+    window: int | None = None  # a sliding window (keys back a query sees), None: full causal attention
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,15 @@ def layer_shape(config: Any, index: int) -> LayerShape:
                       qk_norm=getattr(config, "qk_norm", None), norms_in=bool(norm_in), norms_out=bool(norm_out),
                       norm_fp32=bool(getattr(config, "norm_scale_in_float32", False)),
                       softcap=getattr(config, "attn_softcap", None) is not None, gqa_expanded=latent is None,
-                      latent=latent, fused=bool(getattr(config, "fused_projections", False)))
+                      latent=latent, fused=bool(getattr(config, "fused_projections", False)),
+                      window=_window(config, index))
+
+
+def _window(config: Any, index: int) -> int | None:
+    try:
+        return config.layer_sliding_windows[index]
+    except (AttributeError, IndexError, TypeError, ValueError):  # a transformers config: none counted
+        return None
 
 
 def _moe_shape(config: Any, index: int) -> MoEShape | None:
