@@ -240,16 +240,24 @@ def test_plan_train_imports_no_training_code(llama_dir):
     assert run.stdout.strip().splitlines()[-1] == "[] 0"
 
 
-def test_measured_peak_of_a_single_device_step():
-    """One process, the Trainer's own step on a small Llama: the planner's peak against the live tensor bytes."""
+@pytest.mark.parametrize("run", [{}, {"lora_r": 8}, {"optim_in_backward": True}, {"gradient_checkpointing": True}])
+def test_measured_peak_of_a_single_device_step(run):
+    """One process, the Trainer's own step on a small Llama (full fine-tuning, LoRA on every linear layer, the
+    optimizer in backward, activation checkpointing): the planner's peak against the live tensor bytes."""
     from tptrain.diagnostics.tensor_meter import LiveTensorBytes
+    from tptrain.peft import LoraConfig, get_peft_model
     from tptrain.training import Trainer, TrainingArguments
     from tptrain.training.data import PackedDataset
 
     config = AutoConfig.for_model("llama", **dict(SMALL, vocab_size=2048, hidden_size=128, intermediate_size=256))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, seq_len=64, max_steps=4)
+    if run.get("lora_r"):
+        model = get_peft_model(model, LoraConfig(r=run["lora_r"], lora_alpha=16, target_modules="all-linear"))
+    oib = run.get("optim_in_backward", False)
+    args = TrainingArguments(output_dir="unused", per_device_train_batch_size=2, seq_len=64, max_steps=4,
+                             optim_in_backward=oib, max_grad_norm=0.0 if oib else 1.0,
+                             gradient_checkpointing=run.get("gradient_checkpointing", False))
     trainer = Trainer(model, args=args, train_dataset=PackedDataset(torch.randint(0, 2048, (64 * 16,)), 64))
     trainer.training_step(trainer.data_order.next_batch())
     existing = [*model.parameters(), *model.buffers(), *(t for s in trainer.optimizer.state.values()
@@ -257,7 +265,7 @@ def test_measured_peak_of_a_single_device_step():
     with LiveTensorBytes(existing) as meter:
         trainer.training_step(trainer.data_order.next_batch())
     facts = ModelFacts.of(config, dtype=torch.float32)
-    predicted = rank_memory(facts, Layout(), TrainSettings(batch_size=2, seq_len=64), device="cpu")[0].peak
+    predicted = rank_memory(facts, Layout(), TrainSettings(batch_size=2, seq_len=64, **run), device="cpu")[0].peak
     assert abs(predicted / meter.peak - 1) < 0.05, (predicted, meter.peak)
 
 

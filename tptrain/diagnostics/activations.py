@@ -61,6 +61,7 @@ class Work:
     ep: int = 1
     expert_parallel: bool = False
     device: str = "cuda"
+    frozen_norms: bool = False  # LoRA: the norms' weights do not train
 
     @property
     def tokens(self) -> int:
@@ -73,11 +74,12 @@ class Work:
         return self.tokens // self.tp if self.sp else self.tokens
 
 
-def norm(features: int, tokens: int, x_bytes: int, fp32_scale: bool, groups: int = 1) -> int:
+def norm(features: int, tokens: int, x_bytes: int, fp32_scale: bool, groups: int = 1, trained: bool = True) -> int:
     """RMSNorm (layers.RMSNorm) over `groups` x `features` per token: its input in fp32 (the input itself when fp32,
-    else a copy), the rsqrt (one fp32 per group) and the normalised input (cast back to the input's dtype, or kept
-    fp32 when scaling in fp32)."""
-    return tokens * groups * (features * max(x_bytes, 4) + 4 + features * (4 if fp32_scale else x_bytes))
+    else a copy), the rsqrt (one fp32 per group) and, for its weight's gradient (not when frozen: LoRA), the
+    normalised input (cast back to the input's dtype, or kept fp32 when scaling in fp32)."""
+    normalised = features * (4 if fp32_scale else x_bytes) if trained else 0
+    return tokens * groups * (features * max(x_bytes, 4) + 4 + normalised)
 
 
 def linear_input(features: int, tokens: int, x_bytes: int, p: Precision, readers: int = 1) -> int:
@@ -98,11 +100,11 @@ def attention(shape: LayerShape, work: Work) -> dict[str, int]:
     heads, kv = _heads(shape, work.tp)
     q, v_out = heads * shape.q_dim, heads * shape.v_dim
     out: dict[str, int] = {}
+    fp32, trained = shape.norm_fp32, not work.frozen_norms
     if shape.qk_norm == "width":  # over the whole projected width (OLMo 2)
-        out["q/k norms"] = norm(q, w, c, shape.norm_fp32) + norm(kv * shape.q_dim, w, c, shape.norm_fp32)
+        out["q/k norms"] = norm(q, w, c, fp32, trained=trained) + norm(kv * shape.q_dim, w, c, fp32, trained=trained)
     elif shape.qk_norm:  # over each head (Qwen3)
-        out["q/k norms"] = norm(shape.q_dim, w, c, shape.norm_fp32, heads) + norm(shape.q_dim, w, c, shape.norm_fp32,
-                                                                                  kv)
+        out["q/k norms"] = norm(shape.q_dim, w, c, fp32, heads, trained) + norm(shape.q_dim, w, c, fp32, kv, trained)
     if shape.latent is not None:  # MLA: the latents' norms and the inputs of q_b_proj / kv_b_proj
         out["latent norms"] = sum(norm(r, w, c, shape.norm_fp32) + w * r * c for r in shape.latent if r)
     expanded = shape.gqa_expanded and heads > kv
@@ -157,18 +159,18 @@ def experts(shape: LayerShape, work: Work) -> dict[str, int]:
 def layer_activations(shape: LayerShape, work: Work) -> dict[str, int]:
     """{what: bytes} one decoder layer keeps from its forward to its backward for one microbatch on one rank."""
     p = work.precision
-    r, c, t, h = p.residual, p.compute, work.sp_tokens, shape.hidden
+    r, c, t, h, trained = p.residual, p.compute, work.sp_tokens, shape.hidden, not work.frozen_norms
     out: dict[str, int] = {}
     if shape.norms_in:
-        out["attention norm"] = norm(h, t, r, shape.norm_fp32)
+        out["attention norm"] = norm(h, t, r, shape.norm_fp32, trained=trained)
         out["q/k/v input"] = linear_input(h, t, r, p, 1 if shape.fused or shape.latent else 3)
     else:  # norms on the sublayers' outputs (OLMo 2): the projections read the residual stream itself
         out["q/k/v input"] = t * h * r
     out.update(attention(shape, work))
     if shape.norms_out:
-        out["attention output norm"] = norm(h, t, c, shape.norm_fp32)
+        out["attention output norm"] = norm(h, t, c, shape.norm_fp32, trained=trained)
     if shape.norms_in:
-        out["mlp norm"] = norm(h, t, r, shape.norm_fp32)
+        out["mlp norm"] = norm(h, t, r, shape.norm_fp32, trained=trained)
         out["mlp input"] = linear_input(h, t, r, p, _mlp_readers(shape))
     else:
         out["mlp input"] = t * h * r
@@ -177,7 +179,7 @@ def layer_activations(shape: LayerShape, work: Work) -> dict[str, int]:
     else:
         out.update(experts(shape, work))
     if shape.norms_out:
-        out["mlp output norm"] = norm(h, t, c, shape.norm_fp32)
+        out["mlp output norm"] = norm(h, t, c, shape.norm_fp32, trained=trained)
     return out
 
 
@@ -216,7 +218,7 @@ def model_activations(hidden: int, work: Work, *, first: bool, last: bool, rotar
     out = {"token ids": work.tokens * 8 if first else 0,
            "rope cos/sin": 2 * work.seq // work.cp * rotary * max(work.precision.residual, 4)}
     if last:
-        out["final norm"] = norm(hidden, work.sp_tokens, work.precision.residual, False)
+        out["final norm"] = norm(hidden, work.sp_tokens, work.precision.residual, False, trained=not work.frozen_norms)
     return out
 
 

@@ -14,6 +14,7 @@ pipeline rank holds the activations of the microbatches its schedule keeps in fl
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -155,7 +156,7 @@ def stage_activations(facts: ModelFacts, stage: _Stage, layout: Layout, settings
                       device: str) -> _Acts:
     mb = settings.batch_size // settings.microbatches(layout.pp)
     work = Work(mb, settings.seq_len, layout.tp, layout.cp, settings.sequence_parallel, prec, layout.ep,
-                settings.expert_parallel, device)
+                settings.expert_parallel, device, frozen_norms=settings.lora_r > 0)
     ledgers = {i: layer_activations(facts.layers[i], work) for i in stage.layers}
     full = {i: sum(ledger.values()) + _lora_saved(facts, i, work, settings.lora_r) for i, ledger in ledgers.items()}
     ac = settings.gradient_checkpointing
@@ -168,6 +169,8 @@ def stage_activations(facts: ModelFacts, stage: _Stage, layout: Layout, settings
         vocab = facts.vocab // layout.tp if facts.vocab % layout.tp == 0 else facts.vocab
         whole = layout.pp > 1 or settings.loss == "logits"
         loss = (logits_loss if whole else fused_loss)(facts.hidden, vocab, work)
+        if settings.lora_r:  # the head is frozen: no gradient of it is made
+            loss = dataclasses.replace(loss, head_grad=0)
     else:
         loss = LossMemory(0)
     if layout.pp > 1:  # a stage's input (received, its gradient wanted) and its output, kept until its backward
