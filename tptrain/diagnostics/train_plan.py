@@ -46,7 +46,8 @@ def candidate_layouts(world: int, *, moe: bool) -> list[Layout]:
 
 def layout_problem(facts: ModelFacts, layout: Layout, settings: TrainSettings) -> str | None:
     """Why the rules refuse `layout` for this model and run (None: they allow it). Today's checks, in the order
-    `from_pretrained` and the Trainer run them; the one place the planner asks."""
+    `from_pretrained` and the Trainer run them; the one place the planner asks (the layout rule table, when it
+    lands, replaces the DistributedConfig and pipeline checks here)."""
     config = DistributedConfig(tp_size=layout.tp, cp_size=layout.cp, pp_size=layout.pp,
                                ep_size=layout.ep if layout.ep > 1 else None, dp_replicate_size=layout.dp_replicate,
                                dp_shard_size=layout.dp_shard, enable_sequence_parallel=settings.sequence_parallel,
@@ -200,11 +201,14 @@ def _gib(n: float) -> str:
 
 def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profile: DeviceProfile,
                    max_world: int = 4096) -> list[str]:
-    """When nothing fits at `world`: the changes of the run that would make a layout fit (activation checkpointing,
-    the optimizer in backward, bf16, at this world), and the smallest world (doubling) where one fits as it is."""
+    """When nothing fits at `world`: the changes of the run that would make a layout fit at this world (activation
+    checkpointing, the optimizer in backward, bf16, a pipeline of one-sequence microbatches), and the smallest world
+    (doubling) where one fits as it is."""
     hints = []
     toggles = [("--gradient-checkpointing", dict(gradient_checkpointing=True)),
-               ("--optim-in-backward", dict(optim_in_backward=True)), ("--bf16", dict(bf16=True))]
+               ("--optim-in-backward", dict(optim_in_backward=True)), ("--bf16", dict(bf16=True)),
+               (f"--pp-microbatches {settings.batch_size} (a longer pipeline of one-sequence microbatches)",
+                dict(pp_microbatches=settings.batch_size))]
     for flag, change in toggles:
         if all(getattr(settings, key) == value for key, value in change.items()):
             continue
