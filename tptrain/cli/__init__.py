@@ -5,13 +5,14 @@
     tptrain plan ./qwen3-moe --tp-size 2 --ep-size 4               # experts over 4 ranks, attention TP 2
     tptrain plan ./ckpt --tp-size 2 --tp-plan '{"layers.*.mlp.down_proj": "rowwise"}'
     tptrain plan ./llama --tp-size 2 --backend transformers   # transformers' model code on tptrain's engine
+    tptrain plan ./ckpt --train --world 8 --device h100 --batch-size 2 --seq-len 8192 --bf16   # the layout to train with
     python -m tptrain plan ...                                # the same
     tptrain train --help
     tptrain prepare-data --model ./ckpt --data corpus.txt     # tokenize into the token cache before training
     tptrain --version
 
 `plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
-when the config cannot be read. `train` lives in tptrain/cli/train.py and is imported only when it
+when the config cannot be read; `plan --train` (cli/plan_train.py) exits 0 when a layout fits, 2 when none does. `train` lives in tptrain/cli/train.py and is imported only when it
 is the command, so `plan` works without the training stack.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Sequence
 
 from tptrain.backends import BACKENDS
 from tptrain.dtypes import NAMES, canonical_name
+from tptrain.cli.plan_train import add_train_plan_arguments, check_train_arguments, run_train_plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,17 +55,17 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
                                       "each module's style, each parameter's global and per-rank shape, parameter "
                                       "bytes per rank, and every divisibility problem (exit code 2 if any).")
     plan.add_argument("model", help="checkpoint directory or hub id (only config.json is read)")
-    plan.add_argument("--tp-size", type=int, required=True, help="tensor-parallel degree")
+    plan.add_argument("--tp-size", type=int, default=None, help="tensor-parallel degree (required without --train)")
     plan.add_argument("--sequence-parallel", action="store_true", help="shard norms along the sequence too")
     plan.add_argument("--expert-parallel", action="store_true",
                       help="split a mixture-of-experts model's experts by expert over the TP ranks (ep_size = tp_size)")
-    plan.add_argument("--ep-size", type=int, default=1,
+    plan.add_argument("--ep-size", type=int, default=None,
                       help="split the experts by expert over an ep axis of that many data-parallel ranks, each expert "
                            "over the TP ranks (DistributedConfig(ep_size=))")
-    plan.add_argument("--cp-size", type=int, default=1,
+    plan.add_argument("--cp-size", type=int, default=None,
                       help="context parallelism: each sequence split over that many ranks (what it splits, and "
                            "whether the model can)")
-    plan.add_argument("--pp-size", type=int, default=1,
+    plan.add_argument("--pp-size", type=int, default=None,
                       help="pipeline stages: print each pp rank's stages, their layers and parameter bytes per rank")
     plan.add_argument("--pp-schedule", default="1F1B",
                       help="the pipeline schedule the stages are cut for (Interleaved1F1B, ZBVZeroBubble: two per rank)")
@@ -74,8 +76,10 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
                       help="model code: tptrain's own (native), transformers' under tptrain's engine (transformers, "
                            "needs `pip install \"tptrain[hf]\"`), or auto: native for tptrain's model types")
     plan.add_argument("--dtype", default=None, choices=NAMES, type=canonical_name,
-                      help="dtype for the byte counts (default: the config's torch_dtype)")
-    plan.set_defaults(handler=_run_plan)
+                      help="dtype for the byte counts (default: the config's torch_dtype; with --train float32, as "
+                           "tptrain train)")
+    add_train_plan_arguments(plan)
+    plan.set_defaults(handler=_run_plan, plan_parser=plan)
     _add_prepare_data(sub)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
     if train is not None:
@@ -139,12 +143,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.models import AutoConfig
     from tptrain.diagnostics.plan_report import plan_report
 
+    usage = check_train_arguments(args) if args.train else (
+        None if args.tp_size is not None else "the following arguments are required: --tp-size (or --train)")
+    if usage:
+        args.plan_parser.error(usage)
     try:
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
+        if args.train:
+            return run_train_plan(args, config)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
                              sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
-                             ep_size=args.ep_size, dtype=args.dtype, cp_size=args.cp_size, pp_size=args.pp_size,
-                             pp_schedule=args.pp_schedule)
+                             ep_size=args.ep_size or 1, dtype=args.dtype, cp_size=args.cp_size or 1,
+                             pp_size=args.pp_size or 1, pp_schedule=args.pp_schedule)
     except (OSError, ValueError, TypeError) as exc:
         return _fail("plan", str(exc))
     print(report.text, end="")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from tptrain.cli.plan_train import resolve_train_layout
 from tptrain.cli.run_file import apply_run_file, dump, resolved_config, save_run_config
 from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, add_train_arguments, fill_defaults
 
@@ -37,6 +38,8 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     try:
         args = apply_run_file(args, argv)
         fill_defaults(args)
+        if args.layout is not None and resolve_train_layout(args):  # --layout: the sizes, before anything else
+            return 2
         args.run_config = resolved_config(args)  # saved in --output-dir, and the W&B run's config
         if args.print_config:
             print(dump(args.run_config), end="")
@@ -214,7 +217,8 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
         max_grad_norm=args.max_grad_norm, optim_in_backward=args.optim_in_backward,
         weight_decay=0.1, adam_beta2=0.95, save_steps=args.save_steps, save_total_limit=args.save_total_limit,
-        seed=args.seed, bf16=args.bf16, torch_compile=args.compile, resume_from_checkpoint=args.resume,
+        seed=args.seed, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+        torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
         preemption_grace=args.preemption_grace, parallelism_config=_parallelism_config(args), **training_kwargs(args))
 

@@ -113,6 +113,10 @@ def _parallelism(g: argparse._ArgumentGroup) -> None:
                         "InterleavedZeroBubble, ZBVZeroBubble, ...")
     g.add_argument("--pp-microbatches", type=int, default=None,
                    help="microbatches each --batch-size batch is split into for the pipeline (default: --pp-size)")
+    g.add_argument("--layout", default=None, metavar="auto|tp=2,cp=2,...",
+                   help="auto: the fastest layout of --nproc-per-node x --nnodes ranks that fits the device's memory "
+                        "(tptrain plan --train), printed before training; or the sizes spelled out (they set "
+                        "--tp-size, --cp-size, --pp-size, --ep-size)")
     g.add_argument("--nproc-per-node", type=int, default=None,
                    help="worker processes to start (default: --tp-size x --cp-size x --pp-size); extra ranks become "
                         "FSDP2 data-parallel")
@@ -129,6 +133,9 @@ def _optimisation(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (parameters stay in --dtype)")
     g.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="clip the global gradient norm to this; 0: no clipping (default: 1.0)")
+    g.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer in backward: its activations are not kept (less memory, one "
+                        "more forward)")
     g.add_argument("--optim-in-backward", action="store_true",
                    help="step each parameter in backward and free its gradient at once (less memory; needs "
                         "--max-grad-norm 0 and --grad-accum 1; no grad_norm logged)")

@@ -1,0 +1,196 @@
+"""What the memory planner reads from a model: the widths of each decoder layer and every parameter's shape per rank,
+from the config alone (the model is built on the meta device: no weights are read).
+
+    facts = ModelFacts.of(AutoConfig.from_pretrained("meta-llama/Llama-3.1-8B"), dtype=torch.float32)
+    facts.params(tp=2, ep=1)       # [ParamShape(unit, local shape, ...), ...] as `check_plan` splits them
+    facts.problems(tp=3, ep=1)     # why tp=3 cannot run (the plan's own checks)
+
+A parameter's unit is what FSDP2 wraps it in and what a pipeline stage holds: its decoder layer's index, "first"
+(the embedding, held by the first stage) or "last" (final norm and head, held by the last stage).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tptrain.models import AutoModelForCausalLM
+from tptrain.parallel import contract
+from tptrain.parallel.context_parallel import problems as context_problems
+from tptrain.parallel.plan import ResolvedPlan, check_plan
+from tptrain.parallel.styles import ShardSpec
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    experts: int
+    top_k: int
+    inner: int  # one expert's inner width
+    shared_inner: int = 0  # shared expert(s)' inner width (0: none)
+    gated_shared: bool = False  # a sigmoid gate on the shared expert (Qwen2-MoE)
+    renormalise: bool = False  # top-k weights divided by their sum
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer's widths, whole (before any split). q_dim / v_dim: one head's query-key and value width;
+    qk_norm: None, "head" or "width"; norms_in / norms_out: RMSNorms on each sublayer's input / output; softcap:
+    attention scores materialised (soft-capped eager attention); latent: DeepSeek's MLA, with its (q, kv) ranks."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    q_dim: int
+    v_dim: int
+    mlp_inner: int
+    moe: MoEShape | None = None
+    qk_norm: str | None = None
+    norms_in: bool = True
+    norms_out: bool = False
+    norm_fp32: bool = False
+    softcap: bool = False
+    gqa_expanded: bool = True  # K and V repeated to every query head before attention
+    latent: tuple[int, int] | None = None
+    fused: bool = False  # one qkv_proj and one gate_up_proj (Phi-3) instead of separate projections
+    window: int | None = None  # a sliding window (keys back a query sees), None: full causal attention
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter as a rank holds it before FSDP2: its unit (a layer index, "first" or "last"), its shape after
+    TP (and EP), whether it is a stacked expert tensor (FSDP2 wraps those over the ranks holding the same experts) and
+    whether it is an nn.Linear's weight below the head (LoRA's "all-linear" targets)."""
+
+    name: str
+    unit: int | str
+    shape: tuple[int, ...]
+    expert: bool
+    linear: bool
+    tied: bool = False  # the head's copy of the embedding (held apart only by a last stage without the first)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(eq=False)  # hashed by identity: its methods cache per layout
+class ModelFacts:
+    """The model as the planner needs it. `model`: the meta model (kept for the plan checks)."""
+
+    config: Any
+    model: nn.Module
+    dtype: torch.dtype
+    layers: list[LayerShape]
+    vocab: int
+    tied: bool
+    family: str  # what the layer widths were read from: "native" or "transformers (as a Llama-style decoder)"
+
+    @classmethod
+    def of(cls, config: Any, *, dtype: torch.dtype) -> "ModelFacts":
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
+        native = getattr(model, "backend", "native") == "native"
+        n = int(config.num_hidden_layers)
+        return cls(config, model, dtype, [layer_shape(config, i) for i in range(n)], int(config.vocab_size),
+                   bool(getattr(config, "tie_word_embeddings", False)),
+                   "native" if native else "transformers (its layers counted as a Llama-style decoder's)")
+
+    @property
+    def hidden(self) -> int:
+        return self.layers[0].hidden
+
+    @property
+    def is_moe(self) -> bool:
+        return any(layer.moe is not None for layer in self.layers)
+
+    @functools.lru_cache(maxsize=None)
+    def resolved(self, tp: int, ep: int, sp: bool = False, expert_parallel: bool = False) -> ResolvedPlan:
+        """The model's plan checked at (tp, ep): the specs and every problem (`check_plan`, as from_pretrained)."""
+        return check_plan(self.model, "auto", tp, sequence_parallel=sp, expert_parallel=expert_parallel,
+                          ep_size=ep)
+
+    @functools.lru_cache(maxsize=None)
+    def context_problems(self) -> tuple[str, ...]:
+        return tuple(context_problems(self.model))
+
+    @functools.lru_cache(maxsize=None)
+    def params(self, tp: int, ep: int, sp: bool = False, expert_parallel: bool = False) -> tuple[ParamShape, ...]:
+        """Every parameter (a tied one once, in its first unit, and flagged again as the head's copy) as a rank holds
+        it at (tp, ep)."""
+        specs = self.resolved(tp, ep, sp, expert_parallel).specs
+        layers_path, first, last = contract.pipeline_parts(self.model) or ("model.layers", (), ())
+        head = contract.output_head(self.model)
+        linear = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Linear) and m is not head}
+        out, seen = [], {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            unit = _unit(name, layers_path, first, last)
+            spec = specs.get(name, ShardSpec())
+            shape = spec.local_shape(tuple(p.shape), tp, ep)
+            if id(p) in seen:  # the tied head: the same tensor as the embedding
+                out.append(ParamShape(name, unit, shape, False, False, tied=True))
+                continue
+            seen[id(p)] = name
+            out.append(ParamShape(name, unit, shape, ".experts." in name, id(p) in linear))
+        return tuple(out)
+
+
+def _unit(name: str, layers_path: str, first: tuple[str, ...], last: tuple[str, ...]) -> int | str:
+    if name.startswith(layers_path + "."):
+        return int(name[len(layers_path) + 1:].split(".")[0])
+    if any(name.startswith(path + ".") for path in first):
+        return "first"
+    if any(name.startswith(path + ".") for path in last):
+        return "last"
+    match = _LAYER.search(name)  # a model that declares no pipeline parts: layers by index, the rest first
+    return int(match.group(1)) if match else "first"
+
+
+def layer_shape(config: Any, index: int) -> LayerShape:
+    """Layer `index`'s widths from the config: tptrain's own fields, or, for a transformers config, the fields every
+    Llama-style decoder has (its own layers are counted as such: an approximation)."""
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    kv = int(contract.kv_heads(config) or heads)
+    try:
+        q_dim, v_dim = contract.key_value_head_dims(config)
+    except Exception:  # noqa: BLE001 - a transformers config with per-layer head dims: the common width
+        q_dim = v_dim = getattr(config, "head_dim", None) or hidden // heads
+    moe = _moe_shape(config, index)
+    inner = int(getattr(config, "intermediate_size", 0) or 0)
+    latent = None
+    if getattr(config, "latent_attention", False):
+        latent = (int(getattr(config, "q_lora_rank", 0) or 0), int(config.kv_lora_rank))
+    norm_in, norm_out = getattr(config, "norm_sublayer_input", True), getattr(config, "norm_sublayer_output", False)
+    return LayerShape(hidden, heads, kv, int(q_dim), int(v_dim), inner if moe is None else 0, moe,
+                      qk_norm=getattr(config, "qk_norm", None), norms_in=bool(norm_in), norms_out=bool(norm_out),
+                      norm_fp32=bool(getattr(config, "norm_scale_in_float32", False)),
+                      softcap=getattr(config, "attn_softcap", None) is not None, gqa_expanded=latent is None,
+                      latent=latent, fused=bool(getattr(config, "fused_projections", False)),
+                      window=_window(config, index))
+
+
+def _window(config: Any, index: int) -> int | None:
+    try:
+        return config.layer_sliding_windows[index]
+    except (AttributeError, IndexError, TypeError, ValueError):  # a transformers config: none counted
+        return None
+
+
+def _moe_shape(config: Any, index: int) -> MoEShape | None:
+    per_layer = getattr(config, "layer_is_moe", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not experts or (per_layer is not None and not per_layer[index]):
+        return None
+    inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared = (getattr(config, "shared_expert_intermediate_size", None)
+              or getattr(config, "shared_experts_intermediate_size", None) or 0)
+    return MoEShape(int(experts), int(config.num_experts_per_tok), int(inner), int(shared),
+                    gated_shared=bool(getattr(config, "shared_expert_intermediate_size", None)),
+                    renormalise=bool(getattr(config, "norm_topk_prob", False)))

@@ -1,0 +1,235 @@
+"""`tptrain plan --train`: every layout of N ranks that the rules allow, its peak memory per rank and its step time,
+ranked; the fastest one that fits, and why.
+
+    facts = ModelFacts.of(config, dtype=torch.float32)
+    plan = plan_training(facts, world=8, settings=TrainSettings(batch_size=2, seq_len=8192, bf16=True),
+                         profile=device_profile("h100"))
+    plan.layouts[plan.best].layout                # Layout(tp=2, dp_shard=4)
+
+`valid_layouts` is the one place that decides which layouts exist (today's checks: DistributedConfig's sizes, the
+model's plan at each tp / ep, context and pipeline parallelism's own checks); nothing else filters.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from tptrain.diagnostics.device_profiles import DeviceProfile
+from tptrain.diagnostics.layout import Layout, TrainSettings
+from tptrain.diagnostics.memory_plan import RankMemory, rank_memory, stages, states
+from tptrain.diagnostics.activations import precision
+from tptrain.diagnostics.model_facts import ModelFacts
+from tptrain.diagnostics.step_time import StepTime, step_time
+from tptrain.distributed import DistributedConfig
+from tptrain.parallel import pipeline_parallel
+from tptrain.parallel.context_parallel import check_sequence_length as check_cp_length
+from tptrain.parallel.sequence_parallel import check_sequence_length as check_sp_length
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(world: int, *, moe: bool) -> list[Layout]:
+    """Every way to write `world` as pp x dp_replicate x dp_shard x cp x tp (with ep, a divisor of dp_shard, for a
+    mixture-of-experts model)."""
+    out = []
+    for pp in _divisors(world):
+        for rep in _divisors(world // pp):
+            for cp in _divisors(world // pp // rep):
+                for tp in _divisors(world // pp // rep // cp):
+                    shard = world // (pp * rep * cp * tp)
+                    for ep in _divisors(shard) if moe else [1]:
+                        out.append(Layout(tp=tp, cp=cp, pp=pp, dp_shard=shard, dp_replicate=rep, ep=ep))
+    return out
+
+
+def layout_problem(facts: ModelFacts, layout: Layout, settings: TrainSettings) -> str | None:
+    """Why the rules refuse `layout` for this model and run (None: they allow it). Today's checks, in the order
+    `from_pretrained` and the Trainer run them; the one place the planner asks (the layout rule table, when it
+    lands, replaces the DistributedConfig and pipeline checks here)."""
+    config = DistributedConfig(tp_size=layout.tp, cp_size=layout.cp, pp_size=layout.pp,
+                               ep_size=layout.ep if layout.ep > 1 else None, dp_replicate_size=layout.dp_replicate,
+                               dp_shard_size=layout.dp_shard, enable_sequence_parallel=settings.sequence_parallel,
+                               enable_expert_parallel=settings.expert_parallel, pp_schedule=settings.pp_schedule)
+    try:
+        config.parallel_dims(layout.world, described=layout.spell())
+        resolved = facts.resolved(layout.tp, layout.ep, settings.sequence_parallel, settings.expert_parallel)
+        if resolved.problems:
+            return resolved.problems[0]
+        if layout.cp > 1:
+            if facts.context_problems():
+                return facts.context_problems()[0]
+            check_cp_length(settings.seq_len, layout.cp, what="--seq-len")
+        if settings.sequence_parallel:
+            check_sp_length(facts.model, settings.seq_len // layout.cp, layout.tp)
+        if layout.pp > 1:
+            _pipeline_problem(facts, layout, settings, resolved, config)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _pipeline_problem(facts: ModelFacts, layout: Layout, settings: TrainSettings, resolved, config) -> None:
+    """The pipeline's own checks (pipeline_parallel.check, its microbatches), what the Trainer refuses with it
+    (optim_in_backward), and a V schedule's tied embedding under data parallelism (training/parallelize.py's
+    `check_tied_stages`, which needs a loaded model)."""
+    pipeline_parallel.check(facts.model, resolved, config)
+    schedule = pipeline_parallel.schedule_name(settings.pp_schedule)
+    pipeline_parallel.check_microbatches(schedule, layout.pp, settings.microbatches(layout.pp), settings.batch_size)
+    if settings.optim_in_backward:
+        raise ValueError("optim_in_backward with pp_size > 1: the pipeline's backward runs in pieces")
+    if facts.tied and schedule in pipeline_parallel.V_SCHEDULES and layout.dp > 1:
+        raise ValueError(f"pp_schedule={schedule!r} puts the tied embedding and head on one rank's two stages, which "
+                         f"data parallelism cannot wrap; use a looped schedule")
+
+
+def valid_layouts(world: int, facts: ModelFacts, settings: TrainSettings) -> tuple[list[Layout], dict[Layout, str]]:
+    """(the layouts of `world` ranks the rules allow, {refused layout: why})."""
+    valid, refused = [], {}
+    for layout in candidate_layouts(world, moe=facts.is_moe):
+        problem = layout_problem(facts, layout, settings)
+        if problem is None:
+            valid.append(layout)
+        else:
+            refused[layout] = problem
+    return valid, refused
+
+
+@dataclass
+class LayoutPlan:
+    """One layout's estimate. ranks: each pp rank's memory; peak: the largest; budget: the memory a rank's tensors
+    may use (the device's, less the runtime's own); time: the step."""
+
+    layout: Layout
+    ranks: list[RankMemory]
+    budget: int
+    runtime: int
+    time: StepTime
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: (r.peak, -r.pp_rank))
+
+    @property
+    def peak(self) -> int:
+        return self.worst.peak
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget
+
+
+def estimate(facts: ModelFacts, layout: Layout, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan:
+    """Memory per pp rank and the step time of `layout` (valid or not: the rules are `layout_problem`'s)."""
+    ranks = rank_memory(facts, layout, settings, device=profile.kind)
+    prec = precision(settings.dtype.itemsize, bf16=settings.bf16, fsdp=layout.data_parallel)
+    stage_list = stages(facts, layout, settings)
+    slowest = max(range(len(stage_list)), key=lambda r: len(stage_list[r].layers))
+    st = states(stage_list[slowest], layout, settings, prec)
+    gathered = sum(p.numel for p in stage_list[slowest].params) * prec.unsharded
+    grads = st.grads * layout.fsdp_shards * prec.reduce // prec.param if layout.data_parallel else st.grads
+    activations = sum(ranks[slowest].per_layer.values()) * len(stage_list[slowest].layers)
+    time = step_time(facts, layout, settings, profile, gathered=gathered, grads=grads,
+                     optimizer_bytes=2 * (st.params + st.grads + st.optimizer), activation_bytes=activations)
+    world_on_node = min(layout.world, profile.devices_per_node)
+    budget = profile.memory_per_rank(world_on_node) - profile.runtime_bytes
+    return LayoutPlan(layout, ranks, budget, profile.runtime_bytes, time)
+
+
+@dataclass
+class TrainPlan:
+    """layouts: the given layout first (if any), then every valid one ranked (those that fit first, fastest first);
+    best: the index of the fastest that fits (None: none fits); why: that choice in words; refused: {layout: why}."""
+
+    world: int
+    settings: TrainSettings
+    profile: DeviceProfile
+    layouts: list[LayoutPlan]
+    best: int | None
+    why: str
+    refused: dict[Layout, str]
+
+
+def rank_key(plan: LayoutPlan) -> tuple:
+    """Fitting layouts first, then the most tokens per second, then the least memory; the spelling breaks ties, so
+    the order is the same on every run."""
+    return (not plan.fits, -round(plan.time.tokens_per_s, 6), plan.peak, plan.layout.spell())
+
+
+def plan_training(facts: ModelFacts, *, world: int, settings: TrainSettings, profile: DeviceProfile,
+                  layout: Layout | None = None) -> TrainPlan:
+    """Estimate every valid layout of `world` ranks (`layout`, if given, must be one: ValueError naming the rule it
+    breaks) and rank them; ValueError when the rules allow none."""
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"--world must be a positive integer, got {world!r}")
+    valid, refused = valid_layouts(world, facts, settings)
+    if layout is not None and layout in refused:
+        raise ValueError(f"--layout {layout.spell()} is refused: {refused[layout]}")
+    if not valid:
+        reasons = "; ".join(sorted(set(refused.values()))[:3])
+        raise ValueError(f"no layout of {world} ranks is valid for this model and run: {reasons}")
+    plans = sorted((estimate(facts, lay, settings, profile) for lay in valid), key=rank_key)
+    if layout is not None:
+        plans.sort(key=lambda p: p.layout != layout)  # stable: the given layout first, the rest still ranked
+    fitting = [i for i, p in enumerate(plans) if p.fits]
+    best = min(fitting, key=lambda i: rank_key(plans[i])) if fitting else None
+    return TrainPlan(world, settings, profile, plans, best, explain_best(plans, best), refused)
+
+
+def explain_best(plans: list[LayoutPlan], best: int | None) -> str:
+    """Why the best layout wins: its margin, and what it spends less time on than the runner-up that fits."""
+    if best is None:
+        return ""
+    chosen = plans[best]
+    spare = chosen.budget - chosen.peak
+    text = f"{chosen.layout.spell()} fits with {_gib(spare)} to spare (peak {_gib(chosen.peak)} of {_gib(chosen.budget)})"
+    others = sorted((p for i, p in enumerate(plans) if p.fits and i != best), key=rank_key)
+    if not others:
+        return text + "; the only layout that fits"
+    runner = others[0]
+    ratio = chosen.time.tokens_per_s / runner.time.tokens_per_s
+    saved = {part: runner.time.parts[part] - seconds for part, seconds in chosen.time.parts.items()}
+    part, gain = max(saved.items(), key=lambda item: item[1])
+    reason = f"{gain:.3g} s less {part.replace('_', ' ')} per step" if gain > 0 else "the same work on more ranks"
+    return (text + f"; {ratio:.2f}x the tokens/s of the next that fits, {runner.layout.spell()} ({reason})")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profile: DeviceProfile,
+                   max_world: int = 4096) -> list[str]:
+    """When nothing fits at `world`: the changes of the run that would make a layout fit at this world (activation
+    checkpointing, the optimizer in backward, bf16, a pipeline of one-sequence microbatches), and the smallest world
+    (doubling) where one fits as it is."""
+    hints = []
+    toggles = [("--gradient-checkpointing", dict(gradient_checkpointing=True)),
+               ("--optim-in-backward", dict(optim_in_backward=True)), ("--bf16", dict(bf16=True)),
+               (f"--pp-microbatches {settings.batch_size} (a longer pipeline of one-sequence microbatches)",
+                dict(pp_microbatches=settings.batch_size))]
+    for flag, change in toggles:
+        if all(getattr(settings, key) == value for key, value in change.items()):
+            continue
+        changed = replace(settings, **change)
+        found = _fitting(facts, world, changed, profile)
+        if found is not None:
+            hints.append(f"{flag}: {found.layout.spell()} (peak {_gib(found.peak)} of {_gib(found.budget)})")
+    bigger = world * 2
+    while bigger <= max_world:
+        found = _fitting(facts, bigger, settings, profile)
+        if found is not None:
+            hints.append(f"--world {bigger}: {found.layout.spell()} (peak {_gib(found.peak)} of {_gib(found.budget)})")
+            break
+        bigger *= 2
+    return hints
+
+
+@functools.lru_cache(maxsize=64)
+def _fitting(facts: ModelFacts, world: int, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan | None:
+    """The best layout of `world` ranks that fits (None: none)."""
+    valid, _ = valid_layouts(world, facts, settings)
+    fitting = sorted((p for p in (estimate(facts, layout, settings, profile) for layout in valid) if p.fits),
+                     key=rank_key)
+    return fitting[0] if fitting else None
