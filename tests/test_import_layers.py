@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
 
 # Lowest first. The package root (`tptrain/__init__.py`: the public API) and the CLI sit on top.
 LAYERS = [
-    ("tptrain.losses", "tptrain.distributed", "tptrain.backends"),
+    ("tptrain.losses", "tptrain.distributed", "tptrain.backends", "tptrain.layout"),
     ("tptrain.io",),
     ("tptrain.parallel",),
     ("tptrain.modeling",),
