@@ -47,10 +47,11 @@ def check(name: str, case: Case) -> None:
         raise ValueError(message)
 
 
-def resolve(world: int, *, expert_parallel: bool = False, spelling: Spelling = LIBRARY, **sizes: Any) -> ParallelDims:
+def resolve(world: int, *, features: Features | None = None, spelling: Spelling = LIBRARY, **sizes: Any) -> ParallelDims:
     """The sizes (tp_size=, cp_size=, ep_size=, dp_replicate_size=, dp_shard_size=, pp_size=; None: tp and dp_shard
-    take what `world` leaves over) resolved against `world`, after the size rows of the table (a ValueError naming
-    the sizes as `spelling` spells them)."""
+    take what `world` leaves over) resolved against `world`, after the rows of the table that read the sizes as
+    given (and `features`, what else is asked: e.g. enable_expert_parallel); a ValueError naming the sizes as
+    `spelling` spells them."""
     asked = Asked(**{k: v for k, v in sizes.items() if v is not None or k in ("tp_size", "ep_size", "dp_shard_size")})
-    validate(Case(asked=asked, world=world, features=Features(expert_parallel=expert_parallel), spelling=spelling))
+    validate(Case(asked=asked, world=world, features=features or Features(), spelling=spelling))
     return asked.solve(world)
