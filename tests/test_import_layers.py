@@ -141,3 +141,14 @@ def test_the_lazy_import_checker_sees_module_level_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from tptrain.hf import model\n\ndef f():\n    from tptrain.training import trainer\n")
     assert _module_level_imports(probe, _modules()) == {"tptrain.hf.model"}
+
+
+def test_the_model_base_class_imports_no_axis():
+    """modeling.py loads and saves; every axis is applied from outside the model by the one parallelize
+    (tptrain/parallel/parallelize.py), so the base class imports no axis's module."""
+    modules = _modules()
+    parallel = {dep for dep in _imports(modules["tptrain.modeling"], modules) if dep.startswith("tptrain.parallel")}
+    axes = {"tptrain.parallel.tensor_parallel", "tptrain.parallel.context_parallel", "tptrain.parallel.pipeline_parallel",
+            "tptrain.parallel.pipeline_checkpoint", "tptrain.parallel.sequence_parallel", "tptrain.parallel.data_parallel",
+            "tptrain.parallel.expert_parallel"}
+    assert "tptrain.parallel.parallelize" in parallel and not parallel & axes, sorted(parallel)

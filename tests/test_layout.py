@@ -87,3 +87,94 @@ def test_a_parallelism_config_that_contradicts_the_model_is_one_rule():
     with pytest.raises(ValueError, match=r"ParallelismConfig\(pp_schedule='GPipe'\) disagrees with the model, which "
                                          r"was laid out with pp_schedule='1F1B'"):
         validate(case)
+
+
+# ---------------------------------------------------------------- one message from every entry point
+
+def _entry_points(tmp_path, monkeypatch):
+    """(library, trainer, train_cli, plan_cli): each takes a layout and returns the message it refuses it with,
+    before any process group or worker: `model.parallelize(DistributedConfig)` (what from_pretrained checks), the
+    Trainer's constructor, `tptrain train` (its checks before any worker) and `tptrain plan`."""
+    import json
+    import shutil
+
+    import tptrain.distributed
+    from tptrain.cli import main
+    from tptrain.cli import train as train_cli
+    from tptrain.distributed import DistributedConfig
+    from tptrain.models import AutoConfig, AutoModelForCausalLM
+    from tptrain.parallel import pipeline_parallel
+    from tptrain.training import ParallelismConfig, Trainer, TrainingArguments
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(train_cli, "_launch", no_workers)
+    monkeypatch.setattr(train_cli, "_worker", no_workers)
+    bundled = ROOT / "tptrain" / "data" / "tiny-qwen3"  # tied embeddings, 4 layers, config only
+
+    def model_dir(**config):
+        path = tmp_path / f"model{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(bundled, path)
+        (path / "config.json").write_text(json.dumps({**json.loads((bundled / "config.json").read_text()), **config}))
+        return path
+
+    def library(path, world, **sizes):
+        monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: world)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
+        with pytest.raises(ValueError) as info:
+            model.parallelize(DistributedConfig(**sizes))
+        return str(info.value)
+
+    def trainer(path, world, *, pp, schedule, **args):
+        """A meta model as `from_pretrained(DistributedConfig(pp_size=pp, ...))` cuts it (its pp_plan)."""
+        monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: world)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
+        model.pp_plan = pipeline_parallel.plan_pipeline(model, pp=pp, pp_rank=0, schedule=schedule)
+        config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=args.pop("microbatches", None))
+        with pytest.raises(ValueError) as info:
+            Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), parallelism_config=config,
+                                                        **args), train_dataset=["text"])
+        return str(info.value)
+
+    def cli(command, capsys, *flags):
+        code = main([command, *flags] if command == "plan" else
+                    ["train", "--smoke-test", "--output-dir", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert code == (1 if command == "plan" else 2) and err.count("\n") == 1, (code, err)
+        return err.removeprefix(f"tptrain {command}: error: ").rstrip("\n")
+
+    return model_dir, library, trainer, cli
+
+
+def test_each_refusal_is_one_message_from_every_entry_point(tmp_path, monkeypatch, capsys):
+    model_dir, library, trainer, cli = _entry_points(tmp_path, monkeypatch)
+    dense = model_dir()
+    # more stages than layers: the library, `tptrain plan`, `tptrain train`
+    stages = {library(dense, 8, pp_size=8, tp_size=1), cli("plan", capsys, str(dense), "--tp-size", "1", "--pp-size", "8"),
+              cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--pp-size", "8", "--nproc-per-node", "8")}
+    assert len(stages) == 1 and next(iter(stages)).startswith("8 pipeline stages for a model of 4 decoder layers"), stages
+    # sequence parallelism under pp: the library and `tptrain plan` (`tptrain train` has no SP flag)
+    sp = {library(dense, 4, pp_size=2, tp_size=2, enable_sequence_parallel=True),
+          cli("plan", capsys, str(dense), "--tp-size", "2", "--pp-size", "2", "--sequence-parallel")}
+    assert len(sp) == 1 and "does not compose with enable_sequence_parallel" in next(iter(sp)), sp
+    # ep on a dense model: the library, `tptrain plan`, `tptrain train`
+    ep = {library(dense, 2, ep_size=2, tp_size=1), cli("plan", capsys, str(dense), "--tp-size", "1", "--ep-size", "2"),
+          cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--ep-size", "2", "--nproc-per-node", "2")}
+    assert len(ep) == 1 and "has no experts to split" in next(iter(ep)), ep
+    # cp with the router aux loss: the library, `tptrain plan`, `tptrain train`
+    moe = model_dir(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=64, output_router_logits=True)
+    aux = {library(moe, 2, cp_size=2, tp_size=1), cli("plan", capsys, str(moe), "--tp-size", "1", "--cp-size", "2"),
+           cli("train", capsys, "--model", str(moe), "--tp-size", "1", "--cp-size", "2", "--nproc-per-node", "2")}
+    assert len(aux) == 1 and "cannot run with cp_size=2: cp_size with output_router_logits=True" in next(iter(aux)), aux
+    # what only a training run brings: the Trainer and `tptrain train`
+    v = {trainer(dense, 4, pp=2, schedule="ZBVZeroBubble", per_device_train_batch_size=4, microbatches=4),
+         cli("train", capsys, "--tp-size", "1", "--pp-size", "2", "--pp-schedule", "ZBVZeroBubble", "--pp-microbatches",
+             "4", "--batch-size", "4", "--nproc-per-node", "4")}
+    assert len(v) == 1 and "'ZBVZeroBubble' puts the first and the last stage on one rank" in next(iter(v)), v
+    oib = {trainer(dense, 2, pp=2, schedule="1F1B", per_device_train_batch_size=2, optim_in_backward=True,
+                   max_grad_norm=0.0),
+           cli("train", capsys, "--tp-size", "1", "--pp-size", "2", "--nproc-per-node", "2", "--optim-in-backward",
+               "--max-grad-norm", "0")}
+    assert len(oib) == 1 and next(iter(oib)).startswith("optim_in_backward with pp_size > 1"), oib
