@@ -148,7 +148,7 @@ def test_the_model_base_class_imports_no_axis():
     (tptrain/parallel/parallelize.py), so the base class imports no axis's module."""
     modules = _modules()
     parallel = {dep for dep in _imports(modules["tptrain.modeling"], modules) if dep.startswith("tptrain.parallel")}
-    axes = {"tptrain.parallel.tensor_parallel", "tptrain.parallel.context_parallel", "tptrain.parallel.pipeline_parallel",
-            "tptrain.parallel.pipeline_checkpoint", "tptrain.parallel.sequence_parallel", "tptrain.parallel.data_parallel",
-            "tptrain.parallel.expert_parallel"}
+    axes = {f"tptrain.parallel.{name}" for name in ("tensor_parallel", "context_parallel", "pipeline_parallel",
+                                                    "pipeline_checkpoint", "sequence_parallel", "data_parallel",
+                                                    "expert_parallel")}
     assert "tptrain.parallel.parallelize" in parallel and not parallel & axes, sorted(parallel)

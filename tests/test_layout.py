@@ -151,7 +151,8 @@ def test_each_refusal_is_one_message_from_every_entry_point(tmp_path, monkeypatc
     model_dir, library, trainer, cli = _entry_points(tmp_path, monkeypatch)
     dense = model_dir()
     # more stages than layers: the library, `tptrain plan`, `tptrain train`
-    stages = {library(dense, 8, pp_size=8, tp_size=1), cli("plan", capsys, str(dense), "--tp-size", "1", "--pp-size", "8"),
+    stages = {library(dense, 8, pp_size=8, tp_size=1),
+              cli("plan", capsys, str(dense), "--tp-size", "1", "--pp-size", "8"),
               cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--pp-size", "8", "--nproc-per-node", "8")}
     assert len(stages) == 1 and next(iter(stages)).startswith("8 pipeline stages for a model of 4 decoder layers"), stages
     # sequence parallelism under pp: the library and `tptrain plan` (`tptrain train` has no SP flag)

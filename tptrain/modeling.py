@@ -164,7 +164,8 @@ class PreTrainedModel(nn.Module):
             model._load(reader, device, dtype, rank=ctx.rank, ep_rank=ctx.ep_rank)
 
         options = axes.ParallelOptions(plan=resolved, pp_schedule=distributed_config.pp_schedule,
-                                       pp_layers=distributed_config.pp_layers, load=load if reader is not None else None)
+                                       pp_layers=distributed_config.pp_layers,
+                                       load=load if reader is not None else None)
         axes.parallelize(self, mesh, options, device=device)
         return self
 

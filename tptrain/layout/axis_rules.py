@@ -21,7 +21,8 @@ def _schedule(c: Case) -> str:
       reason="the stages exchange whole hidden states over the pp axis alone", fix="drop it")
 def _pp_sp(c: Case, r: Rule) -> str | None:
     if c.dims.pp > 1 and c.features.sequence_parallel:
-        return f"DistributedConfig(pp_size={c.dims.pp}) does not compose with enable_sequence_parallel yet ({r.reason}); {r.fix}"
+        return (f"DistributedConfig(pp_size={c.dims.pp}) does not compose with enable_sequence_parallel yet "
+                f"({r.reason}); {r.fix}")
 
 
 @rule(ROWS, "pp_cp", between=("pp", "cp"), when="pp_size > 1 with cp_size > 1",
@@ -73,7 +74,8 @@ def _pp_stages(c: Case, r: Rule) -> str | None:
       when="pp_layers that are not the stages' consecutive layers, each once",
       reason="each stage holds consecutive layers, in order", fix="list every stage's layers, 0..L-1 once each")
 def _pp_layers(c: Case, r: Rule) -> str | None:
-    n_stages, layers, given = c.dims.pp * schedules.stages_per_rank(_schedule(c)), c.facts.num_layers, c.features.pp_layers
+    n_stages = c.dims.pp * schedules.stages_per_rank(_schedule(c))
+    layers, given = c.facts.num_layers, c.features.pp_layers
     if c.dims.pp > 1 and not schedules.valid_layers(given, layers, n_stages):
         given = [list(stage) for stage in given]
         return (f"pp_layers={given} must list {n_stages} stages of consecutive decoder layers covering 0..{layers - 1} "
@@ -147,7 +149,8 @@ def _sp_experts(c: Case, r: Rule) -> str | None:
     refusing = c.facts.sp_refusing
     if c.features.sequence_parallel and c.dims.tp > 1 and refusing:
         return (f"cannot shard {c.facts.name} over tp_size={c.dims.tp}: {', '.join(refusing)} "
-                f"{'does' if len(refusing) == 1 else 'do'} not work under sequence parallelism yet ({r.reason}); {r.fix}")
+                f"{'does' if len(refusing) == 1 else 'do'} not work under sequence parallelism yet ({r.reason}); "
+                f"{r.fix}")
 
 
 @rule(ROWS, "ep_dense", between=("ep", "dense_model"), needs=("dims", "facts.experts"),
@@ -168,7 +171,8 @@ def _expert_parallel_dense(c: Case, r: Rule) -> str | None:
                 f"{r.reason}; {r.fix}")
 
 
-@rule(ROWS, "v_tied_dp", between=("pp", "dp", "tied_embeddings"), needs=("dims", "facts.tied", "features.data_parallel"),
+@rule(ROWS, "v_tied_dp", between=("pp", "dp", "tied_embeddings"),
+      needs=("dims", "facts.tied", "features.data_parallel"),
       when="a V schedule (ZBVZeroBubble, DualPipeV) with tied embeddings and data parallelism",
       reason="the first and the last stage are on one rank, where the tied embedding and head are one parameter of "
              "two stage modules, which FSDP2 cannot wrap twice",

@@ -47,7 +47,8 @@ def check(name: str, case: Case) -> None:
         raise ValueError(message)
 
 
-def resolve(world: int, *, features: Features | None = None, spelling: Spelling = LIBRARY, **sizes: Any) -> ParallelDims:
+def resolve(world: int, *, features: Features | None = None, spelling: Spelling = LIBRARY,
+            **sizes: Any) -> ParallelDims:
     """The sizes (tp_size=, cp_size=, ep_size=, dp_replicate_size=, dp_shard_size=, pp_size=; None: tp and dp_shard
     take what `world` leaves over) resolved against `world`, after the rows of the table that read the sizes as
     given (and `features`, what else is asked: e.g. enable_expert_parallel); a ValueError naming the sizes as

@@ -68,7 +68,8 @@ def _pp_divides(c: Case, r: Rule) -> str | None:
         return None
     if c.spelling.cli:
         return (f"{c.spelling.processes} is not a multiple of --pp-size {pp} (each of the {pp} pipeline stages gets "
-                f"1/{pp} of the processes); launch a multiple of {pp} processes or pick a --pp-size that divides {world}")
+                f"1/{pp} of the processes); launch a multiple of {pp} processes or pick a --pp-size that divides "
+                f"{world}")
     return (f"{_described(c)}: pp_size={pp} must divide the world size {world} (each of the {pp} pipeline stages "
             f"gets world_size / pp_size ranks); launch a multiple of {pp} processes or pick a pp_size that divides "
             f"{world}")
@@ -130,8 +131,8 @@ def _ep_twice(c: Case, r: Rule) -> str | None:
 
 
 @rule(ROWS, "ep_divides", needs=("asked", "world"), when="ep_size does not divide dp_shard (x cp)",
-      reason="the experts' owners are the ranks ep is folded over", fix="launch a multiple of ep x tp x dp_replicate "
-                                                                        "processes, or an ep_size that divides dp_shard")
+      reason="the experts' owners are the ranks ep is folded over",
+      fix="launch a multiple of ep x tp x dp_replicate processes, or an ep_size that divides dp_shard")
 def _ep_divides(c: Case, r: Rule) -> str | None:
     dims, ep = c.asked.solve(c.world), c.asked.ep_size or 1
     if dims.ep_pool % ep == 0:

@@ -69,8 +69,9 @@ class Parallelized:
 def cut_pipeline(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
     """Keep only this rank's stages of the (meta) model; the plan restricted to them."""
     if options.plan is not None and "pp" in mesh.mesh_dim_names:
-        done.plan = pipeline_parallel.cut_for_rank(model, options.plan, pp=mesh["pp"].size(), schedule=options.pp_schedule,
-                                                   pp_rank=mesh["pp"].get_local_rank(), layers=options.pp_layers)
+        pp = mesh["pp"]
+        done.plan = pipeline_parallel.cut_for_rank(model, options.plan, pp=pp.size(), pp_rank=pp.get_local_rank(),
+                                                   schedule=options.pp_schedule, layers=options.pp_layers)
 
 
 def tensor_parallel(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
@@ -115,8 +116,9 @@ def pipeline_schedule(model: nn.Module, mesh, options: ParallelOptions, device, 
     """Torch's stages and schedule over this rank's stage modules (views of the model as it is now: after AC and
     compile, before FSDP2, which wraps each stage module)."""
     if options.train and getattr(model, "pp_plan", None) is not None:
-        done.pipeline = pipeline_parallel.Pipeline(model, mesh, n_microbatches=options.pp_microbatches or model.pp_plan.pp,
-                                                   device=device, on_forward=options.on_forward)
+        n_microbatches = options.pp_microbatches or model.pp_plan.pp
+        done.pipeline = pipeline_parallel.Pipeline(model, mesh, n_microbatches=n_microbatches, device=device,
+                                                   on_forward=options.on_forward)
 
 
 def data_parallel(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
