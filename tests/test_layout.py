@@ -73,7 +73,7 @@ def test_the_table_decides_each_composition_once():
         validate(Case(dims=v.dims, facts=FACTS, features=Features(pp_schedule="ZBVZeroBubble", data_parallel=True)))
     with pytest.raises(ValueError, match=r"8 pipeline stages for a model of 4 decoder layers"):
         validate(Case(dims=ParallelDims(1, 1, 1, pp=4), facts=FACTS, features=Features(pp_schedule="ZBVZeroBubble")))
-    with pytest.raises(ValueError, match=r"ep_size=2, but Qwen3ForCausalLM \('qwen3'\) has no experts to split"):
+    with pytest.raises(ValueError, match=r"ep_size=2 \(--ep-size\), but Qwen3ForCausalLM \('qwen3'\) has no experts"):
         validate(Case(dims=ParallelDims(1, 2, 1, ep=2), facts=FACTS))
     seq = Case(dims=ParallelDims(1, 1, 1, cp=2), features=Features(seq_len=30), spelling=Spelling(seq_len="--seq-len"))
     with pytest.raises(ValueError, match=r"--seq-len is 30, not a multiple of 4"):

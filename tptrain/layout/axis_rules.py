@@ -155,20 +155,20 @@ def _sp_experts(c: Case, r: Rule) -> str | None:
 
 @rule(ROWS, "ep_dense", between=("ep", "dense_model"), needs=("dims", "facts.experts"),
       when="ep_size > 1 on a model without experts", reason="expert parallelism is for mixture-of-experts models",
-      fix="drop ep_size")
+      fix="drop ep_size (--ep-size)")
 def _ep_dense(c: Case, r: Rule) -> str | None:
     if c.dims.ep > 1 and c.facts.experts == 0:
-        return (f"ep_size={c.dims.ep}, but {c.facts.name} ({c.facts.model_type!r}) has no experts to split: "
-                f"{r.reason}; {r.fix}")
+        return (f"ep_size={c.dims.ep} (--ep-size), but {c.facts.name} ({c.facts.model_type!r}) has no experts to "
+                f"split: {r.reason}; {r.fix}")
 
 
 @rule(ROWS, "expert_parallel_dense", between=("ep_tp", "dense_model"), needs=("facts",),
       when="enable_expert_parallel on a model whose config has no base_model_ep_plan",
-      reason="expert parallelism is for mixture-of-experts models", fix="drop enable_expert_parallel")
+      reason="expert parallelism is for mixture-of-experts models", fix="drop enable_expert_parallel (--expert-parallel)")
 def _expert_parallel_dense(c: Case, r: Rule) -> str | None:
     if c.features.expert_parallel and not c.facts.ep_plan:
-        return (f"enable_expert_parallel=True, but {c.facts.name} ({c.facts.model_type!r}) has no experts to split: "
-                f"{r.reason}; {r.fix}")
+        return (f"enable_expert_parallel=True (--expert-parallel), but {c.facts.name} ({c.facts.model_type!r}) has "
+                f"no experts to split: {r.reason}; {r.fix}")
 
 
 @rule(ROWS, "v_tied_dp", between=("pp", "dp", "tied_embeddings"),
