@@ -7,8 +7,8 @@ As torchtitan's ParallelDims: the axes are pp (outermost, in the mesh only when 
 (innermost, so a TP group is a block of consecutive ranks: one node's GPUs under torchrun). Unused axes have size 1.
 Expert parallelism has no ranks of its own: ep is folded over the ranks of dp_shard x cp (`ep_pool`, torchtitan's
 and Megatron's MoE folding: the attention side's data- and context-parallel ranks hold different experts). Today the
-rule table refuses cp with ep, so the pool is dp_shard alone; allowing cp x ep is a change of that rule and of
-`mesh_shape` (the ep group then spans cp ranks), nothing else.
+rule table refuses cp with ep, so the pool is dp_shard alone; allowing cp x ep is a change of that rule (`cp_ep`) and
+of the mesh (`mesh_shape` and topology's flattening: the ep group then spans cp ranks), nothing else.
 
 Pure: imports no torch (the CLI resolves the sizes before it imports anything heavy).
 """
