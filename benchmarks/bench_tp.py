@@ -166,7 +166,7 @@ def _load(impl: str, ckpt: str, tp: int, sp: bool, *, experts: bool = False):
     """`experts`: the peer splits the experts with its expert plan (the MoE workload)."""
     import torch
     if impl == "tptrain+compile":
-        from tptrain.training.parallelize import apply_compile
+        from tptrain.parallel.data_parallel import apply_compile
         model = _load("tptrain", ckpt, tp, sp)
         apply_compile(model, backend="inductor")
         return model

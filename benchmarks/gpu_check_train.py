@@ -13,7 +13,8 @@ import torch
 from tptrain import DistributedConfig
 from tptrain.distributed import comm
 from tptrain.models import AutoModelForCausalLM
-from tptrain.training.parallelize import apply_compile, compile_error
+from tptrain.parallel.data_parallel import apply_compile
+from tptrain.training.parallelize import compile_error
 
 
 def _tptrain(run, *, parallel: bool):

@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
 # Lowest first. The package root (`tptrain/__init__.py`: the public API) and the CLI sit on top.
 LAYERS = [
     ("tptrain.losses", "tptrain.distributed", "tptrain.backends", "tptrain.dtypes", "tptrain.checks",
-     "tptrain.meta_init"),
+     "tptrain.meta_init",
+     "tptrain.layout"),
     ("tptrain.io",),
     ("tptrain.text",),  # tokenizers and chat templates: reads files through io, below training and generation
     ("tptrain.parallel",),
@@ -159,3 +160,14 @@ def test_the_lazy_import_checker_sees_module_level_imports(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from tptrain.hf import model\n\ndef f():\n    from tptrain.training import trainer\n")
     assert _module_level_imports(probe, _modules()) == {"tptrain.hf.model"}
+
+
+def test_the_model_base_class_imports_no_axis():
+    """modeling.py loads and saves; every axis is applied from outside the model by the one parallelize
+    (tptrain/parallel/parallelize.py), so the base class imports no axis's module."""
+    modules = _modules()
+    parallel = {dep for dep in _imports(modules["tptrain.modeling"], modules) if dep.startswith("tptrain.parallel")}
+    axes = {f"tptrain.parallel.{name}" for name in ("tensor_parallel", "context_parallel", "pipeline_parallel",
+                                                    "pipeline_checkpoint", "sequence_parallel", "data_parallel",
+                                                    "expert_parallel")}
+    assert "tptrain.parallel.parallelize" in parallel and not parallel & axes, sorted(parallel)

@@ -1,8 +1,9 @@
-"""PreTrainedModel: the Hugging Face-style entry points of every model.
+"""PreTrainedModel: the Hugging Face-style entry points of every model: loading and saving.
 
-`from_pretrained` builds the model on the meta device, applies the tensor-parallel plan, then fills
-each parameter with only this rank's slice, read straight from the safetensors files.
-`save_pretrained` gathers the shards and writes one consolidated HF checkpoint, once, atomically.
+`from_pretrained` builds the model on the meta device, lays it out with the one parallelize (tptrain/parallel/
+parallelize.py: every axis, applied from outside the model), which fills each parameter with only this rank's slice,
+read straight from the safetensors files. `save_pretrained` gathers the shards and writes one consolidated HF
+checkpoint, once, atomically. This module applies no axis itself.
 """
 from __future__ import annotations
 
@@ -22,14 +23,13 @@ from torch.distributed.tensor import DTensor
 from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
                                 writable_error)
 from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
-from tptrain.distributed import DistributedConfig, comm, init_distributed, raise_on_any_rank
+from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
+from tptrain.parallel import parallelize as axes
 from tptrain.dtypes import resolve_dtype
 from tptrain.meta_init import build_on
-from tptrain.parallel.styles import ShardSpec
-from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel, raise_context_problems
-from tptrain.parallel import pipeline_checkpoint, pipeline_parallel
 from tptrain.parallel.plan import ResolvedPlan
-from tptrain.parallel.tensor_parallel import apply_tensor_parallel, check_plan, gather_full, read_shard
+from tptrain.parallel.shards import gather_full, read_shard
+from tptrain.parallel.styles import ShardSpec
 
 
 class PreTrainedModel(nn.Module):
@@ -78,15 +78,8 @@ class PreTrainedModel(nn.Module):
         The model is returned in eval mode (dropout off), as transformers returns it; the Trainer switches it to
         train mode for each step, and a hand-written loop calls `model.train()`.
         """
-        if device_map is not None and distributed_config is not None and distributed_config.pp_size > 1:
-            raise ValueError(f"device_map cannot be combined with DistributedConfig(pp_size="
-                             f"{distributed_config.pp_size}): pipeline parallelism places each stage on its own rank "
-                             f"(device from LOCAL_RANK); drop device_map")
-        if device_map is not None and distributed_config is not None:
-            split = "context" if (distributed_config.cp_size or 1) > 1 else "tensor"
-            raise ValueError(f"device_map cannot be combined with distributed_config: under {split} parallelism each "
-                             f"rank's device comes from LOCAL_RANK and every rank holds every layer (or a slice of "
-                             f"it). Drop device_map (or drop distributed_config for a single-device load).")
+        if device_map is not None and distributed_config is not None:  # the rule table refuses it, before the sizes
+            distributed_config.parallel_dims(device_map=True)
         if tp_plan is not None or tp_size is not None:
             if distributed_config is not None:
                 raise ValueError("pass tp_plan/tp_size inside distributed_config, not next to it")
@@ -125,7 +118,8 @@ class PreTrainedModel(nn.Module):
 
     def parallelize(self, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
-        """Shard this model over the TP axis of `distributed_config`'s mesh.
+        """Lay this model out as `distributed_config` says (the one parallelize's structural steps: the pipeline cut,
+        TP (+SP, +EP), CP).
 
         On a meta model, `reader` (a CheckpointReader that `from_pretrained` checked against this model)
         fills each rank's slice; a materialised model is sliced in memory (how tests compare against the
@@ -137,45 +131,20 @@ class PreTrainedModel(nn.Module):
     def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
-        if distributed_config.pp_size > 1:  # keep only this rank's stage(s): only their tensors are read below
-            resolved = pipeline_parallel.cut_for_rank(self, resolved, distributed_config, mesh["pp"].get_local_rank())
-        ep_group = mesh["ep"].get_group() if resolved.ep_size > 1 else None
-        layout = apply_tensor_parallel(self, resolved, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
-        self.tp_size, self.tp_plan, self.device_mesh, self.tp_layout = resolved.tp_size, layout.plan, mesh, layout
-        self.cp_context = apply_context_parallel(self, mesh)  # after TP: it wraps the loss functions TP installed
-        if reader is not None:
-            self._load(reader, device, dtype, rank=layout.ctx.rank, ep_rank=layout.ctx.ep_rank)
-        elif any(p.device != device for p in self.parameters()):
-            self.to(device)
-        layout.grad_sync.attach(self)
+
+        def load(model: "PreTrainedModel") -> None:  # once laid out: only this rank's stages and slices are read
+            ctx = model.tp_layout.ctx
+            model._load(reader, device, dtype, rank=ctx.rank, ep_rank=ctx.ep_rank)
+
+        options = axes.ParallelOptions(plan=resolved, pp_schedule=distributed_config.pp_schedule,
+                                       pp_layers=distributed_config.pp_layers,
+                                       load=load if reader is not None else None)
+        axes.parallelize(self, mesh, options, device=device)
         return self
 
-    def adopt_mesh(self, mesh) -> None:
-        """Make `mesh` (same tp size, TP innermost) this model's mesh: its TP group holds the same ranks as the
-        one the model was sharded over, so only the mesh and the group's name change (and the ep group's, whose
-        size `training_mesh` keeps)."""
-        old, new = self.device_mesh["tp"].get_group(), mesh["tp"].get_group()
-        assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
-        self.device_mesh = mesh
-        self.tp_layout.ctx.group_name = comm.group_name(new)
-        if self.tp_layout.ctx.ep_size > 1:
-            ep = mesh["ep"].get_group()
-            old_ep = comm.resolve_group(self.tp_layout.ctx.ep_group_name)
-            assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
-            self.tp_layout.ctx.ep_group_name = comm.group_name(ep)
-        adopt_cp_mesh(self, mesh)
-
     def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
-        """The plan resolved at this TP degree; every problem raised (no process group needed)."""
-        sizes = distributed_config.sizes()
-        resolved = check_plan(self, distributed_config.tp_plan, sizes["tp"],
-                              sequence_parallel=distributed_config.enable_sequence_parallel,
-                              expert_parallel=distributed_config.enable_expert_parallel, ep_size=sizes.get("ep", 1))
-        resolved.raise_problems(self)
-        raise_context_problems(self, sizes.get("cp", 1))
-        if distributed_config.pp_size > 1:  # the stages checked on the whole model, before any collective
-            pipeline_parallel.check(self, resolved, distributed_config)
-        return resolved
+        """The plan resolved at this layout, after the rule table; every refusal raised (no process group needed)."""
+        return axes.check(self, distributed_config)
 
     def checkpoint_keys(self) -> dict[str, Any]:
         """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor, or a converted
@@ -256,9 +225,8 @@ class PreTrainedModel(nn.Module):
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-        if getattr(self, "pp_plan", None) is not None:  # each stage writes its own files, rank 0 the index
-            pipeline_checkpoint.save_stages(self, sizes, checkpoint_tensors, save_directory,
-                                            max_shard_size=max_shard_size, extra_files={"config.json": config_json})
+        if axes.save_stages(self, sizes, checkpoint_tensors, save_directory, max_shard_size=max_shard_size,
+                            extra_files={"config.json": config_json}):  # cut into stages: each writes its own files
             return
         save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,

@@ -11,8 +11,10 @@
     tptrain prepare-data --model ./ckpt --data corpus.txt     # tokenize into the token cache before training
     tptrain --version
 
-`plan` exits 0 when the layout works, 2 when it is impossible (the report lists every problem), 1
-when the config cannot be read; `plan --train` (cli/plan_train.py) exits 0 when a layout fits, 2 when none does. `train` lives in tptrain/cli/train.py and is imported only when it
+`plan` exits 0 when the layout works, 2 when the plan is impossible (the report lists every problem), 1
+when the config cannot be read or the rule table (tptrain/layout) refuses the layout, with the message
+`from_pretrained` gives; `plan --train` (cli/plan_train.py) exits 0 when a layout fits, 2 when none does.
+`train` lives in tptrain/cli/train.py and is imported only when it
 is the command, so `plan` works without the training stack.
 """
 from __future__ import annotations

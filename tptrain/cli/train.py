@@ -72,10 +72,19 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
 
 
 def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
-    """The flags' sizes, against each other (nothing read, nothing imported)."""
-    for flag, value in (("--tp-size", args.tp_size), ("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
-                        ("--preemption-grace", args.preemption_grace), ("--ep-size", args.ep_size or 1),
-                        ("--cp-size", args.cp_size), ("--pp-size", args.pp_size)):
+    """The flags' sizes, against each other and the world size: the rule table's size rows, which import nothing
+    heavy (tptrain/layout), as every rank resolves them."""
+    from tptrain.layout import Asked, Case, Features, Spelling, check, resolve
+
+    sizes = dict(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size, pp_size=args.pp_size)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items() if k == "tp_size" or (v or 1) > 1)
+    world = nproc * args.nnodes
+    processes = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
+                                               else "")
+    spelling = Spelling(cli=True, described=flags, processes=processes)
+    check("positive", Case(asked=Asked(**sizes), spelling=spelling))  # before --nproc-per-node, which they make
+    for flag, value in (("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
+                        ("--preemption-grace", args.preemption_grace)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
@@ -85,16 +94,8 @@ def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     if args.nnodes > 1 and not args.rdzv_endpoint and "RANK" not in os.environ:
         raise ValueError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node "
                          "(HOST: a machine every node can reach, e.g. node 0)")
-    world = nproc * args.nnodes
-    if world % (args.tp_size * args.cp_size):
-        procs = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
-                                               else "")
-        sizes = f"--tp-size {args.tp_size}" + (f" x --cp-size {args.cp_size}" if args.cp_size > 1 else "")
-        unit = args.tp_size * args.cp_size
-        raise ValueError(f"{procs} is not a multiple of {sizes}; each tensor-parallel group needs --tp-size "
-                         f"processes{', each context-parallel group --cp-size of them' * (args.cp_size > 1)} (use "
-                         f"{unit} or a multiple)")
-
+    resolve(world, features=Features(expert_parallel=args.expert_parallel, pp_schedule=args.pp_schedule),
+            spelling=spelling, **sizes)
 
 
 def _check_model_type(model: str) -> Path:
@@ -114,20 +115,18 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     """Everything else that needs no process group, in a second or two: the model's config and plan, --seq-len,
     the flags, the data file, the output directory. Raises the first problem found."""
     from tptrain.io import writable_error
-    from tptrain.models import AutoConfig
+    from tptrain.models import AutoConfig, AutoModelForCausalLM
     from tptrain.training.args import check_seq_len
+    from tptrain.training.setup import check_run
     from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
     from tptrain.cli import finetune as finetune_cli
 
     config = AutoConfig.from_pretrained(model_dir)
-    described = f"--tp-size {args.tp_size} --ep-size {args.ep_size}" if args.ep_size else None
-    _distributed_config(args).parallel_dims(nproc * args.nnodes, described=described)
-    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
-    _check_cp(config, args.cp_size, args.model, args.seq_len)
-    check_seq_len(args.seq_len, config, what="--seq-len")
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
-    if args.pp_size > 1:  # the stages and the microbatches, as every rank checks them
-        _check_pipeline(args, config, training_args, nproc)
+    meta = AutoModelForCausalLM.from_config(config, device="meta")  # the rule table, as the workers will check it
+    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name="--seq-len")
+    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
+    check_seq_len(args.seq_len, config, what="--seq-len")
     if args.compile:
         from tptrain.distributed import local_device
         from tptrain.training.parallelize import compile_error
@@ -151,33 +150,6 @@ def _distributed_config(args: argparse.Namespace):
     from tptrain.distributed import DistributedConfig
     return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size,
                              cp_size=args.cp_size, pp_size=args.pp_size, pp_schedule=args.pp_schedule)
-
-
-def _check_cp(config, cp_size: int, model: str, seq_len: int) -> None:
-    """What keeps the model from splitting its sequences (the attention tptrain cannot split, a router loss), and
-    a --seq-len that does not split into 2 x --cp-size chunks."""
-    if cp_size == 1:
-        return
-    from tptrain.models import AutoModelForCausalLM
-    from tptrain.parallel.context_parallel import check_sequence_length, problems
-
-    check_sequence_length(seq_len, cp_size, what="--seq-len")
-    found = problems(AutoModelForCausalLM.from_config(config, device="meta"))
-    if found:
-        raise ValueError(f"--cp-size {cp_size} cannot split the sequences of {model}: {found[0]}")
-
-
-def _check_pipeline(args: argparse.Namespace, config, training_args, nproc: int) -> None:
-    from tptrain.models import AutoModelForCausalLM
-    from tptrain.parallel.pipeline_parallel import plan_pipeline
-    from tptrain.training.parallelize import check_tied_stages
-    from tptrain.training.setup import check_pipeline
-
-    meta = AutoModelForCausalLM.from_config(config, device="meta")
-    meta.pp_plan = plan_pipeline(meta, pp=args.pp_size, pp_rank=0, schedule=args.pp_schedule)
-    dims = training_args.parallelism_config.parallel_dims(nproc * args.nnodes)
-    check_pipeline(training_args, dims)
-    check_tied_stages(meta, dims)
 
 
 def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
@@ -224,13 +196,11 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
 
 
 def _parallelism_config(args: argparse.Namespace):
-    """None (the model's tp_size, the other ranks FSDP2) unless the model is cut into pipeline stages (then, too,
-    the ranks past pp x tp are FSDP2 data-parallel over each stage)."""
+    """The Trainer's view of the flags' layout (the model's, `_distributed_config`, plus the microbatches): the ranks
+    past tp x cp x pp are FSDP2 data-parallel (over each stage under pp)."""
     from tptrain.training.args import ParallelismConfig
 
-    if args.pp_size == 1:
-        return None
-    return ParallelismConfig(tp_size=args.tp_size, pp_size=args.pp_size,
+    return ParallelismConfig(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size, pp_size=args.pp_size,
                              pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches)
 
 

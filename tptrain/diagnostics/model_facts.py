@@ -20,7 +20,6 @@ from torch import nn
 
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel import contract
-from tptrain.parallel.context_parallel import problems as context_problems
 from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.styles import ShardSpec
 
@@ -116,10 +115,6 @@ class ModelFacts:
         """The model's plan checked at (tp, ep): the specs and every problem (`check_plan`, as from_pretrained)."""
         return check_plan(self.model, "auto", tp, sequence_parallel=sp, expert_parallel=expert_parallel,
                           ep_size=ep)
-
-    @functools.lru_cache(maxsize=None)
-    def context_problems(self) -> tuple[str, ...]:
-        return tuple(context_problems(self.model))
 
     @functools.lru_cache(maxsize=None)
     def params(self, tp: int, ep: int, sp: bool = False, expert_parallel: bool = False) -> tuple[ParamShape, ...]:

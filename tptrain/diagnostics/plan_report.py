@@ -1,7 +1,7 @@
 """The layout a tensor-parallel degree gives a model, as text: what `tptrain plan` prints.
 
-A dry run: the model is built on the meta device from its config and the plan resolved with the same
-`check_plan` that `from_pretrained` runs on every rank, so no process group and no weights are needed.
+A dry run: the model is built on the meta device from its config, checked by the same rule table and `check_plan`
+that `from_pretrained` runs on every rank (`parallelize.check`), so no process group and no weights are needed.
 
     report = plan_report(AutoConfig.from_pretrained("Qwen/Qwen3-0.6B"), tp_size=4)
     print(report.text); sys.exit(2 if report.problems else 0)
@@ -15,13 +15,13 @@ from typing import Any, Mapping
 
 import torch
 
-from tptrain.checks import check_positive_int
+from tptrain.distributed import DistributedConfig
 from tptrain.dtypes import dtype_name, resolve_dtype
 from tptrain.models import AutoModelForCausalLM
-from tptrain.parallel.expert_parallel import all_to_all_wins
 from tptrain.parallel import contract, pipeline_parallel
-from tptrain.parallel.context_parallel import problems as context_problems
-from tptrain.parallel.plan import check_plan, kv_replicas, working_tp_sizes
+from tptrain.parallel import parallelize as axes
+from tptrain.parallel.expert_parallel import all_to_all_wins
+from tptrain.parallel.plan import kv_replicas, working_tp_sizes
 from tptrain.parallel.styles import ShardSpec
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -43,15 +43,18 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
                 dtype: torch.dtype | str | None = None, cp_size: int = 1, pp_size: int = 1,
                 pp_schedule: str = "1F1B") -> PlanReport:
     """Resolve `tp_plan` for `config` at `tp_size` (and the experts over an ep axis of `ep_size`) and describe
-    every module's shards; with `cp_size`, what context parallelism splits and what keeps it from the model; with
-    `pp_size` > 1, the pipeline stages of each pp rank, their layers and bytes."""
-    for name, size in (("tp_size", tp_size), ("ep_size", ep_size), ("cp_size", cp_size), ("pp_size", pp_size)):
-        check_positive_int(size, name)
+    every module's shards; with `cp_size`, what context parallelism splits; with `pp_size` > 1, the pipeline stages
+    of each pp rank, their layers and bytes. What the rule table refuses (tptrain/layout: the sizes, what composes
+    with what and with this model) is a ValueError, as `from_pretrained` raises it; the plan's problems are listed."""
+    layout = DistributedConfig(tp_size=tp_size, tp_plan=tp_plan, enable_sequence_parallel=sequence_parallel,
+                               enable_expert_parallel=expert_parallel, ep_size=ep_size, cp_size=cp_size, pp_size=pp_size,
+                               pp_schedule=pp_schedule)
+    sizes = (tp_size, ep_size, cp_size, pp_size)
+    world = math.prod(sizes) if all(isinstance(s, int) and s > 0 for s in sizes) else 1  # the least: dp_shard = ep
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
-    resolved = check_plan(model, tp_plan, tp_size, sequence_parallel=sequence_parallel,
-                          expert_parallel=expert_parallel, ep_size=ep_size)
-    problems = resolved.problems + (context_problems(model) if cp_size > 1 else [])
+    resolved = axes.check(model, layout, world_size=world, plan_problems=False)
+    problems = resolved.problems
     rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize, ep_size)
     name = type(getattr(model, "hf_model", model)).__name__
     lines = [f"tptrain plan: {name} (model_type {config.model_type!r}), tp_size={tp_size}, "

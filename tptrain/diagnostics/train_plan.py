@@ -6,8 +6,8 @@ ranked; the fastest one that fits, and why.
                          profile=device_profile("h100"))
     plan.layouts[plan.best].layout                # Layout(tp=2, dp_shard=4)
 
-`valid_layouts` is the one place that decides which layouts exist (today's checks: DistributedConfig's sizes, the
-model's plan at each tp / ep, context and pipeline parallelism's own checks); nothing else filters.
+`valid_layouts` is the one place that decides which layouts exist: the one rule table (tptrain/layout) and the
+model's plan at each tp / ep, through `layout_problem`; nothing else filters.
 """
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ from tptrain.diagnostics.activations import precision
 from tptrain.diagnostics.model_facts import ModelFacts
 from tptrain.diagnostics.step_time import StepTime, step_time
 from tptrain.distributed import DistributedConfig
-from tptrain.parallel import pipeline_parallel
-from tptrain.parallel.context_parallel import check_sequence_length as check_cp_length
-from tptrain.parallel.sequence_parallel import check_sequence_length as check_sp_length
+from tptrain.layout.case import Spelling
+from tptrain.parallel import parallelize as axes
 
 
 def _divisors(n: int) -> list[int]:
@@ -45,43 +44,21 @@ def candidate_layouts(world: int, *, moe: bool) -> list[Layout]:
 
 
 def layout_problem(facts: ModelFacts, layout: Layout, settings: TrainSettings) -> str | None:
-    """Why the rules refuse `layout` for this model and run (None: they allow it). Today's checks, in the order
-    `from_pretrained` and the Trainer run them; the one place the planner asks (the layout rule table, when it
-    lands, replaces the DistributedConfig and pipeline checks here)."""
+    """Why the one rule table (tptrain/layout, as `from_pretrained`, the Trainer and `tptrain train` check it) or the
+    model's plan refuses `layout` for this model and run (None: it is allowed): the one place the planner asks."""
     config = DistributedConfig(tp_size=layout.tp, cp_size=layout.cp, pp_size=layout.pp,
                                ep_size=layout.ep if layout.ep > 1 else None, dp_replicate_size=layout.dp_replicate,
                                dp_shard_size=layout.dp_shard, enable_sequence_parallel=settings.sequence_parallel,
                                enable_expert_parallel=settings.expert_parallel, pp_schedule=settings.pp_schedule)
+    training = dict(data_parallel=layout.dp > 1, batch_size=settings.batch_size, seq_len=settings.seq_len,
+                    optim_in_backward=settings.optim_in_backward,
+                    pp_microbatches=settings.microbatches(layout.pp) if layout.pp > 1 else None)
     try:
-        config.parallel_dims(layout.world, described=layout.spell())
-        resolved = facts.resolved(layout.tp, layout.ep, settings.sequence_parallel, settings.expert_parallel)
-        if resolved.problems:
-            return resolved.problems[0]
-        if layout.cp > 1:
-            if facts.context_problems():
-                return facts.context_problems()[0]
-            check_cp_length(settings.seq_len, layout.cp, what="--seq-len")
-        if settings.sequence_parallel:
-            check_sp_length(facts.model, settings.seq_len // layout.cp, layout.tp)
-        if layout.pp > 1:
-            _pipeline_problem(facts, layout, settings, resolved, config)
+        resolved = axes.check(facts.model, config, world_size=layout.world, training=training, plan_problems=False,
+                              spelling=Spelling(described=layout.spell(), seq_len="--seq-len"))
     except ValueError as exc:
         return str(exc)
-    return None
-
-
-def _pipeline_problem(facts: ModelFacts, layout: Layout, settings: TrainSettings, resolved, config) -> None:
-    """The pipeline's own checks (pipeline_parallel.check, its microbatches), what the Trainer refuses with it
-    (optim_in_backward), and a V schedule's tied embedding under data parallelism (training/parallelize.py's
-    `check_tied_stages`, which needs a loaded model)."""
-    pipeline_parallel.check(facts.model, resolved, config)
-    schedule = pipeline_parallel.schedule_name(settings.pp_schedule)
-    pipeline_parallel.check_microbatches(schedule, layout.pp, settings.microbatches(layout.pp), settings.batch_size)
-    if settings.optim_in_backward:
-        raise ValueError("optim_in_backward with pp_size > 1: the pipeline's backward runs in pieces")
-    if facts.tied and schedule in pipeline_parallel.V_SCHEDULES and layout.dp > 1:
-        raise ValueError(f"pp_schedule={schedule!r} puts the tied embedding and head on one rank's two stages, which "
-                         f"data parallelism cannot wrap; use a looped schedule")
+    return resolved.problems[0] if resolved.problems else None
 
 
 def valid_layouts(world: int, facts: ModelFacts, settings: TrainSettings) -> tuple[list[Layout], dict[Layout, str]]:

@@ -1,11 +1,12 @@
 """DistributedConfig: how a model is spread over the job's processes, and this rank's device.
 
-The sizes resolve to one `ParallelDims` (topology.py: axes dp_replicate, dp_shard, cp, tp, TP innermost)
-and its DeviceMesh; every c10d call, process-group start-up included, is in comm.py.
+The sizes resolve to one `ParallelDims` (tptrain/layout: the sizes and the one rule table; axes dp_replicate, dp_shard,
+cp, tp, TP innermost, pp outermost) and its DeviceMesh (topology.py); every c10d call, process-group start-up
+included, is in comm.py. DistributedConfig is the library's (transformers') spelling of that layout, ParallelismConfig
+(training/args.py) the Trainer's: two views of one ParallelDims.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tptrain.backends import BACKENDS
 from tptrain.distributed import comm
 from tptrain.distributed.comm import raise_on_any_rank
-from tptrain.distributed.topology import MESH_AXES, ParallelDims
+from tptrain.layout import MESH_AXES, Features, ParallelDims, Spelling, resolve
 
 __all__ = ["BACKENDS", "MESH_AXES", "DistributedConfig", "ParallelDims", "comm", "init_distributed", "local_device",
            "raise_on_any_rank"]
@@ -104,70 +105,24 @@ class DistributedConfig:
         """{axis: size} of `parallel_dims()`."""
         return self.parallel_dims(world_size, described=described).sizes()
 
-    def parallel_dims(self, world_size: int | None = None, *, described: str | None = None) -> ParallelDims:
-        """Resolve every mesh axis against the world size; ValueError (same on every rank) if impossible.
+    def parallel_dims(self, world_size: int | None = None, *, described: str | None = None,
+                      device_map: bool = False) -> ParallelDims:
+        """Resolve every mesh axis against the world size (the rule table's size rows; `device_map`: with
+        from_pretrained's device_map, which they refuse); ValueError (same on every rank) if impossible.
         `described`: how the error names these sizes (default: this DistributedConfig)."""
         world = env_world_size() if world_size is None else world_size
         if self.backend not in BACKENDS:
             raise ValueError(f"DistributedConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size", "pp_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"DistributedConfig.{name} must be a positive int, got {value!r}")
-        pp = self.pp_size
-        if world % pp:
-            raise ValueError(f"{described or 'DistributedConfig'}: pp_size={pp} must divide the world size {world} "
-                             f"(each of the {pp} pipeline stages gets world_size / pp_size ranks); launch a multiple "
-                             f"of {pp} processes or pick a pp_size that divides {world}")
-        world //= pp  # the other axes lay out each stage's ranks
-        rep, shard, tp, cp = self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size or 1
-        if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard = ep_size)
-            tp = world // (rep * cp * (shard or self.ep_size or 1))
-        if shard is None:
-            shard = world // (rep * cp * tp) if tp and world % (rep * cp * tp) == 0 else 0
-        if tp < 1 or shard < 1 or rep * shard * cp * tp != world:
-            raise ValueError(self._layout_error(world, described))
-        if cp > 1 and (self.ep_size or 1) > 1:
-            raise ValueError(f"{described or 'DistributedConfig'}: cp_size={cp} cannot be combined with ep_size="
-                             f"{self.ep_size} (an ep axis of its own) yet; use enable_expert_parallel (experts split "
-                             f"over the TP group) or plain expert tensor parallelism with cp_size")
-        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self._ep(shard, tp, world, described), cp=cp, pp=pp)
+        return resolve(world, features=self.features(device_map=device_map), spelling=Spelling(described=described),
+                       tp_size=self.tp_size, cp_size=self.cp_size, ep_size=self.ep_size, pp_size=self.pp_size,
+                       dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size)
 
-    def _ep(self, shard: int, tp: int, world: int, described: str | None) -> int:
-        """The ep axis's size: a divisor of dp_shard (the experts' owners are data-parallel ranks)."""
-        ep = self.ep_size or 1
-        name = described or "DistributedConfig"
-        if ep > 1 and self.enable_expert_parallel:
-            raise ValueError(f"{name}: ep_size={ep} and enable_expert_parallel=True both split the experts by "
-                             f"expert (over an ep axis of data-parallel ranks, or over the TP group, ep_size = "
-                             f"tp_size); pass one of them")
-        if shard % ep:
-            unit = ep * tp * self.dp_replicate_size
-            raise ValueError(f"{name}: ep_size={ep} must divide the data-parallel shard degree dp_shard={shard} "
-                             f"(world size {world} = dp_replicate {self.dp_replicate_size} x dp_shard {shard} x tp "
-                             f"{tp}): the experts' owners are dp_shard ranks; launch a multiple of {unit} processes "
-                             f"(ep x tp x dp_replicate), or use an ep_size that divides {shard}")
-        return ep
-
-    def _layout_error(self, world: int, described: str | None) -> str:
-        """What the sizes need and what the world size is, e.g. "... needs 2 x 2 x 1 = 4 processes"."""
-        sizes = {"tp_size": self.tp_size, "dp_shard_size": self.dp_shard_size,
-                 "dp_replicate_size": self.dp_replicate_size}
-        if (self.cp_size or 1) > 1:  # named only when used, so the messages without cp read as before
-            sizes["cp_size"] = self.cp_size
-        name = described or "DistributedConfig(" + ", ".join(f"{k}={v or 'auto'}" for k, v in sizes.items()) + ")"
-        given = {k: v for k, v in sizes.items() if v is not None}
-        product = math.prod(given.values())
-        if len(given) == len(sizes):
-            return (f"{name} needs {' x '.join(map(str, given.values()))} = {product} process"
-                    f"{'es' * (product > 1)} ({' x '.join(k[:-5] for k in sizes)}), but the world size is {world}; launch "
-                    f"{product} (`torchrun --nproc-per-node {product}`), or change the sizes so that their product "
-                    f"is {world}")
-        auto = [k for k in sizes if k not in given]
-        terms = " x ".join(f"{k}={v}" for k, v in given.items()) + (f" = {product}" if len(given) > 1 else "")
-        return (f"{name} needs a world size that is a multiple of {terms} ({' and '.join(auto)} "
-                f"take{'s' * (len(auto) == 1)} the rest), but the world size is {world}; launch a multiple of "
-                f"{product} processes, or change the sizes")
+    def features(self, **training) -> Features:
+        """What this config asks of the axes beyond their sizes, as the rule table reads it (`training`: the
+        Features only a training run knows, e.g. batch_size=)."""
+        layers = tuple(map(tuple, self.pp_layers)) if self.pp_layers is not None else None
+        return Features(sequence_parallel=self.enable_sequence_parallel, expert_parallel=self.enable_expert_parallel,
+                        pp_schedule=self.pp_schedule, pp_layers=layers, **training)
 
     def device_mesh(self) -> tuple[DeviceMesh, torch.device]:
         """Start the process group (if needed) and build the named mesh; cached on this config while its

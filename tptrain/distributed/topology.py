@@ -1,110 +1,65 @@
-"""The job's one topology: the size of every mesh axis, and the DeviceMesh built from it.
+"""The DeviceMesh of a layout: built from a ParallelDims (tptrain/layout/dims.py: the sizes, pure), and its axes
+by name.
 
-    dims = DistributedConfig(tp_size=2).parallel_dims()      # ParallelDims(dp_replicate=1, dp_shard=2, tp=2) on 4 ranks
-    mesh = dims.build_mesh("cpu")                             # axes dp_replicate, dp_shard, cp, tp; dp_mesh(mesh)
+    mesh = DistributedConfig(tp_size=2).parallel_dims().build_mesh("cpu")   # axes dp_replicate, dp_shard, cp, tp
 
-As torchtitan's ParallelDims: the axes are ("dp_replicate", "dp_shard", "cp", "tp"), TP innermost, so a TP
-group is a block of consecutive ranks (one node's GPUs under torchrun). Unused axes have size 1.
-`dp_mesh(mesh)` is the flattened dp_replicate x dp_shard axis: the reductions over every data-parallel
-rank (token counts, the loss) run on it. The cp ranks of one dp rank hold the same batch (each computes a share of
-its sequence, parallel/context_parallel.py), so they are not data-parallel ranks; FSDP2 shards over
-`dp_shard_cp_mesh(mesh)` (dp_shard x cp flattened, torchtitan's dp_shard_cp), which sums their gradients.
+As torchtitan's: the axes are ("dp_replicate", "dp_shard", "cp", "tp"), TP innermost, so a TP group is a block of
+consecutive ranks (one node's GPUs under torchrun); "pp" outermost when pp > 1. Unused axes have size 1.
+`dp_mesh(mesh)` is the flattened dp_replicate x dp_shard axis: the reductions over every data-parallel rank (token
+counts, the loss) run on it. The cp ranks of one dp rank hold the same batch (each computes a share of its sequence,
+parallel/context_parallel.py), so they are not data-parallel ranks; FSDP2 shards over `dp_shard_cp_mesh(mesh)`
+(dp_shard x cp flattened, torchtitan's dp_shard_cp), which sums their gradients.
 
 Expert parallelism borrows its ranks from dp_shard (torchtitan's layout): with `ep > 1` the mesh's axes are
 ("dp_replicate", "dp_shard_mod_ep", "ep", "tp") and "dp_shard" is the flattened (dp_shard_mod_ep, ep), so
 `mesh["dp_shard"]`, `dp_mesh(mesh)` and everything dense keep their meaning. An expert's owners are the `ep`
 ranks of one "ep" group (same tp index, same dp_shard // ep); "dp_shard_mod_ep" (x dp_replicate) is what is left
 of data parallelism over ranks holding the same experts.
+
+This module reads a ParallelDims through its attributes only (it does not import tptrain.layout, whose
+`ParallelDims.build_mesh` calls `build_mesh` here).
 """
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tptrain.distributed import comm
 
-MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
-PP_AXIS = "pp"  # outermost; in the mesh only when pp > 1 (each stage's ranks are then a mesh of MESH_AXES)
-# the mesh's real axes when ep > 1 (no cp axis: DistributedConfig refuses cp_size with ep_size)
-EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+PP_AXIS = "pp"
 
 # "dp_shard" is a flattened axis of the ep mesh; torch warns on each lookup of one that it may someday want the
 # flattened mesh kept by the caller. This library looks it up by name on purpose (one mesh, its axes by name).
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Sizes of the mesh axes. dp_replicate: replicated data parallelism (DDP, or HSDP's replica axis);
-    dp_shard: FSDP2's sharding axis; tp: tensor parallelism; ep: expert parallelism, a divisor of dp_shard (the
-    experts are split by expert over `ep` of the dp_shard ranks; dense layers stay data-parallel over them); cp:
-    context parallelism (each rank of a cp group holds 1/cp of every sequence); pp: pipeline stages, the outermost
-    axis (each pp rank holds its stage(s) of the model on a mesh of the other axes)."""
+def build_mesh(dims, device_type: str) -> DeviceMesh:
+    """The named mesh of `dims` (a ParallelDims; collective on first use), released at exit with the groups; one
+    per layout and process group (`comm.shared_mesh`): every model and Trainer of a process with these sizes shares
+    it."""
+    shape = dims.mesh_shape()
+    assert dims.ep_pool % dims.ep == 0 and math.prod(shape.values()) == dims.world_size, dims
+    return comm.shared_mesh((device_type, tuple(shape.items())), lambda: _new_mesh(shape, device_type))
 
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    ep: int = 1
-    cp: int = 1
-    pp: int = 1
 
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+def _new_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if "ep" in shape:  # created now, on every rank together (it makes process groups)
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    dp_mesh(mesh)
+    if shape.get("cp", 1) > 1:
+        dp_shard_cp_mesh(mesh)
+    return mesh
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks in all: each holds different samples of the global batch."""
-        return self.dp_replicate * self.dp_shard
-
-    def sizes(self) -> dict[str, int]:
-        """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""
-        out = {axis: getattr(self, axis) for axis in MESH_AXES if axis != "cp"}
-        out = {**out, **{axis: getattr(self, axis) for axis in ("ep", "cp") if getattr(self, axis) > 1}}
-        return out if self.pp == 1 else {PP_AXIS: self.pp, **out}
-
-    def mesh_shape(self) -> dict[str, int]:
-        """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
-        pp = {PP_AXIS: self.pp} if self.pp > 1 else {}
-        if self.ep == 1:
-            return {**pp, **{axis: getattr(self, axis) for axis in MESH_AXES}}
-        assert self.cp == 1, self
-        return {**pp, **dict(zip(EP_MESH_AXES, (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))}
-
-    @classmethod
-    def of(cls, mesh: DeviceMesh) -> "ParallelDims":
-        """The sizes of a mesh built by `build_mesh`."""
-        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-        if "ep" not in sizes:
-            return cls(**sizes)
-        return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
-                   tp=sizes["tp"], ep=sizes["ep"], pp=sizes.get(PP_AXIS, 1))
-
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh (collective on first use), released at exit with the groups; one per layout and process
-        group (`comm.shared_mesh`): every model and Trainer of a process with these sizes shares it."""
-        assert self.dp_shard % self.ep == 0 and math.prod(self.mesh_shape().values()) == self.world_size
-        return comm.shared_mesh((device_type, tuple(self.mesh_shape().items())), lambda: self._new_mesh(device_type))
-
-    def _new_mesh(self, device_type: str) -> DeviceMesh:
-        shape = self.mesh_shape()
-        mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-        if self.ep > 1:  # created now, on every rank together (it makes process groups)
-            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        dp_mesh(mesh)
-        if self.cp > 1:
-            dp_shard_cp_mesh(mesh)
-        return mesh
 
 def rank_grid(mesh: DeviceMesh):
     """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has
     (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s; with cp > 1, dp_shard x cp flattened: the ranks
     FSDP2 shards over)."""
-    dims = ParallelDims.of(mesh)
-    return stage_mesh(mesh).mesh.reshape(dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
+    sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    return stage_mesh(mesh).mesh.reshape(sizes["dp_replicate"], -1, sizes["tp"])
 
 
 def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:

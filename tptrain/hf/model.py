@@ -267,12 +267,6 @@ class TransformersCausalLM(PreTrainedModel):
                 return module
         return self.hf_model
 
-    def _check_plan(self, distributed_config):
-        if distributed_config.enable_sequence_parallel:
-            raise ValueError("sequence parallelism is not supported on the transformers backend (transformers' "
-                             "layers are not split along the sequence); drop enable_sequence_parallel")
-        return super()._check_plan(distributed_config)
-
     def tp_plan_problems(self, styles: dict[str, str], tp_size: int) -> list[str]:
         """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
         if tp_size == 1:

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tptrain.distributed import comm
 from tptrain.distributed.topology import cp_mesh
+from tptrain.layout import Case, Features, ParallelDims, Spelling, check
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel import contract
 
@@ -59,13 +60,10 @@ class CPContext:
 
 
 def check_sequence_length(seq: int, cp_size: int, *, what: str = "the sequence length") -> None:
-    """ValueError unless `seq` splits into 2 x cp_size equal chunks (the head-tail load balancing)."""
-    multiple = 2 * cp_size
-    if seq % multiple:
-        padded = -(-seq // multiple) * multiple
-        raise ValueError(f"context parallelism (cp_size={cp_size}) cuts every sequence into 2 x cp_size = {multiple} "
-                         f"equal chunks, but {what} is {seq}, not a multiple of {multiple}; pad the batch to "
-                         f"{padded} tokens (labels -100), or use a seq_len (--seq-len) that is a multiple of {multiple}")
+    """ValueError unless `seq` splits into 2 x cp_size equal chunks (the head-tail load balancing; the rule table's
+    `cp_seq_len`)."""
+    check("cp_seq_len", Case(dims=ParallelDims(1, 1, 1, cp=cp_size), features=Features(seq_len=seq),
+                             spelling=Spelling(seq_len=what)))
 
 
 def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -76,45 +74,8 @@ def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | 
     return torch.cat([first, last])
 
 
-def problems(model: nn.Module) -> list[str]:
-    """Why `model` cannot run context-parallel (empty: it can). Pure: checked before any collective."""
-    out = []
-    if contract.mask_builder(model) is None:
-        base = contract.base_model(model)
-        out.append(f"cp_size needs the base model ({type(base).__name__} at {contract.prefix(model)!r}) to build its "
-                   f"attention masks through attention_masks(...) (parallel/contract.py); tptrain's native models do: "
-                   f"load with backend='native'")
-    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
-    if not attention:
-        out.append(f"cp_size found no attention module in {type(model).__name__} (none declares tp_kv_projections)")
-    lacking = [name for name, m in attention.items() if contract.attend(m) is None]
-    if lacking:
-        fix = ("load with backend='native', or drop cp_size" if getattr(model, "backend", None) == "transformers"
-               else "drop cp_size for this model type")
-        out.append(f"cp_size cannot split the attention of {lacking[0]} ({type(attention[lacking[0]]).__name__}"
-                   f"{f' and {len(lacking) - 1} more' if len(lacking) > 1 else ''}): it has no attend(q, k, v, mask) "
-                   f"for context parallelism to gather the keys and values through; {fix}")
-    config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        out.append("cp_size with output_router_logits=True: the load-balancing loss averages the router over the "
-                   "whole batch and each cp rank routes only its own tokens; set output_router_logits=False in "
-                   "config.json, or drop cp_size")
-    if getattr(config, "rope_type", None) == "longrope":
-        out.append("cp_size with rope_type 'longrope': its long factors switch on the longest position of the whole "
-                   "sequence, which one cp rank does not see; drop cp_size for this model")
-    return out
-
-
-def raise_context_problems(model: nn.Module, cp_size: int) -> None:
-    """ValueError naming the model and every `problems` it has at `cp_size` > 1 (none, or cp 1: returns)."""
-    found = problems(model) if cp_size > 1 else []
-    if found:
-        raise ValueError(f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) cannot run with "
-                         f"cp_size={cp_size}: " + "; ".join(found))
-
-
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | None:
-    """Make `model` (problem-free, already TP-sharded, its `tp_layout` recorded) split its sequences over the cp
+    """Make `model` (refused by no row of the rule table, already TP-sharded, its `tp_layout` recorded) split its sequences over the cp
     axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed). Installed: the batch split before
     forward, the loss sum after it, the K/V gather around every attention's `attend`, the rows of the masks, the loss
     functions on pre-shifted labels, and the grad sync's sum over cp."""

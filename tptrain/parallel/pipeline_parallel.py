@@ -26,32 +26,18 @@ import torch.distributed as dist
 from torch import nn
 
 from tptrain.distributed import comm, raise_on_any_rank
+from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check, schedules
+from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.parallel.plan import ResolvedPlan
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p-1-r: the first and the last on rank 0
-# {process-group backend: {schedule: why it cannot run there}}. Probed on torch 2.13 CPU: every schedule above runs
-# its forward and backward on gloo (batched p2p waits were fixed for gloo in 2025), so none is listed.
-UNSUPPORTED: dict[str, dict[str, str]] = {"gloo": {}, "nccl": {}}
-
 
 def schedule_name(name: str) -> str:
     """The canonical spelling of a schedule (case-insensitive, as torch's get_schedule_class); ValueError listing
-    the valid ones."""
-    match = {s.lower(): s for s in SCHEDULES}.get(str(name).lower())
-    if match is None:
-        raise ValueError(f"unknown pipeline schedule {name!r}; the valid ones are {', '.join(SCHEDULES)} "
-                         f"(torch.distributed.pipelining's names)")
-    return match
-
-
-def stages_per_rank(schedule: str) -> int:
-    # torch.distributed.pipelining imports torch._dynamo (~1 s): loaded by the runs that use a pipeline only
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
-    return 1 if issubclass(get_schedule_class(schedule), PipelineScheduleSingle) else 2
+    the valid ones (the rule table's `pp_schedule`)."""
+    check("pp_schedule", Case(features=Features(pp_schedule=name)))
+    return schedules.canonical(name)
 
 
 def rank_stages(schedule: str, pp: int, pp_rank: int) -> tuple[int, ...]:
@@ -63,46 +49,24 @@ def rank_stages(schedule: str, pp: int, pp_rank: int) -> tuple[int, ...]:
 
 def split_layers(num_layers: int, n_stages: int, layers: list[list[int]] | None = None) -> list[list[int]]:
     """Each stage's decoder layers: `layers` checked, or an even split of layers + embedding + head (the
-    embedding counts as one layer of the first stage, the head of the last; torchtitan's rule)."""
-    if n_stages > num_layers:
-        raise ValueError(f"{n_stages} pipeline stages for a model of {num_layers} decoder layers: every stage needs "
-                         f"at least one layer; use pp_size (x stages per rank) <= {num_layers}")
+    embedding counts as one layer of the first stage, the head of the last; torchtitan's rule). The rule table's
+    `pp_stages` and `pp_layers` refuse what cannot be split."""
+    case = Case(dims=ParallelDims(1, 1, 1, pp=n_stages), facts=ModelFacts("", "", num_layers=num_layers),
+                features=Features(pp_layers=layers))
+    check("pp_stages", case)
     if layers is not None:
-        flat = [i for stage in layers for i in stage]
-        if len(layers) != n_stages or flat != list(range(num_layers)):
-            raise ValueError(f"pp_layers={layers} must list {n_stages} stages of consecutive decoder layers covering "
-                             f"0..{num_layers - 1} once each, in order (e.g. {split_layers(num_layers, n_stages)})")
+        check("pp_layers", case)
         return [list(stage) for stage in layers]
-    units = num_layers + 2
-    sizes = [units // n_stages + (s < units % n_stages) for s in range(n_stages)]
-    sizes[0], sizes[-1] = sizes[0] - 1, sizes[-1] - 1
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
+    return schedules.even_split(num_layers, n_stages)
 
 
 def check_microbatches(schedule: str, pp: int, n_microbatches: int, batch_size: int) -> None:
-    """ValueError if `schedule` cannot run `n_microbatches` at `pp`, or `batch_size` does not split into them."""
-    n_stages = pp * stages_per_rank(schedule)
-    minimum = 1 if schedule in ("GPipe", "LoopedBFS") else n_stages if schedule in V_SCHEDULES else pp
-    if n_microbatches < minimum:
-        raise ValueError(f"pipeline schedule {schedule} at pp_size={pp} needs at least {minimum} microbatches, got "
-                         f"pp_microbatches={n_microbatches}; raise pp_microbatches (--pp-microbatches) to {minimum}")
-    rounds = max(1, n_microbatches // pp)
-    if stages_per_rank(schedule) == 2 and schedule not in V_SCHEDULES and n_microbatches % rounds:
-        raise ValueError(f"pipeline schedule {schedule} needs pp_microbatches to be a multiple of the rounds "
-                         f"(pp_microbatches // pp_size = {rounds}), got {n_microbatches}; use a multiple of {pp}")
-    if batch_size % n_microbatches:
-        raise ValueError(f"per_device_train_batch_size={batch_size} does not split into pp_microbatches="
-                         f"{n_microbatches} equal microbatches; use a batch size that is a multiple of "
-                         f"{n_microbatches}")
-
-
-def check_backend(schedule: str, backend: str) -> None:
-    why = UNSUPPORTED.get(backend, {}).get(schedule)
-    if why is not None:
-        runs = [s for s in SCHEDULES if s not in UNSUPPORTED.get(backend, {})]
-        raise ValueError(f"pipeline schedule {schedule} cannot run on the {backend} backend ({why}); use one of "
-                         f"{', '.join(runs)}")
+    """ValueError if `schedule` cannot run `n_microbatches` at `pp`, or `batch_size` does not split into them (the
+    rule table's `pp_microbatches`, `pp_rounds`, `pp_batch`)."""
+    case = Case(dims=ParallelDims(1, 1, 1, pp=pp),
+                features=Features(pp_schedule=schedule, pp_microbatches=n_microbatches, batch_size=batch_size))
+    for name in ("pp_microbatches", "pp_rounds", "pp_batch"):
+        check(name, case)
 
 
 @dataclass(frozen=True)
@@ -139,10 +103,8 @@ def plan_pipeline(model: nn.Module, *, pp: int, pp_rank: int, schedule: str,
                   layers: list[list[int]] | None = None) -> PipelinePlan:
     """The stages of `model` (whole, e.g. on meta) at `pp`; every problem a ValueError (no process group)."""
     parts = contract.pipeline_parts(model)
-    if parts is None:
-        raise ValueError(f"{type(model).__name__} cannot be cut into pipeline stages (it does not declare "
-                         f"pp_layers / pp_first / pp_last / pipeline_forward); load it with pp_size=1, or with "
-                         f"backend='native' if tptrain has its model type")
+    if parts is None:  # the rule table's pp_uncuttable
+        check("pp_uncuttable", Case(dims=ParallelDims(1, 1, 1, pp=pp), facts=ModelFacts(type(model).__name__, "")))
     schedule = schedule_name(schedule)
     n_layers = len(model.get_submodule(parts[0]))
     split = split_layers(n_layers, pp * stages_per_rank(schedule), layers)
@@ -356,25 +318,10 @@ def held_elsewhere(model: nn.Module, name: str) -> bool:
     return any(name.startswith(f"{path}.") for path in paths)
 
 
-def check(model: nn.Module, resolved: ResolvedPlan, config) -> PipelinePlan:
-    """Every problem of cutting `model` (whole, unsharded) as `config` (a DistributedConfig) says, as a ValueError:
-    the stages, and what does not compose with pipeline parallelism yet. No process group."""
-    pp = config.pp_size
-    if resolved.sequence_parallel or (config.cp_size or 1) > 1:
-        what = "enable_sequence_parallel" if resolved.sequence_parallel else "cp_size"
-        raise ValueError(f"DistributedConfig(pp_size={pp}) does not compose with {what} yet (the stages exchange "
-                         f"whole hidden states over the pp axis alone); drop it")
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError(f"DistributedConfig(pp_size={pp}): the router aux loss (output_router_logits=True) sums "
-                         f"over the layers of every stage and is not computed under pipeline parallelism; set "
-                         f"output_router_logits=False in the config")
-    return plan_pipeline(model, pp=pp, pp_rank=0, schedule=config.pp_schedule, layers=config.pp_layers)
-
-
-def cut_for_rank(model: nn.Module, resolved: ResolvedPlan, config, pp_rank: int) -> ResolvedPlan:
+def cut_for_rank(model: nn.Module, resolved: ResolvedPlan, *, pp: int, pp_rank: int, schedule: str,
+                 layers: list[list[int]] | None = None) -> ResolvedPlan:
     """Cut `model` (whole, on meta) to pp rank `pp_rank`'s stages; returns the TP plan restricted to them."""
-    plan = plan_pipeline(model, pp=config.pp_size, pp_rank=pp_rank, schedule=config.pp_schedule,
-                         layers=config.pp_layers)
+    plan = plan_pipeline(model, pp=pp, pp_rank=pp_rank, schedule=schedule, layers=layers)
     cut_model(model, plan)
     return stage_plan(resolved, model)
 

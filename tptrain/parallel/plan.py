@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check
 from tptrain.parallel import contract
 from tptrain.parallel import expert_parallel as _expert_styles
 from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, canonical_style, make_style
@@ -165,10 +166,9 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     """Resolve and validate `tp_plan` for `model` without touching the model or any process group.
     `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size). `ep_size` > 1: split by
     expert over an ep axis of their own, each expert tensor-parallel over tp (`ep_problems`)."""
-    if expert_parallel and not contract.model_ep_plan(model):
-        raise ValueError(f"enable_expert_parallel=True, but {type(model).__name__} ({model.config.model_type!r}) has "
-                         f"no experts to split: expert parallelism is for mixture-of-experts models; drop "
-                         f"enable_expert_parallel")
+    if expert_parallel:  # the rule table's expert_parallel_dense
+        check("expert_parallel_dense", Case(features=Features(expert_parallel=True), facts=ModelFacts(
+            type(model).__name__, model.config.model_type, ep_plan=bool(contract.model_ep_plan(model)))))
     styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel,
                                     expert_parallel=expert_parallel)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
@@ -185,10 +185,6 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
                for name, style in styles.items()}
     specs, layout_problems = _layout_specs(model, objects, tp_size)
     layout_problems += contract.plan_problems(model, styles, tp_size)  # tptrain.hf: the weights it leaves unplanned
-    if sequence_parallel and tp_size > 1:
-        layout_problems += sorted({f"{_generic(n)} ({s.name!r}) does not work under sequence parallelism yet (the "
-                                   f"router would route a sequence shard); disable enable_sequence_parallel"
-                                   for n, s in objects.items() if not s.sequence_parallel_ok})
     if tp_size > 1:
         layout_problems += _pair_problems(model, objects, sequence_parallel)
     if ep_size > 1:
@@ -225,11 +221,11 @@ def _experts(objects: Mapping[str, ParallelStyle]) -> list[str]:
 
 def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size: int) -> list[str]:
     """What stops the experts from splitting by expert over an ep axis of `ep_size` ranks. A model without experts
-    is a ValueError of its own (nothing to split); the rest are plan problems."""
-    experts = _experts(objects)
-    if not experts:
-        raise ValueError(f"ep_size={ep_size}, but {type(model).__name__} ({model.config.model_type!r}) "
-                         f"has no experts to split: expert parallelism is for mixture-of-experts models; drop ep_size")
+    is refused by the rule table (nothing to split); the rest are plan problems (each experts module's style and
+    its own expert count)."""
+    experts = _experts(objects)  # none: the rule table's ep_dense
+    check("ep_dense", Case(dims=ParallelDims(1, ep_size, 1, ep=ep_size),
+                           facts=ModelFacts(type(model).__name__, model.config.model_type, experts=len(experts))))
     problems = []
     for name in experts:
         module, style = model.get_submodule(name), objects[name]

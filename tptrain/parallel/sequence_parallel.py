@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.layout import Case, Features, ModelFacts, ParallelDims, Spelling, check
 from tptrain.parallel.styles import TPContext
 
 
@@ -118,13 +119,12 @@ class SequenceParallelSaver:
 
 
 def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what: str | None = None) -> None:
-    """ValueError unless `seq_len` splits over the TP ranks; `what` names where the length comes from."""
-    if seq_len % tp_size:
-        what = what or f"the input's sequence length {seq_len}"
-        raise ValueError(f"{type(model).__name__}: sequence parallelism splits the sequence over tp_size={tp_size} "
-                         f"ranks, but {what} is not a multiple of {tp_size}; choose a sequence length divisible by "
-                         f"{tp_size} (pad a batch with labels=-100, attention_mask=0 on the padding) or disable "
-                         f"enable_sequence_parallel")
+    """ValueError unless `seq_len` splits over the TP ranks (the rule table's `sp_seq_len`); `what` names where the
+    length comes from."""
+    case = Case(dims=ParallelDims(1, 1, tp_size), features=Features(sequence_parallel=True, seq_len=seq_len),
+                facts=ModelFacts(type(model).__name__, ""),
+                spelling=Spelling(seq_len=what or f"the input's sequence length {seq_len}"))
+    check("sp_seq_len", case)
 
 
 def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:

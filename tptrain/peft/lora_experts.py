@@ -26,6 +26,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from tptrain.layout import Case, Features, ParallelDims, check
 from tptrain.parallel.contract import routed_experts
 from tptrain.parallel.styles import ShardSpec, TPContext
 from tptrain.peft.lora import ADAPTER, PARTIAL, REPLICATED, LoraRuntime, mix_seed
@@ -45,10 +46,9 @@ def factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
     """(spec of A (E, r, in), spec of B (E, out, r)) for a stacked weight (E, out, in) laid out as `base`."""
     if base.replicas != 1 or base.segments:
         raise ValueError(f"LoRA cannot adapt {where!r}: its layout {base} is not a plain split")
-    if base.ep_split:  # the factors would hold every expert while the rank holds E/ep of them
-        raise ValueError(f"LoRA cannot adapt {where!r} yet: its experts are split over an ep axis "
-                         f"(DistributedConfig(ep_size=)); use enable_expert_parallel=True (ep over the TP group) or "
-                         f"expert tensor parallelism for LoRA on the experts")
+    if base.ep_split:  # the factors would hold every expert while the rank holds E/ep of them: the table's lora_ep
+        over_ep = ParallelDims(1, 2, 1, ep=2)  # the row reads only whether ep > 1
+        check("lora_ep", Case(dims=over_ep, features=Features(lora_experts=where)))
     if base.dim is None:
         return REPLICATED, REPLICATED
     if base.dim == 0:

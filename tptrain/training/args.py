@@ -24,7 +24,10 @@ OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")
 @dataclass
 class ParallelismConfig:
     """How the ranks of a training run are laid out: mesh axes ("dp_replicate", "dp_shard", "cp", "tp"; "pp"
-    outermost when pp > 1), and "ep" inside dp_shard (DistributedConfig.ep_size).
+    outermost when pp > 1), and "ep" inside dp_shard (DistributedConfig.ep_size). The Trainer's view of the one
+    layout (tptrain/layout), DistributedConfig the library's: a model's tp, ep, cp and pipeline are fixed when it is
+    loaded, so the Trainer takes them from the model and this config adds the rest (the data-parallel sizes, the
+    microbatches); a size given here that is not the model's is refused (the rule table's `model_layout`).
 
     tp_size: tensor-parallel degree; must equal the model's `tp_size` (None: take the model's).
     ep_size: expert-parallel degree (experts split by expert over that many of the dp_shard ranks); must equal the

@@ -1,12 +1,13 @@
 """The Trainer's set-up: one ordered pass of stages, each a function of what the stages before produced.
 
-    dims = resolve_parallelism(model, args.parallelism_config)        # 1. the layout            no collective
+    dims = resolve_parallelism(model, config, args=args)              # 1. the layout, the rule   no collective
+                                                                       #    table checked
     data = training_data(args, dims, train, eval, build=...)           # 2. rows, global batch,   no collective
                                                                        #    max_steps
     placement = place(model, args, dims, data)                         # 3. the mesh: the first collective
-    fsdp, pipe = parallelize(model, args, placement)                   # 4. agreements, then TP -> activation
-                                                                       #    checkpointing -> compile -> (pp: the
-                                                                       #    stages) -> FSDP2
+    fsdp, pipe = parallelize(model, args, placement)                   # 4. agreements, then the one parallelize's
+                                                                       #    training steps: activation checkpointing
+                                                                       #    -> compile -> (pp: the schedule) -> FSDP2
     optimizer, scheduler = optimizer_and_schedule(model, args, data.max_steps)    # 5.
 
 Stages 1 and 2 are pure, so whatever one rank can get wrong there (the layout, the sequence length, a data file, the
@@ -29,14 +30,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from tptrain.distributed import ParallelDims, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.io import writable_error
-from tptrain.parallel import pipeline_parallel
-from tptrain.parallel.pipeline_parallel import check_microbatches
+from tptrain.layout import Spelling
+from tptrain.parallel import parallelize as axes
+from tptrain.parallel.pipeline_parallel import Pipeline
 from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder
 from tptrain.training.evaluation import split_dataset
 from tptrain.training.optim import build_optimizer, build_scheduler
 from tptrain.training.optim_in_backward import OptimizerInBackward
-from tptrain.training.parallelize import apply_data_parallel, compile_error, prepare_for_training, training_mesh
+from tptrain.training.parallelize import compile_error, training_mesh
 from tptrain.training.streaming import StreamOrder, TextStream, check_streaming
 
 
@@ -58,6 +60,20 @@ class Placement:
     device: torch.device
     rank: int
     data_order: DataOrder | StreamOrder
+
+
+def check_run(model: nn.Module, distributed_config, args: TrainingArguments, world_size: int, *,
+              seq_len_name: str = "TrainingArguments.seq_len") -> None:
+    """Stage 1 before any process exists (`tptrain train`'s checks before a worker starts): what
+    `from_pretrained(distributed_config=)` and then a Trainer with `args` would refuse of this layout, on the whole
+    model (on meta): the rule table, the training run's rows included. The plan's own problems are the caller's to
+    report (ResolvedPlan.problems)."""
+    config = args.parallelism_config
+    training = dict(data_parallel=True, batch_size=args.per_device_train_batch_size, seq_len=args.seq_len,
+                    optim_in_backward=args.optim_in_backward,
+                    pp_microbatches=config.pp_microbatches if config is not None else None)
+    axes.check(model, distributed_config, world_size=world_size, training=training,
+               spelling=Spelling(seq_len=seq_len_name), plan_problems=False)
 
 
 def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any, eval_source: Any, *,
@@ -102,47 +118,24 @@ def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: T
 
 
 def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement, *, on_forward=None
-                ) -> tuple[bool, pipeline_parallel.Pipeline | None]:
-    """What every rank must agree on first (final/ writable on rank 0, the compiler on every rank), the model on
-    this rank's device, then TP (applied when it was loaded) -> activation checkpointing -> compile -> (a cut
-    model: its pipeline's stages) -> FSDP2 (of each stage under pipeline parallelism). Returns whether FSDP2 wraps
-    the model, and the pipeline (None without pp; `on_forward` as `pipeline`'s)."""
+                ) -> tuple[bool, Pipeline | None]:
+    """What every rank must agree on first (final/ writable on rank 0, the compiler on every rank), then the one
+    parallelize's training steps (the structural ones were applied when the model was loaded): the model on this
+    rank's device -> activation checkpointing -> compile -> (a cut model: its pipeline's schedule) -> FSDP2 (of each
+    stage under pipeline parallelism). Returns whether FSDP2 wraps the model, and the pipeline (None without pp;
+    `on_forward`: called before each stage's forward, a PeftModel's dropout-mask count, which the whole model's
+    forward, never run under pp, advances otherwise)."""
     raise_on_any_rank(writable_error(Path(args.output_dir) / "final") if placement.rank == 0 else None)
-    if any(p.device != placement.device for p in model.parameters()):  # a model built or loaded elsewhere
-        model.to(placement.device)
-    torch.manual_seed(args.seed)
     if args.torch_compile:  # the same machine image on every rank, but say which rank lacks the compiler
         raise_on_any_rank(compile_error(args.torch_compile_backend, placement.device), exc_type=ValueError)
-    prepare_for_training(model, placement.mesh, gradient_checkpointing=args.gradient_checkpointing,
-                         compile_backend=args.torch_compile_backend if args.torch_compile else None)
-    pipe = pipeline(model, args, placement, on_forward=on_forward) if getattr(model, "pp_plan", None) is not None else None
-    fsdp = apply_data_parallel(model, placement.mesh, bf16=args.bf16, stages=pipe.modules if pipe else None)
-    return fsdp, pipe
-
-
-def check_pipeline(args: TrainingArguments, dims: ParallelDims) -> None:
-    """Stage 1 under pipeline parallelism: the microbatches the schedule needs, from the batch, and what does not
-    compose with it yet. No collective."""
-    if dims.pp == 1:
-        return
+    torch.manual_seed(args.seed)
     config = args.parallelism_config
-    schedule = pipeline_parallel.schedule_name(config.pp_schedule or "1F1B")
-    check_microbatches(schedule, dims.pp, config.pp_microbatches or dims.pp, args.per_device_train_batch_size)
-    if args.optim_in_backward:
-        raise ValueError("optim_in_backward with pp_size > 1: the pipeline's backward runs in pieces and the tied "
-                         "embedding's gradient is summed after it; train without optim_in_backward")
-
-
-def pipeline(model: nn.Module, args: TrainingArguments, placement: Placement, *,
-             on_forward=None) -> pipeline_parallel.Pipeline:
-    """Stage 4 under pipeline parallelism: this rank's stages and torch's schedule over them (after TP, activation
-    checkpointing and compile, which the stages' views share; before FSDP2, which wraps each stage module).
-    `on_forward`: called before each stage's forward (a PeftModel's dropout-mask count, which the whole model's
-    forward, never run under pp, advances otherwise)."""
-    config = args.parallelism_config
-    pipeline_parallel.check_backend(model.pp_plan.schedule, dist.get_backend())
-    return pipeline_parallel.Pipeline(model, placement.mesh, n_microbatches=config.pp_microbatches or model.pp_plan.pp,
-                                      device=placement.device, on_forward=on_forward)
+    options = axes.ParallelOptions(train=True, gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16,
+                                   compile_backend=args.torch_compile_backend if args.torch_compile else None,
+                                   pp_microbatches=config.pp_microbatches if config is not None else None,
+                                   on_forward=on_forward)
+    done = axes.parallelize(model, placement.mesh, options, device=placement.device)
+    return done.fsdp, done.pipeline
 
 
 def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int

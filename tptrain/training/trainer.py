@@ -37,7 +37,7 @@ from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
 from tptrain.training.saving import Checkpointer
-from tptrain.training.setup import (check_pipeline, optimizer_and_schedule, parallelize, place,
+from tptrain.training.setup import (optimizer_and_schedule, parallelize, place,
                                     training_data)
 from tptrain.training.step import TrainStep
 
@@ -77,9 +77,8 @@ class Trainer:
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         model = self.inner
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
-        self.dims = resolve_parallelism(model, args.parallelism_config)
+        self.dims = resolve_parallelism(model, args.parallelism_config, args=args)  # the rule table: every refusal
         self._check_sequence_length(self.dims)
-        check_pipeline(args, self.dims)
         data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:

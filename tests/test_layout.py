@@ -1,0 +1,181 @@
+"""The one layout (tptrain/layout): ParallelDims and its resolution against the world size, the one rule table, the
+docs' table generated from it. Pure: no process group, no model weights."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tptrain.layout import RULES, Case, Features, ModelFacts, ParallelDims, Spelling, check, refusals, resolve, validate
+from tptrain.layout import schedules, table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_importing_the_layout_imports_no_torch():
+    code = "import sys, tptrain.layout, tptrain.layout.table; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_docs_table_is_the_rule_table():
+    """docs/parallelism.md holds `table.render()`: every rule, each once, and the composition matrix from them."""
+    doc = (ROOT / "docs" / "parallelism.md").read_text()
+    assert table.section(doc) == table.render(), "docs/parallelism.md is stale: paste `python -m tptrain.layout.table`"
+    listed = [line.split("`")[1] for line in table.section(doc).splitlines() if line.startswith("| `")]
+    assert listed == [r.name for r in RULES]
+    for r in RULES:
+        assert r.when and r.reason and r.fix, r.name
+        for pair in zip(r.between, r.between[1:]):  # every pair a rule is about shows it in the matrix
+            assert f"`{r.name}`" in table._cell(*pair), (r.name, pair)
+
+
+def test_schedules_facts_are_torchs():
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    for name in schedules.SCHEDULES:
+        single = issubclass(get_schedule_class(name), PipelineScheduleSingle)
+        assert schedules.stages_per_rank(name) == (1 if single else 2), name
+    assert schedules.canonical("interleaved1f1b") == "Interleaved1F1B" and schedules.canonical("Zigzag") is None
+
+
+def test_resolution_and_the_size_rules():
+    assert resolve(4, tp_size=2) == ParallelDims(1, 2, 2)
+    assert resolve(8, tp_size=2, pp_size=2) == ParallelDims(1, 2, 2, pp=2)
+    assert resolve(4, ep_size=2, tp_size=2).dp_shard == 2
+    with pytest.raises(ValueError, match=r"DistributedConfig.tp_size must be a positive int, got 0"):
+        resolve(4, tp_size=0)
+    cli = Spelling(cli=True, processes="--nproc-per-node 6")
+    with pytest.raises(ValueError, match=r"^--tp-size must be a positive integer, got 0$"):
+        resolve(6, tp_size=0, spelling=cli)
+    # the CLI's world counts every axis, pp included (it once checked tp x cp alone)
+    with pytest.raises(ValueError, match=r"--nproc-per-node 6 is not a multiple of --tp-size 2 x --pp-size 2"):
+        resolve(6, tp_size=2, pp_size=2, spelling=cli)
+    with pytest.raises(ValueError, match=r"needs a world size that is a multiple of tp_size=2 .* but the world size is "
+                                         r"3 per pipeline stage \(pp_size=2\)"):
+        resolve(6, tp_size=2, pp_size=2)
+
+
+FACTS = ModelFacts(name="Qwen3ForCausalLM", model_type="qwen3", num_layers=4,
+                   tied=("model.embed_tokens.weight", "lm_head.weight"), experts=0)
+
+
+def test_the_table_decides_each_composition_once():
+    pp_cp = ParallelDims(1, 1, 1, cp=2, pp=2)
+    assert [name for name, _ in refusals(Case(dims=pp_cp, facts=FACTS))] == ["pp_cp"]
+    with pytest.raises(ValueError, match=r"DistributedConfig\(pp_size=2\) does not compose with cp_size yet"):
+        validate(Case(dims=pp_cp, facts=FACTS))
+    v = Case(dims=ParallelDims(1, 2, 1, pp=2), facts=FACTS, features=Features(pp_schedule="ZBVZeroBubble"))
+    validate(v)  # the library: whether data parallelism will wrap the model is not known yet
+    with pytest.raises(ValueError, match=r"'ZBVZeroBubble' puts the first and the last stage on one rank"):
+        validate(Case(dims=v.dims, facts=FACTS, features=Features(pp_schedule="ZBVZeroBubble", data_parallel=True)))
+    with pytest.raises(ValueError, match=r"8 pipeline stages for a model of 4 decoder layers"):
+        validate(Case(dims=ParallelDims(1, 1, 1, pp=4), facts=FACTS, features=Features(pp_schedule="ZBVZeroBubble")))
+    with pytest.raises(ValueError, match=r"ep_size=2 \(--ep-size\), but Qwen3ForCausalLM \('qwen3'\) has no experts"):
+        validate(Case(dims=ParallelDims(1, 2, 1, ep=2), facts=FACTS))
+    seq = Case(dims=ParallelDims(1, 1, 1, cp=2), features=Features(seq_len=30), spelling=Spelling(seq_len="--seq-len"))
+    with pytest.raises(ValueError, match=r"--seq-len is 30, not a multiple of 4"):
+        check("cp_seq_len", seq)
+    check("pp_sp", seq)  # another row: passes
+
+
+def test_a_parallelism_config_that_contradicts_the_model_is_one_rule():
+    case = Case(model_axes=(("tp_size", 2), ("pp_schedule", "1F1B")), config_axes=(("tp_size", None),
+                                                                                    ("pp_schedule", "GPipe")))
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(pp_schedule='GPipe'\) disagrees with the model, which "
+                                         r"was laid out with pp_schedule='1F1B'"):
+        validate(case)
+
+
+# ---------------------------------------------------------------- one message from every entry point
+
+def _entry_points(tmp_path, monkeypatch):
+    """(library, trainer, train_cli, plan_cli): each takes a layout and returns the message it refuses it with,
+    before any process group or worker: `model.parallelize(DistributedConfig)` (what from_pretrained checks), the
+    Trainer's constructor, `tptrain train` (its checks before any worker) and `tptrain plan`."""
+    import json
+    import shutil
+
+    import tptrain.distributed
+    from tptrain.cli import main
+    from tptrain.cli import train as train_cli
+    from tptrain.distributed import DistributedConfig
+    from tptrain.models import AutoConfig, AutoModelForCausalLM
+    from tptrain.parallel import pipeline_parallel
+    from tptrain.training import ParallelismConfig, Trainer, TrainingArguments
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(train_cli, "_launch", no_workers)
+    monkeypatch.setattr(train_cli, "_worker", no_workers)
+    bundled = ROOT / "tptrain" / "data" / "tiny-qwen3"  # tied embeddings, 4 layers, config only
+
+    def model_dir(**config):
+        path = tmp_path / f"model{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(bundled, path)
+        (path / "config.json").write_text(json.dumps({**json.loads((bundled / "config.json").read_text()), **config}))
+        return path
+
+    def library(path, world, **sizes):
+        monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: world)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
+        with pytest.raises(ValueError) as info:
+            model.parallelize(DistributedConfig(**sizes))
+        return str(info.value)
+
+    def trainer(path, world, *, pp, schedule, **args):
+        """A meta model as `from_pretrained(DistributedConfig(pp_size=pp, ...))` cuts it (its pp_plan)."""
+        monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: world)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
+        model.pp_plan = pipeline_parallel.plan_pipeline(model, pp=pp, pp_rank=0, schedule=schedule)
+        config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=args.pop("microbatches", None))
+        with pytest.raises(ValueError) as info:
+            Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), parallelism_config=config,
+                                                        **args), train_dataset=["text"])
+        return str(info.value)
+
+    def cli(command, capsys, *flags):
+        code = main([command, *flags] if command == "plan" else
+                    ["train", "--smoke-test", "--output-dir", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert code == (1 if command == "plan" else 2) and err.count("\n") == 1, (code, err)
+        return err.removeprefix(f"tptrain {command}: error: ").rstrip("\n")
+
+    return model_dir, library, trainer, cli
+
+
+def test_each_refusal_is_one_message_from_every_entry_point(tmp_path, monkeypatch, capsys):
+    model_dir, library, trainer, cli = _entry_points(tmp_path, monkeypatch)
+    dense = model_dir()
+    # more stages than layers: the library, `tptrain plan`, `tptrain train`
+    stages = {library(dense, 8, pp_size=8, tp_size=1),
+              cli("plan", capsys, str(dense), "--tp-size", "1", "--pp-size", "8"),
+              cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--pp-size", "8", "--nproc-per-node", "8")}
+    assert len(stages) == 1 and next(iter(stages)).startswith("8 pipeline stages for a model of 4 decoder layers"), stages
+    # sequence parallelism under pp: the library and `tptrain plan` (`tptrain train` has no SP flag)
+    sp = {library(dense, 4, pp_size=2, tp_size=2, enable_sequence_parallel=True),
+          cli("plan", capsys, str(dense), "--tp-size", "2", "--pp-size", "2", "--sequence-parallel")}
+    assert len(sp) == 1 and "does not compose with enable_sequence_parallel" in next(iter(sp)), sp
+    # ep on a dense model: the library, `tptrain plan`, `tptrain train`
+    ep = {library(dense, 2, ep_size=2, tp_size=1), cli("plan", capsys, str(dense), "--tp-size", "1", "--ep-size", "2"),
+          cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--ep-size", "2", "--nproc-per-node", "2")}
+    assert len(ep) == 1 and "has no experts to split" in next(iter(ep)), ep
+    # cp with the router aux loss: the library, `tptrain plan`, `tptrain train`
+    moe = model_dir(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                    moe_intermediate_size=64, output_router_logits=True)
+    aux = {library(moe, 2, cp_size=2, tp_size=1), cli("plan", capsys, str(moe), "--tp-size", "1", "--cp-size", "2"),
+           cli("train", capsys, "--model", str(moe), "--tp-size", "1", "--cp-size", "2", "--nproc-per-node", "2")}
+    assert len(aux) == 1 and "cannot run with cp_size=2: cp_size with output_router_logits=True" in next(iter(aux)), aux
+    # what only a training run brings: the Trainer and `tptrain train`
+    v = {trainer(dense, 4, pp=2, schedule="ZBVZeroBubble", per_device_train_batch_size=4, microbatches=4),
+         cli("train", capsys, "--tp-size", "1", "--pp-size", "2", "--pp-schedule", "ZBVZeroBubble", "--pp-microbatches",
+             "4", "--batch-size", "4", "--nproc-per-node", "4")}
+    assert len(v) == 1 and "'ZBVZeroBubble' puts the first and the last stage on one rank" in next(iter(v)), v
+    oib = {trainer(dense, 2, pp=2, schedule="1F1B", per_device_train_batch_size=2, optim_in_backward=True,
+                   max_grad_norm=0.0),
+           cli("train", capsys, "--tp-size", "1", "--pp-size", "2", "--nproc-per-node", "2", "--optim-in-backward",
+               "--max-grad-norm", "0")}
+    assert len(oib) == 1 and next(iter(oib)).startswith("optim_in_backward with pp_size > 1"), oib

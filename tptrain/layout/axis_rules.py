@@ -1,0 +1,188 @@
+"""The rows of the rule table about which axes and features compose (with each other, and with what a model is), in
+the order they are checked. Each function returns the refusal's message, or None."""
+from __future__ import annotations
+
+from tptrain.layout import schedules
+from tptrain.layout.case import Case, Rule, rule
+
+ROWS: list[Rule] = []
+MODEL = ("dims", "facts")
+
+
+def _cannot_cp(c: Case, detail: str) -> str:
+    return f"{c.facts.name} ({c.facts.model_type}) cannot run with cp_size={c.dims.cp}: {detail}"
+
+
+def _schedule(c: Case) -> str:
+    return schedules.canonical(c.features.pp_schedule) or c.features.pp_schedule
+
+
+@rule(ROWS, "pp_sp", between=("pp", "sp"), when="pp_size > 1 with enable_sequence_parallel",
+      reason="the stages exchange whole hidden states over the pp axis alone", fix="drop it")
+def _pp_sp(c: Case, r: Rule) -> str | None:
+    if c.dims.pp > 1 and c.features.sequence_parallel:
+        return (f"DistributedConfig(pp_size={c.dims.pp}) does not compose with enable_sequence_parallel yet "
+                f"({r.reason}); {r.fix}")
+
+
+@rule(ROWS, "pp_cp", between=("pp", "cp"), when="pp_size > 1 with cp_size > 1",
+      reason="the stages exchange whole hidden states over the pp axis alone", fix="drop it")
+def _pp_cp(c: Case, r: Rule) -> str | None:
+    if c.dims.pp > 1 and c.dims.cp > 1:
+        return f"DistributedConfig(pp_size={c.dims.pp}) does not compose with cp_size yet ({r.reason}); {r.fix}"
+
+
+@rule(ROWS, "pp_router_aux", between=("pp", "router_aux_loss"), needs=MODEL,
+      when="pp_size > 1 on a model with output_router_logits=True",
+      reason="the router aux loss sums over the layers of every stage and is not computed under pipeline parallelism",
+      fix="set output_router_logits=False in the config")
+def _pp_router_aux(c: Case, r: Rule) -> str | None:
+    if c.dims.pp > 1 and c.facts.router_aux_loss:
+        return (f"DistributedConfig(pp_size={c.dims.pp}): the router aux loss (output_router_logits=True) sums over "
+                f"the layers of every stage and is not computed under pipeline parallelism; {r.fix}")
+
+
+@rule(ROWS, "pp_schedule", needs=("features",), when="a pp_schedule torch.distributed.pipelining does not have",
+      reason="the stages run one of torch's schedules", fix="use one of " + ", ".join(schedules.SCHEDULES))
+def _pp_schedule(c: Case, r: Rule) -> str | None:
+    if schedules.canonical(c.features.pp_schedule) is None:
+        return (f"unknown pipeline schedule {c.features.pp_schedule!r}; the valid ones are "
+                f"{', '.join(schedules.SCHEDULES)} (torch.distributed.pipelining's names)")
+
+
+@rule(ROWS, "pp_uncuttable", between=("pp", "transformers_backend"), needs=MODEL,
+      when="pp_size > 1 on a model that does not declare its pipeline parts",
+      reason="the model does not say which modules each stage holds (pp_layers / pp_first / pp_last / "
+             "pipeline_forward)", fix="pp_size=1, or backend='native' if tptrain has the model type")
+def _pp_uncuttable(c: Case, r: Rule) -> str | None:
+    if c.dims.pp > 1 and c.facts.num_layers is None:
+        return (f"{c.facts.name} cannot be cut into pipeline stages (it does not declare pp_layers / pp_first / "
+                f"pp_last / pipeline_forward); load it with pp_size=1, or with backend='native' if tptrain has its "
+                f"model type")
+
+
+@rule(ROWS, "pp_stages", needs=("dims", "facts.num_layers"), when="more pipeline stages than decoder layers",
+      reason="every stage needs at least one layer", fix="a pp_size (x stages per rank) <= the layers")
+def _pp_stages(c: Case, r: Rule) -> str | None:
+    n_stages, layers = c.dims.pp * schedules.stages_per_rank(_schedule(c)), c.facts.num_layers
+    if c.dims.pp > 1 and n_stages > layers:
+        return (f"{n_stages} pipeline stages for a model of {layers} decoder layers: every stage needs at least one "
+                f"layer; use pp_size (x stages per rank) <= {layers}")
+
+
+@rule(ROWS, "pp_layers", needs=("dims", "facts.num_layers", "features.pp_layers"),
+      when="pp_layers that are not the stages' consecutive layers, each once",
+      reason="each stage holds consecutive layers, in order", fix="list every stage's layers, 0..L-1 once each")
+def _pp_layers(c: Case, r: Rule) -> str | None:
+    n_stages = c.dims.pp * schedules.stages_per_rank(_schedule(c))
+    layers, given = c.facts.num_layers, c.features.pp_layers
+    if c.dims.pp > 1 and not schedules.valid_layers(given, layers, n_stages):
+        given = [list(stage) for stage in given]
+        return (f"pp_layers={given} must list {n_stages} stages of consecutive decoder layers covering 0..{layers - 1} "
+                f"once each, in order (e.g. {schedules.even_split(layers, n_stages)})")
+
+
+@rule(ROWS, "cp_attention", between=("cp",), needs=MODEL,
+      when="cp_size > 1 on a model with no attention module it can find",
+      reason="context parallelism gathers the keys and values of each attention module (tp_kv_projections)",
+      fix="drop cp_size")
+def _cp_attention(c: Case, r: Rule) -> str | None:
+    if c.dims.cp > 1 and c.facts.attention == 0:
+        return _cannot_cp(c, f"cp_size found no attention module in {c.facts.name} (none declares tp_kv_projections)")
+
+
+@rule(ROWS, "cp_attend", between=("cp", "transformers_backend"), needs=MODEL,
+      when="cp_size > 1 on attention without attend(q, k, v, mask)",
+      reason="context parallelism gathers the keys and values through the attention's attend",
+      fix="backend='native' (tptrain's attention has it), or drop cp_size")
+def _cp_attend(c: Case, r: Rule) -> str | None:
+    lacking = c.facts.without_attend
+    if c.dims.cp == 1 or not lacking:
+        return None
+    fix = "load with backend='native', or drop cp_size" if c.facts.backend == "transformers" else \
+        "drop cp_size for this model type"
+    (name, cls), more = lacking[0], len(lacking) - 1
+    return _cannot_cp(c, f"cp_size cannot split the attention of {name} ({cls}{f' and {more} more' if more else ''}): "
+                         f"it has no attend(q, k, v, mask) for context parallelism to gather the keys and values "
+                         f"through; {fix}")
+
+
+@rule(ROWS, "cp_masks", between=("cp", "transformers_backend"), needs=MODEL,
+      when="cp_size > 1 on a base model without attention_masks(...)",
+      reason="each cp rank builds its query rows of the whole sequence's masks", fix="backend='native'")
+def _cp_masks(c: Case, r: Rule) -> str | None:
+    if c.dims.cp > 1 and c.facts.mask_builder is not None:
+        return _cannot_cp(c, f"cp_size needs the base model ({c.facts.mask_builder}) to build its attention masks "
+                             f"through attention_masks(...) (parallel/contract.py); tptrain's native models do: load "
+                             f"with backend='native'")
+
+
+@rule(ROWS, "cp_router_aux", between=("cp", "router_aux_loss"), needs=MODEL,
+      when="cp_size > 1 on a model with output_router_logits=True",
+      reason="the load-balancing loss averages the router over the whole batch and each cp rank routes only its own "
+             "tokens", fix="set output_router_logits=False in config.json, or drop cp_size")
+def _cp_router_aux(c: Case, r: Rule) -> str | None:
+    if c.dims.cp > 1 and c.facts.router_aux_loss:
+        return _cannot_cp(c, f"cp_size with output_router_logits=True: {r.reason}; {r.fix}")
+
+
+@rule(ROWS, "cp_longrope", between=("cp", "longrope"), needs=MODEL, when="cp_size > 1 on a model with longrope",
+      reason="its long factors switch on the longest position of the whole sequence, which one cp rank does not see",
+      fix="drop cp_size for this model")
+def _cp_longrope(c: Case, r: Rule) -> str | None:
+    if c.dims.cp > 1 and c.facts.longrope:
+        return _cannot_cp(c, f"cp_size with rope_type 'longrope': {r.reason}; {r.fix}")
+
+
+@rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
+      when="enable_sequence_parallel on the transformers backend",
+      reason="transformers' layers are not split along the sequence", fix="drop enable_sequence_parallel")
+def _sp_transformers(c: Case, r: Rule) -> str | None:
+    if c.features.sequence_parallel and c.facts.backend == "transformers":
+        return f"sequence parallelism is not supported on the transformers backend ({r.reason}); {r.fix}"
+
+
+@rule(ROWS, "sp_experts", between=("sp", "moe_router_styles"), needs=MODEL,
+      when="enable_sequence_parallel with tp_size > 1 and a plan style that needs whole inputs (the MoE routers')",
+      reason="the router would route a sequence shard", fix="disable enable_sequence_parallel")
+def _sp_experts(c: Case, r: Rule) -> str | None:
+    refusing = c.facts.sp_refusing
+    if c.features.sequence_parallel and c.dims.tp > 1 and refusing:
+        return (f"cannot shard {c.facts.name} over tp_size={c.dims.tp}: {', '.join(refusing)} "
+                f"{'does' if len(refusing) == 1 else 'do'} not work under sequence parallelism yet ({r.reason}); "
+                f"{r.fix}")
+
+
+@rule(ROWS, "ep_dense", between=("ep", "dense_model"), needs=("dims", "facts.experts"),
+      when="ep_size > 1 on a model without experts", reason="expert parallelism is for mixture-of-experts models",
+      fix="drop ep_size (--ep-size)")
+def _ep_dense(c: Case, r: Rule) -> str | None:
+    if c.dims.ep > 1 and c.facts.experts == 0:
+        return (f"ep_size={c.dims.ep} (--ep-size), but {c.facts.name} ({c.facts.model_type!r}) has no experts to "
+                f"split: {r.reason}; {r.fix}")
+
+
+@rule(ROWS, "expert_parallel_dense", between=("ep_tp", "dense_model"), needs=("facts",),
+      when="enable_expert_parallel on a model whose config has no base_model_ep_plan",
+      reason="expert parallelism is for mixture-of-experts models", fix="drop enable_expert_parallel (--expert-parallel)")
+def _expert_parallel_dense(c: Case, r: Rule) -> str | None:
+    if c.features.expert_parallel and not c.facts.ep_plan:
+        return (f"enable_expert_parallel=True (--expert-parallel), but {c.facts.name} ({c.facts.model_type!r}) has "
+                f"no experts to split: {r.reason}; {r.fix}")
+
+
+@rule(ROWS, "v_tied_dp", between=("pp", "dp", "tied_embeddings"),
+      needs=("dims", "facts.tied", "features.data_parallel"),
+      when="a V schedule (ZBVZeroBubble, DualPipeV) with tied embeddings and data parallelism",
+      reason="the first and the last stage are on one rank, where the tied embedding and head are one parameter of "
+             "two stage modules, which FSDP2 cannot wrap twice",
+      fix="a looped schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) with data parallelism, or dp_shard_size=1")
+def _v_tied_dp(c: Case, r: Rule) -> str | None:
+    d, schedule = c.dims, _schedule(c)
+    if d.pp > 1 and schedule in schedules.V_SCHEDULES and d.dp > 1 and c.features.data_parallel:
+        first, last = c.facts.tied
+        return (f"pp_schedule={schedule!r} puts the first and the last stage on one rank, where the tied embedding and "
+                f"head ({first} = {last}) are one parameter of two stage modules, and data parallelism (dp_replicate "
+                f"{d.dp_replicate} x dp_shard {d.dp_shard}) cannot wrap one parameter in two FSDP2 modules; use a "
+                f"looped schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) with data parallelism, or pp x tp "
+                f"ranks only (dp_shard_size=1)")

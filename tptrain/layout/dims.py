@@ -1,0 +1,112 @@
+"""ParallelDims: the size of every parallel axis of a job, and the sizes resolved against the world size.
+
+    dims = resolve(4, tp_size=2)             # ParallelDims(dp_replicate=1, dp_shard=2, tp=2) (rules.py)
+    dims.build_mesh("cpu")                   # the named DeviceMesh (tptrain/distributed/topology.py: torch)
+
+As torchtitan's ParallelDims: the axes are pp (outermost, in the mesh only when > 1), dp_replicate, dp_shard, cp, tp
+(innermost, so a TP group is a block of consecutive ranks: one node's GPUs under torchrun). Unused axes have size 1.
+Expert parallelism has no ranks of its own: ep is folded over the ranks of dp_shard x cp (`ep_pool`, torchtitan's
+and Megatron's MoE folding: the attention side's data- and context-parallel ranks hold different experts). Today the
+rule table refuses cp with ep, so the pool is dp_shard alone; allowing cp x ep is a change of that rule (`cp_ep`) and
+of the mesh (`mesh_shape` and topology's flattening: the ep group then spans cp ranks), nothing else.
+
+Pure: imports no torch (the CLI resolves the sizes before it imports anything heavy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+PP_AXIS = "pp"  # outermost; in the mesh only when pp > 1 (each stage's ranks are then a mesh of MESH_AXES)
+# the mesh's real axes when ep > 1: dp_shard is flattened from (dp_shard_mod_ep, ep)
+EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+SIZES = ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size", "pp_size")  # as users spell them
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the parallel axes. dp_replicate: replicated data parallelism (DDP, or HSDP's replica axis);
+    dp_shard: FSDP2's sharding axis; tp: tensor parallelism; ep: expert parallelism, folded over dp_shard x cp (the
+    experts are split by expert over `ep` of those ranks; dense layers stay data-parallel over them); cp: context
+    parallelism (each rank of a cp group holds 1/cp of every sequence); pp: pipeline stages, the outermost axis
+    (each pp rank holds its stage(s) of the model on a mesh of the other axes)."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks in all: each holds different samples of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def ep_pool(self) -> int:
+        """The ranks ep is folded over: dp_shard x cp (cp is 1 wherever ep > 1 today: the rule table refuses both)."""
+        return self.dp_shard * self.cp
+
+    def sizes(self) -> dict[str, int]:
+        """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""
+        out = {axis: getattr(self, axis) for axis in MESH_AXES if axis != "cp"}
+        out = {**out, **{axis: getattr(self, axis) for axis in ("ep", "cp") if getattr(self, axis) > 1}}
+        return out if self.pp == 1 else {PP_AXIS: self.pp, **out}
+
+    def mesh_shape(self) -> dict[str, int]:
+        """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
+        pp = {PP_AXIS: self.pp} if self.pp > 1 else {}
+        if self.ep == 1:
+            return {**pp, **{axis: getattr(self, axis) for axis in MESH_AXES}}
+        assert self.cp == 1, self  # cp x ep: the ep group would fold cp ranks too (the rule table refuses it)
+        return {**pp, **dict(zip(EP_MESH_AXES, (self.dp_replicate, self.ep_pool // self.ep, self.ep, self.tp)))}
+
+    @classmethod
+    def of(cls, mesh: Any) -> "ParallelDims":
+        """The sizes of a mesh built by `build_mesh` (anything with `mesh_dim_names` and `shape`)."""
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        if "ep" not in sizes:
+            return cls(**sizes)
+        return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
+                   tp=sizes["tp"], ep=sizes["ep"], pp=sizes.get(PP_AXIS, 1))
+
+    def build_mesh(self, device_type: str):
+        """The named DeviceMesh of these sizes (collective on first use; tptrain/distributed/topology.py)."""
+        from tptrain.distributed.topology import build_mesh  # torch: only once a mesh is built
+
+        return build_mesh(self, device_type)
+
+
+@dataclass(frozen=True)
+class Asked:
+    """The sizes as given (None: to be resolved: tp and dp_shard take what the world size leaves over)."""
+
+    tp_size: int | None = None
+    cp_size: int = 1
+    ep_size: int | None = None
+    dp_replicate_size: int = 1
+    dp_shard_size: int | None = None
+    pp_size: int = 1
+
+    def solve(self, world: int) -> ParallelDims | None:
+        """The sizes with every axis resolved against `world`, or None when they cannot multiply to it (or pp does
+        not divide it). ep is not checked here (its own rules are)."""
+        pp = self.pp_size
+        if world % pp:
+            return None
+        world //= pp  # the other axes lay out each stage's ranks
+        rep, shard, tp, cp = self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size or 1
+        if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard = ep_size)
+            tp = world // (rep * cp * (shard or self.ep_size or 1))
+        if shard is None:
+            shard = world // (rep * cp * tp) if tp and world % (rep * cp * tp) == 0 else 0
+        if tp < 1 or shard < 1 or rep * shard * cp * tp != world:
+            return None
+        return ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=self.ep_size or 1, cp=cp, pp=pp)
+

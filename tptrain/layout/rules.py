@@ -1,0 +1,58 @@
+"""The one rule table: every refusal of a layout, decided once, with one message.
+
+    validate(Case(dims=dims, features=Features(sequence_parallel=True), facts=model_facts(model)))
+    resolve(4, tp_size=2)                      # the sizes against the world size: the size rules
+
+The rows, in the order they are checked (the first refused raises its ValueError): the sizes as given
+(size_rules.py), which axes and features compose with each other and with the model (axis_rules.py), and what a
+training run or an input brings (training_rules.py). A row whose inputs are not known where the table is checked
+(a batch size in `from_pretrained`, a world size in `tptrain plan`) waits for an entry point that knows them; the
+library (`from_pretrained`, `model.parallelize`), the Trainer, `tptrain train`'s checks before any worker starts and
+`tptrain plan` all check the same table. `docs/parallelism.md` shows it (table.py renders it; a test compares).
+
+Pure: imports no torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tptrain.layout import axis_rules, size_rules, training_rules
+from tptrain.layout.case import LIBRARY, Case, Features, Rule, Spelling
+from tptrain.layout.dims import Asked, ParallelDims
+
+RULES: tuple[Rule, ...] = (*size_rules.ROWS, *axis_rules.ROWS, *training_rules.ROWS)
+_BY_NAME = {r.name: r for r in RULES}
+assert len(_BY_NAME) == len(RULES), "rule names are unique"
+
+
+def refusals(case: Case) -> list[tuple[str, str]]:
+    """(rule name, message) of every row that refuses `case`, in table order."""
+    return [(r.name, message) for r in RULES if (message := r.refusal(case)) is not None]
+
+
+def validate(case: Case) -> None:
+    """ValueError with the message of the first row that refuses `case` (the same on every rank: nothing here
+    communicates)."""
+    for r in RULES:
+        message = r.refusal(case)
+        if message is not None:
+            raise ValueError(message)
+
+
+def check(name: str, case: Case) -> None:
+    """ValueError if the row `name` refuses `case` (where only that row's inputs are at hand: an input's length, an
+    adapter's target)."""
+    message = _BY_NAME[name].refusal(case)
+    if message is not None:
+        raise ValueError(message)
+
+
+def resolve(world: int, *, features: Features | None = None, spelling: Spelling = LIBRARY,
+            **sizes: Any) -> ParallelDims:
+    """The sizes (tp_size=, cp_size=, ep_size=, dp_replicate_size=, dp_shard_size=, pp_size=; None: tp and dp_shard
+    take what `world` leaves over) resolved against `world`, after the rows of the table that read the sizes as
+    given (and `features`, what else is asked: e.g. enable_expert_parallel); a ValueError naming the sizes as
+    `spelling` spells them."""
+    asked = Asked(**{k: v for k, v in sizes.items() if v is not None or k in ("tp_size", "ep_size", "dp_shard_size")})
+    validate(Case(asked=asked, world=world, features=features or Features(), spelling=spelling))
+    return asked.solve(world)

@@ -1,0 +1,93 @@
+"""The rows of the rule table that read what a training run (or an input) brings: the optimizer, the batch and its
+microbatches, the sequence length, LoRA. Checked by the Trainer and by `tptrain train` before any worker starts;
+the sequence-length rows again on each input."""
+from __future__ import annotations
+
+from tptrain.layout import schedules
+from tptrain.layout.case import Case, Rule, rule
+
+ROWS: list[Rule] = []
+
+
+def _schedule(c: Case) -> str:
+    return schedules.canonical(c.features.pp_schedule) or c.features.pp_schedule
+
+
+def _microbatches(c: Case) -> int:
+    return c.features.pp_microbatches or c.dims.pp
+
+
+@rule(ROWS, "pp_optim_in_backward", between=("pp", "optim_in_backward"), needs=("dims", "features.optim_in_backward"),
+      when="optim_in_backward with pp_size > 1",
+      reason="the pipeline's backward runs in pieces and the tied embedding's gradient is summed after it",
+      fix="train without optim_in_backward")
+def _pp_optim_in_backward(c: Case, r: Rule) -> str | None:
+    if c.dims.pp > 1 and c.features.optim_in_backward:
+        return f"optim_in_backward with pp_size > 1: {r.reason}; {r.fix}"
+
+
+@rule(ROWS, "pp_microbatches", needs=("dims", "features.batch_size"),
+      when="fewer microbatches than the schedule runs (pp_size; a V schedule: 2 x pp_size)",
+      reason="torch's schedules need at least that many to fill the pipeline", fix="raise pp_microbatches")
+def _pp_microbatches(c: Case, r: Rule) -> str | None:
+    schedule, pp, n = _schedule(c), c.dims.pp, _microbatches(c)
+    minimum = schedules.min_microbatches(schedule, pp)
+    if pp > 1 and n < minimum:
+        return (f"pipeline schedule {schedule} at pp_size={pp} needs at least {minimum} microbatches, got "
+                f"pp_microbatches={n}; raise pp_microbatches (--pp-microbatches) to {minimum}")
+
+
+@rule(ROWS, "pp_rounds", needs=("dims", "features.batch_size"),
+      when="a looped schedule's microbatches not a multiple of its rounds (microbatches // pp_size)",
+      reason="each round runs pp_size microbatches through both of a rank's stages", fix="a multiple of pp_size")
+def _pp_rounds(c: Case, r: Rule) -> str | None:
+    schedule, pp, n = _schedule(c), c.dims.pp, _microbatches(c)
+    rounds = schedules.microbatch_rounds(schedule, pp, n)
+    if pp > 1 and rounds is not None and n % rounds:
+        return (f"pipeline schedule {schedule} needs pp_microbatches to be a multiple of the rounds "
+                f"(pp_microbatches // pp_size = {rounds}), got {n}; use a multiple of {pp}")
+
+
+@rule(ROWS, "pp_batch", needs=("dims", "features.batch_size"),
+      when="per_device_train_batch_size not a multiple of pp_microbatches",
+      reason="the schedule splits each micro-batch into equal microbatches", fix="a batch size that is a multiple")
+def _pp_batch(c: Case, r: Rule) -> str | None:
+    batch, n = c.features.batch_size, _microbatches(c)
+    if c.dims.pp > 1 and batch % n:
+        return (f"per_device_train_batch_size={batch} does not split into pp_microbatches={n} equal microbatches; "
+                f"use a batch size that is a multiple of {n}")
+
+
+@rule(ROWS, "lora_ep", between=("ep", "lora_experts"), needs=("dims", "features.lora_experts"),
+      when="LoRA on experts split over an ep axis (ep_size > 1)",
+      reason="the adapter's factors would hold every expert while the rank holds ep_size-th of them",
+      fix="enable_expert_parallel=True (ep over the TP group) or expert tensor parallelism for LoRA on the experts")
+def _lora_ep(c: Case, r: Rule) -> str | None:
+    if c.dims.ep > 1:
+        return (f"LoRA cannot adapt {c.features.lora_experts!r} yet: its experts are split over an ep axis "
+                f"(DistributedConfig(ep_size=)); use {r.fix}")
+
+
+@rule(ROWS, "cp_seq_len", needs=("dims", "features.seq_len"), when="a sequence length not a multiple of 2 x cp_size",
+      reason="context parallelism cuts every sequence into 2 x cp_size equal chunks (head-tail load balancing)",
+      fix="pad the batch (labels -100), or a seq_len that is a multiple of 2 x cp_size")
+def _cp_seq_len(c: Case, r: Rule) -> str | None:
+    seq, cp = c.features.seq_len, c.dims.cp
+    multiple = 2 * cp
+    if cp > 1 and seq % multiple:
+        padded = -(-seq // multiple) * multiple
+        return (f"context parallelism (cp_size={cp}) cuts every sequence into 2 x cp_size = {multiple} equal chunks, "
+                f"but {c.spelling.seq_len} is {seq}, not a multiple of {multiple}; pad the batch to {padded} tokens "
+                f"(labels -100), or use a seq_len (--seq-len) that is a multiple of {multiple}")
+
+
+@rule(ROWS, "sp_seq_len", needs=("dims", "facts", "features.seq_len"),
+      when="enable_sequence_parallel with a sequence length (over cp) not a multiple of tp_size",
+      reason="sequence parallelism splits each sequence over the tp ranks",
+      fix="a sequence length divisible by tp_size (pad with labels=-100), or disable enable_sequence_parallel")
+def _sp_seq_len(c: Case, r: Rule) -> str | None:
+    tp = c.dims.tp
+    if c.features.sequence_parallel and tp > 1 and (c.features.seq_len // c.dims.cp) % tp:
+        return (f"{c.facts.name}: sequence parallelism splits the sequence over tp_size={tp} ranks, but "
+                f"{c.spelling.seq_len} is not a multiple of {tp}; choose a sequence length divisible by {tp} (pad a "
+                f"batch with labels=-100, attention_mask=0 on the padding) or disable enable_sequence_parallel")

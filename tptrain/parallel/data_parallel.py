@@ -1,0 +1,89 @@
+"""Data parallelism (FSDP2 / HSDP / DDP, all as `fully_shard`) and per-layer torch.compile: the last steps of the one
+parallelize (parallelize.py), on a model already split over its other axes.
+
+TP parameters are plain local tensors, so FSDP shards each rank's TP shard as an ordinary parameter.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from tptrain.distributed.topology import dp_shard_cp_mesh, expert_dp_mesh
+from tptrain.parallel import contract
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
+    base = getattr(model, contract.prefix(model), None)
+    layers = getattr(base, "layers", [])
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)  # ModuleDict: a pipeline stage's
+
+
+def ep_split_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose parameters the layout splits over the ep axis (the stacked experts), as the layout says."""
+    layout = getattr(model, "tp_layout", None)
+    if layout is None:
+        return []
+    names = dict.fromkeys(name.rpartition(".")[0] for name, spec in layout.specs.items() if spec.ep_split)
+    return [model.get_submodule(name) for name in names]
+
+
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool,
+                        stages: Sequence[nn.Module] | None = None) -> bool:
+    """FSDP2 over dp_shard; HSDP over (dp_replicate, dp_shard) when dp_replicate > 1 (plain replicated
+    DP when dp_shard is 1). Returns whether the model was wrapped (False when both dp degrees are 1).
+
+    Gradients are SUMMED over data-parallel ranks, not averaged: the loss is already divided by the
+    real-token count of the global batch, so FSDP's default 1/dp would count each token dp times too
+    little.
+
+    With an ep axis, the experts split over it are wrapped first, on their own, over the ranks holding the same
+    experts (`expert_dp_mesh`: dp_shard_mod_ep, HSDP with dp_replicate), so their gradients are summed only there;
+    everything else is sharded over dp_shard (ep included) as without it.
+
+    With context parallelism FSDP2 shards over dp_shard x cp flattened (torchtitan's dp_shard_cp): the cp ranks'
+    gradients are shares of one batch's, which its reduce-scatter sums.
+
+    `stages`: under pipeline parallelism, this rank's stage modules, each wrapped last in place of the model (it
+    holds what no layer of the stage holds: the embedding, the final norm, the head; torchtitan's 3-D layout).
+    torch's PipelineStage sees an FSDP module: it holds the gradient reduce-scatter back until the last microbatch
+    and runs it at the end of the schedule's step. Parameters stay gathered from a microbatch's forward to the
+    step's end (reshard_after_forward False, torchtitan's default under pp), instead of one all-gather per
+    microbatch and layer."""
+    rep, shards = mesh["dp_replicate"].size(), dp_shard_cp_mesh(mesh)
+    if rep * shards.size() == 1:
+        return False
+    dp_mesh = mesh["dp_replicate", shards.mesh_dim_names[0]] if rep > 1 else shards
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+                 else MixedPrecisionPolicy())
+    reshard = stages is None  # each unit's reshard_after_forward
+    for experts in ep_split_modules(model):
+        fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy, reshard_after_forward=reshard)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    for root in stages or (model,):
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    for module in (m for root in stages or (model,) for m in root.modules()):
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM everywhere: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
+            module.set_force_sum_reduction_for_comms(True)
+    return True
+
+
+def apply_compile(model: nn.Module, *, backend: str) -> None:
+    """torch.compile each decoder layer on its own (torchtitan's per-block compile): the layers share one code, so
+    compiling one block is compiling them all, and the TP styles' hooks and collectives inside a block are traced
+    with it (comm.py's collectives are custom ops). The layer's `forward` is replaced in place, so parameter names,
+    the layout table and checkpoints are unchanged, and hooks on the layer itself (FSDP2's, applied after this)
+    run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer."""
+    layout = getattr(model, "tp_layout", None)
+    for layer in decoder_layers(model):
+        if layout is not None and layout.ctx.size > 1:  # a block never reuses the last block's shared TP boundary: starting each without
+            # it (in eager, before the compiled call) spares dynamo a second graph guarded on it being set
+            layer.register_forward_pre_hook(lambda module, args: layout.ctx.reset())
+        layer.forward = torch.compile(layer.forward, backend=backend)
