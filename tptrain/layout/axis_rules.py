@@ -32,16 +32,6 @@ def _pp_cp(c: Case, r: Rule) -> str | None:
         return f"DistributedConfig(pp_size={c.dims.pp}) does not compose with cp_size yet ({r.reason}); {r.fix}"
 
 
-@rule(ROWS, "pp_router_aux", between=("pp", "router_aux_loss"), needs=MODEL,
-      when="pp_size > 1 on a model with output_router_logits=True",
-      reason="the router aux loss sums over the layers of every stage and is not computed under pipeline parallelism",
-      fix="set output_router_logits=False in the config")
-def _pp_router_aux(c: Case, r: Rule) -> str | None:
-    if c.dims.pp > 1 and c.facts.router_aux_loss:
-        return (f"DistributedConfig(pp_size={c.dims.pp}): the router aux loss (output_router_logits=True) sums over "
-                f"the layers of every stage and is not computed under pipeline parallelism; {r.fix}")
-
-
 @rule(ROWS, "pp_schedule", needs=("features",), when="a pp_schedule torch.distributed.pipelining does not have",
       reason="the stages run one of torch's schedules", fix="use one of " + ", ".join(schedules.SCHEDULES))
 def _pp_schedule(c: Case, r: Rule) -> str | None:
@@ -115,15 +105,6 @@ def _cp_masks(c: Case, r: Rule) -> str | None:
         return _cannot_cp(c, f"cp_size needs the base model ({c.facts.mask_builder}) to build its attention masks "
                              f"through attention_masks(...) (parallel/contract.py); tptrain's native models do: load "
                              f"with backend='native'")
-
-
-@rule(ROWS, "cp_router_aux", between=("cp", "router_aux_loss"), needs=MODEL,
-      when="cp_size > 1 on a model with output_router_logits=True",
-      reason="the load-balancing loss averages the router over the whole batch and each cp rank routes only its own "
-             "tokens", fix="set output_router_logits=False in config.json, or drop cp_size")
-def _cp_router_aux(c: Case, r: Rule) -> str | None:
-    if c.dims.cp > 1 and c.facts.router_aux_loss:
-        return _cannot_cp(c, f"cp_size with output_router_logits=True: {r.reason}; {r.fix}")
 
 
 @rule(ROWS, "cp_longrope", between=("cp", "longrope"), needs=MODEL, when="cp_size > 1 on a model with longrope",

@@ -12,6 +12,7 @@ the first expert held here.
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -207,21 +208,39 @@ class SparseMoeBlock(nn.Module):
         return keys
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' load_balancing_loss_func (Switch Transformer eqs. 4-6) over every MoE layer's logits
-    (tokens, experts): num_experts * sum_e (fraction of top-k assignments to e) * (mean router probability of e),
-    both over all layers' (unpadded) tokens."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    prob_sum = torch.zeros_like(counts)
-    rows = 0.0
-    mask = None if attention_mask is None else attention_mask.reshape(-1).to(counts)
+def router_statistics(router_logits: list[torch.Tensor], attention_mask: torch.Tensor | None = None, *,
+                      num_experts: int, top_k: int) -> torch.Tensor:
+    """The load-balancing loss's token statistics (transformers' load_balancing_loss_func, Switch Transformer eqs. 4-6:
+    its loss is `balancing_loss` of them) of some MoE layers' logits (tokens, experts) and the tokens' mask
+    (batch, seq) or None: (2 experts + 1,) = [top-k assignments of each expert (no gradient), router probability
+    summed over the tokens for each expert, tokens counted], summed over the layers. Sums of the statistics of
+    other layers (a pipeline's other stages) or other tokens (other cp or sp ranks) are those of all of them. In
+    the logits' dtype, at least fp32."""
+    dtype = torch.promote_types(router_logits[0].dtype, torch.float32) if router_logits else torch.float32
+    device = router_logits[0].device if router_logits else None
+    counts = torch.zeros(num_experts, dtype=dtype, device=device)
+    prob_sum, rows = torch.zeros_like(counts), torch.zeros((), dtype=dtype, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(dtype)
     for logits in router_logits:
-        probs = logits.softmax(-1)
+        probs = logits.softmax(-1).to(dtype)
         selected = torch.topk(probs, top_k, dim=-1).indices
-        token_weight = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask
+        token_weight = torch.ones(probs.shape[0], dtype=dtype, device=probs.device) if mask is None else mask
         counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1),
                                                                 token_weight.repeat_interleave(top_k))
-        prob_sum = prob_sum + (probs.float() * token_weight[:, None]).sum(0)
+        prob_sum = prob_sum + (probs * token_weight[:, None]).sum(0)
         rows = rows + token_weight.sum()
-    return (counts / rows * (prob_sum / rows)).sum() * num_experts
+    return torch.cat([counts, prob_sum, rows[None]])
+
+
+def balancing_loss(stats: torch.Tensor, num_experts: int, *,
+                   total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The load-balancing loss of `router_statistics`' `stats`: num_experts * sum_e counts_e / rows * probs_e / rows.
+    `total`: a tensor summed over the ranks holding the batch's other tokens (context or sequence parallelism; None:
+    these are all). The counts and rows are then the whole batch's, and the result is this rank's share (its own
+    router probabilities): summed over those ranks, one process's loss, and the gradient of each share, which
+    reaches only its own tokens' probabilities, is that of one process's loss (the counts have none)."""
+    counts, probs, rows = stats[:num_experts].detach(), stats[num_experts:-1], stats[-1].detach()
+    if total is not None:
+        summed = total(torch.cat([counts, rows[None]]))
+        counts, rows = summed[:-1], summed[-1]
+    return (counts / rows * (probs / rows)).sum() * num_experts

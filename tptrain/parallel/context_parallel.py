@@ -39,6 +39,7 @@ from tptrain.distributed.topology import cp_mesh
 from tptrain.layout import Case, Features, ParallelDims, Spelling, check
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel import contract
+from tptrain.parallel.expert_parallel import router_aux_over_cp
 
 
 @dataclass
@@ -89,6 +90,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | No
             module.attend = _gathering(contract.attend(module), ctx)
     base = contract.base_model(model)
     base.attention_masks = _rows_for_this_rank(contract.mask_builder(model), ctx)
+    router_aux_over_cp(model, ctx.group_name)  # the router aux loss's token counts: every cp rank's tokens
     model.loss_function = _on_shifted(model.loss_function)
     if contract.has_head_loss(model):
         model.head_loss_function = _on_shifted(model.head_loss_function)
@@ -136,6 +138,8 @@ def _sum_loss(ctx: CPContext, out):
     ctx.end()
     if getattr(out, "loss", None) is not None:
         out.loss = comm.sum_over_cp(out.loss, ctx.group_name)
+    if getattr(out, "aux_loss", None) is not None:  # each rank's share of the router aux loss
+        out.aux_loss = comm.sum_over_cp(out.aux_loss, ctx.group_name)
     return out
 
 

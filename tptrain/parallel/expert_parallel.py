@@ -154,3 +154,43 @@ class ExpertParallel(ExpertParallelAllToAll):
             super().install(module, ctx)
         else:
             ExpertParallelAllReduce.install(self, module, ctx)
+
+
+def router_aux_over_cp(model: nn.Module, group_name: str) -> None:
+    """Context parallelism's part of the router aux loss (`contract.router_aux`): each cp rank routes its own tokens,
+    so the token counts are summed over the cp group (one all-reduce of num_experts + 1 floats) and each rank's loss
+    is its share (its own router probabilities), summed over cp with the rest of the loss."""
+    if contract.router_aux(model) is not None:
+        model.router_aux_loss_function = _counts_summed(model.router_aux_loss_function, group_name)
+
+
+def router_aux_over_sp(model: nn.Module, ctx: TPContext) -> None:
+    """Sequence parallelism's part of the router aux loss: each tp rank routes its sequence shard (the padding mask's
+    columns of that shard), its counts are summed over the tp group and its share too (all-reduce fwd / identity
+    bwd: every tp rank's loss is then the whole, each share's gradient its own)."""
+    if contract.router_aux(model) is None:
+        return
+    statistics, loss_function = contract.router_aux(model)
+    summed = _counts_summed(loss_function, ctx.group_name)
+
+    def router_statistics(router_logits, attention_mask):
+        if attention_mask is not None:  # (batch, seq) -> this rank's (batch, seq / tp), as SP splits the sequence
+            attention_mask = attention_mask.chunk(ctx.size, dim=1)[ctx.rank]
+        return statistics(router_logits, attention_mask)
+
+    def router_aux_loss_function(stats, *, total=None):
+        return comm.reduce_from_tp(summed(stats, total=total), ctx.group_name)
+
+    model.router_statistics, model.router_aux_loss_function = router_statistics, router_aux_loss_function
+
+
+def _counts_summed(loss_function, group_name: str):
+    """`loss_function(stats, *, total=)` with the counts (and any `total` it is given) summed over the group too."""
+    def router_aux_loss_function(stats, *, total=None):
+        def summed(t):
+            t = comm.all_reduce(t.clone(), comm.resolve_group(group_name), phase="router_aux")
+            return t if total is None else total(t)
+
+        return loss_function(stats, total=summed)
+
+    return router_aux_loss_function

@@ -179,7 +179,8 @@ class StageModule(nn.Module):
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
         self._layout = getattr(model, "tp_layout", None)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None):
+        # `carried`: what the stage before passed on besides x (the router statistics, `contract.PipelineModel`).
         # What the TP engine's hooks on the model's forward do around a whole forward with labels: a fresh shared
         # boundary, and the logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it).
         ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
@@ -187,7 +188,7 @@ class StageModule(nn.Module):
             ctx.reset()
             ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
         try:
-            return self.view.pipeline_forward(x, position_ids)
+            return self.view.pipeline_forward(x, *carried, position_ids=position_ids)
         finally:
             if ctx is not None:
                 ctx.reset()
@@ -196,13 +197,16 @@ class StageModule(nn.Module):
 class MicrobatchLoss:
     """The schedule's loss_fn: a microbatch's (logits, labels) -> its token-loss sum over the step's global token
     count (`num_items`, set each step), through the model's own `loss_function` (the TP engine's when it swapped
-    one in). The schedule does not scale gradients (scale_grads=False): the sum over microbatches is the step's."""
+    one in), plus what the model adds of what its stages carried (`pipeline_loss`: the router aux loss). The
+    schedule does not scale gradients (scale_grads=False): the sum over microbatches is the step's."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.num_items = model, None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model.loss_function(logits, labels, self.num_items)
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        logits, *carried = output if isinstance(output, tuple) else (output,)
+        loss = self.model.loss_function(logits, labels, self.num_items)
+        return self.model.pipeline_loss(loss, *carried) if carried else loss
 
 
 def tie_group(mesh, plan: PipelinePlan) -> dist.ProcessGroup | None:
