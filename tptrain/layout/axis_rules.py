@@ -123,17 +123,6 @@ def _sp_transformers(c: Case, r: Rule) -> str | None:
         return f"sequence parallelism is not supported on the transformers backend ({r.reason}); {r.fix}"
 
 
-@rule(ROWS, "sp_experts", between=("sp", "moe_router_styles"), needs=MODEL,
-      when="enable_sequence_parallel with tp_size > 1 and a plan style that needs whole inputs (the MoE routers')",
-      reason="the router would route a sequence shard", fix="disable enable_sequence_parallel")
-def _sp_experts(c: Case, r: Rule) -> str | None:
-    refusing = c.facts.sp_refusing
-    if c.features.sequence_parallel and c.dims.tp > 1 and refusing:
-        return (f"cannot shard {c.facts.name} over tp_size={c.dims.tp}: {', '.join(refusing)} "
-                f"{'does' if len(refusing) == 1 else 'do'} not work under sequence parallelism yet ({r.reason}); "
-                f"{r.fix}")
-
-
 @rule(ROWS, "ep_dense", between=("ep", "dense_model"), needs=("dims", "facts.experts"),
       when="ep_size > 1 on a model without experts", reason="expert parallelism is for mixture-of-experts models",
       fix="drop ep_size (--ep-size)")

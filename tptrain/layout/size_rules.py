@@ -114,8 +114,8 @@ def _world(c: Case, r: Rule) -> str | None:
 def _ep_cp(c: Case, r: Rule) -> str | None:
     cp, ep = c.asked.cp_size or 1, c.asked.ep_size or 1
     if cp > 1 and ep > 1 and ep % cp:
-        return (f"{_described(c)}: ep_size={ep} is not a multiple of cp_size={cp}: {r.reason}; use an ep_size that is "
-                f"a multiple of {cp} (e.g. {cp} or {2 * cp}), or ep_size=1")
+        return (f"ep_size={ep} (--ep-size) is not a multiple of cp_size={cp} (--cp-size): {r.reason}; use an ep_size "
+                f"that is a multiple of {cp} (e.g. {cp} or {2 * cp}), or ep_size=1")
 
 
 @rule(ROWS, "ep_twice", between=("ep", "ep_tp"), needs=("asked",),

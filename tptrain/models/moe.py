@@ -32,8 +32,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x (tokens, hidden); expert_ids, weights (tokens, k): each token's global experts and their weights.
-        Returns (tokens, hidden): the weighted sum over the experts held here (zero rows for other tokens)."""
+        """x (..., hidden): the tokens, e.g. (batch, seq, hidden); expert_ids, weights (tokens, k): each token's
+        global experts and their weights. Returns x's shape: the weighted sum over the experts held here (zero rows
+        for other tokens)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (tokens, hidden)
         counts, order = sort_by_expert(expert_ids, self.num_experts)
         held = slice(self.expert_offset, self.expert_offset + self.gate_proj.shape[0])
         first, last = sum(counts[:held.start]), sum(counts[:held.stop])
@@ -41,7 +44,7 @@ class Experts(nn.Module):
         tokens = mine // expert_ids.shape[1]
         ys = self.grouped(x[tokens], counts[held])  # (assignments, hidden)
         w = weights.flatten()[mine, None]
-        return x.new_zeros(x.shape).index_add_(0, tokens, (ys * w).to(x.dtype))
+        return x.new_zeros(x.shape).index_add_(0, tokens, (ys * w).to(x.dtype)).view(shape)
 
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here; returns
@@ -187,15 +190,15 @@ class SparseMoeBlock(nn.Module):
         return logits, weights.to(dtype), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        shape = h.shape
-        x = h.reshape(-1, shape[-1])  # (tokens, hidden)
-        self.router_logits, weights, ids = self.route(x)
-        out = self.experts(x, ids, weights)
+        """h (batch, seq, hidden), routed token by token; the experts and the shared expert(s) read h itself (the
+        block's input boundary under tensor parallelism: under SP they gather its sequence once)."""
+        self.router_logits, weights, ids = self.route(h.reshape(-1, h.shape[-1]))  # (tokens, experts), (tokens, k)
+        out = self.experts(h, ids, weights)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+            out = out + self.shared_experts(h)
+        return out
 
     def checkpoint_keys(self, prefix: str, config) -> dict[str, str | list[str]]:
         """{in-memory parameter name: checkpoint name, or the per-expert names of a stacked tensor} of this block

@@ -51,10 +51,11 @@ def all_to_all_wins(ranks: int, top_k: int) -> bool:
 
 
 class _ExpertStyle(ParallelStyle):
-    """Shared by the expert styles: the module must be a stacked-experts module; no sequence parallelism (the
-    router would see a sequence shard while the experts see the gathered sequence)."""
+    """Shared by the expert styles: the module must be a stacked-experts module. Under sequence parallelism each tp
+    rank routes its own sequence shard (the router is per token; its weight's gradient, a partial sum over tp, is
+    summed by the grad sync: the SP plan's 'sequence_parallel' rule on it), and the experts take the block input
+    (batch, seq / tp, hidden) with its routing (`_gathered`)."""
 
-    sequence_parallel_ok = False
     stacked_experts = True
 
     def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
@@ -69,13 +70,29 @@ class _ExpertStyle(ParallelStyle):
         raise NotImplementedError
 
 
+def _gathered(ctx: TPContext, x, expert_ids, weights):
+    """The block input x (batch, seq, hidden) and its routing (tokens, k) as every rank of the TP group sees them when
+    each runs every token through its share of the experts: x through the block's input boundary (`ctx.enter`,
+    shared with the shared expert's gate/up; under SP the all-gather of the sequence), the weights through
+    `copy_to_tp`, so their gradient, partial per rank, is summed; under SP every rank's shard of the routing is
+    all-gathered along the sequence as x is (the weights: all-gather fwd / reduce-scatter bwd, each rank's tokens'
+    gradient summed back to it). Returns (x (batch, seq, hidden) whole, ids, weights (batch * seq, k))."""
+    if not ctx.sequence_parallel:
+        return ctx.enter(x), expert_ids, comm.copy_to_tp(weights, ctx.group_name)
+    b, k = x.shape[0], expert_ids.shape[-1]
+    ids, weights = (comm.gather_to_sp(t.view(b, -1, k), ctx.group_name, dim=1).flatten(0, 1)
+                    for t in (expert_ids, weights))
+    return ctx.enter(x), ids, weights
+
+
 def _summed_partials(module: nn.Module, ctx: TPContext):
-    """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce)."""
+    """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce;
+    under SP a reduce-scatter back to the sequence shards)."""
     local_forward = type(module).forward
     module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
 
     def forward(self, x, expert_ids, weights):
-        x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
+        x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
         return ctx.exit(local_forward(self, x, expert_ids, weights))
 
     return forward
@@ -100,9 +117,10 @@ class ExpertTensorParallel(_ExpertStyle):
         module.ep_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
-            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
-            return ctx.exit(exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.ep_group_name,
-                                            ctx.ep_size))
+            x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
+            out = exchange(self.grouped, self.num_experts, x.reshape(-1, x.shape[-1]), expert_ids, weights,
+                           ctx.ep_group_name, ctx.ep_size)
+            return ctx.exit(out.view(x.shape))
 
         replace_forward(module, forward)
 
@@ -126,7 +144,8 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
     """Experts split by expert (dim 0); each rank's share of the tokens dispatched to the experts' owners and
     combined back by all-to-all, then the shares all-gathered. A batch whose tokens do not split into equal shares
     (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds the same
-    tokens, so every rank takes the same path."""
+    tokens, so every rank takes the same path. Under SP a rank's share is its sequence shard, routed there: the
+    exchange alone, its tokens neither split nor gathered."""
 
     name = "expert_parallel_all_to_all"
 
@@ -136,9 +155,13 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
         module.tp_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
-            if x.shape[0] % ctx.size:
+            tokens = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
+            if ctx.sequence_parallel:
+                return exchange(self.grouped, self.num_experts, tokens, expert_ids, weights, ctx.group_name,
+                                ctx.size).view(x.shape)
+            if tokens.shape[0] % ctx.size:
                 return summed(self, x, expert_ids, weights)
-            return dispatch_and_combine(self.grouped, self.num_experts, x, expert_ids, weights, ctx)
+            return dispatch_and_combine(self.grouped, self.num_experts, tokens, expert_ids, weights, ctx).view(x.shape)
 
         replace_forward(module, forward)
 
