@@ -107,14 +107,6 @@ def _cp_masks(c: Case, r: Rule) -> str | None:
                              f"with backend='native'")
 
 
-@rule(ROWS, "cp_longrope", between=("cp", "longrope"), needs=MODEL, when="cp_size > 1 on a model with longrope",
-      reason="its long factors switch on the longest position of the whole sequence, which one cp rank does not see",
-      fix="drop cp_size for this model")
-def _cp_longrope(c: Case, r: Rule) -> str | None:
-    if c.dims.cp > 1 and c.facts.longrope:
-        return _cannot_cp(c, f"cp_size with rope_type 'longrope': {r.reason}; {r.fix}")
-
-
 @rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
       when="enable_sequence_parallel on the transformers backend",
       reason="transformers' layers are not split along the sequence", fix="drop enable_sequence_parallel")

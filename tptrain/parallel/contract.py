@@ -323,6 +323,13 @@ class PipelineModel(Protocol):
                          position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
+def long_context(module: nn.Module):
+    """A module's `long_context(position_ids) -> bool tensor or None` (a rotary embedding whose frequencies switch on
+    the longest position of the batch: longrope; context parallelism hands it the whole batch's positions), or None
+    when it has none."""
+    return getattr(module, "long_context", None)
+
+
 def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
     """(router_statistics, router_aux_loss_function) of a model computing the router aux loss through them (see
     TPModel), or None."""
