@@ -134,7 +134,7 @@ def test_cp_size_is_validated():
         DistributedConfig(tp_size=2, cp_size=4).parallel_dims(4)
     # ep folded over dp_shard x cp (tests/test_compose_moe.py); an ep group holds whole cp groups
     assert DistributedConfig(cp_size=2, ep_size=2, tp_size=1).parallel_dims(4) == ParallelDims(1, 2, 1, ep=2, cp=2)
-    with pytest.raises(ValueError, match=r"ep_size=3 is not a multiple of cp_size=2"):
+    with pytest.raises(ValueError, match=r"ep_size=3 \(--ep-size\) is not a multiple of cp_size=2"):
         DistributedConfig(cp_size=2, ep_size=3, tp_size=1).parallel_dims(6)
     # the Trainer's spelling (accelerate's): checked against the model, whose cp_size is set when it is loaded
     assert ParallelismConfig(cp_size=2, tp_size=1).parallel_dims(4) == ParallelDims(1, 2, 1, cp=2)
