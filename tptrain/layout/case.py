@@ -28,7 +28,6 @@ class Features:
     batch_size: int | None = None  # per_device_train_batch_size
     optim_in_backward: bool | None = None
     seq_len: int | None = None  # the tokens of a sequence (TrainingArguments.seq_len, or an input's length)
-    lora_experts: str | None = None  # an experts module LoRA adapts (its name)
 
 
 @dataclass(frozen=True)
