@@ -44,7 +44,9 @@ class Experts(nn.Module):
         tokens = mine // expert_ids.shape[1]
         ys = self.grouped(x[tokens], counts[held])  # (assignments, hidden)
         w = weights.flatten()[mine, None]
-        return x.new_zeros(x.shape).index_add_(0, tokens, (ys * w).to(x.dtype)).view(shape)
+        out = x.new_zeros(shape)  # a tensor of its own (not a view: FSDP2 wraps the experts as a module)
+        out.view(-1, shape[-1]).index_add_(0, tokens, (ys * w).to(x.dtype))
+        return out
 
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here; returns

@@ -118,9 +118,8 @@ class ExpertTensorParallel(_ExpertStyle):
 
         def forward(self, x, expert_ids, weights):
             x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
-            out = exchange(self.grouped, self.num_experts, x.reshape(-1, x.shape[-1]), expert_ids, weights,
-                           ctx.ep_group_name, ctx.ep_size)
-            return ctx.exit(out.view(x.shape))
+            return ctx.exit(exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.ep_group_name,
+                                     ctx.ep_size))
 
         replace_forward(module, forward)
 
@@ -141,10 +140,10 @@ class ExpertParallelAllReduce(_ExpertStyle):
 
 @register_style
 class ExpertParallelAllToAll(ExpertParallelAllReduce):
-    """Experts split by expert (dim 0); each rank's share of the tokens dispatched to the experts' owners and
-    combined back by all-to-all, then the shares all-gathered. A batch whose tokens do not split into equal shares
-    (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds the same
-    tokens, so every rank takes the same path. Under SP a rank's share is its sequence shard, routed there: the
+    """Experts split by expert (dim 0); each rank's share of the tokens (of the sequence) dispatched to the experts'
+    owners and combined back by all-to-all, then the shares all-gathered. A batch whose sequence does not split into
+    equal shares (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds
+    the same tokens, so every rank takes the same path. Under SP a rank's share is its sequence shard, routed there: the
     exchange alone, its tokens neither split nor gathered."""
 
     name = "expert_parallel_all_to_all"
@@ -155,13 +154,11 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
         module.tp_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
-            tokens = x.reshape(-1, x.shape[-1])  # (tokens, hidden)
             if ctx.sequence_parallel:
-                return exchange(self.grouped, self.num_experts, tokens, expert_ids, weights, ctx.group_name,
-                                ctx.size).view(x.shape)
-            if tokens.shape[0] % ctx.size:
+                return exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.group_name, ctx.size)
+            if x.shape[-2] % ctx.size:  # the sequence (or the tokens) do not split into equal shares
                 return summed(self, x, expert_ids, weights)
-            return dispatch_and_combine(self.grouped, self.num_experts, tokens, expert_ids, weights, ctx).view(x.shape)
+            return dispatch_and_combine(self.grouped, self.num_experts, x, expert_ids, weights, ctx)
 
         replace_forward(module, forward)
 
