@@ -113,7 +113,8 @@ def test_pp2_fsdp2_ddp_and_ep_equal_one_process(tmp_path):
 
 def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
     """What stays refused, before any process group: a V schedule with tied embeddings and data parallelism (one
-    parameter in two stage modules, which FSDP2 cannot wrap), sequence and context parallelism with pp."""
+    parameter in two stage modules, which FSDP2 cannot wrap), context parallelism included (FSDP2 wraps over dp_shard
+    x cp); sequence and context parallelism with pp compose (tests/test_pipeline_context.py)."""
     from tptrain.parallel import pipeline_parallel as pp
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.parallelize import resolve_parallelism
@@ -128,11 +129,14 @@ def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
     assert resolve_parallelism(model, config, world_size=2).dp == 1  # pp x tp only: one parameter, no FSDP
     # 4 ranks, whatever process group an earlier test in this process left open (env_world_size reads it first)
     monkeypatch.setattr("tptrain.distributed.env_world_size", lambda: 4)
+    from tptrain.parallel.context_parallel import CPContext
+
+    model.cp_context = CPContext("cp", size=2, rank=0)  # as from_pretrained(DistributedConfig(cp_size=2)) records it
+    with pytest.raises(ValueError, match=r"dp_shard 1 x cp 2\) cannot wrap one parameter in two FSDP2 modules"):
+        resolve_parallelism(model, ParallelismConfig(pp_size=2, pp_schedule="ZBVZeroBubble", cp_size=2), world_size=4)
     for extra in (dict(enable_sequence_parallel=True, tp_size=2), dict(cp_size=2, tp_size=1)):
         meta = AutoModelForCausalLM.from_config(model.config, device="meta")
-        what = "enable_sequence_parallel" if "enable_sequence_parallel" in extra else "cp_size"
-        with pytest.raises(ValueError, match=rf"DistributedConfig\(pp_size=2\) does not compose with {what}"):
-            meta._check_plan(DistributedConfig(pp_size=2, **extra))
+        meta._check_plan(DistributedConfig(pp_size=2, **extra))
 
 
 def test_cli_refuses_a_v_schedule_with_tied_embeddings_and_data_parallel(tmp_path, monkeypatch, capsys):

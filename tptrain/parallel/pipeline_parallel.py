@@ -16,6 +16,7 @@ copies stay equal; a V schedule puts both stages on the same rank, where they ar
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
@@ -178,19 +179,29 @@ class StageModule(nn.Module):
         self.view = _shallow(model)
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
         self._layout = getattr(model, "tp_layout", None)
+        self._saver = getattr(model, "sp_saver", None)
+        self._cp = getattr(model, "cp_context", None)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # What the TP engine's hooks on the model's forward do around a whole forward with labels: a fresh shared
-        # boundary, and the logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it).
-        ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
-        if ctx is not None:
-            ctx.reset()
-            ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
-        try:
-            return self.view.pipeline_forward(x, position_ids)
-        finally:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
+        the stage before sent (batch, seq / cp (/ tp under SP), hidden); position_ids: the microbatch's whole
+        sequences' (batch, seq), which RoPE and the masks read (a stage's input may be a shard of the sequence)."""
+        with contextlib.ExitStack() as scope:
+            # What the axes' hooks on the model's forward do around a whole forward with labels: TP's fresh shared
+            # boundary and logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it), SP's
+            # saved-tensor hooks, CP's rows of the masks and this rank's positions.
+            ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
             if ctx is not None:
                 ctx.reset()
+                ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
+                scope.callback(ctx.reset)
+            if self._saver is not None:
+                self._saver.begin()
+                scope.callback(self._saver.end)
+            if self._cp is not None:
+                position_ids = self._cp.begin(position_ids, None, seq=position_ids.shape[1], device=x.device)
+                scope.callback(self._cp.end)
+            return self.view.pipeline_forward(x, position_ids)
 
 
 class MicrobatchLoss:
@@ -250,24 +261,35 @@ class Pipeline:
 
     def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor | None, dict]:
         """(args of the first stage, target of the last, kwargs of every stage): each rank gives what its stages
-        take; the schedule splits them into microbatches along the batch dim."""
-        plan = self.plan
-        args = (batch["input_ids"],) if plan.holds(0) else ()
-        target = batch["labels"] if plan.holds(plan.n_stages - 1) else None
-        position_ids = batch.get("position_ids")
-        return args, target, {} if position_ids is None else {"position_ids": position_ids}
+        take; the schedule splits them into microbatches along the batch dim. Under cp the whole batch is split
+        first, as the model's forward splits it (`CPContext.split`: this rank's tokens, the labels shifted before
+        the split); every stage takes the whole sequences' position ids (RoPE, the masks)."""
+        plan, cp = self.plan, getattr(self.model, "cp_context", None)
+        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        if cp is not None:
+            shard = cp.split(ids, labels)
+            ids, labels = shard.input_ids, shard.labels
+        args = (ids,) if plan.holds(0) else ()
+        return args, labels if plan.holds(plan.n_stages - 1) else None, {"position_ids": positions}
 
     def step(self, batch: dict[str, torch.Tensor], num_items: int, *, train: bool = True) -> torch.Tensor:
         """Forward (and with `train` backward) of one batch through the pipeline. Returns this rank's sum of the
-        microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp)."""
+        microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp), summed over cp (each
+        cp rank's loss is the token sum of its tokens)."""
         self.loss.num_items = num_items
         args, target, kwargs = self._inputs(batch)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses, **kwargs)
         device = batch["input_ids"].device
-        return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
+        total = sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
                                                                                        device=device))
+        cp = getattr(self.model, "cp_context", None)
+        if cp is not None:
+            comm.all_reduce(total, comm.resolve_group(cp.group_name), phase="loss")
+        return total
 
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the tied copies (first stage's embedding, last stage's head) over their two ranks,

@@ -128,9 +128,12 @@ def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what:
 
 
 def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:
-    """Check the sequence length before any collective and keep only shards for backward."""
+    """Check the sequence length before any collective and keep only shards for backward, around the model's
+    forward; `model.sp_saver` is the saver, which a pipeline stage's forward begins and ends itself (the schedule
+    never runs the model's forward; the Trainer checks the sequence length before it builds the pipeline)."""
     saver = SequenceParallelSaver(ctx)
     ctx.on_gather, ctx.keeps_shards = saver.on_gather, saver.active
+    model.sp_saver = saver
     sig = inspect.signature(model.forward)
 
     def before(module, args, kwargs):
