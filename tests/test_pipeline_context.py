@@ -73,19 +73,21 @@ def reference_losses(model, data, args, global_batch: int) -> list[float]:
 
 
 def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int = 1, sp: bool = False,
-                dp_shard: int = 1, packed: bool = False, microbatches: int = 2, evaluate: bool = False) -> None:
+                dp_shard: int = 1, dp_replicate: int = 1, packed: bool = False, microbatches: int = 2,
+                evaluate: bool = False) -> None:
     import torch.distributed as dist
 
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
 
-    what = f"{family} {schedule} pp 2 x cp {cp} x tp {tp}{' (SP)' if sp else ''} x dp_shard {dp_shard}"
+    what = (f"{family} {schedule} pp 2 x cp {cp} x tp {tp}{' (SP)' if sp else ''} x dp_replicate {dp_replicate} x "
+            f"dp_shard {dp_shard}")
     out = os.path.join(root, what.replace(" ", "_").replace("(", "").replace(")", ""))
     path = os.path.join(root, family)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
         pp_size=2, cp_size=cp, tp_size=tp, enable_sequence_parallel=sp, pp_schedule=schedule))
     config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=microbatches, cp_size=cp,
-                               dp_shard_size=dp_shard)
+                               dp_shard_size=dp_shard, dp_replicate_size=dp_replicate)
     args = training_args(out, max_steps=3, per_device_train_batch_size=microbatches, parallelism_config=config)
     data = packed_rows() if packed else tiny_dataset()
     held = packed_rows(seed=4) if evaluate else None
@@ -102,7 +104,7 @@ def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int =
     if not all(stage.is_last for stage in trainer.pipeline.stages):
         assert set(sent) == {(1, 16 // cp // (tp if sp else 1), TRAINER_TINY["hidden_size"])}, (what, sent)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
-    expected = reference_losses(ref, data, args, global_batch=microbatches * dp_shard)
+    expected = reference_losses(ref, data, args, global_batch=microbatches * dp_shard * dp_replicate)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL,
                                msg=lambda m: f"{what} losses: {m}")
     if evaluate:  # eval_loss: the token mean over the whole eval set, as one process computes it
@@ -146,3 +148,38 @@ def test_pp2_sp_tp2_equals_one_process(tmp_path):
     cases = [("qwen3_tied", "1F1B", dict(tp=2, sp=True)),
              ("mistral", "ZBVZeroBubble", dict(tp=2, sp=True, packed=True, microbatches=4))]
     run_distributed(_cases, 4, str(tmp_path), cases, timeout=900)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pp2_cp2_with_tp2_and_data_parallel_equal_one_process(tmp_path):
+    """8 ranks: pp 2 x cp 2 x tp 2 (with and without SP), pp 2 x cp 2 x dp_shard 2 (FSDP2 over dp_shard x cp) and
+    pp 2 x dp_replicate 2 x cp 2 (HSDP: replicas of FSDP2 over cp)."""
+    for family in FAMILIES:
+        save_family(family, str(tmp_path))
+    cases = [("qwen3_tied", "1F1B", dict(cp=2, tp=2, sp=True)),
+             ("mistral", "Interleaved1F1B", dict(cp=2, tp=2, packed=True)),
+             ("mistral", "1F1B", dict(cp=2, dp_shard=2, packed=True)),
+             ("qwen3_tied", "1F1B", dict(cp=2, dp_replicate=2))]
+    run_distributed(_cases, 8, str(tmp_path), cases, timeout=1200)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cli_trains_at_pp2_cp2_as_one_process(tmp_path):
+    """`tptrain train --pp-size 2 --cp-size 2` on 4 ranks (the bundled tiny Qwen3 at random init, fp64): each step's
+    logged loss is a one-process run's."""
+    from tests.helpers import tptrain_train
+    from tptrain.training.reporting import logged_losses, read_metrics
+
+    flags = ("--tp-size", "1", "--dtype", "float64", "--max-steps", "3", "--batch-size", "2", "--save-steps", "0")
+    runs = {}
+    for name, layout in (("pp2cp2", ("--pp-size", "2", "--cp-size", "2", "--pp-microbatches", "2",
+                                     "--nproc-per-node", "4")),
+                         ("single", ("--nproc-per-node", "1"))):
+        run = tptrain_train(*flags, *layout, "--output-dir", str(tmp_path / name))
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert name == "single" or "world size 4, tp 1, cp 2, pp 2" in run.stdout, run.stdout
+        runs[name] = logged_losses(read_metrics(tmp_path / name / "metrics.jsonl"))
+    assert [step for step, _ in runs["pp2cp2"]] == [1, 2, 3], runs
+    torch.testing.assert_close(torch.tensor(runs["pp2cp2"]), torch.tensor(runs["single"]), rtol=1e-9, atol=1e-9)
