@@ -120,7 +120,8 @@ def test_tp_bytes_per_step_by_hand():
 
 
 def test_only_the_rules_layouts_appear():
-    """4 heads: tp 3 and 6 cannot split them; pipeline x context parallelism does not compose yet."""
+    """4 heads: tp 3 and 6 cannot split them; no pipeline x context-parallel layout of 6 ranks fits the shape (cp 3
+    does not split 16 tokens into 6 chunks, 3 stages do not split 2 rows into microbatches)."""
     facts = _facts("qwen3", num_hidden_layers=4)
     settings = TrainSettings(batch_size=2, seq_len=16)
     plan = plan_training(facts, world=6, settings=settings, profile=H100)

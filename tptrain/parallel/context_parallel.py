@@ -23,6 +23,11 @@ it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-
 at the end of backward (bare model), or FSDP2's reduce-scatter over dp_shard x cp does (the Trainer).
 `out.logits` holds this rank's tokens only: (batch, seq / cp, vocab), chunks i and 2cp-1-i in that order
 (`local_index`).
+
+Under pipeline parallelism the schedule never runs the model's forward: the same pieces (`CPContext.split`, `begin`,
+`end`) run where a batch enters the pipeline (parallel/pipeline_parallel.py). The whole batch is split before the
+schedule cuts it into microbatches, every stage's forward begins with its microbatch's global position ids, each
+microbatch's loss is its token sum over the step's global count, and the step's loss is summed over cp and pp.
 """
 from __future__ import annotations
 
@@ -115,8 +120,9 @@ def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | 
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | None:
-    """Make `model` (refused by no row of the rule table, already TP-sharded, its `tp_layout` recorded) split its sequences over the cp
-    axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed). Installed: the batch split before
+    """Make `model` (refused by no row of the rule table, already TP-sharded, its `tp_layout` recorded) split its
+    sequences over the cp axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed; a pipeline's
+    stages read it as `model.cp_context`). Installed: the batch split before
     forward, the loss sum after it, the K/V gather around every attention's `attend`, the rows of the masks, the loss
     functions on pre-shifted labels, and the grad sync's sum over cp."""
     if cp_mesh(mesh) is None:

@@ -10,6 +10,13 @@ tensors; DCP and save_pretrained see global names). Each of its stages is a `Sta
 model holding only that stage's modules (the same parameter objects). The model says what to cut through
 `contract.PipelineModel`; nothing here names a model's module.
 
+Context and sequence parallelism compose: under cp the Pipeline splits each whole batch over the cp group before the
+schedule cuts it into microbatches (the model's own `CPContext.split`), and every stage's forward begins that
+microbatch's rows of the masks from its global position ids (`CPContext.begin`); under SP the residual stream
+between layers is a sequence shard, so the stages exchange each tp rank's (batch, seq / cp / tp, hidden) with the
+same tp rank of the next stage (the first stage's embedding scatters it, the last stage's head gathers it), and each
+stage's forward begins SP's saved-tensor hooks.
+
 Tied embeddings: the first stage's embedding and the last stage's head are one weight. When two ranks hold them,
 each keeps a copy and `Pipeline.sync_tied_grads` sums their gradients over a group of those two ranks, so the
 copies stay equal; a V schedule puts both stages on the same rank, where they are one parameter.
@@ -241,7 +248,9 @@ class Pipeline:
         self.model, self.loss = model, MicrobatchLoss(model)
         if getattr(model, "tp_layout", None) is not None:
             # The schedules run backward in pieces (zero-bubble: input and weight gradients apart): partial TP
-            # gradients are summed once per step by whoever owns the loop (`grad_sync.sync_grads`), not per backward.
+            # gradients are summed once per step by whoever owns the loop (`grad_sync.sync_grads`), not per backward;
+            # under cp every gradient is a cp rank's share, summed by FSDP2's reduce-scatter over dp_shard x cp (the
+            # Trainer always wraps the stages then).
             model.tp_layout.grad_sync.set_mode("step")
         last = plan.n_stages - 1
         self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),

@@ -10,6 +10,10 @@ tensor, so they share ONE re-gather, cached until the last of them has run its b
 
     model.parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
     model(input_ids, labels=labels).loss.backward()   # seq len must be a multiple of tp_size
+
+Under pipeline parallelism the stages exchange the residual stream as it is between layers, each tp rank's shard
+going to the same tp rank of the next stage, and each stage's forward begins and ends the saver
+(`model.sp_saver`) as the model's forward hooks do (parallel/pipeline_parallel.py).
 """
 from __future__ import annotations
 
