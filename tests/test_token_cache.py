@@ -266,7 +266,8 @@ def _two_ranks(path: str, cache: str, out: str, delays: tuple[float, float], fai
         return
     rows = data if isinstance(data, SFTDataset) else None
     first = rows[0]["input_ids"] if rows is not None else data[0]
-    torch.save({"first": first, "len": len(data), "key": data.data_key}, Path(out) / f"rank{os.environ['RANK']}.pt")
+    torch.save({"first": first, "len": len(data), "key": data.data_key, "threads": os.environ.get("RAYON_NUM_THREADS")},
+               Path(out) / f"rank{os.environ['RANK']}.pt")
 
 
 def _store_files(cache: Path) -> dict[str, bytes]:
@@ -296,6 +297,9 @@ def test_two_ranks_tokenize_shares_into_the_store_one_process_builds(tmp_path, m
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     assert ranks[0]["key"] == ranks[1]["key"] and ranks[0]["len"] == ranks[1]["len"]
     assert torch.equal(ranks[0]["first"], ranks[1]["first"])
+    cores = len(os.sched_getaffinity(0))
+    expected = os.environ.get("RAYON_NUM_THREADS", str(max(1, cores // 2)))  # one the user set is kept
+    assert [r["threads"] for r in ranks] == [expected] * 2  # the node's cores shared out
     assert [p.name for p in (tmp_path / "cache2").iterdir() if p.name.startswith(".")] == []  # no status, no tmp
 
 
