@@ -74,7 +74,7 @@ def reference_losses(model, data, args, global_batch: int) -> list[float]:
 
 def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int = 1, sp: bool = False,
                 dp_shard: int = 1, dp_replicate: int = 1, packed: bool = False, microbatches: int = 2,
-                evaluate: bool = False) -> None:
+                accumulation: int = 1, checkpointing: bool = False, evaluate: bool = False) -> None:
     import torch.distributed as dist
 
     from tptrain.training.args import ParallelismConfig
@@ -88,7 +88,8 @@ def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int =
         pp_size=2, cp_size=cp, tp_size=tp, enable_sequence_parallel=sp, pp_schedule=schedule))
     config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=microbatches, cp_size=cp,
                                dp_shard_size=dp_shard, dp_replicate_size=dp_replicate)
-    args = training_args(out, max_steps=3, per_device_train_batch_size=microbatches, parallelism_config=config)
+    args = training_args(out, max_steps=3, per_device_train_batch_size=microbatches, parallelism_config=config,
+                         gradient_accumulation_steps=accumulation, gradient_checkpointing=checkpointing)
     data = packed_rows() if packed else tiny_dataset()
     held = packed_rows(seed=4) if evaluate else None
     trainer = Trainer(model, args=args, train_dataset=data, eval_dataset=held)
@@ -104,7 +105,7 @@ def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int =
     if not all(stage.is_last for stage in trainer.pipeline.stages):
         assert set(sent) == {(1, 16 // cp // (tp if sp else 1), TRAINER_TINY["hidden_size"])}, (what, sent)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
-    expected = reference_losses(ref, data, args, global_batch=microbatches * dp_shard * dp_replicate)
+    expected = reference_losses(ref, data, args, global_batch=microbatches * dp_shard * dp_replicate * accumulation)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL,
                                msg=lambda m: f"{what} losses: {m}")
     if evaluate:  # eval_loss: the token mean over the whole eval set, as one process computes it
@@ -129,12 +130,13 @@ def _cases(root: str, cases: list[tuple]) -> None:
 
 @pytest.mark.distributed
 def test_pp2_cp2_equals_one_process(tmp_path):
-    """pp 2 x cp 2 (the Trainer's FSDP2 over dp_shard x cp of 1 x 2): plain rows under 1F1B; packed rows under a
-    sliding window, an interleaved schedule (two stages per rank) and eval; a V schedule."""
+    """pp 2 x cp 2 (the Trainer's FSDP2 over dp_shard x cp of 1 x 2): plain rows under 1F1B with gradient
+    accumulation; packed rows under a sliding window, an interleaved schedule (two stages per rank) with activation
+    checkpointing and eval; a V schedule."""
     for family in FAMILIES:
         save_family(family, str(tmp_path))
-    cases = [("qwen3_tied", "1F1B", dict(cp=2)),
-             ("mistral", "Interleaved1F1B", dict(cp=2, packed=True, evaluate=True)),
+    cases = [("qwen3_tied", "1F1B", dict(cp=2, accumulation=2)),
+             ("mistral", "Interleaved1F1B", dict(cp=2, packed=True, checkpointing=True, evaluate=True)),
              ("mistral", "ZBVZeroBubble", dict(cp=2, packed=True, microbatches=4))]
     run_distributed(_cases, 4, str(tmp_path), cases, timeout=900)
 
