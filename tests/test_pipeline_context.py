@@ -2,7 +2,8 @@
 pp 2 x SP tp 2 (4 ranks), pp 2 x cp 2 x tp 2 and pp 2 x cp 2 x dp_shard 2 (8 ranks) against plain single-device
 training in fp64 (losses of 3 AdamW steps with clipping, and the parameters after them, read back from the final/
 checkpoint the stages write), on packed rows under a sliding window (the masks' rows from global positions) and with
-a looped and a V schedule; and `tptrain train --pp-size 2 --cp-size 2` against a one-process run.
+a looped and a V schedule; a checkpoint resumed across pp x cp and pp 1; and `tptrain train --pp-size 2 --cp-size 2`
+against a one-process run.
 """
 from __future__ import annotations
 
@@ -123,22 +124,51 @@ def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int =
     dist.barrier()
 
 
-def _cases(root: str, cases: list[tuple]) -> None:
+def _run(root: str, out: str, *, pp: int, steps: int, resume: str | None = None) -> list[float]:
+    """`steps` steps of the tied Qwen3 at pp 2 x cp 2, or pp 1 x cp 2 x tp 2 (4 ranks, the global batch of 2 either
+    way), constant lr (a shorter run's steps are a longer one's), a checkpoint every 2 steps."""
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    sizes = dict(pp_size=pp, cp_size=2, tp_size=4 // (2 * pp))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64,
+                                                 distributed_config=DistributedConfig(**sizes))
+    config = ParallelismConfig(**sizes, pp_microbatches=2 if pp > 1 else None)
+    args = training_args(os.path.join(root, out), max_steps=steps, per_device_train_batch_size=2, save_steps=2,
+                         lr_scheduler_type="constant", warmup_steps=0, parallelism_config=config)
+    return Trainer(model, args=args, train_dataset=tiny_dataset()).train(resume_from_checkpoint=resume).losses
+
+
+def _resume(root: str) -> None:
+    """Saved at pp 2 x cp 2, resumed at pp 1 x cp 2 x tp 2, and that run's checkpoint resumed at pp 2 x cp 2 (DCP
+    reshards model and AdamW state): the resumed steps' losses are those of uninterrupted one-process training."""
+    ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64).train()
+    args = training_args(root, max_steps=5, lr_scheduler_type="constant", warmup_steps=0)
+    expected = reference_losses(ref, tiny_dataset(), args, global_batch=2)
+    first = _run(root, "resume-pp2", pp=2, steps=2)
+    second = _run(root, "resume-pp1", pp=1, steps=4, resume=os.path.join(root, "resume-pp2", "checkpoint-2"))
+    third = _run(root, "resume-pp2-again", pp=2, steps=5, resume=os.path.join(root, "resume-pp1", "checkpoint-4"))
+    torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(expected), **TOL)
+
+
+def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
     for family, schedule, kw in cases:
         _train_case(root, family, schedule, **kw)
+    if resume:
+        _resume(root)
 
 
 @pytest.mark.distributed
 def test_pp2_cp2_equals_one_process(tmp_path):
     """pp 2 x cp 2 (the Trainer's FSDP2 over dp_shard x cp of 1 x 2): plain rows under 1F1B with gradient
     accumulation; packed rows under a sliding window, an interleaved schedule (two stages per rank) with activation
-    checkpointing and eval; a V schedule."""
+    checkpointing and eval; a V schedule; a checkpoint saved at pp 2 x cp 2 resumed at pp 1 x cp 2 x tp 2 and back."""
     for family in FAMILIES:
         save_family(family, str(tmp_path))
     cases = [("qwen3_tied", "1F1B", dict(cp=2, accumulation=2)),
              ("mistral", "Interleaved1F1B", dict(cp=2, packed=True, checkpointing=True, evaluate=True)),
              ("mistral", "ZBVZeroBubble", dict(cp=2, packed=True, microbatches=4))]
-    run_distributed(_cases, 4, str(tmp_path), cases, timeout=900)
+    run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=900)
 
 
 @pytest.mark.distributed
