@@ -2,8 +2,8 @@
 pp 2 x SP tp 2 (4 ranks), pp 2 x cp 2 x tp 2 and pp 2 x cp 2 x dp_shard 2 (8 ranks) against plain single-device
 training in fp64 (losses of 3 AdamW steps with clipping, and the parameters after them, read back from the final/
 checkpoint the stages write), on packed rows under a sliding window (the masks' rows from global positions) and with
-a looped and a V schedule; a checkpoint resumed across pp x cp and pp 1; and `tptrain train --pp-size 2 --cp-size 2`
-against a one-process run.
+a looped and a V schedule; a checkpoint resumed across pp x cp and pp 1; LoRA at pp 2 x cp 2; and `tptrain train
+--pp-size 2 --cp-size 2` against a one-process run.
 """
 from __future__ import annotations
 
@@ -151,18 +151,53 @@ def _resume(root: str) -> None:
     torch.testing.assert_close(torch.tensor(first + second + third), torch.tensor(expected), **TOL)
 
 
+def _lora(root: str) -> None:
+    """A random adapter on every linear layer (saved by one process), loaded onto the stages at pp 2 x cp 2, 3 Trainer
+    steps: one process's losses, and the adapter the stages write at the end is one process's after its 3 steps."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from tests.helpers import LORA_TARGETS, random_lora
+    from tptrain.peft import LoraConfig, PeftModel, get_peft_model
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    path, init, out = (os.path.join(root, name) for name in ("qwen3_tied", "adapter", "lora"))
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+    random_lora(ref, seed=1)  # B not zero: every factor has a gradient
+    ref.save_pretrained(init)  # rank 0 writes
+    dist.barrier()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, distributed_config=DistributedConfig(pp_size=2, cp_size=2)), init, is_trainable=True)
+    args = training_args(out, max_steps=3, per_device_train_batch_size=2, parallelism_config=ParallelismConfig(
+        pp_size=2, cp_size=2, pp_microbatches=2))
+    losses = Trainer(model, args=args, train_dataset=tiny_dataset()).train().losses
+    expected = reference_losses(ref.train(), tiny_dataset(), args, global_batch=2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
+    if dist.get_rank() == 0:
+        saved = load_file(os.path.join(out, "final", "adapter", "adapter_model.safetensors"))
+        want = ref.adapter_state_dict()
+        assert sorted(saved) == sorted(want), (sorted(saved), sorted(want))
+        for key, t in want.items():
+            torch.testing.assert_close(saved[key], t, **TOL, msg=lambda m: f"LoRA {key} after 3 steps: {m}")
+    dist.barrier()
+
+
 def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
     for family, schedule, kw in cases:
         _train_case(root, family, schedule, **kw)
     if resume:
         _resume(root)
+        _lora(root)
 
 
 @pytest.mark.distributed
 def test_pp2_cp2_equals_one_process(tmp_path):
     """pp 2 x cp 2 (the Trainer's FSDP2 over dp_shard x cp of 1 x 2): plain rows under 1F1B with gradient
     accumulation; packed rows under a sliding window, an interleaved schedule (two stages per rank) with activation
-    checkpointing and eval; a V schedule; a checkpoint saved at pp 2 x cp 2 resumed at pp 1 x cp 2 x tp 2 and back."""
+    checkpointing and eval; a V schedule; a checkpoint saved at pp 2 x cp 2 resumed at pp 1 x cp 2 x tp 2 and back;
+    LoRA."""
     for family in FAMILIES:
         save_family(family, str(tmp_path))
     cases = [("qwen3_tied", "1F1B", dict(cp=2, accumulation=2)),
