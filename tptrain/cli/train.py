@@ -134,7 +134,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    finetune_cli.preflight(args, model_dir, nproc, max_steps_given=args.max_steps_given)  # data, eval, LoRA
+    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given)  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
