@@ -88,7 +88,7 @@ class Trainer:
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
         self.fsdp, self.pipeline = parallelize(model, args, placement,
                                                on_forward=getattr(self.model, "count_forward", None))
-        self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
+        self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=self.pipeline)
         self.step = TrainStep(self.model, args=args, mesh=self.mesh, device=self.device, pipeline=self.pipeline,
                               fsdp=self.fsdp)
         self.converter = ckpt.StateConverter(model, self.mesh)
