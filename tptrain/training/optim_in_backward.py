@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tptrain.training.args import TrainingArguments
-from tptrain.training.optim import param_groups
+from tptrain.training.optim import adamw_kernels, param_groups
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -44,13 +44,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, args: TrainingArguments, *, held_back: Iterable[str] = (),
                  hooks: bool = True) -> None:
-        defaults = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                        fused=args.optim == "adamw_torch_fused" or None)
+        defaults = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
         super().__init__(param_groups(model, args.weight_decay), dict(defaults, weight_decay=0.0))
         self._per_param: dict[nn.Parameter, tuple[torch.optim.AdamW, dict]] = {}
         for group in self.param_groups:
             for p in group["params"]:
-                opt = torch.optim.AdamW([p], **defaults, weight_decay=group["weight_decay"])
+                opt = torch.optim.AdamW([p], **defaults, weight_decay=group["weight_decay"],
+                                        **adamw_kernels(args.optim, [p]))
                 opt.state = self.state  # one state table (distinct keys), read by checkpoints and state_dict()
                 self._per_param[p] = (opt, group)
         held = set(held_back)
