@@ -67,7 +67,8 @@ def reference_losses(model, data, args, global_batch: int) -> list[float]:
         batch = collate([data[i] for i in order.next_batch()], pad_id=0)
         loss = model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids")).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if args.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
     return losses
@@ -75,22 +76,22 @@ def reference_losses(model, data, args, global_batch: int) -> list[float]:
 
 def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int = 1, sp: bool = False,
                 dp_shard: int = 1, dp_replicate: int = 1, packed: bool = False, microbatches: int = 2,
-                accumulation: int = 1, checkpointing: bool = False, evaluate: bool = False) -> None:
+                accumulation: int = 1, checkpointing: bool = False, evaluate: bool = False, **extra) -> None:
     import torch.distributed as dist
 
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
 
     what = (f"{family} {schedule} pp 2 x cp {cp} x tp {tp}{' (SP)' if sp else ''} x dp_replicate {dp_replicate} x "
-            f"dp_shard {dp_shard}")
-    out = os.path.join(root, what.replace(" ", "_").replace("(", "").replace(")", ""))
+            f"dp_shard {dp_shard}" + "".join(f" {k}={v}" for k, v in extra.items()))
+    out = os.path.join(root, "".join(c if c.isalnum() or c in "._=" else "_" for c in what))
     path = os.path.join(root, family)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=DistributedConfig(
         pp_size=2, cp_size=cp, tp_size=tp, enable_sequence_parallel=sp, pp_schedule=schedule))
     config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=microbatches, cp_size=cp,
                                dp_shard_size=dp_shard, dp_replicate_size=dp_replicate)
     args = training_args(out, max_steps=3, per_device_train_batch_size=microbatches, parallelism_config=config,
-                         gradient_accumulation_steps=accumulation, gradient_checkpointing=checkpointing)
+                         gradient_accumulation_steps=accumulation, gradient_checkpointing=checkpointing, **extra)
     data = packed_rows() if packed else tiny_dataset()
     held = packed_rows(seed=4) if evaluate else None
     trainer = Trainer(model, args=args, train_dataset=data, eval_dataset=held)
@@ -195,12 +196,14 @@ def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
 @pytest.mark.distributed
 def test_pp2_cp2_equals_one_process(tmp_path):
     """pp 2 x cp 2 (the Trainer's FSDP2 over dp_shard x cp of 1 x 2): plain rows under 1F1B with gradient
-    accumulation; packed rows under a sliding window, an interleaved schedule (two stages per rank) with activation
+    accumulation and with the optimizer in backward, and under a V schedule with tied embeddings; packed rows under a sliding window, an interleaved schedule (two stages per rank) with activation
     checkpointing and eval; a V schedule; a checkpoint saved at pp 2 x cp 2 resumed at pp 1 x cp 2 x tp 2 and back;
     LoRA."""
     for family in FAMILIES:
         save_family(family, str(tmp_path))
     cases = [("qwen3_tied", "1F1B", dict(cp=2, accumulation=2)),
+             ("qwen3_tied", "1F1B", dict(cp=2, optim_in_backward=True, max_grad_norm=0.0)),
+             ("qwen3_tied", "ZBVZeroBubble", dict(cp=2, microbatches=4)),  # the tied head's own copy under FSDP2
              ("mistral", "Interleaved1F1B", dict(cp=2, packed=True, checkpointing=True, evaluate=True)),
              ("mistral", "ZBVZeroBubble", dict(cp=2, packed=True, microbatches=4))]
     run_distributed(_cases, 4, str(tmp_path), cases, True, timeout=900)

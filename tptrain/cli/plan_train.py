@@ -150,7 +150,8 @@ def _train_layout(args: argparse.Namespace) -> str:
     settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
                              gradient_checkpointing=args.gradient_checkpointing, lora_r=getattr(args, "lora_r", 0),
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
-                             pp_microbatches=args.pp_microbatches, expert_parallel=args.expert_parallel)
+                             pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
+                             expert_parallel=args.expert_parallel)
     facts = ModelFacts.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
     note = ""
     if args.layout != "auto":

@@ -225,7 +225,10 @@ def _moments(stage: _Stage, st: _States, acts: _Acts, layout: ParallelDims, sett
              sc: _Scenario, device: str) -> dict[str, dict[str, int]]:
     """{moment: terms} of one step on this stage under scenario `sc`: the loss, the loss's backward, each layer's
     backward, the end of backward (the embedding; FSDP2's reduce-scatters), the optimizer step."""
-    pp, fsdp, oib, loss = layout.pp > 1, layout.data_parallel, settings.optim_in_backward, acts.loss
+    pp, fsdp, loss = layout.pp > 1, layout.data_parallel, acts.loss
+    # in a pipeline the optimizer in backward steps a stage once its last microbatch is in: its gradients accumulate
+    # until then, as without it
+    oib = settings.optim_in_backward and not pp
     kept, saved = acts.kept, sum(acts.kept.values()) + acts.extras
     # the other microbatches in flight: their saved tensors, and their losses' only where every forward comes before
     # any backward (GPipe, looped BFS: the last stage too holds all); otherwise the last stage runs each

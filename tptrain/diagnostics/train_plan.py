@@ -51,8 +51,7 @@ def layout_problem(facts: ModelFacts, layout: ParallelDims, settings: TrainSetti
                                ep_size=layout.ep if layout.ep > 1 else None, dp_replicate_size=layout.dp_replicate,
                                dp_shard_size=layout.dp_shard, enable_sequence_parallel=settings.sequence_parallel,
                                enable_expert_parallel=settings.expert_parallel, pp_schedule=settings.pp_schedule)
-    training = dict(data_parallel=layout.dp > 1, batch_size=settings.batch_size, seq_len=settings.seq_len,
-                    optim_in_backward=settings.optim_in_backward,
+    training = dict(batch_size=settings.batch_size, seq_len=settings.seq_len,
                     pp_microbatches=settings.microbatches(layout.pp) if layout.pp > 1 else None)
     try:
         resolved = axes.check(facts.model, config, world_size=layout.world_size, training=training, plan_problems=False,

@@ -154,24 +154,3 @@ def _expert_parallel_dense(c: Case, r: Rule) -> str | None:
     if c.features.expert_parallel and not c.facts.ep_plan:
         return (f"enable_expert_parallel=True (--expert-parallel), but {c.facts.name} ({c.facts.model_type!r}) has "
                 f"no experts to split: {r.reason}; {r.fix}")
-
-
-@rule(ROWS, "v_tied_dp", between=("pp", "dp", "tied_embeddings"),
-      needs=("dims", "facts.tied", "features.data_parallel"),
-      when="a V schedule (ZBVZeroBubble, DualPipeV) with tied embeddings and data parallelism (or cp: FSDP2 wraps "
-           "over dp x cp)",
-      reason="the first and the last stage are on one rank, where the tied embedding and head are one parameter of "
-             "two stage modules, which FSDP2 cannot wrap twice",
-      fix="a looped schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) with data or context parallelism, or "
-          "dp_shard_size=1 and cp_size=1")
-def _v_tied_dp(c: Case, r: Rule) -> str | None:
-    d, schedule = c.dims, _schedule(c)
-    # FSDP2 wraps each stage module over dp_replicate x dp_shard x cp (cp ranks' gradients are summed by it too)
-    if d.pp > 1 and schedule in schedules.V_SCHEDULES and d.dp * d.cp > 1 and c.features.data_parallel:
-        first, last = c.facts.tied
-        cp = f" x cp {d.cp}" if d.cp > 1 else ""
-        return (f"pp_schedule={schedule!r} puts the first and the last stage on one rank, where the tied embedding and "
-                f"head ({first} = {last}) are one parameter of two stage modules, and data parallelism (dp_replicate "
-                f"{d.dp_replicate} x dp_shard {d.dp_shard}{cp}) cannot wrap one parameter in two FSDP2 modules; use a "
-                f"looped schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) with data{' or context' if cp else ''} "
-                f"parallelism, or pp x tp ranks only (dp_shard_size=1{', cp_size=1' if cp else ''})")

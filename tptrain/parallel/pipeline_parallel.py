@@ -18,8 +18,9 @@ same tp rank of the next stage (the first stage's embedding scatters it, the las
 stage's forward begins SP's saved-tensor hooks.
 
 Tied embeddings: the first stage's embedding and the last stage's head are one weight. When two ranks hold them,
-each keeps a copy and `Pipeline.sync_tied_grads` sums their gradients over a group of those two ranks, so the
-copies stay equal; a V schedule puts both stages on the same rank, where they are one parameter.
+each keeps a copy and `Pipeline.ties` (parallel/pipeline_grads.py) sums their gradients over a group of those two
+ranks, so the copies stay equal; a V schedule puts both stages on the same rank, where they are one parameter (under
+FSDP2 the last stage module holds its own copy).
 """
 from __future__ import annotations
 
@@ -30,14 +31,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tptrain.distributed import comm, raise_on_any_rank
+from tptrain.distributed import comm
 from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
-from tptrain.parallel.grad_sync import local_tensor
+from tptrain.parallel.pipeline_grads import TiedWeights
 from tptrain.parallel.plan import ResolvedPlan
 
 
@@ -189,6 +189,15 @@ class StageModule(nn.Module):
         self._saver = getattr(model, "sp_saver", None)
         self._cp = getattr(model, "cp_context", None)
 
+    def own_parameter(self, name: str) -> None:
+        """Give this view its own copy of the model's parameter `name` (the module holding it, and that module's
+        parents, copied in the view), so no other stage module holds it (pipeline_grads.TiedWeights.own_copy)."""
+        path, _, attr = name.rpartition(".")
+        module = _shallow(self.view.get_submodule(path))
+        weight = module._parameters[attr]
+        module._parameters[attr] = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        _replace(self.view, path, module, shallow=True)
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
         the stage before sent (batch, seq / cp (/ tp under SP), hidden); position_ids: the microbatch's whole
@@ -223,18 +232,6 @@ class MicrobatchLoss:
         return self.model.loss_function(logits, labels, self.num_items)
 
 
-def tie_group(mesh, plan: PipelinePlan) -> dist.ProcessGroup | None:
-    """The group of the two ranks (same dp and tp coordinates) holding the first and the last stage, when those
-    differ and the model ties a weight between them; None otherwise. Collective over the whole mesh."""
-    first, last = plan.stage_rank(0), plan.stage_rank(plan.n_stages - 1)
-    if not plan.tied or first == last:
-        return None
-    if plan.pp == 2:
-        return mesh["pp"].get_group()
-    columns = mesh.mesh.reshape(plan.pp, -1).T.tolist()  # each: the pp ranks of one (dp, tp) coordinate
-    return comm.subgroup([[column[first], column[last]] for column in columns])
-
-
 class Pipeline:
     """This rank's stages (PipelineStage over StageModule views) and torch's schedule running them, for a model
     cut by `cut_model`. Built once for the run, on every rank of the mesh (`mesh` has the pp axis)."""
@@ -260,8 +257,7 @@ class Pipeline:
         schedule = get_schedule_class(plan.schedule)
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],
                                  n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
-        self.tie_group = tie_group(mesh, plan)
-        self.tied_trainable = self._check_tied()
+        self.ties = TiedWeights(model, mesh, plan, self.stages)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -288,6 +284,7 @@ class Pipeline:
         microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp), summed over cp (each
         cp rank's loss is the token sum of its tokens)."""
         self.loss.num_items = num_items
+        self.ties.refresh()
         args, target, kwargs = self._inputs(batch)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
@@ -299,41 +296,6 @@ class Pipeline:
         if cp is not None:
             comm.all_reduce(total, comm.resolve_group(cp.group_name), phase="loss")
         return total
-
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of the tied copies (first stage's embedding, last stage's head) over their two ranks,
-        so both copies take the same optimizer step and stay equal. Under FSDP2 each holds its dp shard of the
-        weight, the same rows of it on both stages (the same mesh and placements): the shards are summed."""
-        if self.tie_group is None or not self.tied_trainable:
-            return
-        params = dict(self.model.named_parameters())
-        for names in self.plan.tied:
-            p = next(params[n] for n in names if n in params)
-            comm.all_reduce(local_tensor(p.grad), self.tie_group, phase="tied_grad")
-
-    def _check_tied(self) -> bool:
-        """Whether the tied copies train (a LoRA run freezes both); a ValueError on every rank when only one of
-        them does. Collective."""
-        plan = self.plan
-        if not plan.tied or plan.stage_rank(0) == plan.stage_rank(plan.n_stages - 1):
-            return False
-        error, flags = None, []
-        if self.tie_group is not None:  # this rank holds a copy
-            params = dict(self.model.named_parameters())
-            # A copy no longer under its name is the base of an adapter's wrapper (LoRA on the embedding): frozen.
-            mine = [next((params[n].requires_grad for n in names if n in params), False) for names in plan.tied]
-            flags = comm.all_gather_object(mine, self.tie_group)
-            if flags[0] != flags[1]:
-                error = (f"only one pipeline stage's copy of the tied weight(s) {list(plan.tied)} trains (e.g. a "
-                         f"LoRA modules_to_save naming one of them); with pp_size={plan.pp} train both or neither: "
-                         f"drop it from modules_to_save, or untie them (tie_word_embeddings=False)")
-        raise_on_any_rank(error, exc_type=ValueError)
-        return any(flags[0]) if flags else False
-
-    def norm_duplicates(self) -> set[str]:
-        """Names of tied copies another rank counts in the gradient norm (the last stage's, when two ranks hold
-        the tied weight)."""
-        return {last for _, last in self.plan.tied} if self.tie_group is not None and not self.plan.holds(0) else set()
 
 
 def held_elsewhere(model: nn.Module, name: str) -> bool:
