@@ -309,7 +309,9 @@ class PipelineModel(Protocol):
     pipeline_forward(x, *carried, position_ids=None): the stage's computation on what the module holds: token ids
         or hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`);
         or (output, *carried): tensors besides x each stage passes on to the next (the router statistics of the
-        layers so far), `carried` being the stage before's (none on the first).
+        layers so far), `carried` being the stage before's (none on the first). The Pipeline always passes
+        `position_ids` (batch, tokens): the sequence's length and positions come from them, not from `x`, which
+        under sequence parallelism is a tp rank's shard of the hidden states.
     Optional:
     pipeline_loss(loss, *carried) -> loss: the last stage's microbatch loss with what was carried (the router aux
         loss; needed when pipeline_forward carries anything).
