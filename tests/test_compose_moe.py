@@ -6,7 +6,7 @@
   sharded over dp_shard_mod_ep, everything else over dp_shard x cp), whose DCP checkpoint resumes in one process;
 * the router aux loss under cp (the token counts summed over cp, each rank's share of the loss summed with it),
   under SP, and under pp (the statistics carried from stage to stage, the loss added on the last one: each
-  pipeline microbatch is a forward of its own, as gradient accumulation makes it);
+  pipeline microbatch is a forward of its own, as gradient accumulation makes it), with cp and with SP;
 * longrope under cp: the whole sequence's length picks the long factors;
 * SP with the MoE router styles (expert TP, expert parallelism summed or by all-to-all; the shared expert), with
   the aux loss and a padding mask, at tp 2 and at tp 2 x cp 2 x ep 2.
@@ -121,21 +121,22 @@ def _microbatch_reference(model, args, microbatches: int) -> list[float]:
     return losses
 
 
-def _pp_aux(path: str, tmp: str) -> None:
-    """The Trainer at pp 2 (1F1B, and Interleaved1F1B: two stages a rank) with the router aux loss equals one
-    process running the same microbatches."""
+def _pp_aux(path: str, tmp: str, schedules: tuple[str, ...], **sizes) -> None:
+    """The Trainer at pp 2 (x `sizes`: cp 2, or tp 2 with SP) with the router aux loss equals one process running the
+    same microbatches (each stage's statistics carried on; under cp and SP the counts summed over the token shards)."""
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
 
-    for schedule in ("1F1B", "Interleaved1F1B"):
+    for schedule in schedules:
+        what = f"pp 2 {sizes} {schedule} with the aux loss"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(
-            pp_size=2, tp_size=1, pp_schedule=schedule))
-        config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=2)
-        args = training_args(f"{tmp}/pp-{schedule}", max_steps=3, parallelism_config=config)
+            pp_size=2, pp_schedule=schedule, **{"tp_size": 1, **sizes}))
+        config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=2, cp_size=sizes.get("cp_size"))
+        args = training_args(f"{tmp}/{''.join(c for c in what if c.isalnum())}", max_steps=3, parallelism_config=config)
         losses = Trainer(model, args=args, train_dataset=tiny_dataset()).train().losses
         expected = _microbatch_reference(AutoModelForCausalLM.from_pretrained(path, dtype=F64).train(), args, 2)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-10, atol=1e-10,
-                                   msg=lambda m: f"pp 2 {schedule} with the aux loss: {m}")
+                                   msg=lambda m: f"{what}: {m}")
 
 
 # ---------------------------------------------------------------- the Trainer at cp x ep, and its checkpoint
@@ -199,7 +200,7 @@ def _two_ranks(paths: dict, tmp: str) -> None:
     for family in ("qwen3_moe", "qwen2_moe"):
         for layout in SP_LAYOUTS:
             _trains_like(paths[family], _masked(packed_batch()), **layout)
-    _pp_aux(paths["moe4"], tmp)
+    _pp_aux(paths["moe4"], tmp, ("1F1B", "Interleaved1F1B"))
     dist.barrier()
 
 
@@ -208,6 +209,8 @@ def _four_ranks(paths: dict, tmp: str) -> None:
         _trains_like(paths[family], packed_batch(), tp_size=2, cp_size=2, ep_size=2)
     _trains_like(paths["qwen2_moe"], _masked(packed_batch()), **SP, cp_size=2, ep_size=2)
     _trainer_cp_ep(tmp)
+    _pp_aux(paths["moe4"], tmp, ("1F1B",), cp_size=2)
+    _pp_aux(paths["moe4"], tmp, ("1F1B",), tp_size=2, enable_sequence_parallel=True)
 
 
 @pytest.mark.distributed
@@ -220,6 +223,7 @@ def test_router_aux_loss_longrope_and_sp_with_experts_equal_one_process(checkpoi
 @pytest.mark.distributed
 def test_cp_x_ep_equals_one_process_and_resumes_in_one(checkpoints, tmp_path):
     """4 ranks: tp 2 x cp 2 x ep 2 on Qwen3-MoE (aux loss) and DeepSeek-V3, with SP on Qwen2-MoE; the Trainer at
-    dp_shard 2 x cp 2 x ep 2 and tp 2 x cp 2 x ep 2 (aux loss); 1 process: the cp x ep checkpoint resumed."""
+    dp_shard 2 x cp 2 x ep 2 and tp 2 x cp 2 x ep 2 (aux loss), and the aux loss at pp 2 x cp 2 and pp 2 x tp 2 (SP);
+    1 process: the cp x ep checkpoint resumed."""
     run_distributed(_four_ranks, 4, checkpoints, str(tmp_path), timeout=1200)
     run_distributed(_resume_in_one_process, 1, str(tmp_path), timeout=300)
