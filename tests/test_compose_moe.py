@@ -186,6 +186,27 @@ def _resume_in_one_process(tmp: str) -> None:
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(full[4:]), rtol=1e-9, atol=1e-9)
 
 
+# ---------------------------------------------------------------- the layout (no process group)
+
+def test_ep_folds_over_dp_shard_x_cp():
+    """ep over dp_shard x cp: the sizes resolved (tp taking what dp_shard x cp = ep leaves), the mesh's real axes
+    (ep = dp_shard_in_ep x cp) read back by ParallelDims.of, and the sizes that cannot fold, before any collective."""
+    from types import SimpleNamespace
+
+    from tptrain.distributed import ParallelDims
+
+    dims = DistributedConfig(cp_size=2, ep_size=2).parallel_dims(4)
+    assert dims == ParallelDims(dp_replicate=1, dp_shard=1, tp=2, ep=2, cp=2)
+    dims = DistributedConfig(tp_size=1, cp_size=2, ep_size=4, dp_replicate_size=2).parallel_dims(16)
+    shape = dims.mesh_shape()
+    assert shape == {"dp_replicate": 2, "dp_shard_mod_ep": 2, "dp_shard_in_ep": 2, "cp": 2, "tp": 1}
+    assert ParallelDims.of(SimpleNamespace(mesh_dim_names=tuple(shape), shape=tuple(shape.values()))) == dims
+    with pytest.raises(ValueError, match=r"ep_size=2 \(--ep-size\) is not a multiple of cp_size=4"):
+        DistributedConfig(tp_size=1, cp_size=4, ep_size=2).parallel_dims(4)
+    with pytest.raises(ValueError, match=r"ep_size=4 must divide dp_shard x cp = 1 x 2 .* launch a multiple of 8"):
+        DistributedConfig(tp_size=2, cp_size=2, ep_size=4).parallel_dims(4)
+
+
 # ---------------------------------------------------------------- the pools
 
 SP = dict(tp_size=2, enable_sequence_parallel=True)
