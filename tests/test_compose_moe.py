@@ -27,6 +27,7 @@ from tests.cp_utils import CP_FAMILIES, F64, packed_batch
 from tests.dist_utils import run_distributed
 from tests.helpers import MOE_TRAIN_TINY, TOL, full_grads, full_params, reference_losses, tiny_dataset, training_args
 from tptrain import DistributedConfig
+from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)  # a coefficient that makes its gradient count
@@ -68,7 +69,7 @@ def _masked(batch: dict) -> dict:
 def _trains_like(path: str, batch: dict, *, steps: int = 3, **distributed) -> None:
     """The model laid out as `distributed` (every rank given the same whole batch) equals one process: each step's
     loss (and aux loss, fp32 as transformers reports it), the first step's gradients (gathered over tp and ep), and
-    every parameter after `steps` AdamW steps."""
+    every parameter after `steps` AdamW steps; and its collectives are `comm_report`'s minimum."""
     what = f"{path.rsplit('/', 1)[-1]} {distributed}"
     ref = AutoModelForCausalLM.from_pretrained(path).train()
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(**distributed)).train()
@@ -90,6 +91,10 @@ def _trains_like(path: str, batch: dict, *, steps: int = 3, **distributed) -> No
     for name, p in ref.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), **TOL, msg=lambda m: f"{what} {name} after {steps} "
                                                                                   f"AdamW steps: {m}")
+    # one more step's collectives are the minimum (the experts' dispatch, SP's routing, the aux loss's sums)
+    rest = {k: v for k, v in batch.items() if k not in ("input_ids", "labels")}
+    report = comm_report(model, batch["input_ids"], batch["labels"], **rest)
+    assert report.matches_minimum, f"{what}\n{report.table()}"
 
 
 # ---------------------------------------------------------------- the router aux loss under pp
