@@ -139,7 +139,7 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | No
             module.long_context = _on_whole_sequence(contract.long_context(module), ctx)
     base = contract.base_model(model)
     base.attention_masks = _rows_for_this_rank(contract.mask_builder(model), ctx)
-    router_aux_over_cp(model, ctx.group_name)  # the router aux loss's token counts: every cp rank's tokens
+    router_aux_over_cp(model, ctx)  # the router aux loss's token counts: every cp rank's tokens
     model.loss_function = _on_shifted(model.loss_function)
     if contract.has_head_loss(model):
         model.head_loss_function = _on_shifted(model.head_loss_function)

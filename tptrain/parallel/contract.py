@@ -154,8 +154,9 @@ class TPExperts(Protocol):
     gate_proj, up_proj (experts, inner, hidden), down_proj (experts, hidden, inner): the stacked weights.
     grouped(rows, counts): rows (n, hidden) sorted by held expert, counts[i] rows for held expert i ->
         (n, hidden); every held expert runs, with no row too.
-    forward(x, expert_ids, weights): x (tokens, hidden), expert_ids and weights (tokens, k) -> (tokens, hidden),
-        the weighted sum over the experts held here.
+    forward(x, expert_ids, weights): x (..., hidden), the block input (batch, seq, hidden) or its tokens,
+        expert_ids and weights (tokens, k) -> x's shape, a tensor of its own (FSDP2 may wrap the module): the
+        weighted sum over the experts held here.
     Written by the engine for the reports: `tp_dispatch` ("all_reduce" / "all_to_all": how the TP group
     exchanged the experts' work) and, over an ep axis, `ep_dispatch` ("all_to_all").
     Another stacked-experts module an ep axis can split by expert declares `tp_routed_experts = True`: it has an int

@@ -21,16 +21,23 @@ replicated and computed on every rank, identically.
   bytes per rank. With T tokens of H features, k experts per token and p ranks, the all-reduce sends
   2 (p-1)/p T H, the all-to-all path (p-1)/p T H (2k/p + 1): all-to-all from p >= 2k on.
 
-With an ep axis of its own (`DistributedConfig(ep_size=)`, whose ranks are data-parallel: each holds its own
-tokens), `expert_tensor_parallel` splits the experts by expert over ep as well (`ShardSpec.ep_split`): a rank holds
-E/ep experts x 1/tp of each. Its tokens (whole over tp) are dispatched by all-to-all over the ep group to the
-experts' owners, each owner's tp ranks run them through their slice (partial outputs), the results come back the
-same way, and the weighted sum rides the layer's one tp all-reduce as in plain expert TP.
+With an ep axis of its own (`DistributedConfig(ep_size=)`, folded over the data- and context-parallel ranks: each
+holds its own tokens), `expert_tensor_parallel` splits the experts by expert over ep as well (`ShardSpec.ep_split`):
+a rank holds E/ep experts x 1/tp of each. Its tokens (whole over tp) are dispatched by all-to-all over the ep group
+to the experts' owners, each owner's tp ranks run them through their slice (partial outputs), the results come back
+the same way, and the weighted sum rides the layer's one tp all-reduce as in plain expert TP.
 
 In all of them the routing weights enter through `copy_to_tp` (or the share's split), so the router's gradient,
 whose expert-path part each rank computes only for its own experts (or tokens), is summed to the whole on every
-rank: (tokens, k) floats in backward, k/H of the activation all-reduce. The aux loss needs nothing (the router is
-replicated).
+rank: (tokens, k) floats in backward, k/H of the activation all-reduce. The aux loss needs nothing over tp (the
+router is replicated).
+
+Under sequence parallelism each tp rank routes its own sequence shard: the summing styles gather the shard's
+routing with the block input (`_gathered`: the same all-gather of the sequence a dense MLP's boundary does, and the
+ids and weights alike) and reduce-scatter their partial output, exact and no more bytes than a dense MLP under SP
+(every tp rank must see every token for its slice of every expert); the all-to-all style exchanges the shard as it
+is (its share). The router aux loss is then split over token shards (and under cp): `router_aux_over_sp` /
+`router_aux_over_cp` sum its token counts over them.
 """
 from __future__ import annotations
 
@@ -176,12 +183,13 @@ class ExpertParallel(ExpertParallelAllToAll):
             ExpertParallelAllReduce.install(self, module, ctx)
 
 
-def router_aux_over_cp(model: nn.Module, group_name: str) -> None:
+def router_aux_over_cp(model: nn.Module, ctx) -> None:
     """Context parallelism's part of the router aux loss (`contract.router_aux`): each cp rank routes its own tokens,
     so the token counts are summed over the cp group (one all-reduce of num_experts + 1 floats) and each rank's loss
-    is its share (its own router probabilities), summed over cp with the rest of the loss."""
+    is its share (its own router probabilities), summed over cp with the rest of the loss. `ctx`: the model's
+    CPContext (its group read at each call: the Trainer may move the model onto a mesh of its own)."""
     if contract.router_aux(model) is not None:
-        model.router_aux_loss_function = _counts_summed(model.router_aux_loss_function, group_name)
+        model.router_aux_loss_function = _counts_summed(model.router_aux_loss_function, ctx)
 
 
 def router_aux_over_sp(model: nn.Module, ctx: TPContext) -> None:
@@ -191,7 +199,7 @@ def router_aux_over_sp(model: nn.Module, ctx: TPContext) -> None:
     if contract.router_aux(model) is None:
         return
     statistics, loss_function = contract.router_aux(model)
-    summed = _counts_summed(loss_function, ctx.group_name)
+    summed = _counts_summed(loss_function, ctx)
 
     def router_statistics(router_logits, attention_mask):
         if attention_mask is not None:  # (batch, seq) -> this rank's (batch, seq / tp), as SP splits the sequence
@@ -204,11 +212,12 @@ def router_aux_over_sp(model: nn.Module, ctx: TPContext) -> None:
     model.router_statistics, model.router_aux_loss_function = router_statistics, router_aux_loss_function
 
 
-def _counts_summed(loss_function, group_name: str):
-    """`loss_function(stats, *, total=)` with the counts (and any `total` it is given) summed over the group too."""
+def _counts_summed(loss_function, ctx):
+    """`loss_function(stats, *, total=)` with the counts (and any `total` it is given) summed over `ctx`'s group (a
+    TPContext or CPContext: its `group_name` as it is at the call) too."""
     def router_aux_loss_function(stats, *, total=None):
         def summed(t):
-            t = comm.all_reduce(t.clone(), comm.resolve_group(group_name), phase="router_aux")
+            t = comm.all_reduce(t.clone(), comm.resolve_group(ctx.group_name), phase="router_aux")
             return t if total is None else total(t)
 
         return loss_function(stats, total=summed)
