@@ -325,9 +325,23 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     if layout.vocab_parallel_loss:  # the max, then [target, sum-exp], per chunk (whole logits: one chunk)
         add(("forward", "all_reduce"), 2 * max(chunks, 1), 3 * token_bytes)
     if dispatch:
-        top_k, fp32 = model.config.num_experts_per_tok, getattr(model.config, "router_weights_in_float32", False)
-        weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
-    routing = len(summed) * batch * seq * top_k if summed else 0  # (tokens, top_k) per summing MoE block
+        _add_routing(add, model, dispatch, batch * seq, tp, sp, dtype, tracker)
+    norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
+    if norms:  # norms over split features: the sum of squares, and its gradient
+        add(("forward", "all_reduce"), norms, norms * token_bytes)
+        add(("backward", "all_reduce"), norms, norms * token_bytes)
+    _add_grad_sync(add, model, layout, tp, dtype)
+    return dict(out)
+
+
+def _add_routing(add, model: nn.Module, dispatch: dict[str, str], tokens: int, tp: int, sp: bool,
+                 dtype: torch.dtype, tracker: CommTracker | None) -> None:
+    """`add` what the MoE blocks' routing costs over TP (see the module doc): the summing blocks' routing weights
+    (under SP their ids too), the all-to-all blocks' dispatch."""
+    fp32 = getattr(model.config, "router_weights_in_float32", False)
+    weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
+    summed = {name for name, how in dispatch.items() if how == "all_reduce"}
+    routing = len(summed) * tokens * model.config.num_experts_per_tok  # (tokens, top_k) per summing MoE block
     if summed and sp:  # the shard's ids and weights gathered with the input, the weights' gradient scattered back
         add(("forward", "all_gather"), 2 * len(summed), routing * (8 + weight_size) // tp)
         add(("backward", "reduce_scatter"), len(summed), routing * weight_size)
@@ -335,13 +349,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
         add(("backward", "all_reduce"), len(summed), routing * weight_size)
     dispatched = sorted(set(dispatch) - summed)
     if dispatched:
-        _add_all_to_all(add, model, dispatched, batch * seq, tp, dtype.itemsize, weight_size, tracker, sp=sp)
-    norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
-    if norms:  # norms over split features: the sum of squares, and its gradient
-        add(("forward", "all_reduce"), norms, norms * token_bytes)
-        add(("backward", "all_reduce"), norms, norms * token_bytes)
-    _add_grad_sync(add, model, layout, tp, dtype)
-    return dict(out)
+        _add_all_to_all(add, model, dispatched, tokens, tp, dtype.itemsize, weight_size, tracker, sp=sp)
 
 
 def _add_grad_sync(add, model: nn.Module, layout, tp: int, dtype: torch.dtype) -> None:
