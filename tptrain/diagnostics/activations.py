@@ -222,7 +222,7 @@ def model_activations(hidden: int, work: Work, *, first: bool, last: bool, rotar
 @dataclass(frozen=True)
 class LossMemory:
     """The loss's memory for one microbatch. held: saved from its forward to its backward; output: the logits, which
-    the caller holds (a pipeline's schedule keeps every microbatch's until the step ends); forward / backward: its
+    the caller holds (a pipeline's last stage each microbatch's until its backward); forward / backward: its
     transient peak in each; head_grad: the head's gradient (the fused loss makes it in forward); chunk: tokens per
     chunk of the fused loss (0: whole logits)."""
 
