@@ -19,6 +19,9 @@ whole logits, as the last stage computes them). Columns:
                not); the measured speed-up below it is communication (gloo's p2p copies and waits), Python
                overheads and CPU contention. CPU time does not count waiting, so the bound holds on a loaded
                machine where the wall times do not.
+  work         every rank's chunk CPU time over pp 1's step: the compute the pipeline adds (a zero-bubble
+               schedule's backward in two pieces, the stages' per-microbatch calls); above 1, the bound above
+               overstates the speed-up by that much.
   idle         1 - (wall time inside the rank's chunks) / step time, against 1F1B's (p-1)/(m+p-1).
   chunk / other CPU ms   per rank: thread CPU time in its chunks; the process's CPU time outside them (p2p posting,
                gloo's threads, the schedule's bookkeeping).
@@ -221,20 +224,21 @@ def _table(rows: list[tuple], steps: int, seq: int) -> str:
     one = rows[0][3][0]
     lines = [f"{ROWS} rows x {seq} tokens per step, {steps} step(s), fp32, 1 thread per rank, gloo\n",
              f"{'pp':>3} {'m':>3} {'schedule':<22} {'step ms':>8} {'speed-up':>8} {'bound':>6} "
-             f"{'idle per rank':>20} {'1F1B idle':>9} {'chunk CPU ms':>20} {'other CPU ms':>14} "
+             f"{'work':>5} {'idle per rank':>20} {'1F1B idle':>9} {'chunk CPU ms':>20} {'other CPU ms':>14} "
              f"{'peak MB (pp 1 = ' + format(one['peak_mb'], '.0f') + ')':>22}"]
     figures = []
     for pp, m, schedule, results in rows:
         step = max(r["step_s"] for r in results)
         speed = one["step_s"] / step
-        bound = "-"
+        bound = work = "-"
         if pp > 1:
+            work = f"{sum(r['chunk_cpu'] for r in results) / one['step_cpu']:.2f}"
             bound = f"{statistics.median(_bound([r['events'][i] for r in results]) for i in range(steps)):.2f}x"
         theory = "-" if m == "-" else f"{(pp - 1) / (m + pp - 1):.2f}"
 
         def per_rank(fmt, results=results):
             return " ".join(fmt(r) for r in results)
-        lines.append(f"{pp:>3} {m:>3} {schedule:<22} {1000 * step:>8.1f} {speed:>7.2f}x {bound:>6} "
+        lines.append(f"{pp:>3} {m:>3} {schedule:<22} {1000 * step:>8.1f} {speed:>7.2f}x {bound:>6} {work:>5} "
                      f"{per_rank(lambda r: format(r['idle'], '.2f')):>20} {theory:>9} "
                      f"{per_rank(lambda r: format(1000 * r['chunk_cpu'], '.0f')):>20} "
                      f"{per_rank(lambda r: format(1000 * (r['step_cpu'] - r['chunk_cpu']), '.0f')):>14} "
@@ -242,10 +246,12 @@ def _table(rows: list[tuple], steps: int, seq: int) -> str:
         if (pp, m) == TARGET:
             figures.append((schedule, speed, bound))
     pp, m = TARGET
-    lines += ["", f"{'figure':<64} {'measured':>9} {'bound':>6} {'target':>7}"]
-    for schedule, speed, bound in figures:
-        lines.append(f"{f'pp {pp}, {m} microbatches, {schedule}: speed-up over pp 1 on {pp} ranks':<64} {speed:>8.2f}x "
-                     f"{bound:>6} {pp * m / (m + pp - 1):>6.2f}x  (1F1B's bubble: p m / (m + p - 1))")
+    labels = [f"pp {pp}, {m} microbatches, {schedule}: speed-up over pp 1 on {pp} ranks" for schedule, *_ in figures]
+    width = max(map(len, labels), default=0)
+    lines += ["", f"{'figure':<{width}} {'measured':>9} {'bound':>6} {'target':>7}"]
+    for label, (schedule, speed, bound) in zip(labels, figures):
+        lines.append(f"{label:<{width}} {speed:>8.2f}x {bound:>6} {pp * m / (m + pp - 1):>6.2f}x  (1F1B's bubble: "
+                     f"p m / (m + p - 1))")
     return "\n".join(lines)
 
 
