@@ -9,7 +9,7 @@ Every (cp, sequence) runs in fresh processes: cp 1 as one process, cp N as N ran
 `--seqs` tokens per step (a whole batch of one sequence, as long-context fine-tuning trains), fwd + bwd + AdamW,
 fp32 (bf16 on CUDA). Columns per rank:
   act MiB    the bytes autograd keeps for backward (SavedTensorMeter): what cp divides. Target: within 1.2x of
-             cp 1's / cp.
+             cp 1's / cp (the last lines: the worst over --seqs at each cp, beside the target).
   peak MiB   CUDA: torch.cuda.max_memory_allocated over the step; CPU: the anonymous RSS peak over the step (sampled
              every 2 ms) above the value before it.
   tok/s      tokens of the sequence per second of a step (median of --steps after --warmup).
@@ -159,6 +159,17 @@ def main() -> None:
               f"{r['seq'] / r['step']:>9.0f}")
     print(f"longest sequence within {args.budget_mib:.0f} MiB per rank: "
           + ", ".join(f"cp {cp}: {seq}" for cp, seq in longest.items()) + " (of --seqs)")
+    print(_figures(rows, base))
+
+
+def _figures(rows: list[dict], base: dict[int, int]) -> str:
+    """Issue 36's figure beside its target: the activations per rank against cp 1's / cp, the worst over --seqs."""
+    lines = ["\nfigure                                          measured   target"]
+    for cp in sorted({r["cp"] for r in rows} - {1}):
+        ratios = [r["act"] / (base[r["seq"]] / cp) for r in rows if r["cp"] == cp and r["seq"] in base]
+        measured = f"{max(ratios):.2f}x" if ratios else "-"
+        lines.append(f"{f'CP activations per rank / (cp 1 / {cp}), cp {cp}':<47} {measured:>9}   <= 1.20x")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

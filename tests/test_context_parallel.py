@@ -1,7 +1,7 @@
 """Context parallelism (cp_size) against one process, in fp64: the loss and every gradient of a bare model on a
 packed batch longer than the sliding windows, for every family of tests/cp_utils.py, at cp 2, cp 4 and cp 2 x tp 2
 (DeepSeek-V3's latent attention, whose values are narrower than its keys, also 3 AdamW steps at cp 2 and cp 2 x tp 2);
-and the errors a user can get."""
+the bytes each rank keeps for backward, at most 1/cp of one process's; and the errors a user can get."""
 from __future__ import annotations
 
 import pytest
@@ -84,6 +84,39 @@ def _adamw_steps(path: str, steps: int = 3, **kwargs) -> None:
                                                                                   f"AdamW steps: {m}")
 
 
+def _saved_bytes(model, batch: dict) -> tuple[int, int]:
+    """(bytes the forward keeps for backward, of them the first decoder layer's): SavedTensorMeter, parameters
+    excluded (only the innermost saved-tensor hooks run: the layer's meter sees what the outer one does not)."""
+    from tptrain.diagnostics.accounting import SavedTensorMeter
+
+    layer, meters = model.model.layers[0], []
+
+    def enter(*_):
+        meters.append(SavedTensorMeter(model.parameters()).__enter__())
+
+    hooks = [layer.register_forward_pre_hook(enter), layer.register_forward_hook(lambda *_: meters[-1].__exit__())]
+    with SavedTensorMeter(model.parameters()) as meter:
+        loss = model(**batch).loss
+    for hook in hooks:
+        hook.remove()
+    loss.backward()  # the re-gathers: every rank runs the backward it set up
+    return meter.bytes + meters[0].bytes, meters[0].bytes
+
+
+def _keeps_a_share(paths: dict[str, str], cp: int) -> None:
+    """Each cp rank keeps for backward at most 1/cp of what one process keeps, per layer and in all: K and V are
+    gathered again in backward, not kept. Packed rows (masks, a sliding window) and plain causal ones (each chunk
+    against its prefix), grouped-query and latent attention (values narrower than keys)."""
+    for model_type, packed in (("qwen3", True), ("qwen3", False), ("mistral", True), ("deepseek_v3", False)):
+        batch = packed_batch(packed=packed, seq=64)
+        one = _saved_bytes(AutoModelForCausalLM.from_pretrained(paths[model_type]).train(), batch)
+        model = AutoModelForCausalLM.from_pretrained(paths[model_type], distributed_config=DistributedConfig(
+            cp_size=cp, tp_size=1)).train()
+        kept = _saved_bytes(model, batch)
+        assert all(k <= o / cp for k, o in zip(kept, one)), (model_type, packed, cp, "kept (all, layer 0)", kept,
+                                                             "one process's", one)
+
+
 def _wrong_length(path: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(cp_size=2))
     batch = packed_batch(seq=14)
@@ -97,6 +130,7 @@ def _cp4_worker(paths: dict[str, str], tmp: str) -> None:
                               dict(cp_size=4, tp_size=1, packed=False, families=["qwen3", "gemma2"]),
                               dict(cp_size=2, tp_size=2, packed=False, families=["phi3", "gemma2"])])
     _adamw_steps(paths["deepseek_v3"], cp_size=2, tp_size=2)
+    _keeps_a_share(paths, 4)
     _trainer_with_tp(tmp)
 
 
@@ -217,6 +251,7 @@ def _cp2_worker(paths: dict[str, str], tmp: str) -> None:
                                                                 families=["qwen3", "gemma2", "qwen3_moe"])])
     _wrong_length(paths["qwen3"])
     _adamw_steps(paths["deepseek_v3"], cp_size=2, tp_size=1)
+    _keeps_a_share(paths, 2)
     _trainer_worker(tmp)
 
 

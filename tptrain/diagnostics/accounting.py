@@ -39,11 +39,11 @@ least fp32) over each group ("router_aux"), and its share's scalar over cp (out.
 
 Context parallelism (cp_size, parallel/context_parallel.py) adds, per attention layer, one all-gather of this rank's
 K and V side by side in forward ((batch, kv heads here, seq / cp, k dim + v dim), the config's
-`key_value_head_dims`: MLA's values are narrower than its keys) and one reduce-scatter of the gathered dK/dV in
-backward ((batch, kv heads here, seq, k dim + v dim)); the loss's sum over cp (one scalar all-reduce in
-forward); and, for a bare model, every gradient summed over cp in one flat all-reduce ("grad_sync"; not the experts
-split over an ep axis, whose owners got every cp rank's rows). The TP minimum above, and an ep axis's dispatch, are
-then of this rank's seq / cp tokens.
+`key_value_head_dims`: MLA's values are narrower than its keys), the same all-gather again in backward (only this
+rank's K and V are kept for it) and one reduce-scatter of the gathered dK/dV ((batch, kv heads here, seq, k dim + v
+dim)); the loss's sum over cp (one scalar all-reduce in forward); and, for a bare model, every gradient summed over
+cp in one flat all-reduce ("grad_sync"; not the experts split over an ep axis, whose owners got every cp rank's
+rows). The TP minimum above, and an ep axis's dispatch, are then of this rank's seq / cp tokens.
 """
 from __future__ import annotations
 
@@ -269,6 +269,7 @@ def _add_context_parallel(add, model: nn.Module, batch: int, seq: int, dtype: to
     heads = max(1, contract.kv_heads(config) // tp)  # K and V side by side, per token
     kv = batch * heads * sum(contract.key_value_head_dims(config)) * dtype.itemsize
     add(("forward", "all_gather"), layers, layers * kv * seq // ctx.size)
+    add(("backward", "all_gather"), layers, layers * kv * seq // ctx.size)  # gathered again, not kept
     add(("backward", "reduce_scatter"), layers, layers * kv * seq)
     wide = torch.promote_types(dtype, torch.float32).itemsize
     add(("forward", "all_reduce"), 1, wide)  # the loss

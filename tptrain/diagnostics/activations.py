@@ -11,7 +11,7 @@ log-sum-exp per query and head instead of the (s x s) scores; grouped-query K an
 before attention (`Attention.attend`); RMSNorm keeps its fp32 input, its rsqrt and its normalised input; SwiGLU keeps
 gate, activation, up and their product. Tensor parallelism divides the head and MLP widths (K/V heads replicated
 when tp exceeds them), sequence parallelism the tokens of the norms and of each TP region's saved input, context
-parallelism the tokens, while attention keeps the keys and values of the whole sequence (the K/V all-gather).
+parallelism the tokens (attention keeps this rank's q, K and V: its backward gathers K and V again).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def precision(param_bytes: int, *, bf16: bool, fsdp: bool) -> Precision:
 class Work:
     """One microbatch on one rank: `batch` sequences of `seq` tokens, split over tp (widths), cp (tokens) and, for
     the norms and each TP region's saved input, sp. ep / expert_parallel: how the experts are split (over an ep
-    axis, or by expert over the TP group). device: "cuda" or "cpu" (CPU attention under cp pads its queries)."""
+    axis, or by expert over the TP group). device: "cuda" or "cpu" (CPU's math path for latent attention)."""
 
     batch: int
     seq: int
@@ -94,8 +94,8 @@ def _heads(shape: LayerShape, tp: int) -> tuple[int, int]:
 
 
 def attention(shape: LayerShape, work: Work) -> dict[str, int]:
-    """Attention's saved tensors past its input: q/k norms, then SDPA's q, K, V, output and log-sum-exp (whole-sequence
-    K and V under cp), or the soft-capped eager path's (s x s) scores."""
+    """Attention's saved tensors past its input: q/k norms, then SDPA's q, K, V, output and log-sum-exp, or the
+    soft-capped eager path's (s x s) scores; under cp only this rank's q, K and V."""
     w, c = work.tokens, work.precision.compute
     heads, kv = _heads(shape, work.tp)
     q, v_out = heads * shape.q_dim, heads * shape.v_dim
@@ -107,28 +107,25 @@ def attention(shape: LayerShape, work: Work) -> dict[str, int]:
         out["q/k norms"] = norm(shape.q_dim, w, c, fp32, heads, trained) + norm(shape.q_dim, w, c, fp32, kv, trained)
     if shape.latent is not None:  # MLA: the latents' norms and the inputs of q_b_proj / kv_b_proj
         out["latent norms"] = sum(norm(r, w, c, shape.norm_fp32) + w * r * c for r in shape.latent if r)
+    if work.cp > 1:  # this rank's q, K and V only: backward gathers K and V again and recomputes attention; the two
+        # chunks' outputs concatenated, then laid out (batch, seq, heads * v_dim) for o_proj
+        out["attention"] = w * (q + kv * (shape.q_dim + shape.v_dim)) * c
+        out["o_proj input"] = w * v_out * c
+        return out
     expanded = shape.gqa_expanded and heads > kv
     k_heads = heads if expanded else kv
-    keys = work.batch * work.seq * (2 * work.cp + 1) // (2 * work.cp) if work.cp > 1 else w  # two causal prefixes
     if shape.softcap:  # scores, their tanh, fp32 softmax and probabilities: 8 bytes per score either way
-        scores = work.batch * heads * (work.seq // work.cp) * work.seq
-        out["attention"] = w * (q + v_out) * c + work.batch * work.seq * k_heads * (shape.q_dim + shape.v_dim) * c \
-            + scores * 8
+        scores = w * work.seq * heads
+        out["attention"] = w * (q + v_out) * c + w * k_heads * (shape.q_dim + shape.v_dim) * c + scores * 8
         return out
     if work.device == "cpu" and shape.q_dim != shape.v_dim:  # CPU's math path (latent attention's V is narrower):
         # q and K scaled, V, and every (query, key) probability in fp32
         out["attention"] = w * heads * (shape.q_dim + shape.v_dim) * c + work.batch * work.seq * heads * \
             shape.q_dim * c + heads * (w // work.batch) * work.batch * work.seq * 4
         return out
-    kv_bytes = keys * k_heads * (shape.q_dim + shape.v_dim) * c
-    if work.cp > 1 and not expanded:  # SDPA keeps views of the sorted, gathered K and V of the whole sequence
-        kv_bytes = work.batch * work.seq * kv * (shape.q_dim + shape.v_dim) * c
-    queries = keys if (work.cp > 1 and work.device == "cpu") else w  # CPU: zero queries pad each chunk to its keys
-    out["attention"] = queries * (q * c + v_out * c + heads * 4) + kv_bytes
+    out["attention"] = w * (q * c + v_out * c + heads * 4) + w * k_heads * (shape.q_dim + shape.v_dim) * c
     if shape.window is not None and shape.window < work.seq:  # SDPA keeps the boolean mask as an additive float one
-        out["attention mask"] = work.seq // work.cp * work.seq * c
-    if work.cp > 1:  # the two chunks' outputs concatenated, then laid out (batch, seq, heads * v_dim) for o_proj
-        out["o_proj input"] = w * v_out * c
+        out["attention mask"] = work.seq * work.seq * c
     return out
 
 
@@ -225,7 +222,7 @@ def model_activations(hidden: int, work: Work, *, first: bool, last: bool, rotar
 @dataclass(frozen=True)
 class LossMemory:
     """The loss's memory for one microbatch. held: saved from its forward to its backward; output: the logits, which
-    the caller holds (a pipeline's schedule keeps every microbatch's until the step ends); forward / backward: its
+    the caller holds (a pipeline's last stage each microbatch's until its backward); forward / backward: its
     transient peak in each; head_grad: the head's gradient (the fused loss makes it in forward); chunk: tokens per
     chunk of the fused loss (0: whole logits)."""
 

@@ -192,8 +192,8 @@ def _terms(**parts: int) -> dict[str, int]:
 @dataclass(frozen=True)
 class _Scenario:
     """A microbatch's backward as the schedule runs it: `others` microbatches in flight beside it, gradients of
-    earlier microbatches already there (`accumulated`), `outputs` microbatches' logits held (a pipeline keeps them
-    all until the step ends)."""
+    earlier microbatches already there (`accumulated`), `outputs` microbatches' logits held (a pipeline's last stage
+    keeps each until its backward)."""
 
     name: str
     others: float
@@ -203,13 +203,13 @@ class _Scenario:
 
 def _scenarios(layout: ParallelDims, microbatches: int, flight: float, last: bool) -> list[_Scenario]:
     """The first microbatch's backward (the most in flight, no gradient yet) and, with several microbatches, a later
-    one's (the gradients there, every forwarded microbatch's logits held)."""
+    one's (the gradients there, the logits of the microbatches still in flight held)."""
     if layout.pp == 1:
         return [_Scenario("", 0, False, 0)]
     out = [_Scenario("first microbatch: ", flight - 1, False, flight if last else 0)]
     if microbatches > 1:
         others = flight - 1 if microbatches > flight else 0
-        out.append(_Scenario("last microbatch: ", others, True, microbatches if last else 0))
+        out.append(_Scenario("last microbatch: ", others, True, others + 1 if last else 0))
     return out
 
 

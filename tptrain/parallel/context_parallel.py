@@ -14,9 +14,11 @@ sequence's mask for this rank's queries (causal, sliding window, packed document
 padding), its columns ordered as the keys are gathered.
 
 Each attention layer all-gathers K and V over the cp group (one collective for both, side by side along the head
-dim, so MLA's narrower values need no padding; with GQA they are smaller than Q, and any mask works) and its
-backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per token (norms, MLPs, MoE routing: each
-rank routes its own tokens, the router aux loss's token counts summed over cp), so it runs on the shard unchanged.
+dim, so MLA's narrower values need no padding; with GQA they are smaller than Q, and any mask works); only this
+rank's q, k and v are kept for backward, which gathers K and V again, recomputes the attention and reduce-scatters
+dK/dV (`comm.on_gathered_over_cp`), so the activations kept per rank are 1/cp of one process's. Everything else is
+per token (norms, MLPs, MoE routing: each rank routes its own tokens, the router aux loss's token counts summed over
+cp), so it runs on the shard unchanged.
 
 The loss: each rank's token sum over the real-token count of the WHOLE batch (each rank holds the whole batch, so
 it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-reduce fwd / identity bwd), so
@@ -32,6 +34,7 @@ microbatch's loss is its token sum over the step's global count, and the step's 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -187,28 +190,38 @@ def _sum_loss(ctx: CPContext, out):
 
 
 def _gathering(attend, ctx: CPContext):
-    """`attend` on this rank's queries against every rank's keys and values (gathered in rank order)."""
+    """`attend` on this rank's queries against every rank's keys and values (gathered in rank order). Only this
+    rank's q, k and v are kept for backward, which gathers K and V again and recomputes the attention
+    (`comm.on_gathered_over_cp`): the whole sequence's K and V, and what attention's backward keeps, live per layer
+    only while it runs."""
 
     def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # One collective for both, side by side: (batch, kv_heads, seq / cp, k dim + v dim). MLA's values are
         # narrower than its keys (v_head_dim < qk_nope_head_dim + qk_rope_head_dim): no padding needed.
         assert k.shape[:-1] == v.shape[:-1] and k.dtype == v.dtype, (k.shape, v.shape, k.dtype, v.dtype)
-        k, v = comm.gather_over_cp(torch.cat([k, v], dim=-1), ctx.group_name, dim=2).split(
-            [k.shape[-1], v.shape[-1]], dim=-1)
-        if mask is not None:
-            return attend(q, k, v, mask)
-        # Plain causal: no mask at all. The keys in sequence order; each of this rank's two chunks attends the keys
-        # up to its own end, causal at the end (attend's None), so the fused kernels keep working. (Derived from the
-        # shapes, not the forward's state: activation checkpointing recomputes this in backward.)
-        seq = k.shape[2]
-        order = torch.argsort(torch.cat([local_index(seq, ctx.size, r, k.device) for r in range(ctx.size)]))
-        k, v = k.index_select(2, order), v.index_select(2, order)
-        chunk = q.shape[2] // 2
-        ends = (ctx.rank + 1) * chunk, (2 * ctx.size - ctx.rank) * chunk
-        return torch.cat([attend(q[:, :, :chunk], k[:, :, :ends[0]], v[:, :, :ends[0]], None),
-                          attend(q[:, :, chunk:], k[:, :, :ends[1]], v[:, :, :ends[1]], None)], dim=2)
+        return comm.on_gathered_over_cp(functools.partial(_attend_all, attend, ctx, (k.shape[-1], v.shape[-1])),
+                                        torch.cat([k, v], dim=-1), ctx.group_name, q, mask, dim=2)
 
     return attend_gathered
+
+
+def _attend_all(attend, ctx: CPContext, widths: tuple[int, int], kv: torch.Tensor, q: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+    """`attend` of q (batch, heads, seq / cp, qk dim) against every rank's K and V, side by side in kv (batch,
+    kv_heads, seq, k dim + v dim) in gathered order; mask's columns in that order, or None (plain causal)."""
+    k, v = kv.split(list(widths), dim=-1)
+    if mask is not None:
+        return attend(q, k, v, mask)
+    # Plain causal: no mask at all. The keys in sequence order; each of this rank's two chunks attends the keys up
+    # to its own end, causal at the end (attend's None), so the fused kernels keep working. (Derived from the
+    # shapes, not the forward's state: backward and activation checkpointing recompute this.)
+    seq = k.shape[2]
+    order = torch.argsort(torch.cat([local_index(seq, ctx.size, r, k.device) for r in range(ctx.size)]))
+    k, v = k.index_select(2, order), v.index_select(2, order)
+    chunk = q.shape[2] // 2
+    ends = (ctx.rank + 1) * chunk, (2 * ctx.size - ctx.rank) * chunk
+    return torch.cat([attend(q[:, :, :chunk], k[:, :, :ends[0]], v[:, :, :ends[0]], None),
+                      attend(q[:, :, chunk:], k[:, :, :ends[1]], v[:, :, :ends[1]], None)], dim=2)
 
 
 def _rows_for_this_rank(attention_masks, ctx: CPContext):

@@ -292,7 +292,9 @@ class Pipeline:
         args, target, kwargs = self._inputs(batch)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=target, losses=losses, **kwargs)
+        # return_outputs=False: the last stage drops each microbatch's logits after its backward instead of keeping
+        # them all to the end of the step and concatenating them (nothing reads them: the losses are the output).
+        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         device = batch["input_ids"].device
         total = sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
                                                                                        device=device))

@@ -16,7 +16,7 @@ from tptrain.distributed.comm.collectives import (ProcessGroup, all_gather, all_
                                                   reduce_scatter, resolve_group, split)
 from tptrain.distributed.comm.handles import Pending, start_all_gather, start_all_reduce, start_reduce_scatter
 from tptrain.distributed.comm.ops import (copy_to_tp, dispatch_to_ranks, exchange_counts, gather_from_tp,
-                                          gather_over_cp, gather_to_sp, reduce_from_tp, reduce_scatter_to_sp,
+                                          gather_to_sp, on_gathered_over_cp, reduce_from_tp, reduce_scatter_to_sp,
                                           split_to_tp, sum_over_cp, sum_over_tp)
 from tptrain.distributed.comm.process_group import (DEFAULT_PG_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, PG_TIMEOUT_ENV,
                                                     RENDEZVOUS_TIMEOUT_ENV, destroy_process_group,
@@ -28,7 +28,7 @@ __all__ = [
     "DEFAULT_PG_TIMEOUT", "DEFAULT_RENDEZVOUS_TIMEOUT", "PG_TIMEOUT_ENV", "RENDEZVOUS_TIMEOUT_ENV", "CommNote",
     "CommRecord", "CommTracker", "Pending", "ProcessGroup", "all_gather", "all_gather_object", "all_reduce",
     "all_to_all", "any_rank", "barrier", "copy_to_tp", "destroy_process_group", "dispatch_to_ranks", "exchange_counts",
-    "gather_from_tp", "gather_over_cp", "gather_to_sp", "group_name", "init_process_group", "note",
+    "gather_from_tp", "gather_to_sp", "group_name", "init_process_group", "note", "on_gathered_over_cp",
     "process_group_timeout", "raise_on_any_rank", "reduce_from_tp", "reduce_scatter",
     "reduce_scatter_to_sp", "rendezvous_timeout", "resolve_group", "side_group", "split", "split_to_tp",
     "start_all_gather", "start_all_reduce", "start_reduce_scatter", "subgroup", "sum_over_cp", "sum_over_tp",

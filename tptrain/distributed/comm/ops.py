@@ -202,10 +202,53 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup | str, dim: int = 
     return _along_dim(x, group, dim, "reduce_scatter", "all_gather")
 
 
-def gather_over_cp(x: torch.Tensor, group: ProcessGroup | str, dim: int) -> torch.Tensor:
-    """all-gather fwd / reduce-scatter bwd (context parallelism: every rank's keys and values along the sequence;
-    the gradients of the gathered keys and values, made by every rank's queries, summed back to their owner)."""
-    return _along_dim(x, group, dim, "all_gather", "reduce_scatter")
+class _OnGathered(Function):
+    """fn(x all-gathered along dim, *args): all-gather, fn fwd / all-gather again, fn recomputed and its bwd,
+    reduce-scatter bwd. Saved for backward: x (this rank's shard) and args, not the gathered x nor anything fn's
+    own backward would keep. fn is a function of its inputs (no parameters, no random numbers); autocast as in the
+    forward."""
+
+    @staticmethod
+    def forward(ctx, fn, group, dim, x, *args):
+        device = x.device.type
+        ctx.fn, ctx.group, ctx.dim = fn, group, dim
+        ctx.autocast = torch.autocast(device, dtype=torch.get_autocast_dtype(device),
+                                      enabled=torch.is_autocast_enabled(device))
+        ctx.save_for_backward(x, *args)
+        return fn(_all_gather_op(x, group, dim), *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *args = ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        # Leaves for fn's recomputed graph: the re-gathered x (grad mode is off here, so it has no history) and args.
+        inputs = [_all_gather_op(x, ctx.group, ctx.dim), *(a if a is None else a.detach() for a in args)]
+        for t, need in zip(inputs, needs):
+            if t is not None:
+                t.requires_grad_(need)
+        with torch.enable_grad(), ctx.autocast:
+            out = ctx.fn(*inputs)
+        wanted = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        found = [next(grads) if need else None for need in needs]
+        if found[0] is not None:  # the gathered x's gradient, made by every rank's fn, summed back to its owner
+            found[0] = _reduce_scatter_op(found[0], ctx.group, ctx.dim)
+        return None, None, None, *found
+
+
+def on_gathered_over_cp(fn, x: torch.Tensor, group: ProcessGroup | str, *args: torch.Tensor | None,
+                        dim: int) -> torch.Tensor:
+    """fn(all-gather of x along dim, *args), keeping only x and args for backward: all-gather, fn fwd / all-gather,
+    fn recomputed and its bwd, reduce-scatter bwd (context parallelism: attention of this rank's queries against
+    every rank's keys and values, whose gradients, made by every rank's queries, are summed back to their owner;
+    backward re-gathers them instead of keeping the whole sequence's). Traced code gathers and calls fn as it is,
+    the gathered x kept (the compiler picks what it saves)."""
+    name = _name(group)
+    if _alone(name):
+        return fn(x, *args)
+    if torch.compiler.is_compiling():
+        return fn(_AlongDim.apply(x, name, dim % x.dim(), "all_gather", "reduce_scatter"), *args)
+    return _OnGathered.apply(fn, name, dim % x.dim(), x, *args)
 
 
 def sum_over_cp(x: torch.Tensor, group: ProcessGroup | str) -> torch.Tensor:
