@@ -152,3 +152,77 @@ class FusedLinear(nn.Linear):
 def split_fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`module`'s output on `x`, split into its fused segments (batch, seq, local rows of each)."""
     return module(x).split(list(module.segment_sizes), dim=-1)
+
+
+class HeadGradient:
+    """One forward's meeting point of a tied weight's two gradients (`tie_word_embeddings`): the output head's,
+    parked by `head_weight`'s backward, and the embedding's rows, which `Embedding`'s backward adds into it. The
+    weight then gets one gradient, the head's with the rows added, instead of the head's plus a dense
+    (vocab, hidden) embedding gradient summed into it (a second vocab-sized tensor, its zero fill and the sum)."""
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None  # the head's gradient, between the two backwards
+        self.embedding_done = False  # the embedding's backward ran (then the head's gradient goes on as usual)
+
+    def head_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` for the head to read (a view): its gradient is parked here for the embedding's backward."""
+        return _ParkHeadGradient.apply(weight, self)
+
+
+class _ParkHeadGradient(torch.autograd.Function):
+    """identity (a view) fwd / the gradient parked in the HeadGradient bwd (passed on if the embedding ran first)."""
+
+    @staticmethod
+    def forward(ctx, weight, meeting):
+        ctx.meeting = meeting
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        meeting = ctx.meeting
+        if meeting.embedding_done:  # not the usual order (the head's backward comes first): the plain sum instead
+            return grad, None
+        assert meeting.grad is None, "one head weight per HeadGradient"
+        meeting.grad = grad
+        return None, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """F.embedding fwd / bwd: the rows' gradients added into the head's parked gradient, which becomes the weight's
+    (the embedding's dense gradient where none was parked). The rows are summed per distinct id first, from zero and
+    in token order as `embedding_dense_backward` sums them, then each sum added once: the same floats as the dense
+    gradient added to the head's. `torch.unique` (a host sync on an accelerator) runs once, at backward's end."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, meeting):
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.padding_idx, ctx.meeting = weight.shape[0], padding_idx, meeting
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,), meeting = ctx.saved_tensors, ctx.meeting
+        grad, meeting.grad, meeting.embedding_done = meeting.grad, None, True
+        pad = -1 if ctx.padding_idx is None else ctx.padding_idx
+        if grad is None:
+            return None, torch.ops.aten.embedding_dense_backward(grad_out, ids, ctx.rows, pad, False), None, None
+        ids, rows = ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1])
+        if pad >= 0:  # the padding row gets no gradient from the embedding, as in nn.Embedding
+            counted = ids != pad
+            ids, rows = ids[counted], rows[counted]
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        sums = rows.new_zeros(distinct.shape[0], rows.shape[1]).index_add_(0, inverse, rows)
+        return None, grad.index_add_(0, distinct, sums.to(grad.dtype)), None, None
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose weight gradient can meet the tied output head's (`HeadGradient`): while `head_gradient`
+    is set (by the causal LM, around one forward), its backward adds its rows into the head's gradient."""
+
+    head_gradient: HeadGradient | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        meeting = self.head_gradient
+        if meeting is None or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return super().forward(ids)
+        return _TiedEmbedding.apply(ids, self.weight, self.padding_idx, meeting)
