@@ -90,10 +90,14 @@ class Attention(nn.Module):
         rank's keys and values first)."""
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
-        if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
+        # SDPA's own GQA where its kernels take it (plain causal: as transformers' sdpa picks it), with no expanded
+        # copy of k and v (nor its summing backward); else the explicit expansion keeps every backend available.
+        native_gqa = groups > 1 and self.softcap is None and mask is None and (
+            q.shape[2] == k.shape[2] or q.device.type == "cpu")
+        if groups > 1 and not native_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.softcap is None:
-            return sdpa(q, k, v, mask, scale=self.scale)
+            return sdpa(q, k, v, mask, scale=self.scale, enable_gqa=native_gqa)
         # heads are independent: capping this rank's local heads is the capping of the whole
         return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
 

@@ -69,28 +69,32 @@ def tanh_softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-         scale: float | None) -> torch.Tensor:
+         scale: float | None, enable_gqa: bool = False) -> torch.Tensor:
     """SDPA of q (batch, heads, queries, qk dim) against k (batch, heads, keys, qk dim) and v (batch, heads, keys,
     v dim); mask (batch or 1, 1, queries, keys) bool, or None: plain causal, the queries at the last `queries` of the
-    keys' positions (context parallelism's chunks against the keys up to their end), with no mask materialised."""
+    keys' positions (context parallelism's chunks against the keys up to their end), with no mask materialised.
+    `enable_gqa`: k and v hold fewer heads, each shared by a group of consecutive query heads (SDPA's own)."""
     if mask is None and q.shape[2] != k.shape[2]:
         if q.device.type == "cpu":
-            return _causal_at_the_end(q, k, v, scale)
+            return _causal_at_the_end(q, k, v, scale, enable_gqa)
         # imported here: torch.nn.attention.bias imports torch._dynamo (~1 s of every process's start-up)
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=enable_gqa)
 
 
-def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                       enable_gqa: bool) -> torch.Tensor:
     """Queries at the last positions of longer keys, causal. On CPU, SDPA's flash kernel takes only top-left causal
     (a lower-right bias falls back to the math path, which keeps a (queries x keys) score matrix for backward):
     zero queries in front make the shapes square, so the kernel runs with memory linear in the keys; their outputs
     are dropped (no gradient reaches k or v through them). More arithmetic, less memory: what long sequences need."""
     front = k.shape[2] - q.shape[2]
     padded = F.pad(q, (0, 0, front, 0))
-    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale)[:, :, front:]
+    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=enable_gqa)[:, :, front:]
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
