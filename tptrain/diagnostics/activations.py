@@ -8,7 +8,8 @@ layer's activations op by op: every tensor an op saves for its backward, s*b*h*(
 fp16 GPT layer with dropout and materialised attention scores. This module counts the same way for tptrain's layer
 (docs/planning.md lists every term): no dropout; SDPA's fused kernels keep q, k, v, the output and one fp32
 log-sum-exp per query and head instead of the (s x s) scores; grouped-query K and V are expanded to every query head
-before attention (`Attention.attend`); RMSNorm keeps its fp32 input, its rsqrt and its normalised input; SwiGLU keeps
+before attention where a mask or soft-capping needs it (`Attention.attend`: plain causal attention gives SDPA the KV
+heads as they are); RMSNorm keeps its fp32 input, its rsqrt and its normalised input; SwiGLU keeps
 gate, activation, up and their product. Tensor parallelism divides the head and MLP widths (K/V heads replicated
 when tp exceeds them), sequence parallelism the tokens of the norms and of each TP region's saved input, context
 parallelism the tokens, while attention keeps the keys and values of the whole sequence (the K/V all-gather).
@@ -107,7 +108,11 @@ def attention(shape: LayerShape, work: Work) -> dict[str, int]:
         out["q/k norms"] = norm(shape.q_dim, w, c, fp32, heads, trained) + norm(shape.q_dim, w, c, fp32, kv, trained)
     if shape.latent is not None:  # MLA: the latents' norms and the inputs of q_b_proj / kv_b_proj
         out["latent norms"] = sum(norm(r, w, c, shape.norm_fp32) + w * r * c for r in shape.latent if r)
-    expanded = shape.gqa_expanded and heads > kv
+    # SDPA's own GQA (no expanded copy) for plain causal attention: no window mask, no soft-capping, and the queries
+    # the whole sequence or (CPU) context parallelism's chunks at the end of their keys (`Attention.attend`)
+    native = not shape.softcap and (shape.window is None or shape.window >= work.seq) and (
+        work.cp == 1 or work.device == "cpu")
+    expanded = shape.gqa_expanded and heads > kv and not native
     k_heads = heads if expanded else kv
     keys = work.batch * work.seq * (2 * work.cp + 1) // (2 * work.cp) if work.cp > 1 else w  # two causal prefixes
     if shape.softcap:  # scores, their tanh, fp32 softmax and probabilities: 8 bytes per score either way

@@ -63,6 +63,7 @@ class Attention(nn.Module):
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.fused:
             q, k, v = split_fused(self.qkv_proj, x)  # (batch, seq, local width of each)
+            v = v.contiguous()  # attention saves v: a view would keep the whole fused output (q and k too) alive
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (batch, seq, local width)
         if self.qk_norm == "width":
