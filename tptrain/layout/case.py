@@ -23,12 +23,9 @@ class Features:
     pp_schedule: str = "1F1B"
     pp_layers: tuple[tuple[int, ...], ...] | None = None
     device_map: bool = False  # from_pretrained(device_map=) next to a distributed_config
-    data_parallel: bool | None = None  # FSDP2 / HSDP / DDP wraps the model (the Trainer's step)
     pp_microbatches: int | None = None  # None: as many as pipeline ranks
     batch_size: int | None = None  # per_device_train_batch_size
-    optim_in_backward: bool | None = None
     seq_len: int | None = None  # the tokens of a sequence (TrainingArguments.seq_len, or an input's length)
-    lora_experts: str | None = None  # an experts module LoRA adapts (its name)
 
 
 @dataclass(frozen=True)
@@ -39,15 +36,11 @@ class ModelFacts:
     model_type: str
     backend: str = "native"
     num_layers: int | None = None  # the decoder layers a pipeline cuts; None: it cannot be cut into stages
-    tied: tuple[str, str] | None = None  # (first-stage name, last-stage name) of a weight embedding and head share
-    router_aux_loss: bool = False  # output_router_logits: the load-balancing loss over every layer and token
-    longrope: bool = False
     attention: int = 1  # attention modules (tp_kv_projections declared)
     without_attend: tuple[str, ...] = ()  # "name (Class)" of attention modules with no attend(q, k, v, mask)
     mask_builder: str | None = None  # the base model lacking attention_masks(...), e.g. "Qwen3Model at 'model'"
     experts: int | None = None  # stacked-experts modules the plan splits (None: not read)
     ep_plan: bool = False  # the config declares base_model_ep_plan (experts split over the TP group)
-    sp_refusing: tuple[str, ...] = ()  # "module ('style')" of styles that cannot take a sequence shard
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 axes a loaded model was laid out on (what the Trainer reads instead of being told them again)."""
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 from torch import nn
@@ -13,50 +12,30 @@ from tptrain.parallel import contract
 
 def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFacts | None:
     """The facts of `model` (whole, or cut into this rank's stages; on meta or not). `objects`: the style objects
-    of its resolved plan ({module name: style}), which say which modules are experts and which styles refuse a
-    sequence shard (unknown without them). None for what is not a module (no facts to read)."""
+    of its resolved plan ({module name: style}), which say which modules are experts (unknown without them). None
+    for what is not a module (no facts to read)."""
     if not isinstance(model, nn.Module):
         return None
     config = getattr(model, "config", None)
     attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
     base = contract.base_model(model)
-    experts = sp_refusing = None
-    if objects is not None:
-        experts = sum(1 for style in objects.values() if style.stacked_experts)
-        sp_refusing = tuple(sorted({f"{_generic(name)} ({style.name!r})"
-                                    for name, style in objects.items() if not style.sequence_parallel_ok}))
-    num_layers, tied = _pipeline_facts(model)
+    experts = None if objects is None else sum(1 for style in objects.values() if style.stacked_experts)
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
-        backend=getattr(model, "backend", "native"), num_layers=num_layers, tied=tied,
-        router_aux_loss=bool(getattr(config, "output_router_logits", False)),
-        longrope=getattr(config, "rope_type", None) == "longrope", attention=len(attention),
+        backend=getattr(model, "backend", "native"), num_layers=_num_layers(model), attention=len(attention),
         without_attend=tuple((name, type(m).__name__) for name, m in attention.items() if contract.attend(m) is None),
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",
-        experts=experts, ep_plan=bool(contract.model_ep_plan(model)) if config is not None else False,
-        sp_refusing=sp_refusing or ())
+        experts=experts, ep_plan=bool(contract.model_ep_plan(model)) if config is not None else False)
 
 
-def _generic(name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", name)  # one name for all layers
-
-
-def _pipeline_facts(model: nn.Module) -> tuple[int | None, tuple[str, str] | None]:
-    """(decoder layers, the first tied (first-stage, last-stage) names) of a model a pipeline can cut (of its whole
-    model when it is cut already), or (None, None)."""
+def _num_layers(model: nn.Module) -> int | None:
+    """The decoder layers of a model a pipeline can cut (of its whole model when it is cut already), or None."""
     plan = getattr(model, "pp_plan", None)
     if plan is not None:
-        return sum(len(stage) for stage in plan.stage_layers), plan.tied[0] if plan.tied else None
+        return sum(len(stage) for stage in plan.stage_layers)
     parts = contract.pipeline_parts(model)
-    if parts is None:
-        return None, None
-
-    def params(paths):
-        return {id(p): f"{path}.{n}" for path in paths for n, p in model.get_submodule(path).named_parameters()}
-    first, last = params(parts[1]), params(parts[2])
-    tied = next(((first[k], last[k]) for k in first if k in last), None)
-    return len(model.get_submodule(parts[0])), tied
+    return None if parts is None else len(model.get_submodule(parts[0]))
 
 
 def laid_out(model: Any) -> dict[str, Any]:
