@@ -31,9 +31,9 @@ pages and all), the figure a job scheduler or the OOM killer sees.
 Rows: tp 1 and tp 2 of both implementations, tptrain tp 2 with sequence parallelism, tptrain tp 2 with the
 LM head + loss unfused (`return_logits=True`: whole vocab-sharded logits, today's default off), and tp 4 of both
 when the machine has at least 4 cores (else reported as skipped: 4 ranks on fewer cores time the scheduler).
-The MoE workload (`--workloads moe`, not in the default run) has tp 2 rows only: tptrain's native model (experts
-split inside, `expert_tensor_parallel`), the peer with `DistributedConfig(tp_plan="auto",
-enable_expert_parallel=True)` (as bench_moe.py runs it), and with `--backend transformers` tptrain-hf.
+The MoE workload (`--workloads moe`, not in the default run) has tp 1 and tp 2 rows: tptrain's native model (at tp 2
+experts split inside, `expert_tensor_parallel`), the peer (at tp 2 with `DistributedConfig(tp_plan="auto",
+enable_expert_parallel=True)`, as bench_moe.py runs it), and with `--backend transformers` tptrain-hf at tp 2.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ HF_RUNS = [("tptrain-hf", 1, False, ""), ("tptrain-hf", 2, False, "")]  # --back
 COMPILE_RUNS = [("tptrain+compile", 1, False, ""), ("tptrain+compile", 2, False, "")]  # --compile; compiled in warmup
 OPTIM_IN_BWD_RUNS = [("tptrain", 1, False, "optim-in-bwd"), ("tptrain", 2, False, "optim-in-bwd")]  # --optim-in-backward
 NO_OVERLAP_RUNS = [("tptrain", 2, False, "no-overlap"), ("tptrain", 2, True, "no-overlap")]  # --no-overlap
-MOE_RUNS = [("tptrain", 2, False, ""), ("peer", 2, False, "")]  # the moe workload (no SP: the router needs every token)
+# the moe workload (no SP: the router needs every token); tp 1 for the one-process ratio and the TP overhead
+MOE_RUNS = [("tptrain", 1, False, ""), ("peer", 1, False, ""), ("tptrain", 2, False, ""), ("peer", 2, False, "")]
 MOE_HF_RUNS = [("tptrain-hf", 2, False, "")]  # --backend transformers
 VARIANTS = {"": "", "unfused-loss": "head + loss unfused (return_logits=True)",
             "no-overlap": "backward overlap off (TPTRAIN_OVERLAP=0)",
@@ -537,22 +538,34 @@ def _table(results: dict, loads: dict, args) -> str:
 
 
 def _moe_headline(get) -> list[str]:
-    """The MoE workload's ratios at tp 2: tptrain native and tptrain-hf against the peer and each other."""
-    rows = ["", "| moe headline (tp 2) | value |", "|---|---|"]
+    """The MoE workload's ratios: tptrain native and tptrain-hf against the peer and each other at tp 2, and issue
+    36's figures with their targets (tp 2 and one process against the peer, tptrain's TP overhead)."""
+    rows = ["", "| moe headline | value | target |", "|---|---|---|"]
     pairs = [("tptrain", "peer"), ("tptrain-hf", "tptrain"), ("tptrain-hf", "peer")]
     for label, key, fmt in (("step time", "step", "{:.2f}x"), ("CPU time/step", "cpu", "{:.2f}x"),
                             ("bytes sent/step/rank", "coll", "{:.2f}x"), ("peak anon memory/rank", "peak", "{:.2f}x")):
         for a, b in pairs:
-            try:
-                x, y = get("moe", a, 2)[key], get("moe", b, 2)[key]
-                value = fmt.format(x[1] / y[1] if key == "coll" else x / y)
-            except (TypeError, KeyError, ZeroDivisionError):
-                value = "-"
-            rows.append(f"| {label}, {a} / {b} | {value} |")
+            target = "<= 0.65x" if (a, b, key) == ("tptrain", "peer", "step") else "-"
+            rows.append(f"| {label} at tp 2, {a} / {b} | {_ratio(get, key, fmt, (a, 2), (b, 2))} | {target} |")
+    for key in ("step", "cpu"):
+        rows.append(f"| {key} at tp 1, tptrain / peer | {_ratio(get, key, '{:.2f}x', ('tptrain', 1), ('peer', 1))} | "
+                    f"{'<= 0.90x' if key == 'step' else '-'} |")
+        rows.append(f"| TP overhead on {key}, 2 x t(tp 2) / t(tp 1), tptrain | "
+                    f"{_ratio(get, key, '{:.2f}', ('tptrain', 2), ('tptrain', 1), factor=2)} | "
+                    f"{'<= 1.10' if key == 'step' else '-'} |")
     for impl in ("tptrain", "tptrain-hf"):
         r = get("moe", impl, 2)
-        rows.append(f"| {impl} collectives == minimum | {r['coll'] == r['min'] if r and 'min' in r else '-'} |")
+        rows.append(f"| {impl} collectives == minimum | {r['coll'] == r['min'] if r and 'min' in r else '-'} | True |")
     return rows
+
+
+def _ratio(get, key: str, fmt: str, a: tuple, b: tuple, *, factor: float = 1.0) -> str:
+    """factor x (run a's `key`) / (run b's) on the moe workload, runs as (impl, tp); "-" where one is missing."""
+    try:
+        x, y = get("moe", *a)[key], get("moe", *b)[key]
+        return fmt.format(factor * (x[1] / y[1] if key == "coll" else x / y))
+    except (TypeError, KeyError, ZeroDivisionError):
+        return "-"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tests.dist_utils import run_distributed
 from tptrain import DistributedConfig, losses
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
-from tptrain.losses import IGNORE_INDEX, fused_linear_cross_entropy
+from tptrain.losses import IGNORE_INDEX, chunk_bounds, fused_linear_cross_entropy
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.models.layers import tanh_softcap as softcap
 
@@ -48,7 +48,7 @@ def _reference(h, weight, target, denom, transform):
 
 
 @pytest.mark.parametrize("transform", sorted(TRANSFORMS))
-@pytest.mark.parametrize("chunk", [None, 3])  # one chunk; 3 tokens a chunk (4 chunks, the last short)
+@pytest.mark.parametrize("chunk", [None, 3, 7])  # one chunk; 3 tokens a chunk (4, the last short); 7: 5 + 5
 @pytest.mark.parametrize("denom", ["count", 7, "tensor"])
 @pytest.mark.parametrize("frozen", ["none", "weight", "h"])
 def test_function_matches_unfused(transform, chunk, denom, frozen):
@@ -104,6 +104,22 @@ def test_function_without_grad_and_all_ignored():
     assert loss.isnan()
     loss.backward()
     assert not h.grad.any() and not weight.grad.any()
+
+
+@pytest.mark.parametrize("tokens, chunk, sizes", [(512, 441, [256, 256]), (10, 3, [3, 3, 3, 1]), (10, 7, [5, 5]),
+                                                (10, 10, [10]), (10, 64, [10]), (0, 5, [])])
+def test_chunks_are_as_few_as_allowed_and_of_equal_size(tokens, chunk, sizes):
+    bounds = chunk_bounds(tokens, chunk)
+    assert [stop - start for start, stop in bounds] == sizes
+    assert [start for start, _ in bounds] == [0, *(stop for _, stop in bounds)][:len(bounds)]  # contiguous
+
+
+def test_function_without_tokens_gives_zero_gradients():
+    """No token at all: no chunk writes the weight gradient, which is then zeros (not left uninitialised)."""
+    h, weight = torch.randn(0, 4, dtype=F64, requires_grad=True), torch.randn(9, 4, dtype=F64, requires_grad=True)
+    loss = fused_linear_cross_entropy(h, weight, torch.zeros(0, dtype=torch.long), 3, transform=lambda z: z)
+    loss.backward()
+    assert loss.item() == 0.0 and weight.grad.shape == (9, 4) and not weight.grad.any() and h.grad.shape == (0, 4)
 
 
 @pytest.mark.parametrize("transform", ["none", "softcap"])

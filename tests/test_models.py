@@ -300,3 +300,29 @@ def test_gradient_checkpointing_and_bf16():
     out = bf16(input_ids, labels=labels, return_logits=True)
     assert out.logits.dtype == torch.bfloat16 and out.loss.dtype == torch.float32
     torch.testing.assert_close(out.loss, model(input_ids, labels=labels).loss, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("queries, masked", [(24, False), (10, False), (24, True)])
+def test_attention_takes_sdpa_own_gqa_where_it_runs(queries, masked, monkeypatch):
+    """Plain causal attention (the whole sequence, or on CPU queries at the end of longer keys: context
+    parallelism's chunks) gives SDPA the KV heads as they are (`enable_gqa`, no expanded copy of k and v); a
+    materialised mask keeps the expansion. Outputs and gradients equal the expanded heads' in fp64."""
+    from tptrain.models.decoder import Attention
+    from tptrain.models.layers import causal_mask, sdpa
+
+    attn = Attention(Qwen3Config(**dict(TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16)))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, queries, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 24, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = causal_mask(24, device=q.device, sliding_window=8) if masked else None
+    calls, sdpa_fn = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append((a[1].shape[1], kw.get("enable_gqa"))) or sdpa_fn(*a, **kw))
+    out = attn.attend(q, k, v, mask)
+    assert calls == [(4, False) if masked else (2, True)], calls
+    ref = sdpa(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask, scale=attn.scale)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    mine, theirs = torch.autograd.grad(out, (q, k, v), dy), torch.autograd.grad(ref, (q, k, v), dy)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -38,18 +38,18 @@ def _facts(model_type: str = "llama", **overrides) -> ModelFacts:
 
 def test_layer_activations_by_hand():
     """One Llama layer in fp32, T tokens: each norm keeps its input, rsqrt and normalised input (2H + 1 floats) and its
-    output is the projections' input (H); SDPA keeps q, K and V expanded to the 4 query heads, the output (4 x 64)
-    and one fp32 log-sum-exp per head; SwiGLU keeps gate, silu, up, product (4 x I)."""
+    output is the projections' input (H); SDPA keeps q (4 heads), K and V (their 2 heads: SDPA's own GQA, no expanded
+    copy), the output (4 x 16) and one fp32 log-sum-exp per head; SwiGLU keeps gate, silu, up, product (4 x I)."""
     shape = _facts().layers[0]
     work = A.Work(batch=2, seq=8, tp=1, cp=1, sp=False, precision=A.precision(4, bf16=False, fsdp=False))
     t, q_width = 16, HEADS * D
     assert A.layer_activations(shape, work) == {
         "attention norm": t * (2 * H + 1) * 4, "q/k/v input": t * H * 4,
-        "attention": t * (4 * q_width + HEADS) * 4, "mlp norm": t * (2 * H + 1) * 4, "mlp input": t * H * 4,
+        "attention": t * (2 * q_width + 2 * KV * D + HEADS) * 4, "mlp norm": t * (2 * H + 1) * 4, "mlp input": t * H * 4,
         "mlp": t * 4 * I * 4}
     tp2 = A.Work(batch=2, seq=8, tp=2, cp=1, sp=False, precision=work.precision)
     assert A.layer_activations(shape, tp2)["mlp"] == t * 4 * (I // 2) * 4  # the MLP's width split
-    assert A.layer_activations(shape, tp2)["attention"] == t * (4 * q_width // 2 + HEADS // 2) * 4
+    assert A.layer_activations(shape, tp2)["attention"] == t * ((2 * q_width + 2 * KV * D) // 2 + HEADS // 2) * 4
     assert A.checkpointed_layer(shape, work) == t * H * 4  # activation checkpointing: the layer's input only
 
 

@@ -59,9 +59,10 @@ def loss_denominator(target: torch.Tensor, num_items_in_batch: int | torch.Tenso
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Liger Kernel's fused linear cross-entropy: sum over tokens of the cross-entropy of `transform(h @ weight.T)`,
-    divided by `denom`, computed `chunk` tokens at a time together with its gradients w.r.t. `h` and `weight`.
-    Each chunk's logits exist once: they become their own gradient in place, feed two matmuls and are dropped,
-    so no logits are recomputed or kept; backward only scales the two gradients by the incoming one.
+    divided by `denom`, computed at most `chunk` tokens at a time (`chunk_bounds`) together with its gradients
+    w.r.t. `h` and `weight`. Each chunk's logits exist once, in one buffer the chunks share: they become their own
+    gradient in place and feed two matmuls, so no logits are recomputed or kept; backward only scales the two
+    gradients by the incoming one.
 
     Over a vocab-sharded `weight` (rows from `vocab_start`), each chunk combines its statistics over the shards
     before its softmax: `reduce_max` the max logit (chunk,), then `reduce_sum` [target logit, sum-exp]
@@ -83,7 +84,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if want_h else None
         # Summed over chunks in the matmuls' dtype, then cast to the weight's, as the unfused backward makes it
         # (each chunk's matmul accumulates in fp32 inside): an fp32 sum for a half weight would double the buffer.
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_w else None
+        # The first chunk's matmul writes it, the others add to it: no pass zeroing it first (no tokens: zeros).
+        grad_w = torch.empty(weight.shape, dtype=dtype, device=weight.device) if want_w else None
         ignored = target == IGNORE_INDEX
         local_target = target.masked_fill(ignored, 0) - vocab_start
         inside = (local_target >= 0) & (local_target < weight.shape[0])
@@ -92,11 +94,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # d loss / d (per-token loss): 1 / denom for a counted token, 0 for an ignored one (0, not 0 / 0, when
         # denom is 0: the loss is then nan, as the unfused path's, but no gradient is)
         scale = torch.where(ignored, 0.0, 1.0 / torch.as_tensor(denom, dtype=per_token.dtype, device=h.device))
-        for start in range(0, h.shape[0], chunk):
-            rows = slice(start, start + chunk)
+        bounds = chunk_bounds(h.shape[0], chunk)
+        # One buffer holds every chunk's logits in turn: a fresh one per chunk would be faulted in anew each time.
+        logits = torch.empty(bounds[0][1] if bounds else 0, weight.shape[0], dtype=dtype, device=h.device)
+        for start, stop in bounds:
+            rows = slice(start, stop)
             per_token[rows] = _fused_chunk(
                 h[rows].to(dtype), w, local_target[rows], inside[rows], scale[rows], transform, reduce_max,
-                reduce_sum, grad_h=grad_h[rows] if want_h else None, grad_w=grad_w)
+                reduce_sum, raw=logits[:stop - start], grad_h=grad_h[rows] if want_h else None, grad_w=grad_w,
+                first=start == 0)
+        if grad_w is not None and not bounds:
+            grad_w.zero_()
         ctx.grads = grad_h, None if grad_w is None else grad_w.to(weight.dtype)
         return per_token.masked_fill_(ignored, 0.0).sum() / denom
 
@@ -109,18 +117,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return _scaled(grad_h, grad_loss), _scaled(grad_w, grad_loss), None, None, None, None, None, None, None, None
 
 
-def _fused_chunk(h, weight, local_target, inside, scale, transform, reduce_max, reduce_sum, *, grad_h, grad_w):
+def _fused_chunk(h, weight, local_target, inside, scale, transform, reduce_max, reduce_sum, *, raw, grad_h, grad_w,
+                 first):
     """One chunk's per-token losses (chunk,); its input gradient written into `grad_h` (chunk, hidden) and its
-    weight gradient added to `grad_w` (local vocab, hidden), each where given. `h` and `weight` are in the matmuls'
-    dtype; `local_target` (chunk,) indexes this shard's rows, valid where `inside`."""
+    weight gradient written (`first`) or added to `grad_w` (local vocab, hidden), each where given. `h` and `weight`
+    are in the matmuls' dtype; `raw` (chunk, local vocab) is the buffer its logits are computed in; `local_target`
+    (chunk,) indexes this shard's rows, valid where `inside`."""
     want = grad_h is not None or grad_w is not None
-    raw = F.linear(h, weight)  # (chunk, local vocab) in the matmuls' dtype, as the unfused head computes it
+    torch.mm(h, weight.t(), out=raw)  # F.linear(h, weight), in the matmuls' dtype, as the unfused head computes it
     # The transform's derivative (soft-capping, a divisor) by autograd, as unfused. What it saves lives for this
     # chunk only: the identity hooks, innermost, keep outer ones (SP's shard keeping, meters) from seeing it.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        z = _transformed(raw.requires_grad_(want), transform)
+        raw = raw.detach().requires_grad_(want)
+        z = _transformed(raw, transform)
     logits = z.detach()  # fp32 (or fp64)
-    max_logit = reduce_max(logits.max(dim=-1).values)
+    max_logit = reduce_max(logits.amax(dim=-1))  # amax: max(dim) would find the indices too (3x the time)
     target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
     # In place: the transforms keep no logits-sized output for their derivative (autograd would refuse if one did)
     exp = logits.sub_(max_logit.unsqueeze(-1)).exp_()
@@ -128,13 +139,15 @@ def _fused_chunk(h, weight, local_target, inside, scale, transform, reduce_max, 
     loss = sum_exp.log() + max_logit - target_logit
     if not want:
         return loss
-    grad = exp.div_(sum_exp.unsqueeze(-1))  # softmax - onehot(target), times each token's d loss / d its loss
-    grad[torch.arange(grad.shape[0], device=grad.device), local_target] -= inside.to(grad.dtype)
-    grad.mul_(scale.unsqueeze(-1))
+    # (softmax - onehot(target)) times each token's d loss / d its loss, in one pass over the logits
+    grad = exp.mul_((scale / sum_exp).unsqueeze(-1))
+    grad[torch.arange(grad.shape[0], device=grad.device), local_target] -= scale * inside.to(grad.dtype)
     grad_raw = grad.to(raw.dtype) if z is raw else torch.autograd.grad(z, raw, grad)[0]
     if grad_h is not None:  # copied: h's dtype need not be the matmul's under autocast
         grad_h.copy_(torch.mm(grad_raw, weight))
-    if grad_w is not None:  # in place: no (local vocab, hidden) temporary per chunk
+    if grad_w is not None and first:
+        torch.mm(grad_raw.t(), h, out=grad_w)
+    elif grad_w is not None:  # in place: no (local vocab, hidden) temporary per chunk
         grad_w.addmm_(grad_raw.t(), h)
     return loss
 
@@ -173,6 +186,15 @@ CHUNK_FLOATS = 1 << 26
 def chunk_tokens(local_vocab: int) -> int:
     """Tokens per chunk so that one chunk's logits hold about CHUNK_FLOATS floats."""
     return max(1, CHUNK_FLOATS // local_vocab)
+
+
+def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    """(start, stop) of each chunk: as few chunks as at most `chunk` tokens each allows, all of the same size but
+    the last (the rest): 512 tokens at 441 a chunk are 256 + 256, not 441 + 71, whose thin matmuls run ~30% slower
+    per FLOP on CPU."""
+    count = -(-tokens // chunk)
+    size = -(-tokens // count) if count else 0
+    return [(start, min(start + size, tokens)) for start in range(0, tokens, size or 1)]
 
 
 def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

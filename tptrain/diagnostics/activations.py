@@ -8,7 +8,8 @@ layer's activations op by op: every tensor an op saves for its backward, s*b*h*(
 fp16 GPT layer with dropout and materialised attention scores. This module counts the same way for tptrain's layer
 (docs/planning.md lists every term): no dropout; SDPA's fused kernels keep q, k, v, the output and one fp32
 log-sum-exp per query and head instead of the (s x s) scores; grouped-query K and V are expanded to every query head
-before attention (`Attention.attend`); RMSNorm keeps its fp32 input, its rsqrt and its normalised input; SwiGLU keeps
+before attention where a mask or soft-capping needs it (`Attention.attend`: plain causal attention gives SDPA the KV
+heads as they are); RMSNorm keeps its fp32 input, its rsqrt and its normalised input; SwiGLU keeps
 gate, activation, up and their product. Tensor parallelism divides the head and MLP widths (K/V heads replicated
 when tp exceeds them), sequence parallelism the tokens of the norms and of each TP region's saved input, context
 parallelism the tokens (attention keeps this rank's q, K and V: its backward gathers K and V again).
@@ -112,7 +113,10 @@ def attention(shape: LayerShape, work: Work) -> dict[str, int]:
         out["attention"] = w * (q + kv * (shape.q_dim + shape.v_dim)) * c
         out["o_proj input"] = w * v_out * c
         return out
-    expanded = shape.gqa_expanded and heads > kv
+    # SDPA's own GQA (no expanded copy) for plain causal attention: no window mask, no soft-capping
+    # (`Attention.attend`)
+    native = not shape.softcap and (shape.window is None or shape.window >= work.seq)
+    expanded = shape.gqa_expanded and heads > kv and not native
     k_heads = heads if expanded else kv
     if shape.softcap:  # scores, their tanh, fp32 softmax and probabilities: 8 bytes per score either way
         scores = w * work.seq * heads

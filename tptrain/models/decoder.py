@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from tptrain.losses import CausalLMOutput, causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import PretrainedConfig
-from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, sdpa, tanh_softcap,
-                                   softcapped_attention, split_fused)
+from tptrain.models.layers import (Embedding, FusedLinear, HeadGradient, RMSNorm, causal_mask, document_ids, rms_norm,
+                                   scaled, sdpa, softcapped_attention, split_fused, tanh_softcap)
 from tptrain.models.latent_attention import LatentAttention
 from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, balancing_loss, router_statistics
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
@@ -65,6 +65,7 @@ class Attention(nn.Module):
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.fused:
             q, k, v = split_fused(self.qkv_proj, x)  # (batch, seq, local width of each)
+            v = v.contiguous()  # attention saves v: a view would keep the whole fused output (q and k too) alive
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (batch, seq, local width)
         if self.qk_norm == "width":
@@ -92,10 +93,14 @@ class Attention(nn.Module):
         rank's keys and values first)."""
         groups = q.shape[1] // k.shape[1]
         assert groups * k.shape[1] == q.shape[1], f"{q.shape[1]} q heads vs {k.shape[1]} kv heads"
-        if groups > 1:  # explicit GQA expansion keeps every SDPA backend (incl. masked) available
+        # SDPA's own GQA where its kernels take it (plain causal: as transformers' sdpa picks it), with no expanded
+        # copy of k and v (nor its summing backward); else the explicit expansion keeps every backend available.
+        native_gqa = groups > 1 and self.softcap is None and mask is None and (
+            q.shape[2] == k.shape[2] or q.device.type == "cpu")
+        if groups > 1 and not native_gqa:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if self.softcap is None:
-            return sdpa(q, k, v, mask, scale=self.scale)
+            return sdpa(q, k, v, mask, scale=self.scale, enable_gqa=native_gqa)
         # heads are independent: capping this rank's local heads is the capping of the whole
         return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
 
@@ -162,7 +167,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config)
@@ -171,9 +176,16 @@ class DecoderModel(nn.Module):
         self.query_position_scale = config.query_position_scale
         self.gradient_checkpointing = False
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, head_gradient: HeadGradient | None = None) -> torch.Tensor:
         # (batch, seq, hidden); a sequence shard under sequence parallelism, input_ids are the full sequence
-        h = self.embed_tokens(input_ids)
+        if head_gradient is None:
+            h = self.embed_tokens(input_ids)
+        else:  # the tied head's gradient meets the embedding's in its backward (layers.HeadGradient)
+            self.embed_tokens.head_gradient = head_gradient
+            try:
+                h = self.embed_tokens(input_ids)
+            finally:
+                self.embed_tokens.head_gradient = None
         scale = self.embedding_scale
         if self.embedding_scale_in_weight_dtype:  # transformers' Gemma casts sqrt(hidden) to the weights' dtype
             scale = torch.tensor(scale, dtype=h.dtype).item()
@@ -186,10 +198,12 @@ class DecoderModel(nn.Module):
         return [(int(i), layer) for i, layer in items]
 
     def forward(self, input_ids: torch.Tensor | None = None, *, hidden_states: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                head_gradient: HeadGradient | None = None) -> torch.Tensor:
         """The token ids, or (a pipeline stage without the embedding) the hidden states of the layers before, run
-        through the layers this module holds and the final norm if it holds one."""
-        h = self.embed(input_ids) if hidden_states is None else hidden_states
+        through the layers this module holds and the final norm if it holds one. `head_gradient`: where the
+        embedding's backward adds its rows into the tied head's gradient (`DecoderForCausalLM.forward`)."""
+        h = self.embed(input_ids, head_gradient) if hidden_states is None else hidden_states
         seq, device = (input_ids if hidden_states is None else h).shape[1], h.device
         if position_ids is None:
             position_ids = torch.arange(seq, device=device)[None]
@@ -313,6 +327,13 @@ class DecoderForCausalLM(PreTrainedModel):
         LoRA-wrapped one say, computes its logits whole)."""
         return self.training and isinstance(self.lm_head, nn.Linear)
 
+    def _head_gradient_meets_embedding(self) -> bool:
+        """Whether the head's weight gradient can take the embedding's rows (`HeadGradient`): the head's weight IS
+        the embedding's (tied, both held here), trained, and the embedding is the plain one (not a LoRA wrapper)."""
+        embedding = self.model.embed_tokens
+        return (isinstance(embedding, Embedding) and self.lm_head.weight is embedding.weight
+                and embedding.weight.requires_grad and torch.is_grad_enabled())
+
     def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
                          position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """What this module holds of the computation: token ids in if it holds the embedding, else the hidden states
@@ -346,11 +367,13 @@ class DecoderForCausalLM(PreTrainedModel):
                 num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False) -> CausalLMOutput:
         """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
         `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits."""
-        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        if labels is not None and not return_logits and self.fuses_head_loss():
+        fused = labels is not None and not return_logits and self.fuses_head_loss()
+        meeting = HeadGradient() if fused and self._head_gradient_meets_embedding() else None
+        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, head_gradient=meeting)
+        if fused:
             logits = None
-            loss = self.head_loss_function(h, self.lm_head.weight, labels, num_items_in_batch,
-                                           transform=self._transform_logits)
+            weight = self.lm_head.weight if meeting is None else meeting.head_weight(self.lm_head.weight)
+            loss = self.head_loss_function(h, weight, labels, num_items_in_batch, transform=self._transform_logits)
         else:
             logits = self._transform_logits(self.lm_head(h))  # (batch, seq, vocab)
             loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)

@@ -69,28 +69,32 @@ def tanh_softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-         scale: float | None) -> torch.Tensor:
+         scale: float | None, enable_gqa: bool = False) -> torch.Tensor:
     """SDPA of q (batch, heads, queries, qk dim) against k (batch, heads, keys, qk dim) and v (batch, heads, keys,
     v dim); mask (batch or 1, 1, queries, keys) bool, or None: plain causal, the queries at the last `queries` of the
-    keys' positions (context parallelism's chunks against the keys up to their end), with no mask materialised."""
+    keys' positions (context parallelism's chunks against the keys up to their end), with no mask materialised.
+    `enable_gqa`: k and v hold fewer heads, each shared by a group of consecutive query heads (SDPA's own)."""
     if mask is None and q.shape[2] != k.shape[2]:
         if q.device.type == "cpu":
-            return _causal_at_the_end(q, k, v, scale)
+            return _causal_at_the_end(q, k, v, scale, enable_gqa)
         # imported here: torch.nn.attention.bias imports torch._dynamo (~1 s of every process's start-up)
         from torch.nn.attention.bias import causal_lower_right
 
         mask = causal_lower_right(q.shape[2], k.shape[2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=enable_gqa)
 
 
-def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _causal_at_the_end(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                       enable_gqa: bool) -> torch.Tensor:
     """Queries at the last positions of longer keys, causal. On CPU, SDPA's flash kernel takes only top-left causal
     (a lower-right bias falls back to the math path, which keeps a (queries x keys) score matrix for backward):
     zero queries in front make the shapes square, so the kernel runs with memory linear in the keys; their outputs
     are dropped (no gradient reaches k or v through them). More arithmetic, less memory: what long sequences need."""
     front = k.shape[2] - q.shape[2]
     padded = F.pad(q, (0, 0, front, 0))
-    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale)[:, :, front:]
+    return F.scaled_dot_product_attention(padded, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=enable_gqa)[:, :, front:]
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
@@ -152,3 +156,77 @@ class FusedLinear(nn.Linear):
 def split_fused(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`module`'s output on `x`, split into its fused segments (batch, seq, local rows of each)."""
     return module(x).split(list(module.segment_sizes), dim=-1)
+
+
+class HeadGradient:
+    """One forward's meeting point of a tied weight's two gradients (`tie_word_embeddings`): the output head's,
+    parked by `head_weight`'s backward, and the embedding's rows, which `Embedding`'s backward adds into it. The
+    weight then gets one gradient, the head's with the rows added, instead of the head's plus a dense
+    (vocab, hidden) embedding gradient summed into it (a second vocab-sized tensor, its zero fill and the sum)."""
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None  # the head's gradient, between the two backwards
+        self.embedding_done = False  # the embedding's backward ran (then the head's gradient goes on as usual)
+
+    def head_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` for the head to read (a view): its gradient is parked here for the embedding's backward."""
+        return _ParkHeadGradient.apply(weight, self)
+
+
+class _ParkHeadGradient(torch.autograd.Function):
+    """identity (a view) fwd / the gradient parked in the HeadGradient bwd (passed on if the embedding ran first)."""
+
+    @staticmethod
+    def forward(ctx, weight, meeting):
+        ctx.meeting = meeting
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        meeting = ctx.meeting
+        if meeting.embedding_done:  # not the usual order (the head's backward comes first): the plain sum instead
+            return grad, None
+        assert meeting.grad is None, "one head weight per HeadGradient"
+        meeting.grad = grad
+        return None, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """F.embedding fwd / bwd: the rows' gradients added into the head's parked gradient, which becomes the weight's
+    (the embedding's dense gradient where none was parked). The rows are summed per distinct id first, from zero and
+    in token order as `embedding_dense_backward` sums them, then each sum added once: the same floats as the dense
+    gradient added to the head's. `torch.unique` (a host sync on an accelerator) runs once, at backward's end."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, meeting):
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.padding_idx, ctx.meeting = weight.shape[0], padding_idx, meeting
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,), meeting = ctx.saved_tensors, ctx.meeting
+        grad, meeting.grad, meeting.embedding_done = meeting.grad, None, True
+        pad = -1 if ctx.padding_idx is None else ctx.padding_idx
+        if grad is None:
+            return None, torch.ops.aten.embedding_dense_backward(grad_out, ids, ctx.rows, pad, False), None, None
+        ids, rows = ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1])
+        if pad >= 0:  # the padding row gets no gradient from the embedding, as in nn.Embedding
+            counted = ids != pad
+            ids, rows = ids[counted], rows[counted]
+        distinct, inverse = torch.unique(ids, return_inverse=True)
+        sums = rows.new_zeros(distinct.shape[0], rows.shape[1]).index_add_(0, inverse, rows)
+        return None, grad.index_add_(0, distinct, sums.to(grad.dtype)), None, None
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose weight gradient can meet the tied output head's (`HeadGradient`): while `head_gradient`
+    is set (by the causal LM, around one forward), its backward adds its rows into the head's gradient."""
+
+    head_gradient: HeadGradient | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        meeting = self.head_gradient
+        if meeting is None or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return super().forward(ids)
+        return _TiedEmbedding.apply(ids, self.weight, self.padding_idx, meeting)
