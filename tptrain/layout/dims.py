@@ -15,7 +15,6 @@ Pure: imports no torch (the CLI resolves the sizes before it imports anything he
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,29 +77,23 @@ class ParallelDims:
     @classmethod
     def parse(cls, text: str, world: int) -> "ParallelDims":
         """`--layout tp=2,cp=2,pp=2,dp_shard=2,dp_replicate=1,ep=2`: omitted sizes are 1, except dp_shard, which
-        takes the rest of `world` when omitted. ValueError naming the bad part, or what the world does not divide."""
+        takes the rest of `world` when omitted. ValueError naming the bad part; the sizes against `world` are the
+        rule table's (the same refusals, spelled as the --layout's axes)."""
+        from tptrain.layout.case import Spelling
+        from tptrain.layout.rules import resolve  # the table imports this module
+
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in str(text).split(","))):
             axis, _, value = (x.strip() for x in part.partition("="))
-            if axis not in SPELLING_AXES or not value.isdigit() or int(value) < 1:
+            if axis not in SPELLING_AXES or not value.lstrip("-").isdigit():
                 raise ValueError(f"--layout {text!r}: {part!r} is not AXIS=SIZE with AXIS one of "
                                  f"{', '.join(SPELLING_AXES)} and SIZE a positive integer (e.g. tp=2,cp=2,pp=2)")
             if axis in sizes:
                 raise ValueError(f"--layout {text!r} gives {axis} twice")
             sizes[axis] = int(value)
-        if "dp_shard" not in sizes:
-            ranks = {axis: size for axis, size in sizes.items() if axis != "ep"}
-            rest = math.prod(ranks.values())
-            if world % rest:
-                raise ValueError(f"--layout {text!r} needs a multiple of {rest} ranks "
-                                 f"({' x '.join(f'{a} {s}' for a, s in ranks.items())}), but --world is {world}; "
-                                 f"use a world of {rest} x N, or other sizes")
-            sizes["dp_shard"] = world // rest
-        dims = cls(**sizes)
-        if dims.world_size != world:
-            raise ValueError(f"--layout {text!r} is {dims.world_size} ranks ({dims.spell()}), but --world is {world}; "
-                             f"make the sizes' product {world}, or leave dp_shard out (it takes the rest)")
-        return dims
+        given = {f"{axis}_size": sizes.get(axis, 1) for axis in SPELLING_AXES if axis != "dp_shard"}
+        return resolve(world, spelling=Spelling(described=f"--layout {text!r}", layout=text),
+                       dp_shard_size=sizes.get("dp_shard"), **given)
 
     def sizes(self) -> dict[str, int]:
         """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""
