@@ -70,30 +70,9 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard_cp > 1
 
     def spell(self) -> str:
-        """"tp=2,cp=2,dp_shard=2": the sizes above 1 (dp_shard always), as `--layout` reads them (`parse`)."""
+        """"tp=2,cp=2,dp_shard=2": the sizes above 1 (dp_shard always), as `--layout` reads them (`rules.parse_layout`)."""
         return ",".join(f"{axis}={getattr(self, axis)}" for axis in SPELLING_AXES
                         if getattr(self, axis) > 1 or axis == "dp_shard")
-
-    @classmethod
-    def parse(cls, text: str, world: int) -> "ParallelDims":
-        """`--layout tp=2,cp=2,pp=2,dp_shard=2,dp_replicate=1,ep=2`: omitted sizes are 1, except dp_shard, which
-        takes the rest of `world` when omitted. ValueError naming the bad part; the sizes against `world` are the
-        rule table's (the same refusals, spelled as the --layout's axes)."""
-        from tptrain.layout.case import Spelling
-        from tptrain.layout.rules import resolve  # the table imports this module
-
-        sizes: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in str(text).split(","))):
-            axis, _, value = (x.strip() for x in part.partition("="))
-            if axis not in SPELLING_AXES or not value.lstrip("-").isdigit():
-                raise ValueError(f"--layout {text!r}: {part!r} is not AXIS=SIZE with AXIS one of "
-                                 f"{', '.join(SPELLING_AXES)} and SIZE a positive integer (e.g. tp=2,cp=2,pp=2)")
-            if axis in sizes:
-                raise ValueError(f"--layout {text!r} gives {axis} twice")
-            sizes[axis] = int(value)
-        given = {f"{axis}_size": sizes.get(axis, 1) for axis in SPELLING_AXES if axis != "dp_shard"}
-        return resolve(world, spelling=Spelling(described=f"--layout {text!r}", layout=text),
-                       dp_shard_size=sizes.get("dp_shard"), **given)
 
     def sizes(self) -> dict[str, int]:
         """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""
