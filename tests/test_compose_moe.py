@@ -9,7 +9,9 @@
   pipeline microbatch is a forward of its own, as gradient accumulation makes it), with cp and with SP;
 * longrope under cp: the whole sequence's length picks the long factors;
 * SP with the MoE router styles (expert TP, expert parallelism summed or by all-to-all; the shared expert), with
-  the aux loss and a padding mask, at tp 2 and at tp 2 x cp 2 x ep 2.
+  the aux loss and a padding mask, at tp 2 and at tp 2 x cp 2 x ep 2;
+* SP on DeepSeek-V3's latent attention (the latents computed on the sequence shard and gathered by the per-head
+  projections, the shared RoPE key gathered), low-rank q and one q_proj, at tp 2 and tp 2 x cp 2 x ep 2.
 
 LoRA on experts over an ep axis is tests/test_lora_moe.py's. Worker pools: 2 ranks, then 4, then 1 process.
 
@@ -38,6 +40,7 @@ FAMILIES = {
     "qwen2_moe": ("qwen2_moe", dict({k: v for k, v in CP_FAMILIES["qwen3_moe"].items() if k != "head_dim"},
                                     shared_expert_intermediate_size=24, **AUX)),  # a gated shared expert
     "deepseek_v3": ("deepseek_v3", CP_FAMILIES["deepseek_v3"]),  # group-limited router, shared experts, MLA
+    "deepseek_v3_q_proj": ("deepseek_v3", dict(CP_FAMILIES["deepseek_v3"], q_lora_rank=None)),  # q from one q_proj
     "phi3_longrope": ("phi3", dict(CP_FAMILIES["phi3"], **LONGROPE)),
     "moe4": ("qwen3_moe", dict(MOE_TRAIN_TINY, num_experts_per_tok=2, num_hidden_layers=4, **AUX)),  # pp stages
 }
@@ -226,6 +229,8 @@ def _two_ranks(paths: dict, tmp: str) -> None:
     for family in ("qwen3_moe", "qwen2_moe"):
         for layout in SP_LAYOUTS:
             _trains_like(paths[family], _masked(packed_batch()), **layout)
+    for family in ("deepseek_v3", "deepseek_v3_q_proj"):  # MLA under SP: the latents on the shard, the RoPE key gathered
+        _trains_like(paths[family], packed_batch(), **SP)
     _pp_aux(paths["moe4"], tmp, ("1F1B", "Interleaved1F1B"))
     dist.barrier()
 
@@ -233,6 +238,7 @@ def _two_ranks(paths: dict, tmp: str) -> None:
 def _four_ranks(paths: dict, tmp: str) -> None:
     for family in ("qwen3_moe", "deepseek_v3"):
         _trains_like(paths[family], packed_batch(), tp_size=2, cp_size=2, ep_size=2)
+    _trains_like(paths["deepseek_v3"], packed_batch(), **SP, cp_size=2, ep_size=2)
     _trains_like(paths["qwen2_moe"], _masked(packed_batch()), **SP, cp_size=2, ep_size=2)
     _trainer_cp_ep(tmp)
     _pp_aux(paths["moe4"], tmp, ("1F1B",), cp_size=2)
@@ -242,14 +248,15 @@ def _four_ranks(paths: dict, tmp: str) -> None:
 @pytest.mark.distributed
 def test_router_aux_loss_longrope_and_sp_with_experts_equal_one_process(checkpoints, tmp_path):
     """2 ranks: the aux loss at cp 2 (with padding) and at pp 2 (the Trainer, two schedules); longrope at cp 2 (long
-    and short factors); SP at tp 2 on Qwen3-MoE and Qwen2-MoE (shared expert) in each expert style."""
+    and short factors); SP at tp 2 on Qwen3-MoE and Qwen2-MoE (shared expert) in each expert style, and on
+    DeepSeek-V3 (MLA)."""
     run_distributed(_two_ranks, 2, checkpoints, str(tmp_path), timeout=900)
 
 
 @pytest.mark.distributed
 def test_cp_x_ep_equals_one_process_and_resumes_in_one(checkpoints, tmp_path):
-    """4 ranks: tp 2 x cp 2 x ep 2 on Qwen3-MoE (aux loss) and DeepSeek-V3, with SP on Qwen2-MoE; the Trainer at
-    dp_shard 2 x cp 2 x ep 2 and tp 2 x cp 2 x ep 2 (aux loss), and the aux loss at pp 2 x cp 2 and pp 2 x tp 2 (SP);
-    1 process: the cp x ep checkpoint resumed."""
+    """4 ranks: tp 2 x cp 2 x ep 2 on Qwen3-MoE (aux loss) and DeepSeek-V3, with SP on Qwen2-MoE and DeepSeek-V3; the
+    Trainer at dp_shard 2 x cp 2 x ep 2 and tp 2 x cp 2 x ep 2 (aux loss), and the aux loss at pp 2 x cp 2 and
+    pp 2 x tp 2 (SP); 1 process: the cp x ep checkpoint resumed."""
     run_distributed(_four_ranks, 4, checkpoints, str(tmp_path), timeout=1200)
     run_distributed(_resume_in_one_process, 1, str(tmp_path), timeout=300)

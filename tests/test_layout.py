@@ -125,12 +125,18 @@ def _entry_points(tmp_path, monkeypatch):
             model.parallelize(DistributedConfig(**sizes))
         return str(info.value)
 
-    def trainer(path, world, *, pp, schedule, **args):
-        """A meta model as `from_pretrained(DistributedConfig(pp_size=pp, ...))` cuts it (its pp_plan)."""
+    def trainer(path, world, *, pp, schedule, cp=1, **args):
+        """A meta model as `from_pretrained(DistributedConfig(pp_size=pp, cp_size=cp, ...))` lays it out (its pp_plan,
+        its cp_context)."""
+        from tptrain.parallel.context_parallel import CPContext
+
         monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: world)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
         model.pp_plan = pipeline_parallel.plan_pipeline(model, pp=pp, pp_rank=0, schedule=schedule)
-        config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=args.pop("microbatches", None))
+        if cp > 1:
+            model.cp_context = CPContext("unused", cp, 0)
+        config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=args.pop("microbatches", None),
+                                   **args.pop("parallelism", {}))
         with pytest.raises(ValueError) as info:
             Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), parallelism_config=config,
                                                         **args), train_dataset=["text"])
@@ -178,3 +184,86 @@ def test_each_refusal_is_one_message_from_every_entry_point(tmp_path, monkeypatc
              "2", "--batch-size", "4", "--nproc-per-node", "4")}
     assert len(v) == 1 and next(iter(v)).startswith("pipeline schedule ZBVZeroBubble at pp_size=2 needs at least 4 "
                                                    "microbatches, got pp_microbatches=2"), v
+
+
+def _plan_train(capsys, path, world: int, layout: str, seq_len: int = 16) -> str:
+    """`tptrain plan --train --layout LAYOUT`'s refusal (exit 1: the sizes; exit 2: the layout's run)."""
+    from tptrain.cli import main
+
+    code = main(["plan", str(path), "--train", "--world", str(world), "--layout", layout, "--batch-size", "2",
+                 "--seq-len", str(seq_len)])
+    err = capsys.readouterr().err
+    assert code in (1, 2) and err.count("\n") == 1, (code, err)
+    return err.rstrip("\n").split(": error: " if code == 1 else " is refused: ", 1)[1]
+
+
+def test_issue_33_bad_input_from_every_entry_point(tmp_path, monkeypatch, capsys):
+    """Issue 33 section 3, each refused before any process group or worker by the library (from_pretrained's
+    checks: `model.parallelize`, or the input's split), the Trainer, `tptrain train` and `tptrain plan`, with the
+    rule table's message spelled as each entry point names the sizes. The Trainer takes tp, cp, ep and the stages
+    from the model, so a refusal of those alone (more stages than layers, the experts) is the library's."""
+    import torch
+
+    from tptrain.parallel.context_parallel import CPContext
+
+    model_dir, library, trainer, cli = _entry_points(tmp_path, monkeypatch)
+    dense = model_dir()
+    moe = model_dir(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=6, num_experts_per_tok=2,
+                    moe_intermediate_size=64)
+    # an 8-rank layout on a machine told 4: each says to launch 8
+    lib = library(dense, 4, tp_size=2, cp_size=2, pp_size=2)
+    layout = _plan_train(capsys, dense, 4, "tp=2,cp=2,pp=2")
+    assert layout == cli("train", capsys, "--model", str(dense), "--layout", "tp=2,cp=2,pp=2", "--nproc-per-node", "4")
+    assert lib.replace("_size", "").split(" needs ")[1] == layout.split(" needs ")[1], (lib, layout)
+    assert "launch a multiple of 8 processes" in lib
+    assert "needs 1 x 4 x 1 = 4 processes (tp x dp_shard x dp_replicate), but the world size is 2 per pipeline stage " \
+           "(pp_size=2); launch 8 (`torchrun --nproc-per-node 8`)" in trainer(dense, 4, pp=2, schedule="1F1B",
+                                                                          parallelism=dict(dp_shard_size=4))
+    assert cli("train", capsys, "--model", str(dense), "--tp-size", "2", "--cp-size", "2", "--pp-size", "2",
+               "--nproc-per-node", "4").startswith("--nproc-per-node 4 is not a multiple of --tp-size 2 x --cp-size 2 "
+                                                   "x --pp-size 2;")
+    # a size not an int >= 1
+    assert library(dense, 4, tp_size=0) == "DistributedConfig.tp_size must be a positive int, got 0"
+    assert library(dense, 4, tp_size=1, cp_size=1.5) == "DistributedConfig.cp_size must be a positive int, got 1.5"
+    assert trainer(dense, 4, pp=2, schedule="1F1B", parallelism=dict(dp_shard_size=0)) == \
+        "ParallelismConfig.dp_shard_size must be a positive int, got 0"
+    assert {cli("train", capsys, "--model", str(dense), "--tp-size", "0", "--nproc-per-node", "4"),
+            cli("plan", capsys, str(dense), "--tp-size", "0")} == {"--tp-size must be a positive integer, got 0"}
+    assert _plan_train(capsys, dense, 4, "tp=0,cp=2") == "tp in --layout 'tp=0,cp=2' must be a positive int, got 0"
+    assert {trainer(dense, 4, pp=2, schedule="1F1B", microbatches=0),
+            cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--pp-size", "2", "--pp-microbatches", "0",
+                "--nproc-per-node", "2")} == {"pipeline schedule 1F1B at pp_size=2 needs at least 2 microbatches, got "
+                                              "pp_microbatches=0; raise pp_microbatches (--pp-microbatches) to 2"}
+    # cp not dividing the sequence's 2 x cp chunks: the input's split, the Trainer, `tptrain train`, `tptrain plan`
+    with pytest.raises(ValueError) as info:
+        CPContext("unused", 2, 0).split(torch.zeros(1, 10, dtype=torch.long))
+    seq = {str(info.value).replace("input_ids' length (shape (1, 10))", "X"),
+           trainer(dense, 2, pp=1, schedule="1F1B", cp=2, seq_len=10).replace("TrainingArguments.seq_len (--seq-len)",
+                                                                              "X"),
+           cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--cp-size", "2", "--seq-len", "10",
+               "--nproc-per-node", "2").replace("--seq-len", "X", 1),
+           _plan_train(capsys, dense, 2, "cp=2", seq_len=10).replace("--seq-len", "X", 1)}
+    assert seq == {"context parallelism (cp_size=2) cuts every sequence into 2 x cp_size = 4 equal chunks, but X is 10, "
+                   "not a multiple of 4; pad the batch to 12 tokens (labels -100), or use a seq_len (--seq-len) that is "
+                   "a multiple of 4"}, seq
+    # more stages than layers: the rule table's message from `tptrain plan --train` too
+    assert _plan_train(capsys, dense, 8, "pp=8") == library(dense, 8, pp_size=8, tp_size=1)
+    # ep not dividing the experts: the plan's problem, the same line from each
+    problem = ("model.layers.*.mlp.experts: num_experts=6 is not divisible by ep_size=4: every ep rank holds the same "
+               "number of whole experts; use an ep_size that divides 6")
+    assert library(moe, 4, tp_size=1, ep_size=4).endswith(f"\n  - {problem}")
+    assert _plan_train(capsys, moe, 4, "ep=4") == problem
+    assert problem in cli("train", capsys, "--model", str(moe), "--tp-size", "1", "--ep-size", "4", "--nproc-per-node",
+                          "4")
+    from tptrain.cli import main
+
+    assert main(["plan", str(moe), "--tp-size", "1", "--ep-size", "4"]) == 2 and f"  - {problem}" in \
+        capsys.readouterr().out
+    # ep not fitting inside dp_shard x cp
+    fit = {library(moe, 4, tp_size=2, cp_size=2, ep_size=4).split(": ", 1)[1],
+           cli("train", capsys, "--model", str(moe), "--tp-size", "2", "--cp-size", "2", "--ep-size", "4",
+               "--nproc-per-node", "4").split(": ", 1)[1],
+           _plan_train(capsys, moe, 4, "tp=2,cp=2,ep=4").split(": ", 1)[1]}
+    assert fit == {"ep_size=4 must divide dp_shard x cp = 1 x 2 (world size 4 = dp_replicate 1 x dp_shard 1 x cp 2 x tp "
+                   "2): the experts' owners are the dp_shard x cp ranks; launch a multiple of 8 processes (ep x tp x "
+                   "dp_replicate), or use an ep_size that divides 2"}, fit

@@ -110,7 +110,7 @@ def test_overrides_and_bad_arguments(qwen3_dir, tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nowhere"), "--tp-size", "2"]) == 1
     assert "tptrain plan: error: checkpoint" in capsys.readouterr().err
     assert main(["plan", str(qwen3_dir), "--tp-size", "0"]) == 1
-    assert "tp_size must be a positive int" in capsys.readouterr().err
+    assert "--tp-size must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_plan_builds_on_meta_and_starts_no_process_group(qwen3_dir):

@@ -182,7 +182,7 @@ def test_text_names_the_best(llama_dir, capsys):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["--world", "3", "--layout", "tp=2"], 1, "--layout 'tp=2' needs a multiple of 2 ranks"),
+    (["--world", "3", "--layout", "tp=2"], 1, "--layout 'tp=2' needs a world size that is a multiple of tp=2"),
     (["--world", "4", "--device", "tpu9"], 1, "unknown device 'tpu9'; the profiles are h100, h200"),
     (["--world", "2", "--gpu-memory", "1MB"], 2, "no layout of 2 ranks fits"),
     (["--world", "2", "--gpu-memory", "lots"], 1, "memory 'lots' is not a size"),

@@ -80,7 +80,7 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
     import torch
 
     from tptrain.diagnostics.layout import TrainSettings
-    from tptrain.layout import ParallelDims
+    from tptrain.layout import parse_layout
     from tptrain.diagnostics.model_facts import ModelFacts
     from tptrain.diagnostics.train_plan import plan_training, what_would_fit
     from tptrain.diagnostics.train_report import plan_json, plan_text
@@ -93,7 +93,7 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
                              expert_parallel=args.expert_parallel)
-    layout = ParallelDims.parse(args.layout, args.world) if args.layout else None
+    layout = parse_layout(args.layout, args.world) if args.layout else None
     facts = ModelFacts.of(config, dtype=dtype)
     try:
         plan = plan_training(facts, world=args.world, settings=settings, profile=profile, layout=layout)
@@ -133,7 +133,7 @@ def _train_layout(args: argparse.Namespace) -> str:
     import torch
 
     from tptrain.diagnostics.layout import TrainSettings
-    from tptrain.layout import ParallelDims
+    from tptrain.layout import parse_layout
     from tptrain.diagnostics.model_facts import ModelFacts
     from tptrain.diagnostics.train_plan import layout_problem, plan_training
     from tptrain.models import AutoConfig
@@ -155,7 +155,7 @@ def _train_layout(args: argparse.Namespace) -> str:
     facts = ModelFacts.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
     note = ""
     if args.layout != "auto":
-        chosen = ParallelDims.parse(args.layout, world)
+        chosen = parse_layout(args.layout, world)
         problem = layout_problem(facts, chosen, settings)
         if problem:
             raise ValueError(f"--layout {chosen.spell()}: {problem}")

@@ -177,11 +177,11 @@ def _boundaries(model: nn.Module, plan: dict[str, str], summed: set[str] = froze
     return list(widths.values()), exits
 
 
-def _replicated_tails(model: nn.Module, plan: dict[str, str]) -> list[int]:
-    """The features each 'mla_kv_a_proj' module's heads read whole (MLA's shared RoPE key): one backward all-reduce
-    of (batch, seq, features) each, its partial gradient summed."""
-    return [contract.replicated_tail(model.get_submodule(name)) for name, style in plan.items()
-            if style == "mla_kv_a_proj"]
+def _replicated_tails(model: nn.Module, plan: dict[str, str], style: str = "mla_kv_a_proj") -> list[int]:
+    """The features each `style` module's heads read whole (MLA's shared RoPE key): 'mla_kv_a_proj', one backward
+    all-reduce of (batch, seq, features) each, its partial gradient summed; 'sequence_gather' (under SP), one forward
+    all-gather and one backward reduce-scatter."""
+    return [contract.replicated_tail(model.get_submodule(name)) for name, used in plan.items() if used == style]
 
 
 def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int,
@@ -317,6 +317,9 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
         unsaved = (chunks > 0) + sum(not _has_shared_expert(layout.plan, name) for name in summed)
         add(("backward", "all_gather"), exits + enters - unsaved, (exits * act + entered - unsaved * act) // tp)
         add(("backward", "reduce_scatter"), enters, entered)
+        gathered = _replicated_tails(model, layout.plan, "sequence_gather")
+        add(("forward", "all_gather"), len(gathered), sum(gathered) * act // model.config.hidden_size // tp)
+        add(("backward", "reduce_scatter"), len(gathered), sum(gathered) * act // model.config.hidden_size)
     else:
         add(("forward", "all_reduce"), exits, exits * act)
         add(("backward", "all_reduce"), enters, entered)

@@ -1,5 +1,5 @@
 """The settings of the run a layout is planned for: the planner's inputs beside the layout (tptrain.layout's
-ParallelDims, `ParallelDims.parse("tp=2,cp=2", world=8)`), pure data.
+ParallelDims, `parse_layout("tp=2,cp=2", world=8)`), pure data.
 
     TrainSettings(batch_size=4, seq_len=8192, bf16=True, gradient_checkpointing=True)
 """

@@ -106,14 +106,15 @@ class DistributedConfig:
         return self.parallel_dims(world_size, described=described).sizes()
 
     def parallel_dims(self, world_size: int | None = None, *, described: str | None = None,
-                      device_map: bool = False) -> ParallelDims:
+                      device_map: bool = False, owner: str = "DistributedConfig") -> ParallelDims:
         """Resolve every mesh axis against the world size (the rule table's size rows; `device_map`: with
         from_pretrained's device_map, which they refuse); ValueError (same on every rank) if impossible.
-        `described`: how the error names these sizes (default: this DistributedConfig)."""
+        `described` / `owner`: how the error names these sizes / one of them (default: this DistributedConfig)."""
         world = env_world_size() if world_size is None else world_size
         if self.backend not in BACKENDS:
             raise ValueError(f"DistributedConfig.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        return resolve(world, features=self.features(device_map=device_map), spelling=Spelling(described=described),
+        return resolve(world, features=self.features(device_map=device_map),
+                       spelling=Spelling(owner=owner, described=described),
                        tp_size=self.tp_size, cp_size=self.cp_size, ep_size=self.ep_size, pp_size=self.pp_size,
                        dp_replicate_size=self.dp_replicate_size, dp_shard_size=self.dp_shard_size)
 

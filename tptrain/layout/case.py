@@ -45,19 +45,27 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class Spelling:
-    """How an entry point names the sizes in its errors: the library's keywords (`owner`'s fields), or the CLI's
-    flags (`cli`). `described`: the sizes as a whole (e.g. "ParallelismConfig(tp_size=2 (the model's), ...)");
-    `processes`: the CLI's world ("--nproc-per-node 3"); `seq_len`: what a sequence length is called."""
+    """How an entry point names the sizes in its errors: the library's keywords (`owner`'s fields), the CLI's
+    flags (`cli`), or the axes of a `--layout` text (`layout`: tptrain plan --train, tptrain train --layout).
+    `described`: the sizes as a whole (e.g. "ParallelismConfig(tp_size=2 (the model's), ...)"); `processes`: the
+    CLI's world ("--nproc-per-node 3"); `seq_len`: what a sequence length is called."""
 
     owner: str = "DistributedConfig"
     described: str | None = None
     cli: bool = False
     processes: str | None = None
     seq_len: str = "the sequence length"
+    layout: str | None = None
 
     def name(self, size: str) -> str:
-        """A size as this entry point spells it: DistributedConfig.tp_size, or --tp-size."""
+        """A size as this entry point spells it: DistributedConfig.tp_size, --tp-size, or tp in --layout 'tp=0'."""
+        if self.layout is not None:
+            return f"{self.key(size)} in --layout {self.layout!r}"
         return "--" + size.replace("_", "-") if self.cli else f"{self.owner}.{size}"
+
+    def key(self, size: str) -> str:
+        """A size's bare keyword: tp_size, or tp in a --layout."""
+        return size.removesuffix("_size") if self.layout is not None else size
 
 
 LIBRARY = Spelling()

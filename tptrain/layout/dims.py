@@ -15,7 +15,6 @@ Pure: imports no torch (the CLI resolves the sizes before it imports anything he
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,36 +70,9 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard_cp > 1
 
     def spell(self) -> str:
-        """"tp=2,cp=2,dp_shard=2": the sizes above 1 (dp_shard always), as `--layout` reads them (`parse`)."""
+        """"tp=2,cp=2,dp_shard=2": the sizes above 1 (dp_shard always), as `--layout` reads them (`rules.parse_layout`)."""
         return ",".join(f"{axis}={getattr(self, axis)}" for axis in SPELLING_AXES
                         if getattr(self, axis) > 1 or axis == "dp_shard")
-
-    @classmethod
-    def parse(cls, text: str, world: int) -> "ParallelDims":
-        """`--layout tp=2,cp=2,pp=2,dp_shard=2,dp_replicate=1,ep=2`: omitted sizes are 1, except dp_shard, which
-        takes the rest of `world` when omitted. ValueError naming the bad part, or what the world does not divide."""
-        sizes: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in str(text).split(","))):
-            axis, _, value = (x.strip() for x in part.partition("="))
-            if axis not in SPELLING_AXES or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"--layout {text!r}: {part!r} is not AXIS=SIZE with AXIS one of "
-                                 f"{', '.join(SPELLING_AXES)} and SIZE a positive integer (e.g. tp=2,cp=2,pp=2)")
-            if axis in sizes:
-                raise ValueError(f"--layout {text!r} gives {axis} twice")
-            sizes[axis] = int(value)
-        if "dp_shard" not in sizes:
-            ranks = {axis: size for axis, size in sizes.items() if axis != "ep"}
-            rest = math.prod(ranks.values())
-            if world % rest:
-                raise ValueError(f"--layout {text!r} needs a multiple of {rest} ranks "
-                                 f"({' x '.join(f'{a} {s}' for a, s in ranks.items())}), but --world is {world}; "
-                                 f"use a world of {rest} x N, or other sizes")
-            sizes["dp_shard"] = world // rest
-        dims = cls(**sizes)
-        if dims.world_size != world:
-            raise ValueError(f"--layout {text!r} is {dims.world_size} ranks ({dims.spell()}), but --world is {world}; "
-                             f"make the sizes' product {world}, or leave dp_shard out (it takes the rest)")
-        return dims
 
     def sizes(self) -> dict[str, int]:
         """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from tptrain.layout import axis_rules, size_rules, training_rules
 from tptrain.layout.case import LIBRARY, Case, Features, Rule, Spelling
-from tptrain.layout.dims import Asked, ParallelDims
+from tptrain.layout.dims import SPELLING_AXES, Asked, ParallelDims
 
 RULES: tuple[Rule, ...] = (*size_rules.ROWS, *axis_rules.ROWS, *training_rules.ROWS)
 _BY_NAME = {r.name: r for r in RULES}
@@ -56,3 +56,21 @@ def resolve(world: int, *, features: Features | None = None, spelling: Spelling 
     asked = Asked(**{k: v for k, v in sizes.items() if v is not None or k in ("tp_size", "ep_size", "dp_shard_size")})
     validate(Case(asked=asked, world=world, features=features or Features(), spelling=spelling))
     return asked.solve(world)
+
+
+def parse_layout(text: str, world: int) -> ParallelDims:
+    """`--layout tp=2,cp=2,pp=2,dp_shard=2,dp_replicate=1,ep=2` (tptrain plan --train, tptrain train --layout):
+    omitted sizes are 1, except dp_shard, which takes the rest of `world` when omitted. ValueError naming the bad
+    part; the sizes against `world` are the table's rows (the same refusals, spelled as the --layout's axes)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        axis, _, value = (x.strip() for x in part.partition("="))
+        if axis not in SPELLING_AXES or not value.lstrip("-").isdigit():
+            raise ValueError(f"--layout {text!r}: {part!r} is not AXIS=SIZE with AXIS one of "
+                             f"{', '.join(SPELLING_AXES)} and SIZE a positive integer (e.g. tp=2,cp=2,pp=2)")
+        if axis in sizes:
+            raise ValueError(f"--layout {text!r} gives {axis} twice")
+        sizes[axis] = int(value)
+    given = {f"{axis}_size": sizes.get(axis, 1) for axis in SPELLING_AXES if axis != "dp_shard"}
+    return resolve(world, spelling=Spelling(described=f"--layout {text!r}", layout=text),
+                   dp_shard_size=sizes.get("dp_shard"), **given)

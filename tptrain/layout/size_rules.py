@@ -70,8 +70,9 @@ def _pp_divides(c: Case, r: Rule) -> str | None:
         return (f"{c.spelling.processes} is not a multiple of --pp-size {pp} (each of the {pp} pipeline stages gets "
                 f"1/{pp} of the processes); launch a multiple of {pp} processes or pick a --pp-size that divides "
                 f"{world}")
-    return (f"{_described(c)}: pp_size={pp} must divide the world size {world} (each of the {pp} pipeline stages "
-            f"gets world_size / pp_size ranks); launch a multiple of {pp} processes or pick a pp_size that divides "
+    pp_size = c.spelling.key("pp_size")
+    return (f"{_described(c)}: {pp_size}={pp} must divide the world size {world} (each of the {pp} pipeline stages "
+            f"gets world_size / pp_size ranks); launch a multiple of {pp} processes or pick a {pp_size} that divides "
             f"{world}")
 
 
@@ -91,20 +92,23 @@ def _world(c: Case, r: Rule) -> str | None:
     sizes = {"tp_size": a.tp_size, "dp_shard_size": a.dp_shard_size, "dp_replicate_size": a.dp_replicate_size}
     if (a.cp_size or 1) > 1:  # named only when used, so the messages without cp read as before
         sizes["cp_size"] = a.cp_size
+    key = c.spelling.key
     name = c.spelling.described or (f"{c.spelling.owner}(" + ", ".join(f"{k}={v or 'auto'}" for k, v in sizes.items())
                                     + ")")
-    per_stage = f" per pipeline stage (pp_size={a.pp_size})" if a.pp_size > 1 else ""
+    per_stage = f" per pipeline stage ({key('pp_size')}={a.pp_size})" if a.pp_size > 1 else ""
     given = {k: v for k, v in sizes.items() if v is not None}
     product = math.prod(given.values())
+    launch = product * a.pp_size  # every stage its own ranks
     if len(given) == len(sizes):
         return (f"{name} needs {' x '.join(map(str, given.values()))} = {product} process{'es' * (product > 1)} "
-                f"({' x '.join(k[:-5] for k in sizes)}), but the world size is {world}{per_stage}; launch {product} "
-                f"(`torchrun --nproc-per-node {product}`), or change the sizes so that their product is {world}")
-    auto = [k for k in sizes if k not in given]
-    terms = " x ".join(f"{k}={v}" for k, v in given.items()) + (f" = {product}" if len(given) > 1 else "")
+                f"({' x '.join(k[:-5] for k in sizes)}), but the world size is {world}{per_stage}; launch "
+                f"{launch} (`torchrun --nproc-per-node {launch}`), or change the sizes so that their product is "
+                f"{world}")
+    auto = [key(k) for k in sizes if k not in given]
+    terms = " x ".join(f"{key(k)}={v}" for k, v in given.items()) + (f" = {product}" if len(given) > 1 else "")
     return (f"{name} needs a world size that is a multiple of {terms} ({' and '.join(auto)} "
             f"take{'s' * (len(auto) == 1)} the rest), but the world size is {world}{per_stage}; launch a multiple of "
-            f"{product} processes, or change the sizes")
+            f"{launch} processes, or change the sizes")
 
 
 @rule(ROWS, "ep_cp", needs=("asked",), when="cp_size > 1 with an ep_size not a multiple of it",

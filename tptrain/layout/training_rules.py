@@ -14,7 +14,8 @@ def _schedule(c: Case) -> str:
 
 
 def _microbatches(c: Case) -> int:
-    return c.features.pp_microbatches or c.dims.pp
+    n = c.features.pp_microbatches
+    return c.dims.pp if n is None else n  # 0 given is refused (`pp_microbatches`), not taken for the default
 
 
 @rule(ROWS, "pp_microbatches", needs=("dims", "features.batch_size"),
@@ -44,7 +45,7 @@ def _pp_rounds(c: Case, r: Rule) -> str | None:
       reason="the schedule splits each micro-batch into equal microbatches", fix="a batch size that is a multiple")
 def _pp_batch(c: Case, r: Rule) -> str | None:
     batch, n = c.features.batch_size, _microbatches(c)
-    if c.dims.pp > 1 and batch % n:
+    if c.dims.pp > 1 and n > 0 and batch % n:
         return (f"per_device_train_batch_size={batch} does not split into pp_microbatches={n} equal microbatches; "
                 f"use a batch size that is a multiple of {n}")
 

@@ -4,8 +4,11 @@ from one shared low-rank latent, and RoPE on a decoupled slice of each head (one
 Single-device code with transformers' parameter names (DeepseekV3Attention). Under tensor parallelism the per-head
 projections (q_b_proj or q_proj, kv_b_proj) are split by heads and o_proj by its input; the latents are computed
 whole on every rank (kv_a_proj_with_mqa's RoPE key, read by every head, through the 'mla_kv_a_proj' style). Head
-counts come from the tensor shapes, never from the config. Under context parallelism `attend` sees every rank's keys
-and values: each head's K (qk_nope_head_dim + qk_rope_head_dim) and V (v_head_dim), gathered together.
+counts and lengths come from the tensor shapes, never from the config or from x: under sequence parallelism x is a
+sequence shard, the latents are computed on it (per token), the per-head projections gather them, and the shared RoPE
+key is gathered where it leaves the latent path (`rope_key`, a named point the plan's 'sequence_gather' hooks; as
+Megatron-Core's MLA does). Under context parallelism `attend` sees every rank's keys and values: each head's K
+(qk_nope_head_dim + qk_rope_head_dim) and V (v_head_dim), gathered together.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ class LatentAttention(nn.Module):
     # per-head projection reads the latent norm before it, which has no rule (whole on every rank).
     tp_kv_projections = ("kv_b_proj",)
     tp_pairs = {"o_proj": ("q_proj", "q_b_proj", "kv_b_proj"), "q_b_proj": ("q_a_layernorm",),
-                "kv_b_proj": ("kv_a_layernorm",)}
+                "kv_b_proj": ("kv_a_layernorm",), "q_a_layernorm": ("q_a_proj",),
+                "kv_a_layernorm": ("kv_a_proj_with_mqa",)}
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -44,20 +48,22 @@ class LatentAttention(nn.Module):
         # Its last rope_dim features, the RoPE key, are read by every head: 'mla_kv_a_proj' sums their gradient.
         self.kv_a_proj_with_mqa.tp_replicated_tail = self.rope_dim
         self.kv_a_layernorm = rms_norm(config, self.kv_rank)
+        self.rope_key = nn.Identity()  # where the shared RoPE key (batch, seq, rope dim) leaves the latent path
+        self.rope_key.tp_replicated_tail = self.rope_dim  # all of its features read whole by every head
         self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         assert q_scale is None, "query_position_scale is not a DeepSeek-V3 option"
-        b, s = x.shape[:2]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
+        b, s = q.shape[:2]  # the whole sequence (x may be a sequence shard)
         q = q.view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # (batch, local heads, seq, qk dim)
         q_pass, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_pass, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (batch, local heads, seq, each dim)
-        k_rot = k_rot.view(b, 1, s, self.rope_dim)  # one RoPE key for every head
+        k_rot = self.rope_key(k_rot).view(b, 1, s, self.rope_dim)  # one RoPE key for every head
         if self.interleaved:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin)

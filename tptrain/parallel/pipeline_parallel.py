@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -291,7 +292,7 @@ class Pipeline:
         self.ties.refresh()
         args, target, kwargs = self._inputs(batch)
         losses: list[torch.Tensor] = []
-        run = self.schedule.step if train else self.schedule.eval
+        run = self.schedule.step if train else functools.partial(forward_only, self.schedule)
         # return_outputs=False: the last stage drops each microbatch's logits after its backward instead of keeping
         # them all to the end of the step and concatenating them (nothing reads them: the losses are the output).
         run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
@@ -302,6 +303,27 @@ class Pipeline:
         if cp is not None:
             comm.all_reduce(total, comm.resolve_group(cp.group_name), phase="loss")
         return total
+
+
+_FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType values (a str Enum)
+
+
+def forward_only(schedule, *args, **kwargs) -> None:
+    """`schedule.eval(*args, **kwargs)` on only the forward actions of this rank's part of a multi-stage schedule.
+    torch's eval runs the training order with backward switched off, and a V schedule's hand-over of an input
+    gradient between a rank's two stages then fails ("can't steal_bwd_input"). The kept actions are the forwards,
+    their sends and receives and FSDP2's unshard / reshard, in the training order: a forward depends only on
+    forwards, so what ran without a deadlock with the backward actions runs without them."""
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not order:  # a one-stage schedule: its own loop skips backward
+        return schedule.eval(*args, **kwargs)
+    mine = [action for step in order[schedule.rank] for action in (step.sub_actions or (step,))
+            if action.computation_type in _FORWARD_ACTIONS]
+    schedule.pipeline_order_with_comms = {**order, schedule.rank: mine}
+    try:
+        return schedule.eval(*args, **kwargs)
+    finally:
+        schedule.pipeline_order_with_comms = order
 
 
 def held_elsewhere(model: nn.Module, name: str) -> bool:

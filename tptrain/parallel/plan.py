@@ -321,8 +321,10 @@ def _pair_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], seque
                                 f"({style(consumer)}) reads the whole width, so the local shapes cannot meet; make "
                                 f"{_generic(consumer)} 'rowwise', or remove the rules of "
                                 f"{', '.join(_generic(n) for n in bad)} too")
-            elif sequence_parallel and not wants:
-                problems.append(f"{inputs} and {_generic(consumer)} are replicated, but under sequence parallelism "
-                                f"their input is a sequence shard; give them their tensor-parallel rules "
-                                f"('colwise' ... 'rowwise') or disable sequence parallelism")
+            elif sequence_parallel and not wants and (whole := [n for n in names if n not in objects]):
+                problems.append(f"{', '.join(map(_generic, whole))} (no rule (replicated)) before "
+                                f"{_generic(consumer)} ({style(consumer)}) reads a sequence shard under sequence "
+                                f"parallelism, so its weight gradient is this rank's tokens' only and nothing sums it; "
+                                f"give it the 'sequence_parallel' style (as the model's base_model_sp_plan does), or "
+                                f"disable sequence parallelism")
     return problems

@@ -70,7 +70,7 @@ class ParallelismConfig:
                      + (f", ep_size={self.ep_size}" if self.ep_size else "")
                      + (f", cp_size={self.cp_size}" if (self.cp_size or 1) > 1 else "")
                      + (f", pp_size={self.pp_size}" if (self.pp_size or 1) > 1 else "") + ")")
-        return self.distributed_config().parallel_dims(world_size, described=described)
+        return self.distributed_config().parallel_dims(world_size, described=described, owner="ParallelismConfig")
 
     def sizes(self, world_size: int | None = None) -> dict[str, int]:
         """{"dp_replicate", "dp_shard", "tp"} (and "ep" when > 1) of `parallel_dims()`."""

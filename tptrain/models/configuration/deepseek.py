@@ -22,6 +22,18 @@ _MLA_TP_PLAN = {
     "layers.*.self_attn.o_proj": "rowwise",
 }
 
+# Under sequence parallelism (Megatron-Core's MLA): the down-projections and their norms run on this rank's sequence
+# shard (per token; their weight gradients summed over tp), the per-head projections gather the latents (colwise
+# under SP), and the shared RoPE key, read by every head over the whole sequence, is gathered where it leaves the
+# latent path (all-gather fwd / reduce-scatter bwd).
+_MLA_SP_PLAN = {
+    "layers.*.self_attn.q_a_proj": "sequence_parallel",
+    "layers.*.self_attn.q_a_layernorm": "sequence_parallel",
+    "layers.*.self_attn.kv_a_proj_with_mqa": "sequence_parallel",
+    "layers.*.self_attn.kv_a_layernorm": "sequence_parallel",
+    "layers.*.self_attn.rope_key": "sequence_gather",
+}
+
 
 @dataclasses.dataclass(kw_only=True)
 class DeepseekV3Config(MoeConfig, PretrainedConfig):
@@ -137,6 +149,13 @@ class DeepseekV3Config(MoeConfig, PretrainedConfig):
     def attention_tp_plan(self) -> dict[str, str]:
         absent = "q_b_proj" if self.q_lora_rank is None else "q_proj"  # a rule must match a module
         return {k: v for k, v in _MLA_TP_PLAN.items() if not k.endswith(f".{absent}")}
+
+    @property
+    def base_model_sp_plan(self) -> dict[str, str]:
+        """The MoE decoder's SP plan and the latent attention's (without q_lora_rank: no q_a_* to rule)."""
+        low_rank_q = self.q_lora_rank is not None
+        return {**super().base_model_sp_plan,
+                **{k: v for k, v in _MLA_SP_PLAN.items() if low_rank_q or ".q_a_" not in k}}
 
     @property
     def base_model_tp_plan(self) -> dict[str, str]:

@@ -30,6 +30,25 @@ class SequenceParallel(ReplicatedWithGradAllreduce):
 
 
 @register_style
+class SequenceGather(ParallelStyle):
+    """Under sequence parallelism, an activation computed per token of this rank's sequence shard that every rank
+    reads over the whole sequence (MLA's shared RoPE key, read by each rank's heads at every position): all-gather
+    fwd / reduce-scatter bwd along the sequence (each rank's heads add their share of every position's gradient).
+    On a module without parameters (the model's named point, e.g. LatentAttention.rope_key)."""
+
+    name = "sequence_gather"
+
+    def param_specs(self, module):
+        return {}
+
+    def install(self, module, ctx):
+        if not ctx.sequence_parallel:
+            raise ValueError(f"style {self.name!r} gathers a sequence shard: it is for sequence parallelism "
+                             f"(enable_sequence_parallel=True; a model's base_model_sp_plan)")
+        module.register_forward_hook(lambda m, args, out: comm.gather_to_sp(out, ctx.group_name, dim=1))
+
+
+@register_style
 class DistributedRMSNorm(ParallelStyle):
     """An RMSNorm over features a colwise projection split (OLMo 2's q/k norms over the whole projected width),
     so attention stays sharded. The weight is split like the projection's output rows (dim 0, with its KV
