@@ -71,6 +71,9 @@ class TPModel(Protocol):
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
+    sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
+        `attend` (a recurrence, a convolution over the sequence, an indexer choosing keys) (`sequence_mixers`;
+        absent: {}): context parallelism, which splits every sequence, refuses the model, naming them.
     The base model's (`mask_builder`; absent: None, and context parallelism refuses the model)
     attention_masks(position_ids, attention_mask, windows, *, query_index=None, key_index=None) -> {window: mask}:
         the masks its attention modules get, over the sequence of `position_ids`; `query_index` / `key_index` pick
@@ -284,6 +287,10 @@ def attend(module: nn.Module):
     return getattr(module, "attend", None) if isinstance(module, TPAttention) else None
 
 
+def sequence_mixers(model: nn.Module) -> dict[str, str]:
+    return dict(getattr(model, "sequence_mixers", None) or {})
+
+
 def base_model(model: nn.Module) -> nn.Module | None:
     return getattr(model, prefix(model), None)
 
@@ -303,6 +310,7 @@ class PipelineModel(Protocol):
     pp_last: dotted names of the modules only the last stage holds (the final norm and the head).
     pipeline_forward(x, position_ids=None): the stage's computation on what the module holds: token ids or
         hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`).
+    A model that is not one may say why (`pp_refusal`, a str; `pipeline_refusal`), which the refusal repeats.
     """
 
     pp_layers: str
@@ -310,6 +318,10 @@ class PipelineModel(Protocol):
     pp_last: tuple[str, ...]
 
     def pipeline_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def pipeline_refusal(model: nn.Module) -> str | None:
+    return getattr(model, "pp_refusal", None)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:

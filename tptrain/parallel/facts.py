@@ -29,11 +29,13 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
         backend=getattr(model, "backend", "native"), num_layers=num_layers, tied=tied,
+        pp_refusal=contract.pipeline_refusal(model),
         router_aux_loss=bool(getattr(config, "output_router_logits", False)),
         longrope=getattr(config, "rope_type", None) == "longrope", attention=len(attention),
         without_attend=tuple((name, type(m).__name__) for name, m in attention.items() if contract.attend(m) is None),
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",
+        sequence_mixers=tuple(contract.sequence_mixers(model).items()),
         experts=experts, ep_plan=bool(contract.model_ep_plan(model)) if config is not None else False,
         sp_refusing=sp_refusing or ())
 
