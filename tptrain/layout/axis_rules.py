@@ -82,15 +82,6 @@ def _pp_layers(c: Case, r: Rule) -> str | None:
                 f"once each, in order (e.g. {schedules.even_split(layers, n_stages)})")
 
 
-@rule(ROWS, "cp_attention", between=("cp",), needs=MODEL,
-      when="cp_size > 1 on a model with no attention module it can find",
-      reason="context parallelism gathers the keys and values of each attention module (tp_kv_projections)",
-      fix="drop cp_size")
-def _cp_attention(c: Case, r: Rule) -> str | None:
-    if c.dims.cp > 1 and c.facts.attention == 0:
-        return _cannot_cp(c, f"cp_size found no attention module in {c.facts.name} (none declares tp_kv_projections)")
-
-
 @rule(ROWS, "cp_sequence_mixer", between=("cp", "sequence_mixers"), needs=MODEL,
       when="cp_size > 1 on a model with layers that mix tokens outside attention (recurrent, convolution, indexer)",
       reason="context parallelism splits every sequence and gathers only the attention's keys and values; a "
@@ -105,6 +96,15 @@ def _cp_sequence_mixer(c: Case, r: Rule) -> str | None:
                          f"recurrence, a convolution over the sequence or an indexer over all keys), which context "
                          f"parallelism cannot split: each cp rank holds a share of every sequence and gathers only "
                          f"the attention's keys and values; {r.fix}")
+
+
+@rule(ROWS, "cp_attention", between=("cp",), needs=MODEL,
+      when="cp_size > 1 on a model with no attention module it can find",
+      reason="context parallelism gathers the keys and values of each attention module (tp_kv_projections)",
+      fix="drop cp_size")
+def _cp_attention(c: Case, r: Rule) -> str | None:
+    if c.dims.cp > 1 and c.facts.attention == 0:
+        return _cannot_cp(c, f"cp_size found no attention module in {c.facts.name} (none declares tp_kv_projections)")
 
 
 @rule(ROWS, "cp_attend", between=("cp",), needs=MODEL,
