@@ -41,15 +41,16 @@ NAME = "tptrain"
 # attention's chosen keys) changes the math: refused.
 _UNUSED = {"sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
            "past_key_values", "cache_position"}
-# The base model whose forward is running: its mask builder is what `build_mask` asks (transformers' mask interface
-# is called with the config only).
-_RUNNING: contextvars.ContextVar[nn.Module | None] = contextvars.ContextVar("tptrain_hf_running", default=None)
+# The base model whose forward is running, and its model's cp context (None without context parallelism): its mask
+# builder is what `build_mask` asks (transformers' mask interface is called with the config only).
+_RUNNING: contextvars.ContextVar[tuple[nn.Module, Any] | None] = contextvars.ContextVar("tptrain_hf_running",
+                                                                                         default=None)
 
 
 @contextlib.contextmanager
-def running(base: nn.Module):
+def running(base: nn.Module, cp_context: Any = None):
     """While transformers' forward of `base` (a base model with `attention_masks`) runs."""
-    token = _RUNNING.set(base)
+    token = _RUNNING.set((base, cp_context))
     try:
         yield
     finally:
@@ -128,6 +129,9 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if is_causal is False and attention_mask is None:
         raise ValueError(f"{type(module).__name__} runs bidirectional attention without a mask; context parallelism "
                          f"splits causal attention only: drop cp_size")
+    cp = (_RUNNING.get() or (None, None))[1]
+    if cp is not None and getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        query = _temperature_by_global_index(module, query, cp.query_index)
     module.tptrain_attention_options = dict(dropout=dropout if module.training else 0.0, scaling=scaling,
                                             softcap=softcap, sinks=s_aux)
     try:
@@ -135,6 +139,17 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     finally:
         del module.tptrain_attention_options
     return out.transpose(1, 2).contiguous(), None
+
+
+def _temperature_by_global_index(module: nn.Module, query: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Llama 4's NoPE layers scale each query by a function of its token index, which transformers takes from an
+    arange over the tokens it is given (this rank's): the scales of the whole sequence's indices instead."""
+    def scale(i: torch.Tensor) -> torch.Tensor:  # transformers' attn_temperature_tuning, per token index
+        return torch.log1p(torch.floor((i.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    local = torch.arange(query.shape[2], device=query.device)
+    return (query / scale(local).to(query.dtype)[None, None, :, None] * scale(index).to(query.dtype)[None, None, :, None]
+            ).to(query.dtype)
 
 
 class Attend:
@@ -196,7 +211,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
                **kwargs: Any) -> torch.Tensor:
     """transformers' mask-interface signature: the mask of `mask_function`, from the running base model's
     `attention_masks` (which context parallelism wraps: this rank's rows of the whole sequence's mask)."""
-    base = _RUNNING.get()
+    base = (_RUNNING.get() or (None, None))[0]
     if base is None:
         raise RuntimeError("tptrain's attention masks are built inside TransformersCausalLM's forward")
     if q_offset or kv_offset:

@@ -160,7 +160,7 @@ class TransformersCausalLM(PreTrainedModel):
         attention_mask = None
         if getattr(self, "cp_context", None) is not None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
-        with running(getattr(self, self.base_model_prefix)):
+        with running(getattr(self, self.base_model_prefix), getattr(self, "cp_context", None)):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=False)
 
@@ -349,7 +349,7 @@ class TransformersCausalLM(PreTrainedModel):
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
-        with running(getattr(self, self.base_model_prefix)):
+        with running(getattr(self, self.base_model_prefix), getattr(self, "cp_context", None)):
             logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    **kwargs).logits
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
