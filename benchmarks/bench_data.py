@@ -8,10 +8,15 @@ copies are the same bytes), then
   * runs `tptrain train --data CORPUS --max-steps 2` twice per layout (tp 2: --tp-size 2 on 2 ranks;
     dp 2: --tp-size 1 --nproc-per-node 2) against one fresh cache: the first run tokenizes, the second maps.
 Time to the first step: from the command's start to step 1 in metrics.jsonl. Memory: the largest resident set of
-any process of the command's tree (psutil, sampled every 0.1 s). Prints one table.
+any process of the command's tree (psutil, sampled every 0.1 s). Prints one table, then the headline: each
+corpus's first-run overhead (its first run's time to step 1 minus the bundled corpus's, same layout) next to the
+machine's limit, the corpus's size over what `encode_batch` alone encodes per second on every core (the
+tokenizer's own batch encoding of 64K-character pieces, the first 32 MB of the corpus, in this process), and the
+target: the overhead at that limit.
 
-    python benchmarks/bench_data.py                       # the bundled corpus, 100MB and 1GB (minutes; the 1 GB corpus needs ~8 GB disk)
-    python benchmarks/bench_data.py --sizes 5MB --layouts tp2   # a smoke run
+    python benchmarks/bench_data.py                       # the bundled corpus, 164MB and 1GB (minutes; the 1 GB corpus needs ~8 GB disk)
+    python benchmarks/bench_data.py --sizes bundled,164MB # the issue's figure: the 164 MB corpus's first-run overhead
+    python benchmarks/bench_data.py --sizes bundled,5MB --layouts tp2   # a smoke run
 """
 from __future__ import annotations
 
@@ -84,6 +89,34 @@ def tokenize_throughput(corpus: Path, model: Path, compare: bool = True) -> dict
     return out
 
 
+def encode_limit(corpus: Path, model: Path, sample: int = 32 << 20) -> float:
+    """MB/s of the tokenizer's `encode_batch` alone, on every core, over the corpus's first `sample` bytes cut into
+    the pieces the cache encodes (whole documents for a tokenizer without a cutter): nothing read or written."""
+    from tptrain.training.data import load_tokenizer
+    from tptrain.training.token_pieces import piece_cutter
+    from tptrain.training.token_stream import text_documents
+
+    tokenizer = load_tokenizer(model)
+    cut = piece_cutter(tokenizer) or (lambda text, size: [text])
+    batches, batch, size, total = [], [], 0, 0
+    for doc in text_documents(corpus, lambda n: None):
+        pieces = cut(doc, 1 << 16)
+        batch += pieces
+        size += len(doc)
+        if size >= 4 << 20:
+            batches.append(batch)
+            batch, total, size = [], total + size, 0
+        if total >= sample:
+            break
+    if batch:
+        batches.append(batch)
+    text_bytes = sum(len(p.encode("utf-8")) for b in batches for p in b)
+    start = time.perf_counter()
+    for b in batches:
+        tokenizer.encode_batch(b)
+    return text_bytes / 1e6 / (time.perf_counter() - start)
+
+
 def train_once(corpus: Path, model: Path, layout: str, cache: Path, output: Path) -> dict[str, float]:
     """One `tptrain train` run: seconds to step 1, seconds in all, the largest process RSS (MB)."""
     import psutil
@@ -114,8 +147,8 @@ def train_once(corpus: Path, model: Path, layout: str, cache: Path, output: Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="bundled,100MB,1GB",
-                        help="corpus sizes, comma-separated; 'bundled' is the bundled corpus (default: bundled,100MB,1GB)")
+    parser.add_argument("--sizes", default="bundled,164MB,1GB",
+                        help="corpus sizes, comma-separated; 'bundled' is the bundled corpus (default: bundled,164MB,1GB)")
     parser.add_argument("--layouts", default="tp2,dp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="checkpoint (default: the bundled tiny one)")
     parser.add_argument("--datasets-up-to", default="200MB",
@@ -128,7 +161,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_data-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, limits = [], {}
     for size_text in args.sizes.split(","):
         if size_text == "bundled":  # the reference the targets are stated against
             corpus = BUNDLED_CORPUS
@@ -138,6 +171,8 @@ def main() -> None:
         if corpus.stat().st_size <= parse_size(args.throughput_up_to):
             compare = corpus.stat().st_size <= parse_size(args.datasets_up_to)
             speed = tokenize_throughput(corpus, args.model, compare)
+            speed["encode_batch MB/s"] = encode_limit(corpus, args.model)
+            limits[size_text] = corpus.stat().st_size / 1e6 / speed["encode_batch MB/s"]  # seconds
             print(f"{size_text}: " + ", ".join(f"{k} {v:.2f}" for k, v in speed.items()), flush=True)
         for layout in args.layouts.split(","):
             cache = workdir / f"cache-{size_text}-{layout}"
@@ -151,6 +186,22 @@ def main() -> None:
     for size_text, layout, run, r in rows:
         print(f"{size_text:>8} {layout:>6} {run:>6} {r['cache']:>5} {r['first step s']:>12.1f} {r['total s']:>8.1f} "
               f"{r['max RSS MB']:>10.0f}")
+    print(_headline(rows, limits))
+
+
+def _headline(rows: list, limits: dict[str, float]) -> str:
+    """Each corpus's first-run overhead over the bundled corpus's, next to the machine's limit and the target."""
+    first = {(size, layout): r["first step s"] for size, layout, run, r in rows if run == "first"}
+    lines = ["", "| corpus | layout | first-run overhead over the bundled corpus s | machine's limit s (size / "
+                 "encode_batch MB/s) | overhead / limit | target |", "|---|---|---|---|---|---|"]
+    for (size, layout), seconds in first.items():
+        if size == "bundled" or ("bundled", layout) not in first:
+            continue
+        overhead, limit = seconds - first[("bundled", layout)], limits.get(size)
+        ratio = f"{overhead / limit:.2f}x" if limit else "-"
+        lines.append(f"| {size} | {layout} | {overhead:.1f} | {f'{limit:.1f}' if limit else '-'} | {ratio} | "
+                     "overhead at the limit (1.0x) |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

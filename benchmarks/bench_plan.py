@@ -129,9 +129,9 @@ def _free_port() -> int:
 
 
 def _layout(sizes: dict):
-    from tptrain.diagnostics.layout import Layout
+    from tptrain.layout import ParallelDims
 
-    return Layout(**sizes)
+    return ParallelDims(**sizes)
 
 
 def predict(table: dict, name: str, profile) -> tuple[int, float]:
@@ -152,7 +152,7 @@ def predict(table: dict, name: str, profile) -> tuple[int, float]:
 
 def measure(table: dict, name: str, steps: int) -> tuple[int, float]:
     """(the largest rank's peak tensor bytes, the median step time of the slowest rank) of layout `name`."""
-    world = _layout(table[name][1]).world
+    world = _layout(table[name][1]).world_size
     with tempfile.TemporaryDirectory() as out:
         args = (world, _free_port(), name, table, steps, out)
         if world == 1:

@@ -163,7 +163,7 @@ def training_args(output_dir, **kw) -> TrainingArguments:
 
 
 def reference_losses(model, dataset, args: TrainingArguments, global_batch: int) -> list[float]:
-    """Plain single-device training on the same global batches."""
+    """Plain single-device training on the same global batches (max_grad_norm 0: no clipping, as the Trainer's)."""
     from tptrain.training.data import DataOrder
     from tptrain.training.optim import lr_multiplier, param_groups
 
@@ -177,7 +177,8 @@ def reference_losses(model, dataset, args: TrainingArguments, global_batch: int)
         ids = torch.stack([dataset[i] for i in order.next_batch()])
         loss = model(ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if args.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
     return losses

@@ -299,3 +299,42 @@ def test_expert_lora_with_an_ep_axis_is_refused(bases):
     """The experts' factors do not follow an ep axis yet (each rank would index every expert's factor by its local
     expert number): refused clearly rather than computed wrong."""
     run_distributed(_ep_axis_worker, 2, bases["qwen3_moe"], timeout=300)
+
+
+def _merge_worker(base_dir, adapter_dir, tmp) -> None:
+    from tests.helpers import SEQ, training_args
+    from tptrain.distributed import init_distributed
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.data import PackedDataset
+    from tptrain.training.trainer import Trainer
+
+    init_distributed()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
+                                      is_trainable=True)
+    args = training_args(f"{tmp}/run", max_steps=1, parallelism_config=ParallelismConfig(
+        tp_size=1, dp_replicate_size=2, dp_shard_size=2))
+    data = PackedDataset(torch.randint(0, VOCAB, (16 * SEQ,), generator=torch.Generator().manual_seed(1)), SEQ)
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    final = trainer.train().final_dir  # the trained adapter
+    trainer.model = trainer.model.merge_and_unload()  # each rank folds its HSDP shard's rows
+    merged = trainer.save_model(f"{tmp}/merged")
+    if torch.distributed.get_rank() == 0:
+        ids, _ = batch(seed=3)
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), final)
+        with torch.no_grad():
+            want = adapted.eval()(ids).logits
+            got = AutoModelForCausalLM.from_pretrained(merged, dtype=F64).eval()(ids).logits
+            assert (want - AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64)(ids).logits).abs().max() > 1e-6
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.distributed
+def test_merge_under_hsdp(bases, tmp_path):
+    """merge_and_unload on a model HSDP shards (dp_replicate 2 x dp_shard 2): attention and expert adapters folded
+    into each rank's shard, the merged checkpoint computes what the adapter does."""
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+                             LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
+                                        target_parameters=EXPERTS))
+    random_lora(adapter, seed=5)
+    adapter.save_pretrained(tmp_path / "adapter")
+    run_distributed(_merge_worker, 4, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=400)

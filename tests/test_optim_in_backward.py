@@ -150,3 +150,42 @@ def test_clipping_and_accumulation_are_refused_with_the_setting_to_change(tmp_pa
     assert "--max-grad-norm 0" in capsys.readouterr().err
     args = parser.parse_args(["--optim-in-backward", "--max-grad-norm", "0"])
     assert args.optim_in_backward and args.max_grad_norm == 0.0
+
+
+# ------------------------------------------------------------------ under pipeline parallelism
+
+OIB = dict(optim_in_backward=True, max_grad_norm=0.0)
+
+
+def _pp_cases(root: str, cases: list[tuple]) -> None:
+    from tests.test_pipeline_data_parallel import _cases
+
+    _cases(root, [(family, schedule, {**kw, **OIB}) for family, schedule, kw in cases])
+
+
+@pytest.mark.distributed
+def test_pp2_steps_each_stage_after_its_last_microbatch(tmp_path):
+    """pp 2, fp64, against one process (losses, and the parameters after 3 steps): each stage's parameters are stepped
+    once its last microbatch's gradients are in (1F1B; InterleavedZeroBubble, whose weight gradients come apart from
+    the input gradients; ZBVZeroBubble, where rank 0's one tied weight is in two stage modules), the tied embedding's
+    two copies (1F1B) after their gradients are summed; nothing else is left for the optimizer's step()."""
+    from tests.test_pipeline_parallel import save_family
+
+    for family in ("qwen3_tied", "llama"):
+        save_family(family, tmp_path)
+    cases = [("qwen3_tied", "1F1B", {}), ("llama", "InterleavedZeroBubble", dict(microbatches=4)),
+             ("qwen3_tied", "ZBVZeroBubble", dict(microbatches=4))]
+    run_distributed(_pp_cases, 2, str(tmp_path), cases, timeout=600)
+
+
+@pytest.mark.distributed
+def test_pp2_with_fsdp2_and_tp2_steps_each_stage_after_its_last_microbatch(tmp_path):
+    """The same at pp 2 x dp_shard 2 (FSDP2's reduce-scatter before the step; ZBVZeroBubble: rank 0's last stage module
+    holds its own copy of the tied head, summed into the weight, which is stepped after) and pp 2 x tp 2 (Qwen3's q/k
+    norms' partial gradients summed over TP, then stepped)."""
+    from tests.test_pipeline_parallel import save_family
+
+    save_family("qwen3_tied", tmp_path)
+    cases = [("qwen3_tied", "ZBVZeroBubble", dict(dp_shard=2, microbatches=4)),
+             ("qwen3_tied", "Interleaved1F1B", dict(tp=2))]
+    run_distributed(_pp_cases, 4, str(tmp_path), cases, timeout=600)

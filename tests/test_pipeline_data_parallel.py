@@ -39,17 +39,25 @@ def _trainer(root: str, family: str, out: str, *, schedule: str = "1F1B", pp: in
 
 
 def _train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_replicate: int = 1,
-                ep: int | None = None, accumulation: int = 1, microbatches: int = 2, evaluate: bool = False) -> None:
+                ep: int | None = None, tp: int = 1, accumulation: int = 1, microbatches: int = 2,
+                evaluate: bool = False, **kw) -> None:
+    """3 steps of `family` at pp 2 x dp_replicate x dp_shard x tp against one process (`kw`: more TrainingArguments):
+    the losses, the eval loss (`evaluate`), and the parameters read back from final/."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     import torch.distributed as dist
 
-    what = f"{family} {schedule} pp 2 x dp_replicate {dp_replicate} x dp_shard {dp_shard} (ep {ep})"
-    out = what.replace(" ", "_").replace("(", "").replace(")", "")
+    what = f"{family} {schedule} pp 2 x dp_replicate {dp_replicate} x dp_shard {dp_shard} x tp {tp} (ep {ep}) {kw}"
+    out = "".join(c if c.isalnum() else "_" for c in what)
     trainer = _trainer(root, family, out, schedule=schedule, dp_shard=dp_shard, dp_replicate=dp_replicate, ep=ep,
-                       accumulation=accumulation, microbatches=microbatches)
-    assert trainer.fsdp and all(isinstance(m, FSDPModule) for m in trainer.pipeline.modules), what
+                       tp=tp, accumulation=accumulation, microbatches=microbatches, **kw)
+    dp = dp_shard * dp_replicate > 1
+    assert trainer.fsdp == dp and all(isinstance(m, FSDPModule) == dp for m in trainer.pipeline.modules), what
+    left = _left_for_the_step(trainer) if trainer.args.optim_in_backward else None
     losses = trainer.train().losses
+    if left is not None:  # stepped in backward but the gradients summed after it (tied copies, TP partials)
+        held = trainer.pipeline.ties.summed_after() | set(trainer.inner.tp_layout.partial_grad_specs())
+        assert len(left) == 3 and all(names <= held for names in left), (what, left, held)
     ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, family), dtype=torch.float64).train()
     expected = reference_losses(ref, tiny_dataset(), trainer.args,
                                 global_batch=microbatches * dp_shard * dp_replicate * accumulation)
@@ -68,6 +76,17 @@ def _train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_
             torch.testing.assert_close(saved[name], p.detach(), **TOL,
                                        msg=lambda m: f"{what}: {name} after 3 steps: {m}")
     dist.barrier()
+
+
+def _left_for_the_step(trainer) -> list[set[str]]:
+    """Records, at each optimizer.step() of an optim_in_backward run, the parameters still holding a gradient."""
+    left, step = [], trainer.optimizer.step
+
+    def recording(closure=None):
+        left.append({n for n, p in trainer.inner.named_parameters() if p.grad is not None})
+        step()
+    trainer.optimizer.step = recording
+    return left
 
 
 def _run(root: str, out: str, *, pp: int, steps: int, resume: str | None = None) -> list[float]:
@@ -99,6 +118,21 @@ def _cases(root: str, cases: list[tuple], resume: bool = False) -> None:
         _resume(root)
 
 
+def _v_resume(root: str) -> None:
+    """ZBVZeroBubble at pp 2 x dp_shard 2 on the tied Qwen3: saved after 2 steps and resumed (DCP loads the model's
+    weight; rank 0's last stage module's copy takes it before the next step) to the losses of one process."""
+    def run(out, steps, resume=None):
+        return _trainer(root, "qwen3_tied", out, schedule="ZBVZeroBubble", dp_shard=2, steps=steps, microbatches=4,
+                        lr_scheduler_type="constant", warmup_steps=0, save_steps=2).train(resume).losses
+    ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64).train()
+    args = training_args(root, max_steps=4, per_device_train_batch_size=4, lr_scheduler_type="constant",
+                         warmup_steps=0)
+    expected = reference_losses(ref, tiny_dataset(), args, global_batch=8)
+    first = run("v-first", 2)
+    second = run("v-resumed", 4, os.path.join(root, "v-first", "checkpoint-2"))
+    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(expected), **TOL)
+
+
 @pytest.mark.distributed
 def test_pp2_fsdp2_ddp_and_ep_equal_one_process(tmp_path):
     for family in ("qwen3_tied", "llama", "qwen3_moe"):
@@ -112,8 +146,9 @@ def test_pp2_fsdp2_ddp_and_ep_equal_one_process(tmp_path):
 
 
 def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
-    """What stays refused, before any process group: a V schedule with tied embeddings and data parallelism (one
-    parameter in two stage modules, which FSDP2 cannot wrap), sequence and context parallelism with pp."""
+    """Before any process group: a V schedule with tied embeddings and data parallelism is a layout (its rank 0's last
+    stage module holds its own copy of the head, tests below); sequence and context parallelism with pp compose
+    (tests/test_pipeline_context.py)."""
     from tptrain.parallel import pipeline_parallel as pp
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.parallelize import resolve_parallelism
@@ -122,32 +157,28 @@ def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
     model.pp_plan = pp.plan_pipeline(model, pp=2, pp_rank=0, schedule="ZBVZeroBubble")
     config = ParallelismConfig(pp_size=2, pp_schedule="ZBVZeroBubble", tp_size=1)
-    with pytest.raises(ValueError, match=r"ZBVZeroBubble' puts the first and the last stage on one rank.*"
-                                         r"model.embed_tokens.weight = lm_head.weight.*dp_shard 2.*looped schedule"):
-        resolve_parallelism(model, config, world_size=4)
-    assert resolve_parallelism(model, config, world_size=2).dp == 1  # pp x tp only: one parameter, no FSDP
+    assert resolve_parallelism(model, config, world_size=4).dp == 2
+    assert resolve_parallelism(model, config, world_size=2).dp == 1
     # 4 ranks, whatever process group an earlier test in this process left open (env_world_size reads it first)
     monkeypatch.setattr("tptrain.distributed.env_world_size", lambda: 4)
     for extra in (dict(enable_sequence_parallel=True, tp_size=2), dict(cp_size=2, tp_size=1)):
         meta = AutoModelForCausalLM.from_config(model.config, device="meta")
-        what = "enable_sequence_parallel" if "enable_sequence_parallel" in extra else "cp_size"
-        with pytest.raises(ValueError, match=rf"DistributedConfig\(pp_size=2\) does not compose with {what}"):
-            meta._check_plan(DistributedConfig(pp_size=2, **extra))
+        meta._check_plan(DistributedConfig(pp_size=2, **extra))
 
 
-def test_cli_refuses_a_v_schedule_with_tied_embeddings_and_data_parallel(tmp_path, monkeypatch, capsys):
-    """The same refusal before any worker starts: the bundled tiny Qwen3 ties its embeddings."""
-    from tptrain.cli import main
-    from tptrain.cli import train as train_cli
+@pytest.mark.distributed
+def test_v_schedules_with_a_tied_head_and_data_parallelism_equal_one_process(tmp_path):
+    """A V schedule puts the first and the last stage on rank 0, where the tied embedding and head are one parameter
+    of two stage modules; FSDP2 wraps a parameter in one module only, so rank 0's last stage module holds its own copy
+    (its gradient added to the weight's, its values refreshed from it each step): under FSDP2 (ZBVZeroBubble) and DDP
+    (DualPipeV) the losses (clipped: the norm counts the weight once) and parameters after 3 steps
+    equal one process's, and a checkpoint resumes to them."""
+    save_family("qwen3_tied", tmp_path)
+    cases = [("qwen3_tied", "ZBVZeroBubble", dict(dp_shard=2, microbatches=4)),
+             ("qwen3_tied", "DualPipeV", dict(dp_replicate=2, microbatches=4))]
+    run_distributed(_v_cases, 4, str(tmp_path), cases, timeout=600)
 
-    def no_workers(*args, **kwargs):
-        raise AssertionError("a worker was started")
 
-    monkeypatch.setattr(train_cli, "_launch", no_workers)
-    monkeypatch.setattr(train_cli, "_worker", no_workers)
-    code = main(["train", "--smoke-test", "--output-dir", str(tmp_path / "run"), "--tp-size", "1", "--pp-size", "2",
-                 "--pp-schedule", "ZBVZeroBubble", "--pp-microbatches", "4", "--batch-size", "4",
-                 "--nproc-per-node", "4"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("tptrain train: error: pp_schedule='ZBVZeroBubble' puts the first and the "
-                                        "last stage on one rank"), err
+def _v_cases(root: str, cases: list[tuple]) -> None:
+    _cases(root, cases)
+    _v_resume(root)

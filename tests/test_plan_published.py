@@ -15,7 +15,8 @@ import torch
 
 from tptrain.cli import main
 from tptrain.diagnostics.device_profiles import GiB, device_profile, with_memory
-from tptrain.diagnostics.layout import Layout, TrainSettings
+from tptrain.diagnostics.layout import TrainSettings
+from tptrain.layout import ParallelDims
 from tptrain.diagnostics.model_facts import ModelFacts
 from tptrain.diagnostics.train_plan import estimate, layout_problem
 from tptrain.models import AutoConfig
@@ -46,7 +47,7 @@ def test_llama_8b_262k_tokens_fsdp1_cp8(tmp_path):
     gathered embedding and head."""
     facts = _facts(tmp_path, LLAMA_8B)
     settings = TrainSettings(batch_size=1, seq_len=262144, bf16=True, gradient_checkpointing=True, loss="logits")
-    layout = Layout(cp=8)
+    layout = ParallelDims(cp=8)
     assert layout_problem(facts, layout, settings) is None  # tptrain runs this layout too
     plan = estimate(facts, layout, settings, H100)
     assert plan.worst.phase == "loss backward"
@@ -70,11 +71,11 @@ def test_llama_405b_tp8_pp8_fsdp8(tmp_path, schedule, published, band):
     facts = _facts(tmp_path, LLAMA_405B)
     settings = TrainSettings(batch_size=32, seq_len=8192, bf16=True, gradient_checkpointing=True, pp_schedule=schedule,
                              pp_microbatches=8, sequence_parallel=True, loss="logits")
-    plan = estimate(facts, Layout(tp=8, pp=8, dp_shard=8), settings, H100)
+    plan = estimate(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings, H100)
     ratio = plan.peak / (published * GiB)
     assert band[0] < ratio < band[1], plan.peak / GiB
     assert plan.fits, plan.peak / GiB
-    assert estimate(facts, Layout(tp=8, pp=8, dp_shard=8), settings, with_memory(H100, 96 * 10**9)).fits
+    assert estimate(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings, with_memory(H100, 96 * 10**9)).fits
 
 
 def test_cli_on_llama_8b(tmp_path, capsys):

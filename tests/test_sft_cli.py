@@ -1,5 +1,6 @@
 """`tptrain train` fine-tuning end to end at tp 2: chat JSONL -> LoRA -> eval -> adapter + merged export, checked
-with peft + transformers; resume mid-run gives the same losses; bad flags and records fail clearly."""
+with peft + transformers; resume mid-run gives the same losses; bad flags and records fail clearly; --merge under
+FSDP2 (and pp 2 x FSDP2)."""
 from __future__ import annotations
 
 import json
@@ -130,3 +131,19 @@ def test_finetune_flags_and_records_fail_clearly(tmp_path, capsys):
     long = _jsonl(tmp_path / "long.jsonl", [{"prompt": "to be " * 40, "completion": " or not"}] * 4)
     run = tptrain_train("--model", str(ckpt), "--data", str(long), "--output-dir", out, "--truncation", "error")
     assert run.returncode == 1 and "more than seq_len=32" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(("--tp-size", "1", "--nproc-per-node", "2"), id="fsdp2"),
+    pytest.param(("--tp-size", "1", "--pp-size", "2", "--pp-microbatches", "2", "--nproc-per-node", "4"),
+                 id="pp2_fsdp2", marks=pytest.mark.slow)])
+def test_merge_under_fsdp2(tmp_path, layout):
+    """--merge where FSDP2 shards the model (tp 1 x dp_shard 2; pp 2 x dp_shard 2): each rank folds its dp shard's rows
+    of s * B @ A into its base shard, and the merged checkpoint's logits are peft's with the exported adapter."""
+    ckpt = _checkpoint(tmp_path)
+    data = _jsonl(tmp_path / "chat.jsonl", chat_records(16, 1))
+    out = tmp_path / "run"
+    run = tptrain_train("--model", str(ckpt), "--data", str(data), "--output-dir", str(out), *layout, "--batch-size",
+                        "2", "--max-steps", "2", "--seq-len", "64", "--lr", "1e-2", "--lora-r", "4", "--merge")
+    assert run.returncode == 0, run.stdout + run.stderr
+    exported_logits(ckpt, out / "final" / "adapter", out / "final" / "merged")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 from importlib.resources import files
 from pathlib import Path
@@ -233,34 +234,115 @@ def test_resume_on_other_data_is_refused():
         DataOrder(8, seed=0, dp_rank=0, dp_size=1, global_batch=2, data_key="bbb").load_state_dict(saved)
 
 
-class _OnlyRank0:
-    """The bundled tokenizer, refusing to encode anywhere but local rank 0."""
+class _Counting:
+    """The bundled tokenizer, noting in `log` how many texts each local rank encoded; `fail_on` raises
+    ValueError on that local rank's second batch (mid-way: its first is written)."""
 
-    def __init__(self) -> None:
-        self.inner = load_tokenizer(TINY_QWEN3)
+    def __init__(self, log: str, fail_on: int | None = None) -> None:
+        self.inner, self.log, self.fail_on, self.batches = load_tokenizer(TINY_QWEN3), Path(log), fail_on, 0
         self.path, self.eos_token_id, self.vocab_size = self.inner.path, self.inner.eos_token_id, self.inner.vocab_size
 
     def encode_batch(self, texts):
-        assert os.environ["LOCAL_RANK"] == "0", "only local rank 0 tokenizes"
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.batches += 1
+        if rank == self.fail_on and self.batches == 2:
+            raise ValueError(f"bad text on local rank {rank}")
+        with open(self.log / f"rank{rank}", "a") as f:
+            f.write(f"{len(texts)}\n")
         return self.inner.encode_batch(texts)
 
+    def encode(self, text):  # prompt/completion records
+        return self.inner.encode(text)
 
-def _two_ranks(path: str, cache: str, out: str) -> None:
-    data = build_training_data(Path(path), _OnlyRank0(), 16, cache_dir=cache)
-    torch.save({"blocks": torch.stack([data[i] for i in range(len(data))]), "key": data.data_key},
+
+def _two_ranks(path: str, cache: str, out: str, delays: tuple[float, float], fail_on: int | None) -> None:
+    import time
+    token_stream._BATCH_CHARS = 1 << 17  # several batches per share
+    time.sleep(delays[int(os.environ["LOCAL_RANK"])])  # either rank may come first: the other polls
+    try:
+        data = build_training_data(Path(path), _Counting(out, fail_on), 16, cache_dir=cache)
+    except ValueError as exc:
+        Path(out, f"error{os.environ['RANK']}").write_text(str(exc))
+        return
+    rows = data if isinstance(data, SFTDataset) else None
+    first = rows[0]["input_ids"] if rows is not None else data[0]
+    torch.save({"first": first, "len": len(data), "key": data.data_key, "threads": os.environ.get("RAYON_NUM_THREADS")},
                Path(out) / f"rank{os.environ['RANK']}.pt")
 
 
+def _store_files(cache: Path) -> dict[str, bytes]:
+    (store,) = _stores(cache)
+    return {p.name: p.read_bytes() for p in sorted(store.iterdir())}
+
+
 @pytest.mark.distributed
-def test_two_ranks_one_tokenizes_both_map_the_same_cache(tmp_path):
-    path, cache = tmp_path / "c.txt", tmp_path / "cache"
-    path.write_text(CORPUS.read_text()[:50000])
-    run_distributed(_two_ranks, 2, str(path), str(cache), str(tmp_path), timeout=300)
+@pytest.mark.parametrize("suffix,delays", [(".txt", (0.0, 0.0)), (".txt", (1.0, 0.0)), (".jsonl", (0.0, 1.0))])
+def test_two_ranks_tokenize_shares_into_the_store_one_process_builds(tmp_path, monkeypatch, suffix, delays):
+    """Both local ranks tokenize a share (pieces of documents cut where the ids stay the same); the store they
+    publish is byte for byte the one process's (ids, target flags, offsets, meta.json), and both map it."""
+    monkeypatch.setattr(token_stream, "_BATCH_CHARS", 1 << 17)  # several batches per share
+    path = tmp_path / f"c{suffix}"
+    if suffix == ".txt":
+        path.write_text(CORPUS.read_text())
+    else:
+        docs = read_documents(CORPUS)[1]
+        path.write_text("".join(json.dumps({"text": d} if i % 3 else {"prompt": d[:200], "completion": d[200:400]})
+                                + "\n" for i, d in enumerate(docs * 2)))
+    one = tmp_path / "one"
+    one.mkdir()
+    build_training_data(path, _Counting(str(one)), 16, cache_dir=tmp_path / "cache1")  # LOCAL_RANK 0 of 1
+    run_distributed(_two_ranks, 2, str(path), str(tmp_path / "cache2"), str(tmp_path), delays, None, timeout=300)
+    assert all((tmp_path / f"rank{r}").read_text() for r in (0, 1))  # each rank encoded a share
+    assert _store_files(tmp_path / "cache2") == _store_files(tmp_path / "cache1")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-    assert ranks[0]["key"] == ranks[1]["key"] and len(_stores(cache)) == 1
-    assert torch.equal(ranks[0]["blocks"], ranks[1]["blocks"])
-    assert torch.equal(ranks[0]["blocks"], build_dataset(path, load_tokenizer(TINY_QWEN3), 16).blocks)
-    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []  # no status or temporary file left
+    assert ranks[0]["key"] == ranks[1]["key"] and ranks[0]["len"] == ranks[1]["len"]
+    assert torch.equal(ranks[0]["first"], ranks[1]["first"])
+    cores = len(os.sched_getaffinity(0))
+    expected = os.environ.get("RAYON_NUM_THREADS", str(max(1, cores // 2)))  # one the user set is kept
+    assert [r["threads"] for r in ranks] == [expected] * 2  # the node's cores shared out
+    assert [p.name for p in (tmp_path / "cache2").iterdir() if p.name.startswith(".")] == []  # no status, no tmp
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fail_on", [0, 1])
+def test_a_rank_failing_mid_way_fails_every_rank_and_leaves_no_store(tmp_path, monkeypatch, fail_on):
+    path = tmp_path / "c.txt"
+    path.write_text(CORPUS.read_text())
+    run_distributed(_two_ranks, 2, str(path), str(tmp_path / "cache"), str(tmp_path), (0.0, 0.0), fail_on, timeout=300)
+    errors = [(tmp_path / f"error{r}").read_text() for r in (0, 1)]
+    assert errors == [f"bad text on local rank {fail_on}"] * 2  # the failing rank's error, on both ranks
+    left = list((tmp_path / "cache").iterdir())  # only the failure's status file: no store, no half-written part
+    assert [p.name.endswith(".status") for p in left] == [True], left
+
+
+def test_a_part_that_fails_or_dies_fails_the_build(tmp_path, monkeypatch):
+    """Local rank 0's view: another rank's part marked failed raises its error; a part whose process is gone
+    raises naming the rank; nothing is kept either way."""
+    path, cache = tmp_path / "c.txt", tmp_path / "cache"
+    path.write_text(TEXT)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for marker, match in [({"state": "failed", "type": "ValueError", "error": "record 7 is bad"}, "^record 7 is bad$"),
+                          ({"state": "running", "pid": 2 ** 22 + 12345}, r"local rank 1 \(pid \d+\) died while "
+                                                                           "tokenizing its share")]:
+        class Injecting(_Counting):  # local rank 1's marker, as it would write it into the build directory
+            def encode_batch(self, texts):
+                (tmp,) = cache.glob(".c-*.tmp-*")
+                (tmp / "part-1.json").write_text(json.dumps({"pid": os.getpid(), **marker}))
+                return super().encode_batch(texts)
+
+        with pytest.raises((ValueError, RuntimeError), match=match):
+            build_training_data(path, Injecting(str(tmp_path)), 8, cache_dir=cache)
+        assert _stores(cache) == [] and not list(cache.glob(".c-*.tmp-*"))
+        status = json.loads(next(cache.glob("*.status")).read_text())
+        assert status["state"] == "failed" and re.search(match, status["error"])
+
+
+def test_shares_cover_the_file_once_in_order():
+    for ranks, size in [(1, 10), (2, 11), (3, 100), (4, 3)]:
+        owners = [next(r for r in range(ranks) if token_stream.Share(r, ranks, size).owns(p)) for p in range(size)]
+        assert owners == sorted(owners) and all(sum(token_stream.Share(r, ranks, size).owns(p) for r in range(ranks))
+                                                == 1 for p in range(size))
 
 
 def test_prepare_data_fills_the_cache_that_training_then_hits(tmp_path, capsys):

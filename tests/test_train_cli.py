@@ -43,3 +43,26 @@ def test_errors_are_reported_once_for_all_ranks(tmp_path):
     assert run.returncode == 1
     assert "error on ranks 0, 1: ValueError" in run.stderr and run.stderr.count("is too short") == 1, run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_sequence_parallel_flag_gives_the_losses_of_plain_tp(tmp_path, capsys):
+    """--sequence-parallel at --tp-size 2 (fp64): the norms and the activations between the blocks split along the
+    sequence, the same losses and greedy continuation (its context padded to split) as without it; a sequence length
+    that does not split is refused before any worker starts."""
+    losses, texts = {}, {}
+    for sp in (False, True):
+        out = tmp_path / f"sp{int(sp)}"
+        run = tptrain_train("--output-dir", str(out), "--dtype", "float64", *(["--sequence-parallel"] if sp else []))
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert ("(sequence parallel)" in run.stdout) == sp, run.stdout
+        losses[sp] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+        texts[sp] = run.stdout.split("greedy continuation of")[1]
+    assert len(losses[True]) == 4 and losses[True] == pytest.approx(losses[False], rel=1e-10, abs=1e-10), losses
+    assert texts[True] == texts[False]
+    from tptrain.cli import main
+
+    capsys.readouterr()
+    code = main(["train", "--smoke-test", "--output-dir", str(tmp_path / "odd"), "--sequence-parallel", "--seq-len",
+                 "31"])
+    err = capsys.readouterr().err
+    assert code == 2 and "sequence parallelism splits the sequence over tp_size=2" in err and "--seq-len" in err, err

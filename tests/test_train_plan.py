@@ -15,7 +15,8 @@ from tptrain.cli import main
 from tptrain.diagnostics import activations as A
 from tptrain.diagnostics.accounting import SavedTensorMeter
 from tptrain.diagnostics.device_profiles import device_profile
-from tptrain.diagnostics.layout import Layout, TrainSettings
+from tptrain.diagnostics.layout import TrainSettings
+from tptrain.layout import ParallelDims
 from tptrain.diagnostics.memory_plan import TERMS, in_flight, rank_memory
 from tptrain.diagnostics.model_facts import ModelFacts
 from tptrain.diagnostics.step_time import comm_bytes
@@ -81,12 +82,12 @@ def test_states_by_hand():
     settings = TrainSettings(batch_size=2, seq_len=8, gradient_checkpointing=True)
     numel = sum(p.numel for p in facts.params(1, 1))
     tensors = len(facts.params(1, 1))
-    single = rank_memory(facts, Layout(), settings)[0]
+    single = rank_memory(facts, ParallelDims(), settings)[0]
     assert single.phase == "optimizer step"
     assert single.terms["parameters"] == 4 * numel and single.terms["gradients"] == 4 * numel
     assert single.terms["optimizer_states"] == 2 * 4 * numel + 4 * tensors
     sharded = sum(math.ceil(p.shape[0] / 2) * (p.numel // p.shape[0]) for p in facts.params(1, 1))
-    fsdp = rank_memory(facts, Layout(dp_shard=2), settings)[0]
+    fsdp = rank_memory(facts, ParallelDims(dp_shard=2), settings)[0]
     assert fsdp.terms["parameters"] == 4 * sharded and fsdp.terms["optimizer_states"] == 8 * sharded + 4 * tensors
 
 
@@ -107,7 +108,7 @@ def test_pipeline_in_flight_and_peak_rank():
     assert [in_flight("GPipe", 4, 8, r) for r in range(4)] == [8] * 4
     assert in_flight("1F1B", 4, 2, 0) == 2  # never more than the microbatches
     facts = _facts(num_hidden_layers=4)
-    ranks = rank_memory(facts, Layout(pp=2), TrainSettings(batch_size=4, seq_len=8, pp_microbatches=4))
+    ranks = rank_memory(facts, ParallelDims(pp=2), TrainSettings(batch_size=4, seq_len=8, pp_microbatches=4))
     assert [r.in_flight for r in ranks] == [2, 1] and all(r.peak == sum(r.terms.values()) for r in ranks)
 
 
@@ -115,12 +116,13 @@ def test_tp_bytes_per_step_by_hand():
     """TP: two all-reduces of (tokens, hidden) per layer in forward and two in backward, the embedding's sum and the
     head's boundary: (4 x layers + 2) x tokens x hidden x bytes."""
     facts = _facts()
-    sent, _ = comm_bytes(facts, Layout(tp=2), TrainSettings(batch_size=2, seq_len=8), gathered=0, grads=0)
+    sent, _ = comm_bytes(facts, ParallelDims(tp=2), TrainSettings(batch_size=2, seq_len=8), gathered=0, grads=0)
     assert sent == {"tp": (4 * 2 + 2) * 16 * H * 4}
 
 
 def test_only_the_rules_layouts_appear():
-    """4 heads: tp 3 and 6 cannot split them; pipeline x context parallelism does not compose yet."""
+    """4 heads: tp 3 and 6 cannot split them; no pipeline x context-parallel layout of 6 ranks fits the shape (cp 3
+    does not split 16 tokens into 6 chunks, 3 stages do not split 2 rows into microbatches)."""
     facts = _facts("qwen3", num_hidden_layers=4)
     settings = TrainSettings(batch_size=2, seq_len=16)
     plan = plan_training(facts, world=6, settings=settings, profile=H100)
@@ -128,9 +130,9 @@ def test_only_the_rules_layouts_appear():
     assert listed and all(layout_problem(facts, lay, settings) is None for lay in listed)
     assert not any(lay.tp in (3, 6) for lay in listed) and any(lay.tp == 3 for lay in plan.refused)
     assert not any(lay.pp > 1 and lay.cp > 1 for lay in listed)
-    assert "num_attention_heads=4 is not divisible by tp_size=3" in plan.refused[Layout(tp=3, dp_shard=2)]
+    assert "num_attention_heads=4 is not divisible by tp_size=3" in plan.refused[ParallelDims(tp=3, dp_shard=2)]
     with pytest.raises(ValueError, match="--layout tp=3,dp_shard=2 is refused"):
-        plan_training(facts, world=6, settings=settings, profile=H100, layout=Layout(tp=3, dp_shard=2))
+        plan_training(facts, world=6, settings=settings, profile=H100, layout=ParallelDims(tp=3, dp_shard=2))
 
 
 def test_ranking_is_deterministic_and_fitting_first():
@@ -265,7 +267,7 @@ def test_measured_peak_of_a_single_device_step(run):
     with LiveTensorBytes(existing) as meter:
         trainer.training_step(trainer.data_order.next_batch())
     facts = ModelFacts.of(config, dtype=torch.float32)
-    predicted = rank_memory(facts, Layout(), TrainSettings(batch_size=2, seq_len=64, **run), device="cpu")[0].peak
+    predicted = rank_memory(facts, ParallelDims(), TrainSettings(batch_size=2, seq_len=64, **run), device="cpu")[0].peak
     assert abs(predicted / meter.peak - 1) < 0.05, (predicted, meter.peak)
 
 

@@ -1,10 +1,13 @@
 """Greedy continuation of a prompt: enough to see what a freshly trained model learned.
 
 Works unchanged on a tensor-parallel model: every rank calls it with the same prompt, the model
-all-gathers the full logits when no labels are given, so every rank picks the same token. No KV
+all-gathers the full logits when no labels are given, so every rank picks the same token (under sequence or context
+parallelism the context is padded to a length that splits). No KV
 cache: each new token recomputes the whole (short) context.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +41,14 @@ def greedy_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new
 
 
 def _last_logits(model: nn.Module, context: torch.Tensor) -> torch.Tensor:
-    """The logits after the last token of `context` (1, seq). Under context parallelism the context is right-padded
-    to whole chunks (causal: no real token sees a pad) and every rank's tokens gathered."""
-    cp = getattr(model, "cp_context", None) or getattr(getattr(model, "get_base_model", lambda: None)(),
-                                                       "cp_context", None)
-    if cp is None:
-        return model(context).logits[0, -1]
+    """The logits after the last token of `context` (1, seq). Under sequence or context parallelism the context is
+    right-padded to a length that splits as the Trainer's batches do (causal: no real token sees a pad); under context
+    parallelism every rank's tokens are then gathered."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cp, layout = getattr(inner, "cp_context", None), getattr(inner, "tp_layout", None)
+    sp = layout.ctx.size if layout is not None and layout.ctx.sequence_parallel else 1
+    cp_size = cp.size if cp is not None else 1
     length = context.shape[1]
-    logits = model(F.pad(context, (0, -length % (2 * cp.size)))).logits  # (1, padded / cp, vocab)
-    return gather_sequence(logits, cp)[0, length - 1]
+    multiple = math.lcm(sp * cp_size, 2 * cp_size if cp is not None else 1)
+    logits = model(F.pad(context, (0, -length % multiple))).logits  # (1, padded [/ cp], vocab)
+    return (gather_sequence(logits, cp) if cp is not None else logits)[0, length - 1]

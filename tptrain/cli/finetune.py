@@ -69,7 +69,7 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 data_cache_dir=args.data_cache)
 
 
-def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_steps_given: bool) -> None:
+def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool) -> None:
     """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
     (records parsed, chat template present when a record is a chat), LoRA's values. Raises the first problem found."""
     from tptrain.text import load_chat_template, load_tokenizer
@@ -95,11 +95,6 @@ def preflight(args: argparse.Namespace, model_dir: Path, nproc: int, *, max_step
         raise ValueError("--lora-target-parameters needs --lora-r (a LoRA run)")
     if args.lora_r:
         lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
-    if args.merge and nproc > args.tp_size * args.pp_size:
-        raise ValueError(f"--merge needs --nproc-per-node equal to --tp-size x --pp-size ({args.tp_size * args.pp_size}): "
-                         "merging an FSDP-sharded "
-                         "model is not implemented; merge afterwards with PeftModel.from_pretrained(base, "
-                         "'final/adapter').merge_and_unload().save_pretrained(dir)")
 
 
 def _check_data_options(args: argparse.Namespace) -> None:

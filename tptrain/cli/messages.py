@@ -28,6 +28,7 @@ def announce(args: argparse.Namespace, inputs, model, threads: int) -> None:
     print(f"tptrain train: {inputs.config.model_type} {source} ({params / 1e6:.1f}M parameters); "
           f"{_describe_data(inputs.dataset, args)}; "
           f"world size {torch.distributed.get_world_size()}, tp {args.tp_size}"
+          + (" (sequence parallel)" if args.sequence_parallel else "")
           + (f", ep {args.ep_size}" if args.ep_size else "") + (f", cp {args.cp_size}" if args.cp_size > 1 else "")
           + (f", pp {args.pp_size}" if args.pp_size > 1 else "")
           + f", {threads} thread"

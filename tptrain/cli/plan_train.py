@@ -79,7 +79,8 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
     """Plan, print (table or JSON), and return the exit code."""
     import torch
 
-    from tptrain.diagnostics.layout import Layout, TrainSettings
+    from tptrain.diagnostics.layout import TrainSettings
+    from tptrain.layout import ParallelDims
     from tptrain.diagnostics.model_facts import ModelFacts
     from tptrain.diagnostics.train_plan import plan_training, what_would_fit
     from tptrain.diagnostics.train_report import plan_json, plan_text
@@ -92,7 +93,7 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
                              expert_parallel=args.expert_parallel)
-    layout = Layout.parse(args.layout, args.world) if args.layout else None
+    layout = ParallelDims.parse(args.layout, args.world) if args.layout else None
     facts = ModelFacts.of(config, dtype=dtype)
     try:
         plan = plan_training(facts, world=args.world, settings=settings, profile=profile, layout=layout)
@@ -131,7 +132,8 @@ def resolve_train_layout(args: argparse.Namespace) -> bool:
 def _train_layout(args: argparse.Namespace) -> str:
     import torch
 
-    from tptrain.diagnostics.layout import Layout, TrainSettings
+    from tptrain.diagnostics.layout import TrainSettings
+    from tptrain.layout import ParallelDims
     from tptrain.diagnostics.model_facts import ModelFacts
     from tptrain.diagnostics.train_plan import layout_problem, plan_training
     from tptrain.models import AutoConfig
@@ -148,11 +150,12 @@ def _train_layout(args: argparse.Namespace) -> str:
     settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
                              gradient_checkpointing=args.gradient_checkpointing, lora_r=getattr(args, "lora_r", 0),
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
-                             pp_microbatches=args.pp_microbatches, expert_parallel=args.expert_parallel)
+                             pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
+                             expert_parallel=args.expert_parallel)
     facts = ModelFacts.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
     note = ""
     if args.layout != "auto":
-        chosen = Layout.parse(args.layout, world)
+        chosen = ParallelDims.parse(args.layout, world)
         problem = layout_problem(facts, chosen, settings)
         if problem:
             raise ValueError(f"--layout {chosen.spell()}: {problem}")

@@ -125,7 +125,8 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     meta = AutoModelForCausalLM.from_config(config, device="meta")  # the rule table, as the workers will check it
     check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name="--seq-len")
-    _check_tp_plan(config, args.tp_size, args.model, expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
+    _check_tp_plan(config, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
+                   expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     check_seq_len(args.seq_len, config, what="--seq-len")
     if args.compile:
         from tptrain.distributed import local_device
@@ -134,7 +135,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    finetune_cli.preflight(args, model_dir, nproc, max_steps_given=args.max_steps_given)  # data, eval, LoRA
+    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given)  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
@@ -148,11 +149,13 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
 
 def _distributed_config(args: argparse.Namespace):
     from tptrain.distributed import DistributedConfig
-    return DistributedConfig(tp_size=args.tp_size, enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size,
-                             cp_size=args.cp_size, pp_size=args.pp_size, pp_schedule=args.pp_schedule)
+    return DistributedConfig(tp_size=args.tp_size, enable_sequence_parallel=args.sequence_parallel,
+                             enable_expert_parallel=args.expert_parallel, ep_size=args.ep_size, cp_size=args.cp_size,
+                             pp_size=args.pp_size, pp_schedule=args.pp_schedule)
 
 
-def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = False, ep_size: int = 1) -> None:
+def _check_tp_plan(config, tp_size: int, model: str, *, sequence_parallel: bool = False, expert_parallel: bool = False,
+                   ep_size: int = 1) -> None:
     """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem, and the
     sizes that would work."""
     from tptrain.models import AutoModelForCausalLM
@@ -160,16 +163,19 @@ def _check_tp_plan(config, tp_size: int, model: str, *, expert_parallel: bool = 
 
     meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
-        problems = check_plan(meta, "auto", tp_size, expert_parallel=expert_parallel, ep_size=ep_size).problems
+        problems = check_plan(meta, "auto", tp_size, sequence_parallel=sequence_parallel,
+                              expert_parallel=expert_parallel, ep_size=ep_size).problems
     except ValueError as exc:  # --expert-parallel / --ep-size on a dense model
         raise ValueError(f"{'--expert-parallel' if expert_parallel else '--ep-size'}: {exc}") from None
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        ep = " --expert-parallel" if expert_parallel else f" --ep-size {ep_size}" if ep_size > 1 else ""
-        sizes = working_tp_sizes(meta, "auto", expert_parallel=expert_parallel, ep_size=ep_size)
+        flags = (" --sequence-parallel" * sequence_parallel
+                 + (" --expert-parallel" if expert_parallel else f" --ep-size {ep_size}" if ep_size > 1 else ""))
+        sizes = working_tp_sizes(meta, "auto", sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
+                                 ep_size=ep_size)
         works = f"; sizes that work: {', '.join(map(str, sizes))}" if sizes else ""
-        raise ValueError(f"--tp-size {tp_size}{ep} cannot shard {type(meta).__name__}: {problems[0]}{more}{works}; "
-                         f"`tptrain plan {model} --tp-size {tp_size}{ep}` shows the layout")
+        raise ValueError(f"--tp-size {tp_size}{flags} cannot shard {type(meta).__name__}: {problems[0]}{more}{works}; "
+                         f"`tptrain plan {model} --tp-size {tp_size}{flags}` shows the layout")
 
 
 def _config_only(model_dir: Path) -> bool:

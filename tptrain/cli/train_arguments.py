@@ -97,6 +97,10 @@ def _data(g: argparse._ArgumentGroup) -> None:
 
 def _parallelism(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tp-size", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="also split the norms and the activations between the tensor-parallel blocks along the "
+                        "sequence over the --tp-size ranks (less activation memory, the same losses); --seq-len "
+                        "(/ --cp-size) a multiple of --tp-size")
     g.add_argument("--expert-parallel", action="store_true",
                    help="split a mixture-of-experts model's experts by expert over the --tp-size ranks (ep = tp)")
     g.add_argument("--ep-size", type=int, default=None,

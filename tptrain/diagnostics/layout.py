@@ -1,81 +1,16 @@
-"""A training layout and the settings of the run it is planned for: the planner's inputs, pure data.
+"""The settings of the run a layout is planned for: the planner's inputs beside the layout (tptrain.layout's
+ParallelDims, `ParallelDims.parse("tp=2,cp=2", world=8)`), pure data.
 
-    Layout.parse("tp=2,cp=2", world=8)   # Layout(tp=2, cp=2, dp_shard=2): dp_shard takes the rest
     TrainSettings(batch_size=4, seq_len=8192, bf16=True, gradient_checkpointing=True)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 
-AXES = ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep")  # the order `Layout.spell` writes them in (`--layout`)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of the axes (topology.ParallelDims'): ep is taken from dp_shard's ranks, so the world is
-    pp x dp_replicate x dp_shard x cp x tp."""
-
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp_shard: int = 1
-    dp_replicate: int = 1
-    ep: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: each trains on its own `batch_size` sequences."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_shards(self) -> int:
-        """The ranks FSDP2 shards a dense parameter over (dp_shard x cp, torchtitan's dp_shard_cp)."""
-        return self.dp_shard * self.cp
-
-    @property
-    def data_parallel(self) -> bool:
-        """Whether the Trainer wraps the model in FSDP2 (`apply_data_parallel`: dp_replicate x dp_shard x cp > 1)."""
-        return self.dp_replicate * self.fsdp_shards > 1
-
-    def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
-    def spell(self) -> str:
-        """"tp=2,cp=2,dp_shard=2": the sizes above 1 (dp_shard always), as `--layout` reads them."""
-        return ",".join(f"{axis}={size}" for axis, size in self.sizes().items() if size > 1 or axis == "dp_shard")
-
-    @classmethod
-    def parse(cls, text: str, world: int) -> "Layout":
-        """`--layout tp=2,cp=2,pp=2,dp_shard=2,dp_replicate=1,ep=2`: omitted sizes are 1, except dp_shard, which
-        takes the rest of `world` when omitted. ValueError naming the bad part, or what the world does not divide."""
-        sizes: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in str(text).split(","))):
-            axis, _, value = part.partition("=")
-            axis = axis.strip()
-            if axis not in AXES or not value.strip().isdigit() or int(value) < 1:
-                raise ValueError(f"--layout {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)} "
-                                 f"and SIZE a positive integer (e.g. tp=2,cp=2,pp=2)")
-            if axis in sizes:
-                raise ValueError(f"--layout {text!r} gives {axis} twice")
-            sizes[axis] = int(value)
-        if "dp_shard" not in sizes:
-            rest = math.prod(size for axis, size in sizes.items() if axis != "ep")
-            if world % rest:
-                raise ValueError(f"--layout {text!r} needs a multiple of {rest} ranks ({' x '.join(f'{a} {s}' for a, s in sizes.items() if a != 'ep')}), "
-                                 f"but --world is {world}; use a world of {rest} x N, or other sizes")
-            sizes["dp_shard"] = world // rest
-        layout = cls(**sizes)
-        if layout.world != world:
-            raise ValueError(f"--layout {text!r} is {layout.world} ranks ({layout.spell()}), but --world is {world}; "
-                             f"make the sizes' product {world}, or leave dp_shard out (it takes the rest)")
-        return layout
+from tptrain.checks import check_positive_int
+from tptrain.dtypes import dtype_name
 
 
 @dataclass(frozen=True)
@@ -104,9 +39,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            check_positive_int(getattr(self, name), "--" + name.replace("_", "-"))
         if self.lora_r < 0:
             raise ValueError(f"--lora-r must be >= 0, got {self.lora_r}")
         if self.loss not in ("fused", "logits"):
@@ -117,5 +50,5 @@ class TrainSettings:
 
     def as_dict(self) -> dict:
         out = asdict(self)
-        out["dtype"] = str(self.dtype).removeprefix("torch.")
+        out["dtype"] = dtype_name(self.dtype)
         return out

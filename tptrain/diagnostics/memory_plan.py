@@ -1,7 +1,7 @@
 """Peak tensor memory per rank of one training step of a layout: the moments of the step where it can peak, each
 split into parameters, gradients, optimizer states, activations, communication buffers and the largest transient.
 
-    ranks = rank_memory(facts, Layout(tp=2, dp_shard=4), TrainSettings(batch_size=2, seq_len=4096))
+    ranks = rank_memory(facts, ParallelDims(tp=2, dp_shard=4), TrainSettings(batch_size=2, seq_len=4096))
     max(r.peak for r in ranks)                    # the largest pipeline rank's peak, in bytes
 
 The step is walked as the Trainer runs it (training/trainer.py, parallelize.py): forward to the loss, the backward of
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from tptrain.diagnostics.activations import (LossMemory, Precision, Work, checkpointed_layer, fused_loss,
                                              layer_activations, layer_backward_transient, logits_loss,
                                              model_activations, precision)
-from tptrain.diagnostics.layout import Layout, TrainSettings
+from tptrain.diagnostics.layout import TrainSettings
+from tptrain.layout import ParallelDims
 from tptrain.diagnostics.model_facts import ModelFacts, ParamShape
 from tptrain.parallel import pipeline_parallel
 
@@ -53,7 +54,7 @@ class _Stage:
     params: list[ParamShape]
 
 
-def stages(facts: ModelFacts, layout: Layout, settings: TrainSettings) -> list[_Stage]:
+def stages(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings) -> list[_Stage]:
     """Each pp rank's part of the model, cut as `pipeline_parallel` cuts it (the schedule's stages per rank)."""
     params = facts.params(layout.tp, layout.ep, settings.sequence_parallel, settings.expert_parallel)
     if layout.pp == 1:
@@ -115,10 +116,10 @@ class _States:
     grads_of: dict = field(default_factory=dict)  # unit -> this rank's gradient bytes once reduced
 
 
-def states(stage: _Stage, layout: Layout, settings: TrainSettings, prec: Precision) -> _States:
+def states(stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: Precision) -> _States:
     """Parameters, gradients and AdamW's exp_avg / exp_avg_sq (and its fp32 step) of one stage on one rank."""
     out = _States()
-    dense = layout.fsdp_shards if layout.data_parallel else 1
+    dense = layout.dp_shard_cp if layout.data_parallel else 1
     expert = layout.dp_shard // layout.ep if layout.ep > 1 else dense
     tensors = 0
     for p in stage.params:
@@ -152,7 +153,7 @@ class _Acts:
     per_layer: dict
 
 
-def stage_activations(facts: ModelFacts, stage: _Stage, layout: Layout, settings: TrainSettings, prec: Precision,
+def stage_activations(facts: ModelFacts, stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: Precision,
                       device: str) -> _Acts:
     mb = settings.batch_size // settings.microbatches(layout.pp)
     work = Work(mb, settings.seq_len, layout.tp, layout.cp, settings.sequence_parallel, prec, layout.ep,
@@ -200,7 +201,7 @@ class _Scenario:
     outputs: float
 
 
-def _scenarios(layout: Layout, microbatches: int, flight: float, last: bool) -> list[_Scenario]:
+def _scenarios(layout: ParallelDims, microbatches: int, flight: float, last: bool) -> list[_Scenario]:
     """The first microbatch's backward (the most in flight, no gradient yet) and, with several microbatches, a later
     one's (the gradients there, every forwarded microbatch's logits held)."""
     if layout.pp == 1:
@@ -212,7 +213,7 @@ def _scenarios(layout: Layout, microbatches: int, flight: float, last: bool) -> 
     return out
 
 
-def _unit_grads(st: _States, layout: Layout, prec: Precision) -> dict:
+def _unit_grads(st: _States, layout: ParallelDims, prec: Precision) -> dict:
     """{unit: gradient bytes it leaves once its backward is done}: this rank's gradients, or under FSDP2 in a pipeline
     the unsharded ones it accumulates over the microbatches (in the reduce dtype) until the last one's."""
     if layout.pp > 1 and layout.data_parallel:
@@ -220,11 +221,14 @@ def _unit_grads(st: _States, layout: Layout, prec: Precision) -> dict:
     return dict(st.grads_of)
 
 
-def _moments(stage: _Stage, st: _States, acts: _Acts, layout: Layout, settings: TrainSettings, prec: Precision,
+def _moments(stage: _Stage, st: _States, acts: _Acts, layout: ParallelDims, settings: TrainSettings, prec: Precision,
              sc: _Scenario, device: str) -> dict[str, dict[str, int]]:
     """{moment: terms} of one step on this stage under scenario `sc`: the loss, the loss's backward, each layer's
     backward, the end of backward (the embedding; FSDP2's reduce-scatters), the optimizer step."""
-    pp, fsdp, oib, loss = layout.pp > 1, layout.data_parallel, settings.optim_in_backward, acts.loss
+    pp, fsdp, loss = layout.pp > 1, layout.data_parallel, acts.loss
+    # in a pipeline the optimizer in backward steps a stage once its last microbatch is in: its gradients accumulate
+    # until then, as without it
+    oib = settings.optim_in_backward and not pp
     kept, saved = acts.kept, sum(acts.kept.values()) + acts.extras
     # the other microbatches in flight: their saved tensors, and their losses' only where every forward comes before
     # any backward (GPipe, looped BFS: the last stage too holds all); otherwise the last stage runs each
@@ -269,7 +273,7 @@ def _moments(stage: _Stage, st: _States, acts: _Acts, layout: Layout, settings: 
     return {sc.name + name: terms for name, terms in moments.items()}
 
 
-def _backward_end(stage: _Stage, st: _States, layout: Layout, prec: Precision, oib: bool, grads_then: int,
+def _backward_end(stage: _Stage, st: _States, layout: ParallelDims, prec: Precision, oib: bool, grads_then: int,
                   outputs: int, head: int, device: str) -> dict[str, int]:
     """The end of backward: the embedding's fresh gradient beside the others; under FSDP2 the reduce-scatter of the
     root (or, in a pipeline, of each unit's accumulated gradients): its gradients copied into one flat buffer in the
@@ -280,7 +284,7 @@ def _backward_end(stage: _Stage, st: _States, layout: Layout, prec: Precision, o
     if not layout.data_parallel:
         fresh = st.largest_of.get("first", 0) if stage.first else 0
         return _terms(**base, gradients=grads_then, activations=outputs, largest_transient=fresh)
-    copies = (device == "cpu" and layout.fsdp_shards > 1) + (layout.dp_replicate > 1) / layout.fsdp_shards
+    copies = (device == "cpu" and layout.dp_shard_cp > 1) + (layout.dp_replicate > 1) / layout.dp_shard_cp
     if layout.pp > 1:  # the largest unit's flat buffer, beside every unit's accumulated gradients
         flat = max(st.unsharded_grads.values(), default=0) * prec.reduce // prec.unsharded
         return _terms(**base, gradients=grads_then + grads, communication_buffers=int(flat * (1 + copies)))
@@ -289,7 +293,7 @@ def _backward_end(stage: _Stage, st: _States, layout: Layout, prec: Precision, o
     return _terms(**base, gradients=grads + head * mixed, communication_buffers=int(flat * (1 + copies)))
 
 
-def rank_memory(facts: ModelFacts, layout: Layout, settings: TrainSettings, *, device: str = "cuda"
+def rank_memory(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, *, device: str = "cuda"
                 ) -> list[RankMemory]:
     """Each pp rank's peak of one training step (after the first: AdamW's states exist)."""
     prec = precision(settings.dtype.itemsize, bf16=settings.bf16, fsdp=layout.data_parallel)

@@ -1,6 +1,6 @@
 """A training step's time on a device profile: its FLOPs, its memory traffic and what each mesh axis moves.
 
-    estimate = step_time(facts, Layout(tp=2, dp_shard=4), settings, device_profile("h100"))
+    estimate = step_time(facts, ParallelDims(tp=2, dp_shard=4), settings, device_profile("h100"))
     estimate.seconds, estimate.comm_bytes            # {"tp": bytes one rank sends per step, ...}
 
 Compute: 6 x tokens x (linear parameters) FLOPs for forward and backward (Kaplan et al. 2020; 4 x with frozen
@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tptrain.diagnostics.device_profiles import DeviceProfile
-from tptrain.diagnostics.layout import Layout, TrainSettings
+from tptrain.diagnostics.layout import TrainSettings
+from tptrain.layout import ParallelDims
 from tptrain.diagnostics.model_facts import LayerShape, ModelFacts
 from tptrain.parallel import pipeline_parallel
 
@@ -59,7 +60,7 @@ def _layer_flops(shape: LayerShape, tokens: int, seq_keys: int, batch_queries: i
     return linear, attention
 
 
-def _link(axis: str, layout: Layout, profile: DeviceProfile) -> float:
+def _link(axis: str, layout: ParallelDims, profile: DeviceProfile) -> float:
     """The bandwidth one rank of an `axis` group sends at: NVLink when the group fits in one node."""
     stride = 1
     for inner in LINK_ORDER[:LINK_ORDER.index(axis)]:
@@ -73,7 +74,7 @@ def _ring(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
 
-def comm_bytes(facts: ModelFacts, layout: Layout, settings: TrainSettings, gathered: int, grads: int
+def comm_bytes(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, gathered: int, grads: int
                ) -> tuple[dict[str, int], dict[str, list[tuple[str, float]]]]:
     """({axis: bytes one rank sends per step}, {axis: [(collective, bytes it puts on the wire, counting the ring's
     factors)]}). `gathered` / `grads`: the rank's parameters as FSDP2 gathers them and its gradients as it reduces
@@ -96,7 +97,7 @@ def comm_bytes(facts: ModelFacts, layout: Layout, settings: TrainSettings, gathe
         sent["cp"] = m * layers * (recompute * gather + scatter)
         wire["cp"] = [("all_gather", m * layers * recompute * gather * (layout.cp - 1)),
                       ("reduce_scatter", m * layers * scatter * _ring(layout.cp))]
-    shards = layout.fsdp_shards
+    shards = layout.dp_shard_cp
     if layout.data_parallel and shards > 1:
         gathers = 1 if layout.pp > 1 else 2  # forward and again before backward; a pipeline keeps its stage gathered
         sent["dp_shard"] = gathers * gathered // shards + grads
@@ -115,7 +116,7 @@ def comm_bytes(facts: ModelFacts, layout: Layout, settings: TrainSettings, gathe
     return {axis: int(v) for axis, v in sent.items()}, wire
 
 
-def step_time(facts: ModelFacts, layout: Layout, settings: TrainSettings, profile: DeviceProfile, *,
+def step_time(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, profile: DeviceProfile, *,
               gathered: int, grads: int, optimizer_bytes: int, activation_bytes: int) -> StepTime:
     """One step's time on the slowest pp rank (see the module doc). The byte counts come from the memory plan:
     `gathered` / `grads` the rank's parameters and gradients as FSDP2 moves them, `optimizer_bytes` what AdamW reads
@@ -133,7 +134,7 @@ def step_time(facts: ModelFacts, layout: Layout, settings: TrainSettings, profil
     frozen = settings.lora_r > 0
     passes = (1 + (1 if frozen else 2)) + settings.gradient_checkpointing  # forward, backward, recompute
     flops = linear * passes + attention * (3 + settings.gradient_checkpointing) + head * 3
-    world_on_node = min(layout.world, profile.devices_per_node)
+    world_on_node = min(layout.world_size, profile.devices_per_node)
     rate = profile.flops(settings.bf16 or settings.dtype.itemsize == 2) * profile.efficiency
     rate *= profile.compute_share(world_on_node)
     compute = flops / rate

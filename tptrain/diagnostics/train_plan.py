@@ -4,7 +4,7 @@ ranked; the fastest one that fits, and why.
     facts = ModelFacts.of(config, dtype=torch.float32)
     plan = plan_training(facts, world=8, settings=TrainSettings(batch_size=2, seq_len=8192, bf16=True),
                          profile=device_profile("h100"))
-    plan.layouts[plan.best].layout                # Layout(tp=2, dp_shard=4)
+    plan.layouts[plan.best].layout                # ParallelDims(tp=2, dp_shard=4)
 
 `valid_layouts` is the one place that decides which layouts exist: the one rule table (tptrain/layout) and the
 model's plan at each tp / ep, through `layout_problem`; nothing else filters.
@@ -15,7 +15,8 @@ import functools
 from dataclasses import dataclass, replace
 
 from tptrain.diagnostics.device_profiles import DeviceProfile
-from tptrain.diagnostics.layout import Layout, TrainSettings
+from tptrain.diagnostics.layout import TrainSettings
+from tptrain.layout import ParallelDims
 from tptrain.diagnostics.memory_plan import RankMemory, rank_memory, stages, states
 from tptrain.diagnostics.activations import precision
 from tptrain.diagnostics.model_facts import ModelFacts
@@ -29,7 +30,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(world: int, *, moe: bool) -> list[Layout]:
+def candidate_layouts(world: int, *, moe: bool) -> list[ParallelDims]:
     """Every way to write `world` as pp x dp_replicate x dp_shard x cp x tp (with ep, a divisor of dp_shard, for a
     mixture-of-experts model)."""
     out = []
@@ -39,29 +40,28 @@ def candidate_layouts(world: int, *, moe: bool) -> list[Layout]:
                 for tp in _divisors(world // pp // rep // cp):
                     shard = world // (pp * rep * cp * tp)
                     for ep in _divisors(shard) if moe else [1]:
-                        out.append(Layout(tp=tp, cp=cp, pp=pp, dp_shard=shard, dp_replicate=rep, ep=ep))
+                        out.append(ParallelDims(tp=tp, cp=cp, pp=pp, dp_shard=shard, dp_replicate=rep, ep=ep))
     return out
 
 
-def layout_problem(facts: ModelFacts, layout: Layout, settings: TrainSettings) -> str | None:
+def layout_problem(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings) -> str | None:
     """Why the one rule table (tptrain/layout, as `from_pretrained`, the Trainer and `tptrain train` check it) or the
     model's plan refuses `layout` for this model and run (None: it is allowed): the one place the planner asks."""
     config = DistributedConfig(tp_size=layout.tp, cp_size=layout.cp, pp_size=layout.pp,
                                ep_size=layout.ep if layout.ep > 1 else None, dp_replicate_size=layout.dp_replicate,
                                dp_shard_size=layout.dp_shard, enable_sequence_parallel=settings.sequence_parallel,
                                enable_expert_parallel=settings.expert_parallel, pp_schedule=settings.pp_schedule)
-    training = dict(data_parallel=layout.dp > 1, batch_size=settings.batch_size, seq_len=settings.seq_len,
-                    optim_in_backward=settings.optim_in_backward,
+    training = dict(batch_size=settings.batch_size, seq_len=settings.seq_len,
                     pp_microbatches=settings.microbatches(layout.pp) if layout.pp > 1 else None)
     try:
-        resolved = axes.check(facts.model, config, world_size=layout.world, training=training, plan_problems=False,
+        resolved = axes.check(facts.model, config, world_size=layout.world_size, training=training, plan_problems=False,
                               spelling=Spelling(described=layout.spell(), seq_len="--seq-len"))
     except ValueError as exc:
         return str(exc)
     return resolved.problems[0] if resolved.problems else None
 
 
-def valid_layouts(world: int, facts: ModelFacts, settings: TrainSettings) -> tuple[list[Layout], dict[Layout, str]]:
+def valid_layouts(world: int, facts: ModelFacts, settings: TrainSettings) -> tuple[list[ParallelDims], dict[ParallelDims, str]]:
     """(the layouts of `world` ranks the rules allow, {refused layout: why})."""
     valid, refused = [], {}
     for layout in candidate_layouts(world, moe=facts.is_moe):
@@ -78,7 +78,7 @@ class LayoutPlan:
     """One layout's estimate. ranks: each pp rank's memory; peak: the largest; budget: the memory a rank's tensors
     may use (the device's, less the runtime's own); time: the step."""
 
-    layout: Layout
+    layout: ParallelDims
     ranks: list[RankMemory]
     budget: int
     runtime: int
@@ -97,7 +97,7 @@ class LayoutPlan:
         return self.peak <= self.budget
 
 
-def estimate(facts: ModelFacts, layout: Layout, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan:
+def estimate(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan:
     """Memory per pp rank and the step time of `layout` (valid or not: the rules are `layout_problem`'s)."""
     ranks = rank_memory(facts, layout, settings, device=profile.kind)
     prec = precision(settings.dtype.itemsize, bf16=settings.bf16, fsdp=layout.data_parallel)
@@ -105,11 +105,11 @@ def estimate(facts: ModelFacts, layout: Layout, settings: TrainSettings, profile
     slowest = max(range(len(stage_list)), key=lambda r: len(stage_list[r].layers))
     st = states(stage_list[slowest], layout, settings, prec)
     gathered = sum(p.numel for p in stage_list[slowest].params) * prec.unsharded
-    grads = st.grads * layout.fsdp_shards * prec.reduce // prec.param if layout.data_parallel else st.grads
+    grads = st.grads * layout.dp_shard_cp * prec.reduce // prec.param if layout.data_parallel else st.grads
     activations = sum(ranks[slowest].per_layer.values()) * len(stage_list[slowest].layers)
     time = step_time(facts, layout, settings, profile, gathered=gathered, grads=grads,
                      optimizer_bytes=2 * (st.params + st.grads + st.optimizer), activation_bytes=activations)
-    world_on_node = min(layout.world, profile.devices_per_node)
+    world_on_node = min(layout.world_size, profile.devices_per_node)
     budget = profile.memory_per_rank(world_on_node) - profile.runtime_bytes
     return LayoutPlan(layout, ranks, budget, profile.runtime_bytes, time)
 
@@ -125,7 +125,7 @@ class TrainPlan:
     layouts: list[LayoutPlan]
     best: int | None
     why: str
-    refused: dict[Layout, str]
+    refused: dict[ParallelDims, str]
 
 
 def rank_key(plan: LayoutPlan) -> tuple:
@@ -135,7 +135,7 @@ def rank_key(plan: LayoutPlan) -> tuple:
 
 
 def plan_training(facts: ModelFacts, *, world: int, settings: TrainSettings, profile: DeviceProfile,
-                  layout: Layout | None = None) -> TrainPlan:
+                  layout: ParallelDims | None = None) -> TrainPlan:
     """Estimate every valid layout of `world` ranks (`layout`, if given, must be one: ValueError naming the rule it
     breaks) and rank them; ValueError when the rules allow none."""
     if not isinstance(world, int) or world < 1:

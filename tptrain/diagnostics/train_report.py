@@ -9,6 +9,7 @@ from __future__ import annotations
 from tptrain.diagnostics.memory_plan import TERMS
 from tptrain.diagnostics.model_facts import ModelFacts
 from tptrain.diagnostics.train_plan import LayoutPlan, TrainPlan
+from tptrain.layout.dims import SPELLING_AXES
 
 GiB = 2**30
 SHOWN = 20  # rows of the table; --json lists every layout
@@ -27,7 +28,7 @@ def layout_json(plan: LayoutPlan) -> dict:
                  tokens_per_s=round(plan.time.tokens_per_s, 3),
                  step_time_parts={k: round(v, 6) for k, v in plan.time.parts.items()},
                  peak_bytes_per_pp_rank=[r.peak for r in plan.ranks])
-    return {"layout": plan.layout.sizes(), "peak_bytes_per_rank": int(plan.peak), "fits": bool(plan.fits),
+    return {"layout": {axis: getattr(plan.layout, axis) for axis in SPELLING_AXES}, "peak_bytes_per_rank": int(plan.peak), "fits": bool(plan.fits),
             "step_time_s": round(plan.time.seconds, 6), "comm_bytes_per_step": int(sum(plan.time.comm_bytes.values())),
             "terms": terms}
 

@@ -246,7 +246,7 @@ class TransformersCausalLM(PreTrainedModel):
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
         super()._load(reader, device, dtype, rank=rank, ep_rank=ep_rank)
         self._load_buffers(reader, device)
-        self._materialise_buffers(device)
+        _materialise_buffers(self, device)
 
     @torch.no_grad()
     def _load_buffers(self, reader, device: torch.device) -> None:
@@ -258,43 +258,6 @@ class TransformersCausalLM(PreTrainedModel):
             if buffer.device.type == "meta" and isinstance(key, str) and key in reader:
                 module, _, leaf = name.rpartition(".")
                 self.get_submodule(module)._buffers[leaf] = reader.read(key, dtype=buffer.dtype, device=device)
-
-    @torch.no_grad()
-    def _materialise_buffers(self, device: torch.device) -> None:
-        """Buffers still on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
-        transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
-        parameters are marked initialised, so its init functions leave them alone."""
-        for name, module in self.named_modules():
-            meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-            if not meta:
-                continue
-            for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
-                buf = module._buffers[b]
-                module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
-            params = list(module.parameters(recurse=False))
-            for p in params:
-                p._is_hf_initialized = True
-            try:
-                self._init_owner(name)._init_weights(module)
-            finally:
-                for p in params:
-                    del p._is_hf_initialized
-            unset = [b for b in meta if module._buffers[b].is_floating_point() and module._buffers[b].isnan().any()]
-            if unset:
-                raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
-                                 f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
-                                 f"transformers backend cannot build them")
-
-    def _init_owner(self, name: str) -> nn.Module:
-        """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
-        PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
-        reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""
-        parts = name.split(".")
-        for i in range(len(parts), 0, -1):
-            module = self.get_submodule(".".join(parts[:i]))
-            if isinstance(module, transformers.PreTrainedModel):
-                return module
-        return self.hf_model
 
     def tp_plan_problems(self, styles: dict[str, str], tp_size: int) -> list[str]:
         """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
@@ -363,3 +326,41 @@ class TransformersCausalLM(PreTrainedModel):
         config["dtype"] = dtype_name(dtype)
         config["architectures"] = [type(self.hf_model).__name__]
         return json.dumps(self.config._encode_special_floats(config), indent=2, sort_keys=True) + "\n"
+
+
+@torch.no_grad()
+def _materialise_buffers(model: TransformersCausalLM, device: torch.device) -> None:
+    """Buffers still on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
+    transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
+    parameters are marked initialised, so its init functions leave them alone."""
+    for name, module in model.named_modules():
+        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        if not meta:
+            continue
+        for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
+            buf = module._buffers[b]
+            module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
+        params = list(module.parameters(recurse=False))
+        for p in params:
+            p._is_hf_initialized = True
+        try:
+            _init_owner(model, name)._init_weights(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
+        unset = [b for b in meta if module._buffers[b].is_floating_point() and module._buffers[b].isnan().any()]
+        if unset:
+            raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
+                             f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
+                             f"transformers backend cannot build them")
+
+def _init_owner(model: TransformersCausalLM, name: str) -> nn.Module:
+    """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
+    PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
+    reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = model.get_submodule(".".join(parts[:i]))
+        if isinstance(module, transformers.PreTrainedModel):
+            return module
+    return model.hf_model

@@ -17,21 +17,6 @@ def _schedule(c: Case) -> str:
     return schedules.canonical(c.features.pp_schedule) or c.features.pp_schedule
 
 
-@rule(ROWS, "pp_sp", between=("pp", "sp"), when="pp_size > 1 with enable_sequence_parallel",
-      reason="the stages exchange whole hidden states over the pp axis alone", fix="drop it")
-def _pp_sp(c: Case, r: Rule) -> str | None:
-    if c.dims.pp > 1 and c.features.sequence_parallel:
-        return (f"DistributedConfig(pp_size={c.dims.pp}) does not compose with enable_sequence_parallel yet "
-                f"({r.reason}); {r.fix}")
-
-
-@rule(ROWS, "pp_cp", between=("pp", "cp"), when="pp_size > 1 with cp_size > 1",
-      reason="the stages exchange whole hidden states over the pp axis alone", fix="drop it")
-def _pp_cp(c: Case, r: Rule) -> str | None:
-    if c.dims.pp > 1 and c.dims.cp > 1:
-        return f"DistributedConfig(pp_size={c.dims.pp}) does not compose with cp_size yet ({r.reason}); {r.fix}"
-
-
 @rule(ROWS, "pp_router_aux", between=("pp", "router_aux_loss"), needs=MODEL,
       when="pp_size > 1 on a model with output_router_logits=True",
       reason="the router aux loss sums over the layers of every stage and is not computed under pipeline parallelism",
@@ -183,20 +168,3 @@ def _expert_parallel_dense(c: Case, r: Rule) -> str | None:
     if c.features.expert_parallel and not c.facts.ep_plan:
         return (f"enable_expert_parallel=True (--expert-parallel), but {c.facts.name} ({c.facts.model_type!r}) has "
                 f"no experts to split: {r.reason}; {r.fix}")
-
-
-@rule(ROWS, "v_tied_dp", between=("pp", "dp", "tied_embeddings"),
-      needs=("dims", "facts.tied", "features.data_parallel"),
-      when="a V schedule (ZBVZeroBubble, DualPipeV) with tied embeddings and data parallelism",
-      reason="the first and the last stage are on one rank, where the tied embedding and head are one parameter of "
-             "two stage modules, which FSDP2 cannot wrap twice",
-      fix="a looped schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) with data parallelism, or dp_shard_size=1")
-def _v_tied_dp(c: Case, r: Rule) -> str | None:
-    d, schedule = c.dims, _schedule(c)
-    if d.pp > 1 and schedule in schedules.V_SCHEDULES and d.dp > 1 and c.features.data_parallel:
-        first, last = c.facts.tied
-        return (f"pp_schedule={schedule!r} puts the first and the last stage on one rank, where the tied embedding and "
-                f"head ({first} = {last}) are one parameter of two stage modules, and data parallelism (dp_replicate "
-                f"{d.dp_replicate} x dp_shard {d.dp_shard}) cannot wrap one parameter in two FSDP2 modules; use a "
-                f"looped schedule (1F1B, Interleaved1F1B, InterleavedZeroBubble) with data parallelism, or pp x tp "
-                f"ranks only (dp_shard_size=1)")

@@ -23,10 +23,8 @@ class Features:
     pp_schedule: str = "1F1B"
     pp_layers: tuple[tuple[int, ...], ...] | None = None
     device_map: bool = False  # from_pretrained(device_map=) next to a distributed_config
-    data_parallel: bool | None = None  # FSDP2 / HSDP / DDP wraps the model (the Trainer's step)
     pp_microbatches: int | None = None  # None: as many as pipeline ranks
     batch_size: int | None = None  # per_device_train_batch_size
-    optim_in_backward: bool | None = None
     seq_len: int | None = None  # the tokens of a sequence (TrainingArguments.seq_len, or an input's length)
     lora_experts: str | None = None  # an experts module LoRA adapts (its name)
 
@@ -40,7 +38,6 @@ class ModelFacts:
     backend: str = "native"
     num_layers: int | None = None  # the decoder layers a pipeline cuts; None: it cannot be cut into stages
     pp_refusal: str | None = None  # why it cannot be cut into stages, if the model says
-    tied: tuple[str, str] | None = None  # (first-stage name, last-stage name) of a weight embedding and head share
     router_aux_loss: bool = False  # output_router_logits: the load-balancing loss over every layer and token
     longrope: bool = False
     attention: int = 1  # attention modules (tp_kv_projections declared)

@@ -14,6 +14,7 @@ Pure: imports no torch (the CLI resolves the sizes before it imports anything he
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ PP_AXIS = "pp"  # outermost; in the mesh only when pp > 1 (each stage's ranks ar
 # the mesh's real axes when ep > 1: dp_shard is flattened from (dp_shard_mod_ep, ep)
 EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 SIZES = ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size", "pp_size")  # as users spell them
+SPELLING_AXES = ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep")  # the order `spell` writes them in (`--layout`)
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,9 @@ class ParallelDims:
     parallelism (each rank of a cp group holds 1/cp of every sequence); pp: pipeline stages, the outermost axis
     (each pp rank holds its stage(s) of the model on a mesh of the other axes)."""
 
-    dp_replicate: int
-    dp_shard: int
-    tp: int
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
     ep: int = 1
     cp: int = 1
     pp: int = 1
@@ -52,6 +54,50 @@ class ParallelDims:
     def ep_pool(self) -> int:
         """The ranks ep is folded over: dp_shard x cp (cp is 1 wherever ep > 1 today: the rule table refuses both)."""
         return self.dp_shard * self.cp
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """The ranks FSDP2 shards a dense parameter over: dp_shard x cp (torchtitan's dp_shard_cp; cp ranks compute
+        gradients of different tokens of one batch)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the Trainer wraps the model in FSDP2 / HSDP / DDP (dp_replicate x dp_shard x cp > 1: FSDP2 shards
+        over dp_shard x cp, torchtitan's dp_shard_cp)."""
+        return self.dp_replicate * self.dp_shard_cp > 1
+
+    def spell(self) -> str:
+        """"tp=2,cp=2,dp_shard=2": the sizes above 1 (dp_shard always), as `--layout` reads them (`parse`)."""
+        return ",".join(f"{axis}={getattr(self, axis)}" for axis in SPELLING_AXES
+                        if getattr(self, axis) > 1 or axis == "dp_shard")
+
+    @classmethod
+    def parse(cls, text: str, world: int) -> "ParallelDims":
+        """`--layout tp=2,cp=2,pp=2,dp_shard=2,dp_replicate=1,ep=2`: omitted sizes are 1, except dp_shard, which
+        takes the rest of `world` when omitted. ValueError naming the bad part, or what the world does not divide."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in str(text).split(","))):
+            axis, _, value = (x.strip() for x in part.partition("="))
+            if axis not in SPELLING_AXES or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--layout {text!r}: {part!r} is not AXIS=SIZE with AXIS one of "
+                                 f"{', '.join(SPELLING_AXES)} and SIZE a positive integer (e.g. tp=2,cp=2,pp=2)")
+            if axis in sizes:
+                raise ValueError(f"--layout {text!r} gives {axis} twice")
+            sizes[axis] = int(value)
+        if "dp_shard" not in sizes:
+            ranks = {axis: size for axis, size in sizes.items() if axis != "ep"}
+            rest = math.prod(ranks.values())
+            if world % rest:
+                raise ValueError(f"--layout {text!r} needs a multiple of {rest} ranks "
+                                 f"({' x '.join(f'{a} {s}' for a, s in ranks.items())}), but --world is {world}; "
+                                 f"use a world of {rest} x N, or other sizes")
+            sizes["dp_shard"] = world // rest
+        dims = cls(**sizes)
+        if dims.world_size != world:
+            raise ValueError(f"--layout {text!r} is {dims.world_size} ranks ({dims.spell()}), but --world is {world}; "
+                             f"make the sizes' product {world}, or leave dp_shard out (it takes the rest)")
+        return dims
 
     def sizes(self) -> dict[str, int]:
         """{axis name: size}: dp_replicate, dp_shard, tp, and "pp" / "ep" / "cp" when larger than 1."""

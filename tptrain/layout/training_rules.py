@@ -17,15 +17,6 @@ def _microbatches(c: Case) -> int:
     return c.features.pp_microbatches or c.dims.pp
 
 
-@rule(ROWS, "pp_optim_in_backward", between=("pp", "optim_in_backward"), needs=("dims", "features.optim_in_backward"),
-      when="optim_in_backward with pp_size > 1",
-      reason="the pipeline's backward runs in pieces and the tied embedding's gradient is summed after it",
-      fix="train without optim_in_backward")
-def _pp_optim_in_backward(c: Case, r: Rule) -> str | None:
-    if c.dims.pp > 1 and c.features.optim_in_backward:
-        return f"optim_in_backward with pp_size > 1: {r.reason}; {r.fix}"
-
-
 @rule(ROWS, "pp_microbatches", needs=("dims", "features.batch_size"),
       when="fewer microbatches than the schedule runs (pp_size; a V schedule: 2 x pp_size)",
       reason="torch's schedules need at least that many to fill the pipeline", fix="raise pp_microbatches")

@@ -23,6 +23,11 @@ it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-
 at the end of backward (bare model), or FSDP2's reduce-scatter over dp_shard x cp does (the Trainer).
 `out.logits` holds this rank's tokens only: (batch, seq / cp, vocab), chunks i and 2cp-1-i in that order
 (`local_index`).
+
+Under pipeline parallelism the schedule never runs the model's forward: the same pieces (`CPContext.split`, `begin`,
+`end`) run where a batch enters the pipeline (parallel/pipeline_parallel.py). The whole batch is split before the
+schedule cuts it into microbatches, every stage's forward begins with its microbatch's global position ids, each
+microbatch's loss is its token sum over the step's global count, and the step's loss is summed over cp and pp.
 """
 from __future__ import annotations
 
@@ -45,7 +50,11 @@ from tptrain.parallel import contract
 class CPContext:
     """One model's cp group (by name), its size and this rank; and, during a forward, the whole batch's
     position ids (batch or 1, seq) and padding mask (batch, seq) or None, this rank's token indices (seq / cp,),
-    and every rank's in gathered order (seq,)."""
+    and every rank's in gathered order (seq,).
+
+    The one mechanism of both ways a batch enters a model: the CausalLM's forward (its pre-hook calls `split` and
+    `begin`) and a pipeline (the Pipeline calls `split` on the whole batch before torch's schedule cuts it into
+    microbatches; each stage's forward calls `begin` with its microbatch's global position ids)."""
 
     group_name: str
     size: int
@@ -55,8 +64,44 @@ class CPContext:
     query_index: torch.Tensor | None = None
     key_index: torch.Tensor | None = None
 
+    def split(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+              attention_mask: torch.Tensor | None = None) -> CPShard:
+        """This rank's tokens of a whole batch (every tensor (batch, seq)): the labels shifted over the whole sequence
+        first, so a chunk's last token keeps its target; the real-token count of the whole batch. ValueError (the
+        same on every rank: each holds the batch) when the length does not split into 2 x cp chunks."""
+        check_sequence_length(input_ids.shape[1], self.size,
+                              what=f"input_ids' length (shape {tuple(input_ids.shape)})")
+        index = local_index(input_ids.shape[1], self.size, self.rank, input_ids.device)
+        target = None if labels is None else shift_labels(labels)  # (batch, seq): position t's target
+        return CPShard(input_ids[:, index], None if target is None else target[:, index],
+                       None if attention_mask is None else attention_mask[:, index],
+                       None if target is None else (target != IGNORE_INDEX).sum())
+
+    def begin(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, *, seq: int,
+              device: torch.device) -> torch.Tensor:
+        """Start a forward on this rank's tokens of sequences of `seq` tokens: the whole batch's `position_ids`
+        (batch or 1, seq; None: 0..seq-1) and padding mask kept for the rows of the masks; returns this rank's
+        positions (batch or 1, seq / cp), the global ones (RoPE). `end` clears them."""
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=device)[None]
+        self.position_ids, self.attention_mask = position_ids, attention_mask
+        self.query_index = local_index(seq, self.size, self.rank, device)
+        self.key_index = torch.cat([local_index(seq, self.size, r, device) for r in range(self.size)])
+        return position_ids[:, self.query_index]
+
     def end(self) -> None:
         self.position_ids = self.attention_mask = self.query_index = self.key_index = None
+
+
+@dataclass(frozen=True)
+class CPShard:
+    """This rank's tokens of a whole batch (`CPContext.split`): (batch, seq / cp) ids, shifted labels and padding
+    mask (None where the batch has none), and the whole batch's real-token count (a 0-d tensor)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    num_items: torch.Tensor | None
 
 
 def check_sequence_length(seq: int, cp_size: int, *, what: str = "the sequence length") -> None:
@@ -75,8 +120,9 @@ def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | 
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | None:
-    """Make `model` (refused by no row of the rule table, already TP-sharded, its `tp_layout` recorded) split its sequences over the cp
-    axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed). Installed: the batch split before
+    """Make `model` (refused by no row of the rule table, already TP-sharded, its `tp_layout` recorded) split its
+    sequences over the cp axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed; a pipeline's
+    stages read it as `model.cp_context`). Installed: the batch split before
     forward, the loss sum after it, the K/V gather around every attention's `attend`, the rows of the masks, the loss
     functions on pre-shifted labels, and the grad sync's sum over cp."""
     if cp_mesh(mesh) is None:
@@ -109,26 +155,20 @@ def adopt_cp_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _split_batch(ctx: CPContext, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The whole batch -> this rank's tokens; the labels shifted first and, when no count is given, the whole
-    batch's real-token count as `num_items_in_batch` (so the loss is a share of one process's)."""
+    """The whole batch -> this rank's tokens (`CPContext.split`, `begin`); when no count is given, the whole batch's
+    real-token count as `num_items_in_batch` (so the loss is a share of one process's)."""
     bound = signature.bind(*args, **kwargs)
     given = bound.arguments
-    ids = given["input_ids"]  # (batch, seq)
-    check_sequence_length(ids.shape[1], ctx.size, what=f"input_ids' length (shape {tuple(ids.shape)})")
-    positions = given.get("position_ids")
-    if positions is None:
-        positions = torch.arange(ids.shape[1], device=ids.device)[None]
-    index = local_index(ids.shape[1], ctx.size, ctx.rank, ids.device)
-    ctx.position_ids, ctx.attention_mask, ctx.query_index = positions, given.get("attention_mask"), index
-    ctx.key_index = torch.cat([local_index(ids.shape[1], ctx.size, r, ids.device) for r in range(ctx.size)])
-    given["input_ids"], given["position_ids"] = ids[:, index], positions[:, index]
-    if given.get("attention_mask") is not None:
-        given["attention_mask"] = given["attention_mask"][:, index]
-    if given.get("labels") is not None:
-        target = shift_labels(given["labels"])  # (batch, seq): position t's target, over the whole sequence
+    ids, mask = given["input_ids"], given.get("attention_mask")  # (batch, seq)
+    shard = ctx.split(ids, given.get("labels"), mask)
+    given["position_ids"] = ctx.begin(given.get("position_ids"), mask, seq=ids.shape[1], device=ids.device)
+    given["input_ids"] = shard.input_ids
+    if mask is not None:
+        given["attention_mask"] = shard.attention_mask
+    if shard.labels is not None:
+        given["labels"] = shard.labels
         if given.get("num_items_in_batch") is None:
-            given["num_items_in_batch"] = (target != IGNORE_INDEX).sum()
-        given["labels"] = target[:, index]
+            given["num_items_in_batch"] = shard.num_items
     return bound.args, bound.kwargs
 
 

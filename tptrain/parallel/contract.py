@@ -310,6 +310,8 @@ class PipelineModel(Protocol):
     pp_last: dotted names of the modules only the last stage holds (the final norm and the head).
     pipeline_forward(x, position_ids=None): the stage's computation on what the module holds: token ids or
         hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`).
+        The Pipeline always passes `position_ids` (batch, tokens): the sequence's length and positions come from
+        them, not from `x`, which under sequence parallelism is a tp rank's shard of the hidden states.
     A model that is not one may say why (`pp_refusal`, a str; `pipeline_refusal`), which the refusal repeats.
     """
 

@@ -5,7 +5,7 @@ TP parameters are plain local tensors, so FSDP shards each rank's TP shard as an
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
 
 import torch
 from torch import nn
@@ -32,8 +32,7 @@ def ep_split_modules(model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(name) for name in names]
 
 
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool,
-                        stages: Sequence[nn.Module] | None = None) -> bool:
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipeline=None) -> bool:
     """FSDP2 over dp_shard; HSDP over (dp_replicate, dp_shard) when dp_replicate > 1 (plain replicated
     DP when dp_shard is 1). Returns whether the model was wrapped (False when both dp degrees are 1).
 
@@ -48,26 +47,29 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool,
     With context parallelism FSDP2 shards over dp_shard x cp flattened (torchtitan's dp_shard_cp): the cp ranks'
     gradients are shares of one batch's, which its reduce-scatter sums.
 
-    `stages`: under pipeline parallelism, this rank's stage modules, each wrapped last in place of the model (it
-    holds what no layer of the stage holds: the embedding, the final norm, the head; torchtitan's 3-D layout).
-    torch's PipelineStage sees an FSDP module: it holds the gradient reduce-scatter back until the last microbatch
-    and runs it at the end of the schedule's step. Parameters stay gathered from a microbatch's forward to the
-    step's end (reshard_after_forward False, torchtitan's default under pp), instead of one all-gather per
-    microbatch and layer."""
+    `pipeline`: under pipeline parallelism (parallel/pipeline_parallel.Pipeline), this rank's stage modules are each
+    wrapped last in place of the model (it holds what no layer of the stage holds: the embedding, the final norm,
+    the head; torchtitan's 3-D layout); a tied weight two of them share (a V schedule's first and last stage) is the
+    last one's own copy while they are wrapped (`TiedWeights.own_copy`). torch's PipelineStage sees an FSDP module: it
+    holds the gradient reduce-scatter back until the last microbatch and runs it at the end of the schedule's step.
+    Parameters stay gathered from a microbatch's forward to the step's end (reshard_after_forward False,
+    torchtitan's default under pp), instead of one all-gather per microbatch and layer."""
     rep, shards = mesh["dp_replicate"].size(), dp_shard_cp_mesh(mesh)
     if rep * shards.size() == 1:
         return False
     dp_mesh = mesh["dp_replicate", shards.mesh_dim_names[0]] if rep > 1 else shards
     mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
                  else MixedPrecisionPolicy())
-    reshard = stages is None  # each unit's reshard_after_forward
-    for experts in ep_split_modules(model):
-        fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy, reshard_after_forward=reshard)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    for root in stages or (model,):
-        fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    for module in (m for root in stages or (model,) for m in root.modules()):
+    reshard = pipeline is None  # each unit's reshard_after_forward
+    roots = pipeline.modules if pipeline is not None else [model]
+    with pipeline.ties.own_copy() if pipeline is not None else contextlib.nullcontext():
+        for experts in ep_split_modules(model):
+            fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy, reshard_after_forward=reshard)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        for root in roots:
+            fully_shard(root, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    for module in (m for root in roots for m in root.modules()):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # A plain SUM everywhere: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.

@@ -25,10 +25,9 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
         experts = sum(1 for style in objects.values() if style.stacked_experts)
         sp_refusing = tuple(sorted({f"{_generic(name)} ({style.name!r})"
                                     for name, style in objects.items() if not style.sequence_parallel_ok}))
-    num_layers, tied = _pipeline_facts(model)
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
-        backend=getattr(model, "backend", "native"), num_layers=num_layers, tied=tied,
+        backend=getattr(model, "backend", "native"), num_layers=_num_layers(model),
         pp_refusal=contract.pipeline_refusal(model),
         router_aux_loss=bool(getattr(config, "output_router_logits", False)),
         longrope=getattr(config, "rope_type", None) == "longrope", attention=len(attention),
@@ -44,21 +43,13 @@ def _generic(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)  # one name for all layers
 
 
-def _pipeline_facts(model: nn.Module) -> tuple[int | None, tuple[str, str] | None]:
-    """(decoder layers, the first tied (first-stage, last-stage) names) of a model a pipeline can cut (of its whole
-    model when it is cut already), or (None, None)."""
+def _num_layers(model: nn.Module) -> int | None:
+    """The decoder layers of a model a pipeline can cut (of its whole model when it is cut already), or None."""
     plan = getattr(model, "pp_plan", None)
     if plan is not None:
-        return sum(len(stage) for stage in plan.stage_layers), plan.tied[0] if plan.tied else None
+        return sum(len(stage) for stage in plan.stage_layers)
     parts = contract.pipeline_parts(model)
-    if parts is None:
-        return None, None
-
-    def params(paths):
-        return {id(p): f"{path}.{n}" for path in paths for n, p in model.get_submodule(path).named_parameters()}
-    first, last = params(parts[1]), params(parts[2])
-    tied = next(((first[k], last[k]) for k in first if k in last), None)
-    return len(model.get_submodule(parts[0])), tied
+    return None if parts is None else len(model.get_submodule(parts[0]))
 
 
 def laid_out(model: Any) -> dict[str, Any]:

@@ -131,8 +131,7 @@ def data_parallel(model: nn.Module, mesh, options: ParallelOptions, device, done
     assert getattr(model, "tp_size", 1) == mesh["tp"].size(), (getattr(model, "tp_size", 1), mesh)
     if layout is not None:
         layout.grad_sync.set_mode("step")
-    stages = done.pipeline.modules if done.pipeline is not None else None
-    done.fsdp = apply_data_parallel(model, mesh, bf16=options.bf16, stages=stages)
+    done.fsdp = apply_data_parallel(model, mesh, bf16=options.bf16, pipeline=done.pipeline)
 
 
 STEPS = (cut_pipeline, tensor_parallel, context_parallel, load, activation_checkpointing, compile_layers,

@@ -10,26 +10,34 @@ tensors; DCP and save_pretrained see global names). Each of its stages is a `Sta
 model holding only that stage's modules (the same parameter objects). The model says what to cut through
 `contract.PipelineModel`; nothing here names a model's module.
 
+Context and sequence parallelism compose: under cp the Pipeline splits each whole batch over the cp group before the
+schedule cuts it into microbatches (the model's own `CPContext.split`), and every stage's forward begins that
+microbatch's rows of the masks from its global position ids (`CPContext.begin`); under SP the residual stream
+between layers is a sequence shard, so the stages exchange each tp rank's (batch, seq / cp / tp, hidden) with the
+same tp rank of the next stage (the first stage's embedding scatters it, the last stage's head gathers it), and each
+stage's forward begins SP's saved-tensor hooks.
+
 Tied embeddings: the first stage's embedding and the last stage's head are one weight. When two ranks hold them,
-each keeps a copy and `Pipeline.sync_tied_grads` sums their gradients over a group of those two ranks, so the
-copies stay equal; a V schedule puts both stages on the same rank, where they are one parameter.
+each keeps a copy and `Pipeline.ties` (parallel/pipeline_grads.py) sums their gradients over a group of those two
+ranks, so the copies stay equal; a V schedule puts both stages on the same rank, where they are one parameter (under
+FSDP2 the last stage module holds its own copy).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tptrain.distributed import comm, raise_on_any_rank
+from tptrain.distributed import comm
 from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
-from tptrain.parallel.grad_sync import local_tensor
+from tptrain.parallel.pipeline_grads import TiedWeights
 from tptrain.parallel.plan import ResolvedPlan
 
 
@@ -178,19 +186,38 @@ class StageModule(nn.Module):
         self.view = _shallow(model)
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
         self._layout = getattr(model, "tp_layout", None)
+        self._saver = getattr(model, "sp_saver", None)
+        self._cp = getattr(model, "cp_context", None)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # What the TP engine's hooks on the model's forward do around a whole forward with labels: a fresh shared
-        # boundary, and the logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it).
-        ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
-        if ctx is not None:
-            ctx.reset()
-            ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
-        try:
-            return self.view.pipeline_forward(x, position_ids)
-        finally:
+    def own_parameter(self, name: str) -> None:
+        """Give this view its own copy of the model's parameter `name` (the module holding it, and that module's
+        parents, copied in the view), so no other stage module holds it (pipeline_grads.TiedWeights.own_copy)."""
+        path, _, attr = name.rpartition(".")
+        module = _shallow(self.view.get_submodule(path))
+        weight = module._parameters[attr]
+        module._parameters[attr] = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        _replace(self.view, path, module, shallow=True)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
+        the stage before sent (batch, seq / cp (/ tp under SP), hidden); position_ids: the microbatch's whole
+        sequences' (batch, seq), which RoPE and the masks read (a stage's input may be a shard of the sequence)."""
+        with contextlib.ExitStack() as scope:
+            # What the axes' hooks on the model's forward do around a whole forward with labels: TP's fresh shared
+            # boundary and logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it), SP's
+            # saved-tensor hooks, CP's rows of the masks and this rank's positions.
+            ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
             if ctx is not None:
                 ctx.reset()
+                ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
+                scope.callback(ctx.reset)
+            if self._saver is not None:
+                self._saver.begin()
+                scope.callback(self._saver.end)
+            if self._cp is not None:
+                position_ids = self._cp.begin(position_ids, None, seq=position_ids.shape[1], device=x.device)
+                scope.callback(self._cp.end)
+            return self.view.pipeline_forward(x, position_ids)
 
 
 class MicrobatchLoss:
@@ -203,18 +230,6 @@ class MicrobatchLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model.loss_function(logits, labels, self.num_items)
-
-
-def tie_group(mesh, plan: PipelinePlan) -> dist.ProcessGroup | None:
-    """The group of the two ranks (same dp and tp coordinates) holding the first and the last stage, when those
-    differ and the model ties a weight between them; None otherwise. Collective over the whole mesh."""
-    first, last = plan.stage_rank(0), plan.stage_rank(plan.n_stages - 1)
-    if not plan.tied or first == last:
-        return None
-    if plan.pp == 2:
-        return mesh["pp"].get_group()
-    columns = mesh.mesh.reshape(plan.pp, -1).T.tolist()  # each: the pp ranks of one (dp, tp) coordinate
-    return comm.subgroup([[column[first], column[last]] for column in columns])
 
 
 class Pipeline:
@@ -230,7 +245,9 @@ class Pipeline:
         self.model, self.loss = model, MicrobatchLoss(model)
         if getattr(model, "tp_layout", None) is not None:
             # The schedules run backward in pieces (zero-bubble: input and weight gradients apart): partial TP
-            # gradients are summed once per step by whoever owns the loop (`grad_sync.sync_grads`), not per backward.
+            # gradients are summed once per step by whoever owns the loop (`grad_sync.sync_grads`), not per backward;
+            # under cp every gradient is a cp rank's share, summed by FSDP2's reduce-scatter over dp_shard x cp (the
+            # Trainer always wraps the stages then).
             model.tp_layout.grad_sync.set_mode("step")
         last = plan.n_stages - 1
         self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),
@@ -240,8 +257,7 @@ class Pipeline:
         schedule = get_schedule_class(plan.schedule)
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],
                                  n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
-        self.tie_group = tie_group(mesh, plan)
-        self.tied_trainable = self._check_tied()
+        self.ties = TiedWeights(model, mesh, plan, self.stages)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -250,59 +266,36 @@ class Pipeline:
 
     def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor | None, dict]:
         """(args of the first stage, target of the last, kwargs of every stage): each rank gives what its stages
-        take; the schedule splits them into microbatches along the batch dim."""
-        plan = self.plan
-        args = (batch["input_ids"],) if plan.holds(0) else ()
-        target = batch["labels"] if plan.holds(plan.n_stages - 1) else None
-        position_ids = batch.get("position_ids")
-        return args, target, {} if position_ids is None else {"position_ids": position_ids}
+        take; the schedule splits them into microbatches along the batch dim. Under cp the whole batch is split
+        first, as the model's forward splits it (`CPContext.split`: this rank's tokens, the labels shifted before
+        the split); every stage takes the whole sequences' position ids (RoPE, the masks)."""
+        plan, cp = self.plan, getattr(self.model, "cp_context", None)
+        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        if cp is not None:
+            shard = cp.split(ids, labels)
+            ids, labels = shard.input_ids, shard.labels
+        args = (ids,) if plan.holds(0) else ()
+        return args, labels if plan.holds(plan.n_stages - 1) else None, {"position_ids": positions}
 
     def step(self, batch: dict[str, torch.Tensor], num_items: int, *, train: bool = True) -> torch.Tensor:
         """Forward (and with `train` backward) of one batch through the pipeline. Returns this rank's sum of the
-        microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp)."""
+        microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp), summed over cp (each
+        cp rank's loss is the token sum of its tokens)."""
         self.loss.num_items = num_items
+        self.ties.refresh()
         args, target, kwargs = self._inputs(batch)
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         run(*args, target=target, losses=losses, **kwargs)
         device = batch["input_ids"].device
-        return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
+        total = sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
                                                                                        device=device))
-
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of the tied copies (first stage's embedding, last stage's head) over their two ranks,
-        so both copies take the same optimizer step and stay equal. Under FSDP2 each holds its dp shard of the
-        weight, the same rows of it on both stages (the same mesh and placements): the shards are summed."""
-        if self.tie_group is None or not self.tied_trainable:
-            return
-        params = dict(self.model.named_parameters())
-        for names in self.plan.tied:
-            p = next(params[n] for n in names if n in params)
-            comm.all_reduce(local_tensor(p.grad), self.tie_group, phase="tied_grad")
-
-    def _check_tied(self) -> bool:
-        """Whether the tied copies train (a LoRA run freezes both); a ValueError on every rank when only one of
-        them does. Collective."""
-        plan = self.plan
-        if not plan.tied or plan.stage_rank(0) == plan.stage_rank(plan.n_stages - 1):
-            return False
-        error, flags = None, []
-        if self.tie_group is not None:  # this rank holds a copy
-            params = dict(self.model.named_parameters())
-            # A copy no longer under its name is the base of an adapter's wrapper (LoRA on the embedding): frozen.
-            mine = [next((params[n].requires_grad for n in names if n in params), False) for names in plan.tied]
-            flags = comm.all_gather_object(mine, self.tie_group)
-            if flags[0] != flags[1]:
-                error = (f"only one pipeline stage's copy of the tied weight(s) {list(plan.tied)} trains (e.g. a "
-                         f"LoRA modules_to_save naming one of them); with pp_size={plan.pp} train both or neither: "
-                         f"drop it from modules_to_save, or untie them (tie_word_embeddings=False)")
-        raise_on_any_rank(error, exc_type=ValueError)
-        return any(flags[0]) if flags else False
-
-    def norm_duplicates(self) -> set[str]:
-        """Names of tied copies another rank counts in the gradient norm (the last stage's, when two ranks hold
-        the tied weight)."""
-        return {last for _, last in self.plan.tied} if self.tie_group is not None and not self.plan.holds(0) else set()
+        cp = getattr(self.model, "cp_context", None)
+        if cp is not None:
+            comm.all_reduce(total, comm.resolve_group(cp.group_name), phase="loss")
+        return total
 
 
 def held_elsewhere(model: nn.Module, name: str) -> bool:

@@ -10,6 +10,10 @@ tensor, so they share ONE re-gather, cached until the last of them has run its b
 
     model.parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
     model(input_ids, labels=labels).loss.backward()   # seq len must be a multiple of tp_size
+
+Under pipeline parallelism the stages exchange the residual stream as it is between layers, each tp rank's shard
+going to the same tp rank of the next stage, and each stage's forward begins and ends the saver
+(`model.sp_saver`) as the model's forward hooks do (parallel/pipeline_parallel.py).
 """
 from __future__ import annotations
 
@@ -128,9 +132,12 @@ def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what:
 
 
 def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:
-    """Check the sequence length before any collective and keep only shards for backward."""
+    """Check the sequence length before any collective and keep only shards for backward, around the model's
+    forward; `model.sp_saver` is the saver, which a pipeline stage's forward begins and ends itself (the schedule
+    never runs the model's forward; the Trainer checks the sequence length before it builds the pipeline)."""
     saver = SequenceParallelSaver(ctx)
     ctx.on_gather, ctx.keeps_shards = saver.on_gather, saver.active
+    model.sp_saver = saver
     sig = inspect.signature(model.forward)
 
     def before(module, args, kwargs):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tptrain.parallel.styles import ShardSpec, TPContext, register_local_output_hook, vocab_shard_embedding
 
@@ -62,6 +63,22 @@ def factor_specs(style: str | None, base_spec: ShardSpec, where: str) -> tuple[S
     raise ValueError(f"LoRA cannot adapt {where!r}: its tensor-parallel style {style!r} is not supported (supported: "
                      "colwise, colwise_gather_output, fused_colwise, rowwise, embedding_rowwise); drop it from "
                      "target_modules")
+
+
+def over_dp(t: torch.Tensor) -> torch.Tensor:
+    """This rank's TP block of a parameter: FSDP2's dp shards of it (a DTensor over the dp axes) gathered, a plain
+    tensor as it is. Collective over the dp axes for a DTensor: every dp rank merges the same layers in one order."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def add_to_block(weight: torch.Tensor, delta: torch.Tensor) -> None:
+    """weight += delta, `delta` being this rank's whole TP block of it: of an FSDP2-sharded weight only its dp shard's
+    rows are added (its own slice of `delta`, no communication)."""
+    if isinstance(weight, DTensor):
+        delta = distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None).to_local()
+        weight = weight.to_local()
+    weight.add_(delta.to(weight.dtype))
 
 
 class LoraLayer(nn.Module):
@@ -108,15 +125,15 @@ class LoraLayer(nn.Module):
         # On the CPU: the same init whatever the device.
         return torch.Generator().manual_seed(mix_seed(self.runtime.seed, self.name, "init"))
 
+    @torch.no_grad()
     def merge(self) -> nn.Module:
         """Fold s * B @ A into this rank's base shard (B_local @ A_local is exactly the local block for every
-        layout) and return the base module, unhooked."""
-        a, b = self.factors()
+        layout) and return the base module, unhooked. Under FSDP2 collective over the dp axes (`over_dp`)."""
+        a, b = (over_dp(t) for t in self.factors())
         weight = self.base_layer.weight
         compute = torch.promote_types(weight.dtype, torch.float32)  # bf16 bases merge in fp32
         delta = (b.to(compute) @ a.to(compute)) * self.scaling  # (out, in), this rank's block
-        with torch.no_grad():
-            weight.add_((delta if isinstance(self.base_layer, nn.Linear) else delta.T).to(weight.dtype))
+        add_to_block(weight, delta if isinstance(self.base_layer, nn.Linear) else delta.T)
         return self.unhook()
 
     def unhook(self) -> nn.Module:

@@ -29,7 +29,7 @@ from torch import nn
 from tptrain.layout import Case, Features, ParallelDims, check
 from tptrain.parallel.contract import routed_experts
 from tptrain.parallel.styles import ShardSpec, TPContext
-from tptrain.peft.lora import ADAPTER, PARTIAL, REPLICATED, LoraRuntime, mix_seed
+from tptrain.peft.lora import ADAPTER, PARTIAL, REPLICATED, LoraRuntime, add_to_block, mix_seed, over_dp
 
 # transformers 5's fused expert parameters, in the order its experts modules register them (peft's nesting order).
 FUSED = ("gate_up_proj", "down_proj")
@@ -194,19 +194,22 @@ class LoraExperts(nn.Module):
 
     # ------------------------------------------------------------------ merging
 
-    def delta(self, weight_name: str, weight: torch.Tensor) -> torch.Tensor:
-        """s * B_e @ A_e for every held expert: this rank's block of the adapted stacked weight (experts, out, in)."""
+    def delta(self, weight_name: str, weight: torch.Tensor, *, factor=None) -> torch.Tensor:
+        """s * B_e @ A_e for every held expert: this rank's block of the adapted stacked weight (experts, out, in);
+        `factor` reads a factor (default: the parameter as it is)."""
         a, b, scaling = self.pairs[weight_name]
+        factor = factor or self.factor
         compute = torch.promote_types(weight.dtype, torch.float32)
-        return (torch.bmm(self.factor(b).to(compute), self.factor(a).to(compute)) * scaling).to(weight.dtype)
+        return (torch.bmm(factor(b).to(compute), factor(a).to(compute)) * scaling).to(weight.dtype)
 
+    @torch.no_grad()
     def merge(self) -> nn.Module:
-        """Fold s * B_e @ A_e into this rank's block of every adapted stacked weight; return the base, unhooked."""
+        """Fold s * B_e @ A_e into this rank's block of every adapted stacked weight; return the base, unhooked. Under
+        FSDP2 collective over the dp axes (`over_dp`)."""
         base = self.base_layer
-        with torch.no_grad():
-            for weight_name in self.pairs:
-                weight = getattr(base, weight_name)
-                weight.add_(self.delta(weight_name, weight))
+        for weight_name in self.pairs:
+            weight = getattr(base, weight_name)
+            add_to_block(weight, self.delta(weight_name, weight, factor=lambda name: over_dp(self.factor(name))))
         return self.unhook()
 
     def unhook(self) -> nn.Module:

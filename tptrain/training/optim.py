@@ -4,17 +4,23 @@ Parameters may be TP shards (plain local tensors) wrapped by FSDP2 (DTensors sha
 data-parallel axes). AdamW and weight decay are element-wise, so they act on whatever piece a rank
 holds; only the gradient norm needs the whole picture, and `clip_grad_norm_` counts every element
 of every parameter exactly once.
+
+Every element is stepped, every step: AdamW has no exact row-sparse step. Rows of an embedding that no token
+of the batch used still move (weight decay shrinks every row; the moments of rows seen earlier keep the update
+m / sqrt(v) non-zero), and a tied head's gradient touches every row anyway. What makes the step fast is the
+kernel: `adamw_kernels` picks torch's fused one.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _default_to_fused_or_foreach
 
 from tptrain.distributed import comm
 from tptrain.distributed.topology import dp_placements, dp_shard_cp_mesh
@@ -33,10 +39,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adamw_kernels(optim: str, params: Iterable[torch.Tensor]) -> dict[str, bool | None]:
+    """torch.optim.AdamW's `fused` / `foreach` arguments for `params`. "adamw_torch_fused": torch's fastest kernel
+    for the devices they live on, by torch's own rule: fused (one pass over each tensor, no temporaries: on CPU
+    ~5x the per-tensor loop, and the step's peak memory without the loop's two parameter-sized temporaries) where
+    every parameter's device has it, as CPU and CUDA do for every float dtype and DTensor (FSDP2's shards); else
+    foreach where the device has foreach kernels; else the loop. "adamw_torch": torch's default (foreach on CUDA,
+    the loop on CPU), as transformers' name means. The same update up to rounding (fp64: 1e-12, tested)."""
+    if optim != "adamw_torch_fused":
+        return {"fused": None, "foreach": None}
+    fused, foreach = _default_to_fused_or_foreach(list(params), differentiable=False, use_fused=True)
+    return {"fused": fused, "foreach": foreach}
+
+
 def build_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                             fused=args.optim == "adamw_torch_fused" or None)
+    groups = param_groups(model, args.weight_decay)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, **adamw_kernels(args.optim, (p for g in groups for p in g["params"])))
 
 
 def lr_multiplier(kind: str, *, warmup_steps: int, total_steps: int) -> Callable[[int], float]:

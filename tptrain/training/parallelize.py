@@ -24,7 +24,7 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None, worl
                         args: TrainingArguments | None = None) -> ParallelDims:
     """The run's layout: the model's tp, ep, cp and pipeline (fixed when it was loaded: `laid_out`) with `config`'s
     data-parallel sizes (None: the remaining ranks as FSDP2 shards), resolved against the world size and checked by
-    the rule table, with what `args` brings (the batch, its microbatches, optim_in_backward). A size `config` gives
+    the rule table, with what `args` brings (the batch, its microbatches). A size `config` gives
     that is not the model's is the table's `model_layout` rule. Raises the same ValueError on every rank (no
     collective is involved)."""
     fixed = axes.laid_out(model)
@@ -37,10 +37,9 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None, worl
     run = dataclasses.replace(config, tp_size=fixed["tp_size"], ep_size=ep if ep > 1 else None,
                               cp_size=fixed["cp_size"], pp_size=fixed["pp_size"], pp_schedule=fixed["pp_schedule"])
     dims = run.parallel_dims(world_size, tp_note=tp_note)
-    training = {} if args is None else dict(batch_size=args.per_device_train_batch_size,
-                                            optim_in_backward=args.optim_in_backward)
+    training = {} if args is None else dict(batch_size=args.per_device_train_batch_size)
     features = Features(sequence_parallel=fixed["sequence_parallel"], pp_schedule=fixed["pp_schedule"],
-                        data_parallel=True, pp_microbatches=config.pp_microbatches, **training)
+                        pp_microbatches=config.pp_microbatches, **training)
     validate(Case(dims=dims, features=features, facts=axes.model_facts(model)))
     return dims
 

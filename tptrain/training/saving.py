@@ -79,13 +79,16 @@ class Checkpointer:
                              f"train; raise max_steps (--max-steps) above {step} to continue this run")
         return ckpt.load_checkpoint(path, model=self.inner, optimizer=self.optimizer, conv=self.converter)
 
-    def save_model(self, output_dir: str | os.PathLike | None, tokenizer_dir: Path | None) -> Path:
-        """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter) plus the
-        tokenizer files of `tokenizer_dir`. FSDP and TP shards are gathered, rank 0 writes."""
+    def save_model(self, output_dir: str | os.PathLike | None, tokenizer_dir: Path | None, *,
+                   model: nn.Module | None = None) -> Path:
+        """The consolidated HF checkpoint of `model` (default: the model trained; the Trainer's model as it is now,
+        e.g. merged by `merge_and_unload`) in output_dir (default output_dir/final; a PeftModel's adapter:
+        final/adapter), plus the tokenizer files of `tokenizer_dir`. FSDP and TP shards are gathered, rank 0 writes."""
+        model = self.model if model is None else model
         target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
-        if output_dir is None and self.model is not self.inner:  # a PeftModel: its adapter, in PEFT's format
+        if output_dir is None and hasattr(model, "get_base_model"):  # a PeftModel: its adapter, in PEFT's format
             target = target / "adapter"
-        self.model.save_pretrained(target)
+        model.save_pretrained(target)
         if self.is_rank0:
             for pattern in TOKENIZER_PATTERNS if tokenizer_dir is not None else ():
                 for path in tokenizer_dir.glob(pattern):

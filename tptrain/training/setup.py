@@ -8,7 +8,7 @@
     fsdp, pipe = parallelize(model, args, placement)                   # 4. agreements, then the one parallelize's
                                                                        #    training steps: activation checkpointing
                                                                        #    -> compile -> (pp: the schedule) -> FSDP2
-    optimizer, scheduler = optimizer_and_schedule(model, args, data.max_steps)    # 5.
+    optimizer, scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=pipe)    # 5.
 
 Stages 1 and 2 are pure, so whatever one rank can get wrong there (the layout, the sequence length, a data file, the
 eval options) is raised on every rank before any collective could hang; stage 4 agrees on what only one rank
@@ -32,6 +32,7 @@ from tptrain.distributed.topology import dp_mesh
 from tptrain.io import writable_error
 from tptrain.layout import Spelling
 from tptrain.parallel import parallelize as axes
+from tptrain.parallel.pipeline_grads import when_complete
 from tptrain.parallel.pipeline_parallel import Pipeline
 from tptrain.training.args import TrainingArguments
 from tptrain.training.data import DataOrder
@@ -69,8 +70,7 @@ def check_run(model: nn.Module, distributed_config, args: TrainingArguments, wor
     model (on meta): the rule table, the training run's rows included. The plan's own problems are the caller's to
     report (ResolvedPlan.problems)."""
     config = args.parallelism_config
-    training = dict(data_parallel=True, batch_size=args.per_device_train_batch_size, seq_len=args.seq_len,
-                    optim_in_backward=args.optim_in_backward,
+    training = dict(batch_size=args.per_device_train_batch_size, seq_len=args.seq_len,
                     pp_microbatches=config.pp_microbatches if config is not None else None)
     axes.check(model, distributed_config, world_size=world_size, training=training,
                spelling=Spelling(seq_len=seq_len_name), plan_problems=False)
@@ -138,14 +138,19 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement,
     return done.fsdp, done.pipeline
 
 
-def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int
+def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps: int, *,
+                           pipeline: Pipeline | None = None
                            ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the (wrapped) model's parameters, and its schedule to 0 at the run's `max_steps`. With
-    `optim_in_backward`, one AdamW per parameter stepped by its gradient hook; TP partial gradients are held back
-    for the Trainer to sum and step after backward."""
+    `optim_in_backward`, one AdamW per parameter stepped by its gradient hook, or under pipeline parallelism when its
+    stage's backward of the step is over; TP partial gradients and a pipeline's tied weight are held back for the
+    Trainer to sum and step after backward."""
     if args.optim_in_backward:
         layout = getattr(model, "tp_layout", None)
-        optimizer = OptimizerInBackward(model, args, held_back=layout.partial_grad_specs() if layout else ())
+        held = set(layout.partial_grad_specs() if layout else ()) | (pipeline.ties.summed_after() if pipeline else set())
+        optimizer = OptimizerInBackward(model, args, held_back=held, hooks=pipeline is None)
+        if pipeline is not None:
+            when_complete(pipeline.stages, optimizer.step_complete)
     else:
         optimizer = build_optimizer(model, args)
     return optimizer, build_scheduler(optimizer, args, total_steps=max_steps)

@@ -52,14 +52,14 @@ class TrainStep:
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
         if self.pipeline is not None:
-            self.pipeline.sync_tied_grads()
+            self.pipeline.ties.sync_grads()
         # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
         # gradients left: the optimizer held them back for this sum and steps them now
         if self.grad_sync is not None:
             self.grad_sync.sync_grads(self.inner)
         grad_norm = None  # optim_in_backward: most gradients were freed in backward, no norm exists
         if not self.args.optim_in_backward:
-            exclude = self.pipeline.norm_duplicates() if self.pipeline is not None else set()
+            exclude = self.pipeline.ties.norm_duplicates() if self.pipeline is not None else set()
             grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh,
                                         exclude=exclude).item()
         optimizer.step()

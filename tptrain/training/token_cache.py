@@ -20,11 +20,17 @@ a changed file, tokenizer or format is a new key and a new store, never a reuse.
 the key and the files' sizes on every load.
 
 A store is written into a hidden temporary directory, fsynced, and renamed into place; any failure (a full
-disk, a bad record, Ctrl-C) removes the temporary directory, so nothing that looks complete is left. Local
-rank 0 (LOCAL_RANK) of each node builds it; the node's other ranks poll for it and fail with rank 0's error
-(a status file beside the store) or when rank 0 died, so this works before any process group exists. A
-cache root that cannot be written: an explicit one (flag, field, $TPTRAIN_CACHE) is an error naming it; the
-default (e.g. a read-only HOME) falls back to tokenizing in memory on every rank, with a message.
+disk, a bad record, Ctrl-C) removes the temporary directory, so nothing that looks complete is left. The local
+ranks of each node (LOCAL_RANK of LOCAL_WORLD_SIZE) build it together, before any process group exists, through
+files beside the store: local rank 0 makes the temporary directory and says so in a status file; every local rank
+tokenizes its share of the file (token_stream.Share: the documents starting in its r-th of the bytes) into a part
+there, with the node's cores split among them for the tokenizers library's threads (RAYON_NUM_THREADS, unless
+set), and marks it done or failed (part-<r>.json); local rank 0 joins the parts in rank order (the bytes one
+process writes) and publishes the store, which the others then map. A failure anywhere is raised on every local
+rank: rank 0's (or its death) through the status file, another rank's (or its death) by rank 0, which then fails
+the build with that error. A cache root that cannot be written: an explicit one (flag, field, $TPTRAIN_CACHE) is
+an error naming it; the default (e.g. a read-only HOME) falls back to tokenizing in memory on every rank, with a
+message.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,14 +50,14 @@ import numpy as np
 
 from tptrain.io import fsync_path
 from tptrain.io.writer import write_synced
-from tptrain.training.token_stream import OFFSETS, TARGETS, TOKENS, tokenize_file
+from tptrain.training.token_stream import OFFSETS, TARGETS, TOKENS, Share, merge_parts, tokenize_share
 
 CACHE_ENV = "TPTRAIN_CACHE"
 DEFAULT_ROOT = "~/.cache/tptrain/data"
 FORMAT_VERSION = 1
 _MOVE_IT = f"move it with --data-cache DIR (TrainingArguments.data_cache_dir, ${CACHE_ENV})"
 _USER_ERRORS = {e.__name__: e for e in (ValueError, TypeError, OSError, FileNotFoundError)}
-_BUILDER_GRACE = 600.0  # seconds a waiting rank gives local rank 0 to start building before giving up
+_BUILDER_GRACE = 600.0  # seconds a rank waits for another local rank to start its part before giving up
 
 
 @dataclass
@@ -136,7 +143,8 @@ def open_or_build(path: Path, tokenizer: Any, *, cache_dir: str | os.PathLike | 
     a fingerprint, or the default root not writable): then the caller tokenizes in memory."""
     root, chosen = cache_root(cache_dir)
     keyed = cache_key(path, tokenizer, options)
-    builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    rank, ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    builder = rank == 0
     if keyed is None:
         _say(builder, f"data cache: off ({type(tokenizer).__name__} has no tokenizer file to key the cache by); "
                       "tokenizing in memory")
@@ -152,7 +160,8 @@ def open_or_build(path: Path, tokenizer: Any, *, cache_dir: str | os.PathLike | 
             _say(builder, f"data cache: {root} cannot be written ({error}); tokenizing in memory on every rank "
                           f"instead ({_MOVE_IT} to cache)")
             return None
-        store = _build(directory, key, path, tokenizer, parts, encoder, why) if builder else _wait(directory, key)
+        job = _Job(directory, key, path, tokenizer, encoder, parts, rank, ranks)
+        store = _build(job, why) if builder else _wait(job)
     else:
         _say(builder, f"data cache: hit {directory}")
     check_vocab(store, vocab_size)
@@ -180,15 +189,37 @@ def _unwritable(root: Path) -> str | None:
     return None if os.access(root, os.W_OK | os.X_OK) else "permission denied"
 
 
-def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[str, Any], encoder: Any,
-           why: str) -> Store:
-    """Tokenize `path` into a temporary directory and publish it as `directory` (local rank 0)."""
+@dataclass
+class _Job:
+    """One local rank's part in building the store of `key` in `directory`."""
+
+    directory: Path
+    key: str
+    path: Path
+    tokenizer: Any
+    encoder: Any
+    parts: dict[str, Any]  # what the key hashes
+    rank: int
+    ranks: int
+
+    def tokenize(self, tmp: Path, *, check: Callable[[], None], show_progress: bool = False) -> dict[str, Any]:
+        """This rank's share of the file into tmp/part-<rank>; its stats."""
+        if self.ranks > 1:  # the node's cores shared out: the tokenizers library reads it when its threads start
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, cores // self.ranks)))
+        return tokenize_share(self.path, tmp / f"part-{self.rank}", self.tokenizer, encoder=self.encoder,
+                              share=Share(self.rank, self.ranks, self.path.stat().st_size), check=check,
+                              show_progress=show_progress)
+
+
+def _build(job: _Job, why: str) -> Store:
+    """Tokenize local rank 0's share into a temporary directory, join the other ranks' parts and publish it."""
+    directory, path = job.directory, job.path
     status = _status_file(directory)
     if why != "absent":
         print(f"data cache: {directory} is not a complete store of this key ({why}); rebuilding it", flush=True)
     print(f"data cache: miss (tokenizing {path.name}, {path.stat().st_size / 1e6:,.0f} MB) -> {directory}",
           flush=True)
-    _write_status(status, state="building")
     prefix = f".{directory.name}.tmp-{socket.gethostname()}-"
     tmp = directory.parent / f"{prefix}{os.getpid()}"
     try:
@@ -196,25 +227,73 @@ def _build(directory: Path, key: str, path: Path, tokenizer: Any, parts: dict[st
             if not _alive(int(stale.name[len(prefix):])):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-        stats = tokenize_file(path, tmp, tokenizer, encoder=encoder, show_progress=True)
-        meta = {"key": key, "version": FORMAT_VERSION, "source": str(path),
-                "source_bytes": path.stat().st_size, "tokenizer": parts["tokenizer"], "parts": parts, **stats}
-        write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        for name in (TOKENS, TARGETS, OFFSETS):
-            if (tmp / name).exists():
-                fsync_path(tmp / name)
-        _publish(tmp, directory)
+        _write_status(status, job.ranks, state="building", tmp=tmp.name)
+        stats = job.tokenize(tmp, check=lambda: _parts(job, tmp, wait=False), show_progress=True)
+        others = _parts(job, tmp, wait=True)
+        if others is None:  # another node published the same store first (a shared filesystem)
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _finish(job, tmp, merge_parts(tmp, [stats, *others], kind=stats["kind"]))
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             exc = OSError(errno.ENOSPC, f"data cache: no space left on the device while writing {tmp} (removed); "
                                         f"free space or {_MOVE_IT}")
-        _write_status(status, state="failed", type=type(exc).__name__, error=str(exc))
+        # Said before the directory goes: a rank whose part write then fails finds this error, not its own
+        _write_status(status, job.ranks, state="failed", type=type(exc).__name__, error=str(exc))
+        shutil.rmtree(tmp, ignore_errors=True)
         raise exc from None
     status.unlink(missing_ok=True)
+    return _opened(directory, job.key)
+
+
+def _finish(job: _Job, tmp: Path, stats: dict[str, Any]) -> None:
+    """meta.json (written last: it marks the store complete) and fsync of the joined store in `tmp`; publish it."""
+    for marker in tmp.glob("part-*"):  # the parts' markers (their directories went with the join)
+        marker.unlink()
+    meta = {"key": job.key, "version": FORMAT_VERSION, "source": str(job.path), "source_bytes": job.path.stat().st_size,
+            "tokenizer": job.parts["tokenizer"], "parts": job.parts, **stats}
+    write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    for name in (TOKENS, TARGETS, OFFSETS):
+        if (tmp / name).exists():
+            fsync_path(tmp / name)
+    _publish(tmp, job.directory)
+
+
+def _opened(directory: Path, key: str) -> Store:
     store, why = open_store(directory, key)
     assert store is not None, f"the store just written does not verify: {why}"
     return store
+
+
+def _parts(job: _Job, tmp: Path, *, wait: bool) -> list[dict[str, Any]] | None:
+    """The other local ranks' part stats, in rank order (wait: until every part is done; None if the store was
+    published meanwhile by another node). A rank's failure is raised here with its error; its death, or its not
+    starting within the grace period, as a RuntimeError / TimeoutError naming it."""
+    start, delay = time.monotonic(), 0.05
+    while True:
+        states = [_read_status(tmp / f"part-{rank}.json") for rank in range(1, job.ranks)]
+        for rank, state in enumerate(states, 1):
+            if state.get("state") == "failed":
+                raise _error(state, f"local rank {rank} could not tokenize its share of {job.path}")
+            if state.get("state") == "running" and not _alive(state["pid"]):
+                raise RuntimeError(f"local rank {rank} (pid {state['pid']}) died while tokenizing its share of "
+                                   f"{job.path} for the data cache {job.directory}; run again (nothing partial was kept)")
+        if not wait or all(state.get("state") == "done" for state in states):
+            return states
+        if open_store(job.directory, job.key)[0] is not None:
+            return None
+        if not all(states) and time.monotonic() - start > _BUILDER_GRACE:
+            missing = [rank for rank, state in enumerate(states, 1) if not state]
+            raise TimeoutError(f"waited {_BUILDER_GRACE:.0f} s for local rank(s) {missing} to start their share of "
+                               f"the data cache {job.directory}, and they never did")
+        time.sleep(delay)
+        delay = min(1.0, delay * 2)
+
+
+def _error(state: dict[str, Any], context: str) -> BaseException:
+    """Another rank's error as it was (a user error reads the same on every rank), else a RuntimeError."""
+    error = _USER_ERRORS.get(state["type"])
+    return error(state["error"]) if error else RuntimeError(f"{context}: {state['type']}: {state['error']}")
 
 
 def _publish(tmp: Path, directory: Path) -> None:
@@ -234,26 +313,50 @@ def _publish(tmp: Path, directory: Path) -> None:
     fsync_path(directory.parent)
 
 
-def _wait(directory: Path, key: str) -> Store:
-    """Poll until local rank 0 has published the store; its failure, or its death, raised here."""
-    status, start, delay = _status_file(directory), time.monotonic(), 0.05
+def _wait(job: _Job) -> Store:
+    """Poll until local rank 0 has published the store, tokenizing this rank's part once it has started; its
+    failure, or its death, raised here."""
+    status, start, delay, joined = _status_file(job.directory), time.monotonic(), 0.05, False
     while True:
-        store, _ = open_store(directory, key)
+        store, _ = open_store(job.directory, job.key)
         if store is not None:
             return store
         state = _read_status(status)
-        if state.get("state") == "failed":  # rank 0's error as it is: the launcher reports it once for all
-            error = _USER_ERRORS.get(state["type"])
-            raise error(state["error"]) if error else RuntimeError(
-                f"local rank 0 could not build the data cache {directory}: {state['type']}: {state['error']}")
+        _raise_failed(state, job.directory)
         if state.get("state") == "building" and not _alive(state["pid"]):
-            raise RuntimeError(f"local rank 0 (pid {state['pid']}) died while building the data cache {directory}; "
-                               "run again (nothing partial was kept), or build it first with `tptrain prepare-data`")
+            raise RuntimeError(f"local rank 0 (pid {state['pid']}) died while building the data cache "
+                               f"{job.directory}; run again (nothing partial was kept), or build it first with "
+                               "`tptrain prepare-data`")
+        if state.get("state") == "building" and "tmp" in state and 0 < job.rank < job.ranks and not joined:
+            joined = True
+            _tokenize_part(job, job.directory.parent / state["tmp"], status)
+            continue
         if not state and time.monotonic() - start > _BUILDER_GRACE:
-            raise TimeoutError(f"waited {_BUILDER_GRACE:.0f} s for local rank 0 to build the data cache {directory}, "
-                               f"and it never started (no {status.name})")
+            raise TimeoutError(f"waited {_BUILDER_GRACE:.0f} s for local rank 0 to build the data cache "
+                               f"{job.directory}, and it never started (no {status.name})")
         time.sleep(delay)
         delay = min(2.0, delay * 2)
+
+
+def _raise_failed(state: dict[str, Any], directory: Path) -> None:
+    """Local rank 0's failure as it was: the launcher reports it once for all ranks."""
+    if state.get("state") == "failed":
+        raise _error(state, f"local rank 0 could not build the data cache {directory}")
+
+
+def _tokenize_part(job: _Job, tmp: Path, status: Path) -> None:
+    """This rank's part, marked running, then done (its stats) or failed (its error, which rank 0 raises)."""
+    marker = tmp / f"part-{job.rank}.json"
+    _write_state(marker, state="running")
+    try:
+        stats = job.tokenize(tmp, check=lambda: _raise_failed(_read_status(status), job.directory))
+    except BaseException as exc:
+        _raise_failed(_read_status(status), job.directory)  # rank 0 failed first: its error, not this echo of it
+        if open_store(job.directory, job.key)[0] is not None:  # another node published it: rank 0 dropped tmp
+            return
+        _write_state(marker, state="failed", type=type(exc).__name__, error=str(exc))
+        raise
+    _write_state(marker, state="done", **stats)
 
 
 def _status_file(directory: Path) -> Path:
@@ -264,15 +367,19 @@ def _status_file(directory: Path) -> Path:
     return directory.parent / f".{directory.name}.{launch}.status"
 
 
-def _write_status(status: Path, **state: Any) -> None:
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:  # nobody reads it in a one-process run
-        return
-    tmp = status.with_suffix(".tmp")
+def _write_status(status: Path, ranks: int, **state: Any) -> None:
+    if ranks > 1:  # nobody reads it in a one-process run
+        _write_state(status, **state)
+
+
+def _write_state(path: Path, **state: Any) -> None:
+    """{"pid": this process, **state} into `path`, atomically."""
+    tmp = path.with_suffix(".tmp")
     try:
         tmp.write_text(json.dumps({"pid": os.getpid(), **state}))
-        os.replace(tmp, status)
-    except OSError:  # a full disk: the waiting ranks still see this pid die, and the error is raised here
-        tmp.unlink(missing_ok=True)
+        os.replace(tmp, path)
+    except OSError:  # a full disk, a removed directory: the readers still see this pid die, and the error is
+        tmp.unlink(missing_ok=True)  # raised here
 
 
 def _read_status(status: Path) -> dict[str, Any]:

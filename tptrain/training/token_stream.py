@@ -1,21 +1,28 @@
 """Tokenize a data file into the token cache's files, reading it in pieces (training/token_cache.py owns the store).
 
-    stats = tokenize_file(Path("corpus.txt"), directory, tokenizer, encoder=None, show_progress=True)
+    stats = tokenize_share(Path("corpus.txt"), part, tokenizer, encoder=None, share=Share(0, 1, size))
+    stats = merge_parts(directory, [stats, ...], kind=stats["kind"])      # the parts, in rank order, as one store
 
 A text file is read 8 MB at a time and split at document breaks as `data.read_documents` splits it (a
 piece ends after the last break that more text cannot extend), so only a batch of documents is held at
-once (one document longer than memory cannot be split: it is tokenized whole, as before). A .jsonl file is
-read line by line. Documents are tokenized in batches of about 4 MB of text (`encode_batch`: the tokenizers
-library's threads) and appended to the files; the ids are exactly those of the in-memory path.
+once. A .jsonl file is read line by line. Each local rank reads the whole file (reading is ~100x faster than
+tokenizing) and tokenizes its `Share`: the documents (records) that start in its r-th of the file's bytes, in
+file order, into a part of its own. Documents are cut into pieces of about 64K characters where the tokenizer
+guarantees the same ids (training/token_pieces.py) and the pieces of about 4 MB of text encoded at once
+(`encode_batch`: the tokenizers library's threads). The parts joined in rank order are the ids, target flags
+and offsets a single process writes, byte for byte: exactly those of the in-memory path.
 """
 from __future__ import annotations
 
 import codecs
 import itertools
+import os
+import shutil
 import sys
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +31,25 @@ import numpy as np
 from tptrain.losses import IGNORE_INDEX
 from tptrain.io import jsonl_records, utf8_error
 from tptrain.training.data import DOCUMENT_BREAK
+from tptrain.training.token_pieces import Cutter, piece_cutter
 
-TOKENS, TARGETS, OFFSETS = "tokens.bin", "targets.bin", "offsets.npy"
+TOKENS, TARGETS, OFFSETS, LENGTHS = "tokens.bin", "targets.bin", "offsets.npy", "lengths.npy"
 _READ_BYTES = 8 << 20
 _BATCH_CHARS = 4 << 20
+_PIECE_CHARS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Share:
+    """Local rank `rank` of `ranks` tokenizes the documents (records) starting in its `rank`-th of the file's
+    `size` bytes."""
+
+    rank: int
+    ranks: int
+    size: int
+
+    def owns(self, position: int) -> bool:
+        return position * self.ranks // max(1, self.size) == self.rank
 
 
 def text_documents(path: Path, progress: Callable[[int], None]) -> Iterator[str]:
@@ -101,25 +123,25 @@ class TokenWriter:
             if f is not None:
                 f.close()
 
-    def close(self, *, keep_targets: bool) -> dict[str, int]:
-        """Flush the files, write the offsets; drop the target flags when no record needed them."""
+    def close(self) -> dict[str, Any]:
+        """Flush the files and write the tokens per document (the store's offsets come from them)."""
         self.close_files()
-        if self.targets is not None and not keep_targets:
-            (self.directory / TARGETS).unlink()
-        offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
-        np.cumsum(np.frombuffer(self.lengths, dtype=np.int64), out=offsets[1:])
-        np.save(self.directory / OFFSETS, offsets)
-        return {"num_tokens": self.num_tokens, "num_documents": len(self.lengths), "max_id": self.max_id}
+        np.save(self.directory / LENGTHS, np.array(self.lengths, dtype=np.int64))
+        return {"dtype": self.dtype.name, "num_tokens": self.num_tokens, "max_id": self.max_id}
 
 
-def tokenize_file(path: Path, directory: Path, tokenizer: Any, *, encoder: Any, show_progress: bool
-                  ) -> dict[str, Any]:
-    """Write `path`'s tokens into `directory`; {"kind": "text" | "records", counts, max_id}.
-    encoder: a `sft_data.SampleEncoder` for a .jsonl file (None for plain text)."""
+def tokenize_share(path: Path, directory: Path, tokenizer: Any, *, encoder: Any, share: Share,
+                   check: Callable[[], None] = lambda: None, show_progress: bool = False) -> dict[str, Any]:
+    """Write the ids of `share`'s documents (records) of `path` into `directory` (tokens.bin, targets.bin for a
+    .jsonl file, lengths.npy); {"kind": "text" | "records", "dtype", "num_tokens", "max_id"}. The kind and the
+    emptiness checks are the whole file's, the same on every rank. encoder: a `sft_data.SampleEncoder` for a
+    .jsonl file (None for plain text). `check` runs before each batch (another rank's failure raised there)."""
     from tqdm import tqdm
 
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+    directory.mkdir()
     writer = TokenWriter(directory, dtype, targets=encoder is not None)
+    encode = _Encoder(tokenizer, writer, piece_cutter(tokenizer), check)
     start = time.perf_counter()
     with tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"tokenizing {path.name}",
               file=sys.stderr, disable=not show_progress, mininterval=1.0) as bar:
@@ -127,48 +149,107 @@ def tokenize_file(path: Path, directory: Path, tokenizer: Any, *, encoder: Any, 
             f"{writer.num_tokens / (time.perf_counter() - start):,.0f} tok/s", refresh=False)
         try:
             if encoder is None:
-                kind, texts = "text", _encode_texts(text_documents(path, bar.update), tokenizer, writer, targets=False)
+                seen = [0]
+                encode.texts(_text_share(path, share, bar.update, seen), targets=False)
+                kind, any_text = "text", seen[0] > 0
             else:
-                kind, texts = _encode_records((r for _, r in jsonl_records(path, bar.update)), tokenizer, writer, encoder)
+                kind, any_text = _encode_records(_record_share(path, share, bar.update), encode, encoder)
         finally:  # on an error too: the caller removes the directory
             writer.close_files()
-    if kind == "text" and not texts:
+    if kind == "text" and not any_text:
         raise ValueError(f"dataset {path} is empty: it has no text to train on")
-    return {"kind": kind, "dtype": dtype.name, **writer.close(keep_targets=kind == "records")}
+    return {"kind": kind, **writer.close()}
 
 
-def _encode_texts(texts: Iterator[str], tokenizer: Any, writer: TokenWriter, *, targets: bool) -> bool:
-    """Each text's ids then eos, in batches; whether any text was non-empty. targets: write the flags of a
-    {"text"} record (every token but the first, which nothing precedes)."""
-    encode_batch = getattr(tokenizer, "encode_batch", None) or (lambda texts: [tokenizer.encode(t) for t in texts])
-    batch, size, any_text = [], 0, False
-    for text in itertools.chain(texts, [None]):
-        if text is not None:
-            batch.append(text)
-            size += len(text)
-            any_text |= bool(text)
-        if batch and (text is None or size >= _BATCH_CHARS):
-            ids = [d + [tokenizer.eos_token_id] for d in encode_batch(batch)]
-            writer.write(ids, [[False] + [True] * (len(d) - 1) for d in ids] if targets else None)
-            batch, size = [], 0
-    return any_text
+def _text_share(path: Path, share: Share, progress: Callable[[int], None], seen: list[int]) -> Iterator[str]:
+    """The documents of `share`, counting every document of the file in `seen`."""
+    position = 0  # the documents' bytes before this one
+    for document in text_documents(path, progress):
+        seen[0] += 1
+        if share.owns(position):
+            yield document
+        position += len(document) if document.isascii() else len(document.encode("utf-8"))
 
 
-def _encode_records(records: Iterator[Any], tokenizer: Any, writer: TokenWriter, encoder: Any) -> tuple[str, bool]:
-    """("records" if any record is a chat or prompt/completion, else "text"; whether any text was non-empty).
+def _record_share(path: Path, share: Share, progress: Callable[[int], None]) -> Iterator[tuple[bool, Any]]:
+    """(whether `share` holds it, record) of every record of a .jsonl file, by its line's last byte."""
+    end = [0]
+
+    def count(n: int) -> None:
+        end[0] += n
+        progress(n)
+
+    for _, record in jsonl_records(path, count):
+        yield share.owns(end[0] - 1), record
+
+
+class _Encoder:
+    """Texts to ids in batches, each text cut into pieces where `cut` (token_pieces) allows, its ids then eos."""
+
+    def __init__(self, tokenizer: Any, writer: TokenWriter, cut: Cutter | None, check: Callable[[], None]) -> None:
+        self.tokenizer, self.writer, self.cut, self.check = tokenizer, writer, cut, check
+        self.encode_batch = getattr(tokenizer, "encode_batch", None) or (
+            lambda texts: [tokenizer.encode(t) for t in texts])
+
+    def texts(self, texts: Iterable[str], *, targets: bool) -> None:
+        """targets: write the flags of {"text"} records (every token but the first, which nothing precedes)."""
+        pieces, counts, size = [], [], 0
+        for text in itertools.chain(texts, [None]):
+            if text is not None:
+                cut = [text] if self.cut is None else self.cut(text, _PIECE_CHARS)
+                pieces += cut
+                counts.append(len(cut))
+                size += len(text)
+            if counts and (text is None or size >= _BATCH_CHARS):
+                self.check()
+                encoded = iter(self.encode_batch(pieces))
+                eos = [self.tokenizer.eos_token_id]
+                ids = [list(itertools.chain.from_iterable(next(encoded) for _ in range(n))) + eos for n in counts]
+                self.writer.write(ids, [[False] + [True] * (len(d) - 1) for d in ids] if targets else None)
+                pieces, counts, size = [], [], 0
+
+    def sample(self, sample: Any) -> None:
+        self.writer.write([sample.input_ids], [[label != IGNORE_INDEX for label in sample.labels]])
+
+
+def _encode_records(records: Iterator[tuple[bool, Any]], encode: _Encoder, encoder: Any) -> tuple[str, bool]:
+    """("records" if any record of the file is a chat or prompt/completion, else "text"; whether it has any text).
     Runs of {"text"} records are batched: their tokens are the same whichever kind the file turns out to be."""
-    structured, any_text, texts = False, False, []
-    for index, record in enumerate(itertools.chain(records, [None])):
+    structured, any_text, texts, count = False, False, [], 0
+    for index, (mine, record) in enumerate(itertools.chain(records, [(False, None)])):
         if record is not None and encoder.format(record, index) == "text" and isinstance(record["text"], str):
-            texts.append(record["text"])
+            any_text |= bool(record["text"])
+            if mine:
+                texts.append(record["text"])
             continue
-        any_text |= _encode_texts(iter(texts), tokenizer, writer, targets=True)
+        encode.texts(texts, targets=True)
         texts = []
         if record is None:
+            count = index
             break
         structured = True
-        sample = encoder(record, index)
-        writer.write([sample.input_ids], [[label != IGNORE_INDEX for label in sample.labels]])
-    if not writer.lengths:
+        if mine:
+            encode.sample(encoder(record, index))
+    if not count:
         raise ValueError(f"dataset {encoder.name} is empty: it has no records to train on")
     return ("records" if structured else "text"), any_text or structured
+
+
+def merge_parts(directory: Path, parts: list[dict[str, Any]], *, kind: str) -> dict[str, Any]:
+    """Join the parts `tokenize_share` wrote into directory/part-<rank> (`parts`: their stats, in rank order)
+    into the store's tokens.bin, targets.bin (records only) and offsets.npy; the parts are removed."""
+    dirs = [directory / f"part-{rank}" for rank in range(len(parts))]
+    for name in (TOKENS, TARGETS) if kind == "records" else (TOKENS,):
+        os.replace(dirs[0] / name, directory / name)  # rank 0's part starts the file: only the others are copied
+        with open(directory / name, "ab") as out:
+            for part in dirs[1:]:
+                with open(part / name, "rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+    lengths = np.concatenate([np.load(part / LENGTHS) for part in dirs])
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    np.save(directory / OFFSETS, offsets)
+    for part in dirs:
+        shutil.rmtree(part)
+    return {"kind": kind, "dtype": parts[0]["dtype"], "num_tokens": int(offsets[-1]), "num_documents": len(lengths),
+            "max_id": max(p["max_id"] for p in parts)}

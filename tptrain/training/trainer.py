@@ -88,7 +88,7 @@ class Trainer:
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
         self.fsdp, self.pipeline = parallelize(model, args, placement,
                                                on_forward=getattr(self.model, "count_forward", None))
-        self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps)
+        self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=self.pipeline)
         self.step = TrainStep(self.model, args=args, mesh=self.mesh, device=self.device, pipeline=self.pipeline,
                               fsdp=self.fsdp)
         self.converter = ckpt.StateConverter(model, self.mesh)
@@ -291,7 +291,8 @@ class Trainer:
         """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter),
         loadable by transformers (and peft), plus the source model's tokenizer files. Collective: FSDP and TP
         shards are gathered, rank 0 writes."""
-        return self.checkpoints.save_model(output_dir, self._tokenizer_dir() if self.is_rank0 else None)
+        return self.checkpoints.save_model(output_dir, self._tokenizer_dir() if self.is_rank0 else None,
+                                           model=self.model)
 
     def _tokenizer_dir(self) -> Path | None:
         path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json
