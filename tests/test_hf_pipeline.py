@@ -3,7 +3,7 @@
 own index and layer type), each stage running transformers' own forward over what it holds. Tiny random checkpoints
 written by transformers (hub layout), fp64: the stages one after another on one process against the whole model
 (logits and every gradient); the Trainer at pp 2, at tp 2 x pp 2 (also with enable_expert_parallel on an MoE type),
-at pp 2 x dp 2 (FSDP2) and with LoRA, against one process, its final checkpoint (written from the stages) reloaded by
+at pp 2 x dp 2 (FSDP2), with LoRA, at pp 2 x cp 2 and (slow) tp 2 x cp 2 x pp 2, against one process, its final checkpoint (written from the stages) reloaded by
 transformers; `tptrain train --pp-size 2`; the refusals of what cannot be cut.
 
     .venv/bin/python -m pytest tests/test_hf_pipeline.py -q
@@ -148,10 +148,24 @@ def _four_ranks_worker(paths: dict[str, str], out: str) -> None:
     _train(paths["cohere2"], f"{out}/fsdp", layout=dict(pp_size=2, tp_size=1),
            parallelism=dict(dp_shard_size=2))
     _train(paths["gpt_neox"], f"{out}/lora", layout=dict(pp_size=2, tp_size=2), lora=True)
+    for model_type in ("cohere2", "llama4_text"):  # sliding windows, chunks and NoPE temperatures over cp ranks
+        _train(paths[model_type], f"{out}/{model_type}-cp", layout=dict(pp_size=2, cp_size=2, tp_size=1))
+
+
+def _eight_ranks_worker(paths: dict[str, str], out: str) -> None:
+    for model_type in FAMILIES:
+        _train(paths[model_type], f"{out}/{model_type}", layout=dict(pp_size=2, cp_size=2, tp_size=2))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_tp2_cp2_pp2_equals_one_process(checkpoints, tmp_path):
+    """tp 2 x cp 2 x pp 2 on 8 ranks, every family of issue 34 (the hybrid's gated DeltaNet refuses cp)."""
+    run_distributed(_eight_ranks_worker, 8, checkpoints, str(tmp_path), timeout=1800)
 
 
 @pytest.mark.distributed
-def test_trainer_tp2_pp2_ep_fsdp_lora_equal_one_process(checkpoints, tmp_path):
+def test_trainer_tp2_pp2_ep_fsdp_lora_cp_equal_one_process(checkpoints, tmp_path):
     run_distributed(_four_ranks_worker, 4, checkpoints, str(tmp_path), timeout=1200)
 
 
