@@ -2,7 +2,8 @@
 (the embedding on the first, the final norm and head on the last, consecutive decoder layers on each, each keeping its
 own index and layer type), each stage running transformers' own forward over what it holds. Tiny random checkpoints
 written by transformers (hub layout), fp64: the stages one after another on one process against the whole model
-(logits and every gradient); the Trainer at pp 2, at tp 2 x pp 2 (also with enable_expert_parallel on an MoE type),
+(logits and every gradient); the Trainer at pp 2, at tp 2 x pp 2 (also with enable_expert_parallel on an MoE type,
+and with its experts over an ep axis),
 at pp 2 x dp 2 (FSDP2), with LoRA, at pp 2 x cp 2 and (slow) tp 2 x cp 2 x pp 2, against one process, its final checkpoint (written from the stages) reloaded by
 transformers; `tptrain train --pp-size 2`; the refusals of what cannot be cut.
 
@@ -145,6 +146,9 @@ def _four_ranks_worker(paths: dict[str, str], out: str) -> None:
     for model_type in TP_PP:
         _train(paths[model_type], f"{out}/{model_type}", layout=dict(pp_size=2, tp_size=2))
     _train(paths["granitemoe"], f"{out}/ep", layout=dict(pp_size=2, tp_size=2, enable_expert_parallel=True))
+    # an ep axis (its stacked experts stored under another name, read by expert), each dp rank its own batch
+    _train(paths["granitemoe"], f"{out}/ep-axis", layout=dict(pp_size=2, tp_size=1, ep_size=2),
+           parallelism=dict(dp_shard_size=2))
     _train(paths["cohere2"], f"{out}/fsdp", layout=dict(pp_size=2, tp_size=1),
            parallelism=dict(dp_shard_size=2))
     _train(paths["gpt_neox"], f"{out}/lora", layout=dict(pp_size=2, tp_size=2), lora=True)
