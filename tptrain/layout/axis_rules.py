@@ -135,10 +135,13 @@ def _cp_longrope(c: Case, r: Rule) -> str | None:
 
 @rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
       when="enable_sequence_parallel on the transformers backend",
-      reason="transformers' layers are not split along the sequence", fix="drop enable_sequence_parallel")
+      reason="transformers' attention and MLP modules take their shapes from their input (the attention output is "
+             "reshaped to the input's sequence length), which sequence parallelism would make a shard of the sequence",
+      fix="drop enable_sequence_parallel (--sequence-parallel), or load with backend='native' if tptrain has the type")
 def _sp_transformers(c: Case, r: Rule) -> str | None:
     if c.features.sequence_parallel and c.facts.backend == "transformers":
-        return f"sequence parallelism is not supported on the transformers backend ({r.reason}); {r.fix}"
+        return (f"sequence parallelism is not supported on the transformers backend ({c.facts.model_type}): {r.reason}; "
+                f"{r.fix}")
 
 
 @rule(ROWS, "sp_experts", between=("sp", "moe_router_styles"), needs=MODEL,
