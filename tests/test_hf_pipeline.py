@@ -4,7 +4,8 @@ own index and layer type), each stage running transformers' own forward over wha
 written by transformers (hub layout), fp64: the stages one after another on one process against the whole model
 (logits and every gradient); the Trainer at pp 2, at tp 2 x pp 2 (also with enable_expert_parallel on an MoE type,
 and with its experts over an ep axis),
-at pp 2 x dp 2 (FSDP2), with LoRA, at pp 2 x cp 2 and (slow) tp 2 x cp 2 x pp 2, against one process, its final checkpoint (written from the stages) reloaded by
+at pp 2 x dp 2 (FSDP2), with LoRA, at pp 2 x cp 2 and (slow) tp 2 x cp 2 x pp 2, against one process, a checkpoint
+resumed across pp sizes, its final checkpoint (written from the stages) reloaded by
 transformers; `tptrain train --pp-size 2`; the refusals of what cannot be cut.
 
     .venv/bin/python -m pytest tests/test_hf_pipeline.py -q
@@ -130,11 +131,35 @@ def _reloaded_equals_one_process(path: str, out: str) -> None:
     dist.barrier()
 
 
+def _resume_across_pp(path: str, out: str) -> None:
+    """A checkpoint saved at pp 2 (tied embeddings: a copy on each stage) resumes at pp 1 x dp_shard 2, and that run's
+    at pp 2: the losses are those of uninterrupted one-process training."""
+    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.training.args import ParallelismConfig
+    from tptrain.training.trainer import Trainer
+
+    def run(pp: int, where: str, steps: int, resume: str | None = None) -> list[float]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(
+            pp_size=pp, tp_size=1, backend="transformers"))
+        args = training_args(f"{out}/{where}", max_steps=steps, per_device_train_batch_size=4 if pp == 2 else 2,
+                             save_steps=2, lr_scheduler_type="constant", warmup_steps=0,
+                             parallelism_config=ParallelismConfig(pp_microbatches=2) if pp == 2 else None)
+        return Trainer(model, args=args, train_dataset=tiny_dataset()).train(resume_from_checkpoint=resume).losses
+
+    losses = run(2, "pp2", 2) + run(1, "pp1", 4, f"{out}/pp2/checkpoint-2") + run(2, "again", 5,
+                                                                                  f"{out}/pp1/checkpoint-4")
+    args = training_args(out, max_steps=5, lr_scheduler_type="constant", warmup_steps=0)
+    expected = reference_losses(one_process(path), tiny_dataset(), args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TRAIN_TOL)
+
+
 def _pp2_worker(paths: dict[str, str], out: str) -> None:
     for model_type in TYPES:
         _train(paths[model_type], f"{out}/{model_type}", layout=dict(pp_size=2, tp_size=1))
     for model_type in ("gemma", "deepseek_v2"):  # tied, converted on load (its experts stacked)
         _reloaded_equals_one_process(paths[model_type], f"{out}/{model_type}")
+    _resume_across_pp(paths["gemma"], f"{out}/resume")
 
 
 @pytest.mark.distributed
