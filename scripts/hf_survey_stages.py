@@ -304,7 +304,8 @@ def run_layout_stages(directory: Path, ids: torch.Tensor, ref: dict | None, *, t
     def save():
         if rank != 0:
             return
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "final", dtype=steps_dtype).eval()
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "final", dtype=steps_dtype)
+        reloaded = reloaded.to(steps_dtype).eval()  # its fp32 islands too (routers), as the reference trains them
         eager_experts(reloaded)
         with fp64_throughout(), torch.no_grad():
             close([_ce(reloaded(input_ids=ids, use_cache=False).logits, ids).item()], ref["losses"][STEPS:],
