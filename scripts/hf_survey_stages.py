@@ -98,23 +98,25 @@ def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
     grads = {n: p.grad for n, p in train.named_parameters() if p.grad is not None}
     del train  # one copy at a time (phi4_multimodal's is 3.3 GB)
     try:
-        losses, loss_dtype = _trajectory(model, ids, dtype)
+        losses, loss_dtype, trained = _trajectory(model, ids, dtype)
     except RuntimeError:
         if dtype == torch.float32:
             raise
         dtype = torch.float32  # inkling2_text: transformers' own fp64 forward mixes dtypes
-        losses, loss_dtype = _trajectory(model, ids, dtype)
-    return dict(logits=logits, grads=grads, losses=losses, model=model, steps_dtype=dtype, loss_dtype=loss_dtype)
+        losses, loss_dtype, trained = _trajectory(model, ids, dtype)
+    return dict(logits=logits, grads=grads, losses=losses, model=model, steps_dtype=dtype, loss_dtype=loss_dtype,
+                trained=trained)
 
 
-def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype]:
+def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype, object]:
+    """(the losses of STEPS AdamW steps and the one after, the logits' dtype, the model trained)."""
     same = dtype == next(model.parameters()).dtype  # trains `model` itself: the save stage reloads its weights
     train = model if same else copy.deepcopy(model).to(dtype).eval()
     eager_experts(train)
     with fp64_throughout():
         with torch.no_grad():
             loss_dtype = train(input_ids=ids, use_cache=False).logits.dtype
-        return train_losses(train, lambda m: _ce(m(input_ids=ids, use_cache=False).logits, ids)), loss_dtype
+        return train_losses(train, lambda m: _ce(m(input_ids=ids, use_cache=False).logits, ids)), loss_dtype, train
 
 
 def train_losses(model, loss) -> list[float]:
@@ -288,6 +290,7 @@ def run_layout_stages(directory: Path, ids: torch.Tensor, ref: dict | None, *, t
         state["model"] = AutoModelForCausalLM.from_pretrained(directory, dtype=steps_dtype, distributed_config=(
             DistributedConfig(tp_size=tp, cp_size=cp, pp_size=pp, backend="transformers")))
         eager_experts(state["model"].hf_model)
+        _without_noise(state["model"])  # the Trainer trains in train mode; the reference trains in eval mode
 
     def train():
         args = TrainingArguments(output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=ids.shape[0],
@@ -304,12 +307,16 @@ def run_layout_stages(directory: Path, ids: torch.Tensor, ref: dict | None, *, t
     def save():
         if rank != 0:
             return
-        reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / "final", dtype=steps_dtype)
-        reloaded = reloaded.to(steps_dtype).eval()  # its fp32 islands too (routers), as the reference trains them
-        eager_experts(reloaded)
-        with fp64_throughout(), torch.no_grad():
-            close([_ce(reloaded(input_ids=ids, use_cache=False).logits, ids).item()], ref["losses"][STEPS:],
-                  "the reloaded final checkpoint's loss")
+        ref["trained"].save_pretrained(Path(tmp) / "transformers")  # what transformers' own reload makes of it
+
+        def loss(directory):  # (youtu's reload zeroes its padding row: both sides the same)
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / directory, dtype=steps_dtype)
+            reloaded = reloaded.to(steps_dtype).eval()  # its fp32 islands too (routers), as the reference trains them
+            eager_experts(reloaded)
+            with fp64_throughout(), torch.no_grad():
+                return _ce(reloaded(input_ids=ids, use_cache=False).logits, ids).item()
+
+        close([loss("final")], [loss("transformers")], "the reloaded final checkpoint's loss")
 
     try:
         for name, fn in zip(LAYOUT_STAGES, (load, train, save)):
@@ -321,6 +328,18 @@ def run_layout_stages(directory: Path, ids: torch.Tensor, ref: dict | None, *, t
             import shutil
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _without_noise(model) -> None:
+    """Dropout off in train mode (seed_oss' residual dropout): what eval mode turns off, which the reference's
+    training runs in."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for owner in (module, getattr(module, "config", None)):
+            for key, value in list(vars(owner).items()) if owner is not None else ():
+                if isinstance(value, float) and "dropout" in key:
+                    setattr(owner, key, 0.0)
 
 
 def _stage(name: str, fn, out: dict) -> str:
