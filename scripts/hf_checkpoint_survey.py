@@ -67,7 +67,7 @@ TINY_OVERRIDES: dict[str, dict] = {
     # one MoE layer of two (their defaults make the first layers dense: a tiny model had no experts)
     "beam": dict(mlp_layer_types=["dense", "sparse"], **_ONE_GROUP),
     "flint": dict(mlp_only_layers=[0]),
-    "longcat_flash": dict(num_layers=2),  # its own layer count (1 by default): two, so pp 2 has a layer per stage
+    "longcat_flash": dict(_MLA, num_layers=2, num_hidden_layers=4),  # two layers of two sublayers: pp 2 can cut it
     "gemma4_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16),  # 262144 rows by default
     # a composite config: the tiny keys go to its text config (else a full-size one, which no process holds)
     "llama4": dict(text_config={k: v for k, v in TINY.items() if k != "layer_types"}),
