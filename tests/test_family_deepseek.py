@@ -217,9 +217,6 @@ def test_plan_of_the_published_size():
     assert " ".join(q_b[3:7]) == "(24576, 1536) (3072, 1536)"  # 128 heads x 192 rows, 16 heads per rank
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="the rule table refuses SP with the MoE expert styles first (sp_experts) until SP x MoE "
-                          "composes (issue 33 section 2); then the latents' plan problem is listed again")
 def test_layouts_that_cannot_work_are_named(checkpoints):
     """Checked on the config alone (what `tptrain plan` and from_pretrained run on every rank before any collective):
     more ranks than heads; sequence parallelism (the latents and the router would see a sequence shard)."""

@@ -52,7 +52,7 @@ def test_stages_in_turn_equal_the_whole_model(model_type):
     model.zero_grad()
     stages = [StageModule(model, [0], first=True, last=False), StageModule(model, [1], first=False, last=True)]
     assert model.pp_layers.endswith(".layers") and "lm_head" in model.pp_last
-    logits = stages[1](stages[0](ids, positions), positions)
+    logits = stages[1](stages[0](ids, position_ids=positions), position_ids=positions)
     torch.testing.assert_close(logits, whole, **TOL)
     logits.square().mean().backward()
     for name, p in model.named_parameters():

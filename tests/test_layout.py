@@ -163,12 +163,15 @@ def test_each_refusal_is_one_message_from_every_entry_point(tmp_path, monkeypatc
     ep = {library(dense, 2, ep_size=2, tp_size=1), cli("plan", capsys, str(dense), "--tp-size", "1", "--ep-size", "2"),
           cli("train", capsys, "--model", str(dense), "--tp-size", "1", "--ep-size", "2", "--nproc-per-node", "2")}
     assert len(ep) == 1 and "has no experts to split" in next(iter(ep)), ep
-    # cp with the router aux loss: the library, `tptrain plan`, `tptrain train`
-    moe = model_dir(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+    # ep folded over cp, not a multiple of it (the router aux loss under cp composes now): the library, `tptrain
+    # plan`, `tptrain train`
+    moe = model_dir(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=6, num_experts_per_tok=2,
                     moe_intermediate_size=64, output_router_logits=True)
-    aux = {library(moe, 2, cp_size=2, tp_size=1), cli("plan", capsys, str(moe), "--tp-size", "1", "--cp-size", "2"),
-           cli("train", capsys, "--model", str(moe), "--tp-size", "1", "--cp-size", "2", "--nproc-per-node", "2")}
-    assert len(aux) == 1 and "cannot run with cp_size=2: cp_size with output_router_logits=True" in next(iter(aux)), aux
+    ep = {library(moe, 6, cp_size=2, ep_size=3, tp_size=1),
+          cli("plan", capsys, str(moe), "--tp-size", "1", "--cp-size", "2", "--ep-size", "3"),
+          cli("train", capsys, "--model", str(moe), "--tp-size", "1", "--cp-size", "2", "--ep-size", "3",
+              "--nproc-per-node", "6")}
+    assert len(ep) == 1 and "ep_size=3 (--ep-size) is not a multiple of cp_size=2" in next(iter(ep)), ep
     # what only a training run brings: the Trainer and `tptrain train`
     v = {trainer(dense, 4, pp=2, schedule="ZBVZeroBubble", per_device_train_batch_size=4, microbatches=2),
          cli("train", capsys, "--tp-size", "1", "--pp-size", "2", "--pp-schedule", "ZBVZeroBubble", "--pp-microbatches",

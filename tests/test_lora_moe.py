@@ -286,19 +286,62 @@ def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, 
     run_distributed(_trainer_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
 
 
-def _ep_axis_worker(path) -> None:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=1,
-                                                                                                       ep_size=2))
-    with pytest.raises(ValueError, match="split over an ep axis"):  # on every rank, before the seed's collective
-        get_peft_model(model, LoraConfig(r=2, target_parameters=EXPERTS))
-    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))  # attention LoRA still fine at ep_size
+def _ep_axis_worker(base_dir, adapter_dir, out) -> None:
+    """At ep 2 (tp 1): each rank its own batch and 2 of the 4 experts, their factors split by expert as the weights
+    are; LoRA gradients and 3 AdamW steps equal one process on the concatenated batch (the factors not split by
+    expert summed over dp, as data parallelism sums them); the adapter is saved gathered over ep."""
+    from tests.family_utils import dp_batches, step_both
+    from tptrain.distributed.topology import dp_mesh
+
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
+                                    is_trainable=True)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64,
+                                                distributed_config=DistributedConfig(tp_size=1, ep_size=2))
+    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    experts = base.model.layers[0].mlp.experts
+    assert tuple(experts.lora_gate_up_A.default.shape) == (2, 4, 32)  # this rank's 2 experts, r 4 (rank_pattern)
+    dp = dp_mesh(base.device_mesh)
+    batches = dp_batches(dp)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, model)]
+    for step in range(3):
+        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not base.tp_layout.spec(
+            n.removeprefix("base_model.model.")).ep_split)
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"ep 2 loss {step}: {m}")
+        if step == 0:
+            got, want = _lora_grads(model), _lora_grads(ref)
+            assert got.keys() == want.keys() and any("lora_down_B" in n for n in got)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"ep 2 grad {name}: {m}")
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    got, want = _lora_params(model), _lora_params(ref)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m: f"ep 2 {name} after 3 steps: {m}")
+    model.save_pretrained(out / "ep2")  # gathered over ep, in peft's layout
+    if torch.distributed.get_rank() == 0:
+        ref.save_pretrained(out / "ep2-ref")
 
 
 @pytest.mark.distributed
-def test_expert_lora_with_an_ep_axis_is_refused(bases):
-    """The experts' factors do not follow an ep axis yet (each rank would index every expert's factor by its local
-    expert number): refused clearly rather than computed wrong."""
-    run_distributed(_ep_axis_worker, 2, bases["qwen3_moe"], timeout=300)
+def test_expert_lora_over_an_ep_axis_equals_one_process_and_peft(bases, tmp_path):
+    """LoRA on the experts at ep 2 equals one process (gradients, 3 AdamW steps), and the adapter it saves is one
+    process's tensors in peft's file: peft loads it onto transformers with the logits tptrain gives it."""
+    settings = {**SETTINGS, "rank_pattern": {r".*\.gate_up_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 6}}
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
+    random_lora(adapter, seed=6)
+    adapter.save_pretrained(tmp_path / "adapter")
+    run_distributed(_ep_axis_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
+    with safe_open(str(tmp_path / "ep2" / "adapter_model.safetensors"), "pt") as f, \
+            safe_open(str(tmp_path / "ep2-ref" / "adapter_model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+        for key in f.keys():
+            torch.testing.assert_close(f.get_tensor(key), g.get_tensor(key), **TOL)
+    ids = batch()[0]
+    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+                                     tmp_path / "ep2")
+    theirs = peft.PeftModel.from_pretrained(transformers_fp64(bases["qwen3_moe"]), tmp_path / "ep2")
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, **HF_TOL)
 
 
 def _merge_worker(base_dir, adapter_dir, tmp) -> None:

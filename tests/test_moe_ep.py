@@ -135,7 +135,8 @@ def test_ep_sizes_resolve():
     assert DistributedConfig(ep_size=2).sizes(2) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "ep": 2}
     dims = DistributedConfig(tp_size=2, ep_size=4).parallel_dims(8)
     assert (dims.dp_shard, dims.tp, dims.ep) == (4, 2, 4)
-    assert dims.mesh_shape() == {"dp_replicate": 1, "dp_shard_mod_ep": 1, "ep": 4, "tp": 2}
+    # the ep group: dp_shard_in_ep x cp (flattened into "ep" by the mesh; cp 1 here)
+    assert dims.mesh_shape() == {"dp_replicate": 1, "dp_shard_mod_ep": 1, "dp_shard_in_ep": 4, "cp": 1, "tp": 2}
     assert DistributedConfig(ep_size=2, dp_shard_size=4).parallel_dims(4).mesh_shape()["dp_shard_mod_ep"] == 2
     assert "ep" not in DistributedConfig(ep_size=1).sizes(2)  # ep 1: no expert parallelism, the mesh of today
 

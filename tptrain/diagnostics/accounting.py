@@ -31,13 +31,19 @@ dispatching without de-duplicating a token sent to two experts of the same rank.
 into p equal shares takes the summing path and is counted as such. With an ep axis (`ep_size`) each rank dispatches its own T tokens over
 the ep group the same way (no share, no all-gather), and the rows its experts received come from the other ranks'
 routing, which each dispatch notes in the CommTracker recording the step ("rows_received", `CommTracker.noted`).
+Under SP a summing MoE block gathers its shard's routing with its input (forward: the ids, int64, and the weights,
+each (tokens / tp, k); backward: the weights' reduce-scatter, in place of their all-reduce), and re-gathers its input
+in backward only when a shared expert's gate/up saved it; an all-to-all block exchanges its sequence shard as it is
+(no all-gather). The router aux loss, split over token shards (cp, SP), sums its counts (num_experts + 1 floats, at
+least fp32) over each group ("router_aux"), and its share's scalar over cp (out.aux_loss, fp32) or over tp under SP.
 
 Context parallelism (cp_size, parallel/context_parallel.py) adds, per attention layer, one all-gather of this rank's
 K and V side by side in forward ((batch, kv heads here, seq / cp, k dim + v dim), the config's
 `key_value_head_dims`: MLA's values are narrower than its keys) and one reduce-scatter of the gathered dK/dV in
 backward ((batch, kv heads here, seq, k dim + v dim)); the loss's sum over cp (one scalar all-reduce in
-forward); and, for a bare model, every gradient summed over cp in one flat all-reduce ("grad_sync"). The TP
-minimum above is then of this rank's seq / cp tokens.
+forward); and, for a bare model, every gradient summed over cp in one flat all-reduce ("grad_sync"; not the experts
+split over an ep axis, whose owners got every cp rank's rows). The TP minimum above, and an ep axis's dispatch, are
+then of this rank's seq / cp tokens.
 """
 from __future__ import annotations
 
@@ -54,7 +60,7 @@ from tptrain.parallel import contract
 from tptrain.parallel.sequence_parallel import SAVED_TENSOR_OBSERVERS
 from tptrain.parallel.styles import STYLES, ColwiseParallel
 
-_PHASES = ("forward", "backward", "grad_sync", "token_count", "loss", "grad_norm")
+_PHASES = ("forward", "backward", "router_aux", "grad_sync", "token_count", "loss", "grad_norm")
 
 
 class SavedTensorMeter:
@@ -179,19 +185,40 @@ def _replicated_tails(model: nn.Module, plan: dict[str, str]) -> list[int]:
 
 
 def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int,
-                    weight_size: int, tracker: CommTracker | None) -> None:
-    """`add` what dispatching by all-to-all over the TP group sends from this rank (see the module doc). The rows
-    this rank's experts received are the ones `tracker` saw noted over the TP group (every router's choice, the
-    group-limited one's too)."""
+                    weight_size: int, tracker: CommTracker | None, *, sp: bool = False) -> None:
+    """`add` what dispatching by all-to-all over the TP group sends from this rank (see the module doc; under SP the
+    share is the rank's sequence shard: no all-gather). The rows this rank's experts received are the ones `tracker`
+    saw noted over the TP group (every router's choice, the group-limited one's too)."""
     hidden, k = model.config.hidden_size, model.config.num_experts_per_tok
     share = tokens // tp
     received = _rows_received(tracker, model.tp_layout.ctx.group_name)
     rows_out, row, n = share * k, hidden * act_size, len(blocks)
     experts = sum(model.get_submodule(name).experts.num_experts for name in blocks)
     add(("forward", "all_to_all"), 3 * n, experts * 8 + (n * rows_out + received) * row)
-    add(("forward", "all_gather"), n, n * share * row)
     add(("backward", "all_to_all"), 2 * n, (n * rows_out + received) * row)
-    add(("backward", "all_gather"), 2 * n, n * (share * row + share * k * weight_size))
+    if not sp:
+        add(("forward", "all_gather"), n, n * share * row)
+        add(("backward", "all_gather"), 2 * n, n * (share * row + share * k * weight_size))
+
+
+def _has_shared_expert(plan: dict[str, str], block: str) -> bool:
+    """Whether MoE block `block` has a column-parallel child besides its experts (a shared expert's gate/up)."""
+    return any(name.startswith(f"{block}.") and issubclass(STYLES[style], ColwiseParallel) for name, style in plan.items())
+
+
+def _add_router_aux(add, model: nn.Module, dtype: torch.dtype) -> None:
+    """`add` the router aux loss's sums over the token shards (see the module doc): over cp and over tp under SP."""
+    if not getattr(model.config, "output_router_logits", False) or contract.router_aux(model) is None:
+        return
+    wide = torch.promote_types(dtype, torch.float32).itemsize
+    ctx, cp = model.tp_layout.ctx, getattr(model, "cp_context", None)
+    for over in ((ctx.size > 1 and ctx.sequence_parallel), cp is not None):
+        if over:
+            add(("router_aux", "all_reduce"), 1, (model.config.num_experts + 1) * wide)
+    if ctx.size > 1 and ctx.sequence_parallel:  # the share summed over tp: every tp rank's loss whole
+        add(("forward", "all_reduce"), 1, wide)
+    if cp is not None:  # out.aux_loss (fp32) summed over cp
+        add(("forward", "all_reduce"), 1, 4)
 
 
 def _rows_received(tracker: CommTracker | None, group: str) -> int:
@@ -245,8 +272,10 @@ def _add_context_parallel(add, model: nn.Module, batch: int, seq: int, dtype: to
     add(("backward", "reduce_scatter"), layers, layers * kv * seq)
     wide = torch.promote_types(dtype, torch.float32).itemsize
     add(("forward", "all_reduce"), 1, wide)  # the loss
-    if model.tp_layout.grad_sync.mode == "backward":
-        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if model.tp_layout.grad_sync.mode == "backward":  # not the experts split over ep (whole on their owners)
+        specs = model.tp_layout.specs
+        trained = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad
+                      and not (n in specs and specs[n].ep_split))
         add(("grad_sync", "all_reduce"), 1, trained * wide)
     return seq // ctx.size
 
@@ -266,8 +295,9 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
         c, b = out[key]
         out[key] = (c + count, b + nbytes)
 
-    _add_ep_dispatch(add, model, layout.plan, batch * seq, dtype.itemsize, tracker)
+    _add_router_aux(add, model, dtype)
     seq = _add_context_parallel(add, model, batch, seq, dtype)
+    _add_ep_dispatch(add, model, layout.plan, batch * seq, dtype.itemsize, tracker)  # this rank's tokens
     if layout.ctx.size == 1:
         return dict(out)
     tp, sp = layout.ctx.size, layout.ctx.sequence_parallel
@@ -281,8 +311,10 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     if sp:
         add(("forward", "reduce_scatter"), exits, exits * act)
         add(("forward", "all_gather"), enters, entered // tp)
-        regathers = enters - (chunks > 0)  # the fused loss keeps no head input: its gradients are made in forward
-        add(("backward", "all_gather"), exits + regathers, (exits * act + entered - (chunks > 0) * act) // tp)
+        # the fused loss keeps no head input (its gradients are made in forward), nor does an MoE block without a
+        # shared expert keep its gathered input (its experts save their rows)
+        unsaved = (chunks > 0) + sum(not _has_shared_expert(layout.plan, name) for name in summed)
+        add(("backward", "all_gather"), exits + enters - unsaved, (exits * act + entered - unsaved * act) // tp)
         add(("backward", "reduce_scatter"), enters, entered)
     else:
         add(("forward", "all_reduce"), exits, exits * act)
@@ -293,19 +325,31 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     if layout.vocab_parallel_loss:  # the max, then [target, sum-exp], per chunk (whole logits: one chunk)
         add(("forward", "all_reduce"), 2 * max(chunks, 1), 3 * token_bytes)
     if dispatch:
-        top_k, fp32 = model.config.num_experts_per_tok, getattr(model.config, "router_weights_in_float32", False)
-        weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
-    if summed:  # the routing weights' gradient, (tokens, top_k), summed over TP once per MoE block
-        add(("backward", "all_reduce"), len(summed), len(summed) * batch * seq * top_k * weight_size)
-    dispatched = sorted(set(dispatch) - summed)
-    if dispatched:
-        _add_all_to_all(add, model, dispatched, batch * seq, tp, dtype.itemsize, weight_size, tracker)
+        _add_routing(add, model, dispatch, batch * seq, tp, sp, dtype, tracker)
     norms = sum(STYLES[style].token_all_reduces for style in layout.plan.values())
     if norms:  # norms over split features: the sum of squares, and its gradient
         add(("forward", "all_reduce"), norms, norms * token_bytes)
         add(("backward", "all_reduce"), norms, norms * token_bytes)
     _add_grad_sync(add, model, layout, tp, dtype)
     return dict(out)
+
+
+def _add_routing(add, model: nn.Module, dispatch: dict[str, str], tokens: int, tp: int, sp: bool,
+                 dtype: torch.dtype, tracker: CommTracker | None) -> None:
+    """`add` what the MoE blocks' routing costs over TP (see the module doc): the summing blocks' routing weights
+    (under SP their ids too), the all-to-all blocks' dispatch."""
+    fp32 = getattr(model.config, "router_weights_in_float32", False)
+    weight_size = (torch.promote_types(dtype, torch.float32) if fp32 else dtype).itemsize
+    summed = {name for name, how in dispatch.items() if how == "all_reduce"}
+    routing = len(summed) * tokens * model.config.num_experts_per_tok  # (tokens, top_k) per summing MoE block
+    if summed and sp:  # the shard's ids and weights gathered with the input, the weights' gradient scattered back
+        add(("forward", "all_gather"), 2 * len(summed), routing * (8 + weight_size) // tp)
+        add(("backward", "reduce_scatter"), len(summed), routing * weight_size)
+    elif summed:  # the routing weights' gradient summed over TP once per MoE block
+        add(("backward", "all_reduce"), len(summed), routing * weight_size)
+    dispatched = sorted(set(dispatch) - summed)
+    if dispatched:
+        _add_all_to_all(add, model, dispatched, tokens, tp, dtype.itemsize, weight_size, tracker, sp=sp)
 
 
 def _add_grad_sync(add, model: nn.Module, layout, tp: int, dtype: torch.dtype) -> None:

@@ -7,7 +7,7 @@ split into parameters, gradients, optimizer states, activations, communication b
 The step is walked as the Trainer runs it (training/trainer.py, parallelize.py): forward to the loss, the backward of
 each layer from the last (its saved tensors freed as its gradients appear), the optimizer step. ZeRO-3 / FSDP
 (Rajbhandari et al. 2020; FSDP2's fully_shard): each parameter, its gradient and its two AdamW states are split over
-dp_shard x cp (the experts over dp_shard / ep), dim 0 padded to a multiple; each layer is gathered (a flat buffer,
+dp_shard x cp (the experts over dp_shard x cp / ep), dim 0 padded to a multiple; each layer is gathered (a flat buffer,
 then copied out) before its forward and again before its backward, its gradient reduce-scattered after it; under a
 pipeline the stage stays gathered and its gradients unsharded (in the reduce dtype) until the last microbatch. A
 pipeline rank holds the activations of the microbatches its schedule keeps in flight (`in_flight`).
@@ -120,7 +120,7 @@ def states(stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: P
     """Parameters, gradients and AdamW's exp_avg / exp_avg_sq (and its fp32 step) of one stage on one rank."""
     out = _States()
     dense = layout.dp_shard_cp if layout.data_parallel else 1
-    expert = layout.dp_shard // layout.ep if layout.ep > 1 else dense
+    expert = layout.ep_pool // layout.ep if layout.ep > 1 else dense  # the ranks holding the same experts
     tensors = 0
     for p in stage.params:
         shards = expert if p.expert else dense

@@ -31,15 +31,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(world: int, *, moe: bool) -> list[ParallelDims]:
-    """Every way to write `world` as pp x dp_replicate x dp_shard x cp x tp (with ep, a divisor of dp_shard, for a
-    mixture-of-experts model)."""
+    """Every way to write `world` as pp x dp_replicate x dp_shard x cp x tp (with ep for a mixture-of-experts model: a
+    divisor of dp_shard x cp that holds whole cp groups, folded over them)."""
     out = []
     for pp in _divisors(world):
         for rep in _divisors(world // pp):
             for cp in _divisors(world // pp // rep):
                 for tp in _divisors(world // pp // rep // cp):
                     shard = world // (pp * rep * cp * tp)
-                    for ep in _divisors(shard) if moe else [1]:
+                    for ep in [e for e in _divisors(shard * cp) if e == 1 or e % cp == 0] if moe else [1]:
                         out.append(ParallelDims(tp=tp, cp=cp, pp=pp, dp_shard=shard, dp_replicate=rep, ep=ep))
     return out
 

@@ -10,11 +10,14 @@ counts, the loss) run on it. The cp ranks of one dp rank hold the same batch (ea
 parallel/context_parallel.py), so they are not data-parallel ranks; FSDP2 shards over `dp_shard_cp_mesh(mesh)`
 (dp_shard x cp flattened, torchtitan's dp_shard_cp), which sums their gradients.
 
-Expert parallelism borrows its ranks from dp_shard (torchtitan's layout): with `ep > 1` the mesh's axes are
-("dp_replicate", "dp_shard_mod_ep", "ep", "tp") and "dp_shard" is the flattened (dp_shard_mod_ep, ep), so
-`mesh["dp_shard"]`, `dp_mesh(mesh)` and everything dense keep their meaning. An expert's owners are the `ep`
-ranks of one "ep" group (same tp index, same dp_shard // ep); "dp_shard_mod_ep" (x dp_replicate) is what is left
-of data parallelism over ranks holding the same experts.
+Expert parallelism borrows its ranks from dp_shard x cp (torchtitan's layout, Megatron's MoE folding): with `ep > 1`
+the mesh's axes are ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp"); "dp_shard" is the flattened
+(dp_shard_mod_ep, dp_shard_in_ep), "ep" the flattened (dp_shard_in_ep, cp) and, with cp > 1, "dp_shard_cp" the
+flattened (dp_shard_mod_ep, dp_shard_in_ep, cp), so `mesh["dp_shard"]`, `dp_mesh(mesh)`, `dp_shard_cp_mesh(mesh)`,
+`cp_mesh(mesh)` and everything dense keep their meaning. An expert's owners are the `ep` ranks of one "ep" group
+(same tp index, same dp_shard_mod_ep: ep / cp dp_shard ranks with their whole cp groups, each rank routing its own
+tokens); "dp_shard_mod_ep" (x dp_replicate) is what is left of data parallelism over ranks holding the same
+experts.
 
 This module reads a ParallelDims through its attributes only (it does not import tptrain.layout, whose
 `ParallelDims.build_mesh` calls `build_mesh` here).
@@ -46,8 +49,11 @@ def build_mesh(dims, device_type: str) -> DeviceMesh:
 
 def _new_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-    if "ep" in shape:  # created now, on every rank together (it makes process groups)
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+    if "dp_shard_in_ep" in shape:  # created now, on every rank together (it makes process groups)
+        mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
+        mesh["dp_shard_in_ep", "cp"]._flatten("ep")
+        if shape["cp"] > 1:
+            mesh["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
     dp_mesh(mesh)
     if shape.get("cp", 1) > 1:
         dp_shard_cp_mesh(mesh)
@@ -56,8 +62,8 @@ def _new_mesh(shape: dict[str, int], device_type: str) -> DeviceMesh:
 
 def rank_grid(mesh: DeviceMesh):
     """The ranks of a mesh built by `build_mesh` as a (dp_replicate, dp_shard, tp) tensor, whichever axes it has
-    (dp_shard's order is the flattened (dp_shard_mod_ep, ep)'s; with cp > 1, dp_shard x cp flattened: the ranks
-    FSDP2 shards over)."""
+    (dp_shard's order is the flattened (dp_shard_mod_ep, dp_shard_in_ep)'s; with cp > 1, dp_shard x cp flattened:
+    the ranks FSDP2 shards over, in "dp_shard_cp"'s order)."""
     sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
     return stage_mesh(mesh).mesh.reshape(sizes["dp_replicate"], -1, sizes["tp"])
 
@@ -80,11 +86,13 @@ def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     ranks of a dp rank compute gradients of different tokens of one batch, which its reduce-scatter sums."""
     if cp_mesh(mesh) is None:
         return mesh["dp_shard"]
+    if "dp_shard_in_ep" in mesh.mesh_dim_names:  # flattened from the real axes when the mesh was built
+        return mesh["dp_shard_cp"]
     return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
 
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The cp axis of a mesh built by `build_mesh`, or None when it has size 1 (or, with ep, no cp axis)."""
+    """The cp axis of a mesh built by `build_mesh`, or None when it has size 1."""
     return mesh["cp"] if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1 else None
 
 
@@ -100,5 +108,5 @@ def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel axes over ranks holding the same experts, as FSDP2 takes them for the experts of a mesh
     with an ep axis: (dp_replicate, dp_shard_mod_ep) as HSDP when dp_replicate > 1, else dp_shard_mod_ep (of size
     1 when dp_shard == ep: each expert is then on one rank of the ep group only)."""
-    assert "ep" in mesh.mesh_dim_names, mesh
+    assert "dp_shard_mod_ep" in mesh.mesh_dim_names, mesh
     return mesh["dp_replicate", "dp_shard_mod_ep"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_mod_ep"]

@@ -153,10 +153,13 @@ class TransformersCausalLM(PreTrainedModel):
         self._stage_parts = parts
         self.pp_layers, self.pp_first, self.pp_last = parts.layers, parts.first, parts.last
 
-    def pipeline_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
+                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """What this module (a pipeline stage's view, or the whole model) holds of the computation: token ids in if
         it holds the embedding, else the previous stage's hidden states; logits out if it holds the head
-        (vocab-sharded under TP for the vocab-parallel loss), else hidden states (hf/stages.py)."""
+        (vocab-sharded under TP for the vocab-parallel loss), else hidden states (hf/stages.py). It carries nothing
+        between stages (transformers' router aux loss is not tptrain's loss on this backend)."""
+        assert not carried, "the transformers backend's stages carry nothing"
         attention_mask = None
         if getattr(self, "cp_context", None) is not None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)

@@ -17,16 +17,6 @@ def _schedule(c: Case) -> str:
     return schedules.canonical(c.features.pp_schedule) or c.features.pp_schedule
 
 
-@rule(ROWS, "pp_router_aux", between=("pp", "router_aux_loss"), needs=MODEL,
-      when="pp_size > 1 on a model with output_router_logits=True",
-      reason="the router aux loss sums over the layers of every stage and is not computed under pipeline parallelism",
-      fix="set output_router_logits=False in the config")
-def _pp_router_aux(c: Case, r: Rule) -> str | None:
-    if c.dims.pp > 1 and c.facts.router_aux_loss:
-        return (f"DistributedConfig(pp_size={c.dims.pp}): the router aux loss (output_router_logits=True) sums over "
-                f"the layers of every stage and is not computed under pipeline parallelism; {r.fix}")
-
-
 @rule(ROWS, "pp_schedule", needs=("features",), when="a pp_schedule torch.distributed.pipelining does not have",
       reason="the stages run one of torch's schedules", fix="use one of " + ", ".join(schedules.SCHEDULES))
 def _pp_schedule(c: Case, r: Rule) -> str | None:
@@ -116,23 +106,6 @@ def _cp_masks(c: Case, r: Rule) -> str | None:
                              f"through attention_masks(...) (parallel/contract.py); {r.fix}")
 
 
-@rule(ROWS, "cp_router_aux", between=("cp", "router_aux_loss"), needs=MODEL,
-      when="cp_size > 1 on a model with output_router_logits=True",
-      reason="the load-balancing loss averages the router over the whole batch and each cp rank routes only its own "
-             "tokens", fix="set output_router_logits=False in config.json, or drop cp_size")
-def _cp_router_aux(c: Case, r: Rule) -> str | None:
-    if c.dims.cp > 1 and c.facts.router_aux_loss:
-        return _cannot_cp(c, f"cp_size with output_router_logits=True: {r.reason}; {r.fix}")
-
-
-@rule(ROWS, "cp_longrope", between=("cp", "longrope"), needs=MODEL, when="cp_size > 1 on a model with longrope",
-      reason="its long factors switch on the longest position of the whole sequence, which one cp rank does not see",
-      fix="drop cp_size for this model")
-def _cp_longrope(c: Case, r: Rule) -> str | None:
-    if c.dims.cp > 1 and c.facts.longrope:
-        return _cannot_cp(c, f"cp_size with rope_type 'longrope': {r.reason}; {r.fix}")
-
-
 @rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
       when="enable_sequence_parallel on the transformers backend",
       reason="transformers' attention and MLP modules take their shapes from their input (the attention output is "
@@ -141,17 +114,6 @@ def _cp_longrope(c: Case, r: Rule) -> str | None:
 def _sp_transformers(c: Case, r: Rule) -> str | None:
     if c.features.sequence_parallel and c.facts.backend == "transformers":
         return (f"sequence parallelism is not supported on the transformers backend ({c.facts.model_type}): {r.reason}; "
-                f"{r.fix}")
-
-
-@rule(ROWS, "sp_experts", between=("sp", "moe_router_styles"), needs=MODEL,
-      when="enable_sequence_parallel with tp_size > 1 and a plan style that needs whole inputs (the MoE routers')",
-      reason="the router would route a sequence shard", fix="disable enable_sequence_parallel")
-def _sp_experts(c: Case, r: Rule) -> str | None:
-    refusing = c.facts.sp_refusing
-    if c.features.sequence_parallel and c.dims.tp > 1 and refusing:
-        return (f"cannot shard {c.facts.name} over tp_size={c.dims.tp}: {', '.join(refusing)} "
-                f"{'does' if len(refusing) == 1 else 'do'} not work under sequence parallelism yet ({r.reason}); "
                 f"{r.fix}")
 
 

@@ -26,7 +26,6 @@ class Features:
     pp_microbatches: int | None = None  # None: as many as pipeline ranks
     batch_size: int | None = None  # per_device_train_batch_size
     seq_len: int | None = None  # the tokens of a sequence (TrainingArguments.seq_len, or an input's length)
-    lora_experts: str | None = None  # an experts module LoRA adapts (its name)
 
 
 @dataclass(frozen=True)
@@ -38,15 +37,12 @@ class ModelFacts:
     backend: str = "native"
     num_layers: int | None = None  # the decoder layers a pipeline cuts; None: it cannot be cut into stages
     pp_refusal: str | None = None  # why it cannot be cut into stages, if the model says
-    router_aux_loss: bool = False  # output_router_logits: the load-balancing loss over every layer and token
-    longrope: bool = False
     attention: int = 1  # attention modules (tp_kv_projections declared)
     without_attend: tuple[str, ...] = ()  # "name (Class)" of attention modules with no attend(q, k, v, mask)
     mask_builder: str | None = None  # the base model lacking attention_masks(...), e.g. "Qwen3Model at 'model'"
     sequence_mixers: tuple[tuple[str, str], ...] = ()  # (module, class) mixing tokens outside attention (recurrent)
     experts: int | None = None  # stacked-experts modules the plan splits (None: not read)
     ep_plan: bool = False  # the config declares base_model_ep_plan (experts split over the TP group)
-    sp_refusing: tuple[str, ...] = ()  # "module ('style')" of styles that cannot take a sequence shard
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@
 As torchtitan's ParallelDims: the axes are pp (outermost, in the mesh only when > 1), dp_replicate, dp_shard, cp, tp
 (innermost, so a TP group is a block of consecutive ranks: one node's GPUs under torchrun). Unused axes have size 1.
 Expert parallelism has no ranks of its own: ep is folded over the ranks of dp_shard x cp (`ep_pool`, torchtitan's
-and Megatron's MoE folding: the attention side's data- and context-parallel ranks hold different experts). Today the
-rule table refuses cp with ep, so the pool is dp_shard alone; allowing cp x ep is a change of that rule (`cp_ep`) and
-of the mesh (`mesh_shape` and topology's flattening: the ep group then spans cp ranks), nothing else.
+and Megatron's MoE folding: the attention side's data- and context-parallel ranks hold different experts). With
+ep > 1 the mesh splits dp_shard in two, (dp_shard_mod_ep, dp_shard_in_ep), and the ep group is dp_shard_in_ep x cp
+(whole cp groups: ep is a multiple of cp): topology flattens "dp_shard", "ep" and "dp_shard_cp" out of them, so every
+axis keeps its meaning.
 
 Pure: imports no torch (the CLI resolves the sizes before it imports anything heavy).
 """
@@ -20,8 +21,9 @@ from typing import Any
 
 MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 PP_AXIS = "pp"  # outermost; in the mesh only when pp > 1 (each stage's ranks are then a mesh of MESH_AXES)
-# the mesh's real axes when ep > 1: dp_shard is flattened from (dp_shard_mod_ep, ep)
-EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+# the mesh's real axes when ep > 1: "dp_shard" is flattened from (dp_shard_mod_ep, dp_shard_in_ep), "ep" from
+# (dp_shard_in_ep, cp): the ep group holds ep / cp dp_shard ranks with all their cp ranks
+EP_MESH_AXES = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 SIZES = ("tp_size", "cp_size", "ep_size", "dp_replicate_size", "dp_shard_size", "pp_size")  # as users spell them
 SPELLING_AXES = ("tp", "cp", "pp", "dp_shard", "dp_replicate", "ep")  # the order `spell` writes them in (`--layout`)
 
@@ -52,7 +54,8 @@ class ParallelDims:
 
     @property
     def ep_pool(self) -> int:
-        """The ranks ep is folded over: dp_shard x cp (cp is 1 wherever ep > 1 today: the rule table refuses both)."""
+        """The ranks ep is folded over: dp_shard x cp (an ep group holds ep / cp dp_shard ranks, each with its whole cp
+        group)."""
         return self.dp_shard * self.cp
 
     @property
@@ -106,21 +109,25 @@ class ParallelDims:
         return out if self.pp == 1 else {PP_AXIS: self.pp, **out}
 
     def mesh_shape(self) -> dict[str, int]:
-        """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x ep when ep > 1)."""
+        """{real mesh axis: size}, in mesh order (dp_shard as dp_shard_mod_ep x dp_shard_in_ep when ep > 1, the ep
+        group being dp_shard_in_ep x cp)."""
         pp = {PP_AXIS: self.pp} if self.pp > 1 else {}
         if self.ep == 1:
             return {**pp, **{axis: getattr(self, axis) for axis in MESH_AXES}}
-        assert self.cp == 1, self  # cp x ep: the ep group would fold cp ranks too (the rule table refuses it)
-        return {**pp, **dict(zip(EP_MESH_AXES, (self.dp_replicate, self.ep_pool // self.ep, self.ep, self.tp)))}
+        assert self.ep % self.cp == 0 and self.ep_pool % self.ep == 0, self  # the rule table's ep_cp, ep_divides
+        in_ep = self.ep // self.cp
+        sizes = (self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
+        return {**pp, **dict(zip(EP_MESH_AXES, sizes))}
 
     @classmethod
     def of(cls, mesh: Any) -> "ParallelDims":
         """The sizes of a mesh built by `build_mesh` (anything with `mesh_dim_names` and `shape`)."""
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
-        if "ep" not in sizes:
+        if "dp_shard_in_ep" not in sizes:
             return cls(**sizes)
-        return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * sizes["ep"],
-                   tp=sizes["tp"], ep=sizes["ep"], pp=sizes.get(PP_AXIS, 1))
+        in_ep, cp = sizes["dp_shard_in_ep"], sizes["cp"]
+        return cls(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard_mod_ep"] * in_ep, tp=sizes["tp"],
+                   ep=in_ep * cp, cp=cp, pp=sizes.get(PP_AXIS, 1))
 
     def build_mesh(self, device_type: str):
         """The named DeviceMesh of these sizes (collective on first use; tptrain/distributed/topology.py)."""
@@ -148,8 +155,8 @@ class Asked:
             return None
         world //= pp  # the other axes lay out each stage's ranks
         rep, shard, tp, cp = self.dp_replicate_size, self.dp_shard_size, self.tp_size, self.cp_size or 1
-        if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard = ep_size)
-            tp = world // (rep * cp * (shard or self.ep_size or 1))
+        if tp is None:  # tp takes the rest (with ep_size alone: of dp_shard x cp = ep_size)
+            tp = world // (rep * cp * (shard or max(1, (self.ep_size or 1) // cp)))
         if shard is None:
             shard = world // (rep * cp * tp) if tp and world % (rep * cp * tp) == 0 else 0
         if tp < 1 or shard < 1 or rep * shard * cp * tp != world:

@@ -107,16 +107,15 @@ def _world(c: Case, r: Rule) -> str | None:
             f"{product} processes, or change the sizes")
 
 
-@rule(ROWS, "cp_ep", between=("cp", "ep"), needs=("asked",), when="cp_size > 1 with ep_size > 1",
-      reason="an ep axis of its own is folded over dp_shard only: each cp rank would route a share of a sequence to "
-             "experts its cp peers do not see",
-      fix="use enable_expert_parallel (experts split over the TP group) or plain expert tensor parallelism with cp")
-def _cp_ep(c: Case, r: Rule) -> str | None:
+@rule(ROWS, "ep_cp", needs=("asked",), when="cp_size > 1 with an ep_size not a multiple of it",
+      reason="ep is folded over dp_shard x cp with each ep group holding whole cp groups (the cp ranks of a sequence "
+             "send their tokens to the same experts' owners)",
+      fix="an ep_size that is a multiple of cp_size (or ep_size=1)")
+def _ep_cp(c: Case, r: Rule) -> str | None:
     cp, ep = c.asked.cp_size or 1, c.asked.ep_size or 1
-    if cp > 1 and ep > 1:
-        return (f"{_described(c)}: cp_size={cp} cannot be combined with ep_size={ep} (an ep axis of its own) yet; "
-                f"use enable_expert_parallel (experts split over the TP group) or plain expert tensor parallelism "
-                f"with cp_size")
+    if cp > 1 and ep > 1 and ep % cp:
+        return (f"ep_size={ep} (--ep-size) is not a multiple of cp_size={cp} (--cp-size): {r.reason}; use an ep_size "
+                f"that is a multiple of {cp} (e.g. {cp} or {2 * cp}), or ep_size=1")
 
 
 @rule(ROWS, "ep_twice", between=("ep", "ep_tp"), needs=("asked",),
@@ -132,14 +131,18 @@ def _ep_twice(c: Case, r: Rule) -> str | None:
 
 @rule(ROWS, "ep_divides", needs=("asked", "world"), when="ep_size does not divide dp_shard (x cp)",
       reason="the experts' owners are the ranks ep is folded over",
-      fix="launch a multiple of ep x tp x dp_replicate processes, or an ep_size that divides dp_shard")
+      fix="launch a multiple of ep x tp x dp_replicate processes, or an ep_size that divides dp_shard (x cp)")
 def _ep_divides(c: Case, r: Rule) -> str | None:
     dims, ep = c.asked.solve(c.world), c.asked.ep_size or 1
     if dims.ep_pool % ep == 0:
         return None
-    shard, rep, tp = dims.dp_shard, dims.dp_replicate, dims.tp
+    shard, rep, tp, cp = dims.dp_shard, dims.dp_replicate, dims.tp, dims.cp
+    if cp > 1:
+        return (f"{_described(c)}: ep_size={ep} must divide dp_shard x cp = {shard} x {cp} (world size "
+                f"{c.world // dims.pp} = dp_replicate {rep} x dp_shard {shard} x cp {cp} x tp {tp}): the experts' owners "
+                f"are the dp_shard x cp ranks; launch a multiple of {ep * tp * rep} processes (ep x tp x "
+                f"dp_replicate), or use an ep_size that divides {shard * cp}")
     return (f"{_described(c)}: ep_size={ep} must divide the data-parallel shard degree dp_shard={shard} (world size "
             f"{c.world // dims.pp} = dp_replicate {rep} x dp_shard {shard} x tp {tp}): the experts' owners are "
             f"dp_shard ranks; launch a multiple of {ep * tp * rep} processes (ep x tp x dp_replicate), or use an "
             f"ep_size that divides {shard}")
-

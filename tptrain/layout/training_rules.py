@@ -1,5 +1,5 @@
 """The rows of the rule table that read what a training run (or an input) brings: the optimizer, the batch and its
-microbatches, the sequence length, LoRA. Checked by the Trainer and by `tptrain train` before any worker starts;
+microbatches, the sequence length. Checked by the Trainer and by `tptrain train` before any worker starts;
 the sequence-length rows again on each input."""
 from __future__ import annotations
 
@@ -47,16 +47,6 @@ def _pp_batch(c: Case, r: Rule) -> str | None:
     if c.dims.pp > 1 and batch % n:
         return (f"per_device_train_batch_size={batch} does not split into pp_microbatches={n} equal microbatches; "
                 f"use a batch size that is a multiple of {n}")
-
-
-@rule(ROWS, "lora_ep", between=("ep", "lora_experts"), needs=("dims", "features.lora_experts"),
-      when="LoRA on experts split over an ep axis (ep_size > 1)",
-      reason="the adapter's factors would hold every expert while the rank holds ep_size-th of them",
-      fix="enable_expert_parallel=True (ep over the TP group) or expert tensor parallelism for LoRA on the experts")
-def _lora_ep(c: Case, r: Rule) -> str | None:
-    if c.dims.ep > 1:
-        return (f"LoRA cannot adapt {c.features.lora_experts!r} yet: its experts are split over an ep axis "
-                f"(DistributedConfig(ep_size=)); use {r.fix}")
 
 
 @rule(ROWS, "cp_seq_len", needs=("dims", "features.seq_len"), when="a sequence length not a multiple of 2 x cp_size",

@@ -11,6 +11,8 @@ from the config, and the loss goes through `self.loss_function`, which the TP en
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +24,7 @@ from tptrain.models.configuration import PretrainedConfig
 from tptrain.models.layers import (FusedLinear, RMSNorm, causal_mask, document_ids, rms_norm, scaled, sdpa, tanh_softcap,
                                    softcapped_attention, split_fused)
 from tptrain.models.latent_attention import LatentAttention
-from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, load_balancing_loss
+from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, balancing_loss, router_statistics
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -241,6 +243,12 @@ class DecoderForCausalLM(PreTrainedModel):
         # (h, head weight, labels, num_items_in_batch, transform=) -> loss, without the whole logits: training
         # with labels uses it; the TP engine swaps in its vocab-parallel version.
         self.head_loss_function = chunked_causal_lm_loss
+        if hasattr(config, "num_experts"):  # the load-balancing loss (output_router_logits), in two steps the
+            # parallel engines wrap: the MoE layers' token statistics ((router logits, attention_mask) -> stats), then
+            # the loss of the statistics (stats -> this rank's share, the counts summed over the token shards)
+            self.router_statistics = partial(router_statistics, num_experts=config.num_experts,
+                                             top_k=config.num_experts_per_tok)
+            self.router_aux_loss_function = partial(balancing_loss, num_experts=config.num_experts)
         self.tie_weights()
         self.init_weights()
 
@@ -305,15 +313,33 @@ class DecoderForCausalLM(PreTrainedModel):
         LoRA-wrapped one say, computes its logits whole)."""
         return self.training and isinstance(self.lm_head, nn.Linear)
 
-    def pipeline_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
+                         position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """What this module holds of the computation: token ids in if it holds the embedding, else the hidden states
         of the layers before; (batch, seq, vocab) logits out if it holds the head, else hidden states. A pipeline
-        stage (parallel/pipeline_parallel.py) removes what it does not hold; the whole model runs it all."""
+        stage (parallel/pipeline_parallel.py) removes what it does not hold; the whole model runs it all. With the
+        router aux loss, the router statistics of the layers before (`carried`, none on the first stage) plus its
+        own ride along: (output, statistics), for the last stage's `pipeline_loss`."""
         if self.model.embed_tokens is not None:
             h = self.model(x, position_ids=position_ids)
         else:
             h = self.model(hidden_states=x, position_ids=position_ids)
-        return h if self.lm_head is None else self._transform_logits(self.lm_head(h))
+        out = h if self.lm_head is None else self._transform_logits(self.lm_head(h))
+        if not getattr(self.config, "output_router_logits", False):
+            return out
+        stats = self.router_statistics(self._router_logits(), None)
+        return out, (stats + carried[0] if carried else stats)
+
+    def pipeline_loss(self, loss: torch.Tensor, *carried: torch.Tensor) -> torch.Tensor:
+        """A microbatch's loss on the last stage with what the stages carried: the router aux loss of its statistics
+        (each microbatch is a forward of its own, as with gradient accumulation)."""
+        if not carried:
+            return loss
+        return loss + self.config.router_aux_loss_coef * self.router_aux_loss_function(carried[0]).to(loss.dtype)
+
+    def _router_logits(self) -> list[torch.Tensor]:
+        """The router logits of the last forward of every MoE layer this module holds."""
+        return [m.router_logits for m in self.model.layers.modules() if isinstance(m, SparseMoeBlock)]
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -330,10 +356,9 @@ class DecoderForCausalLM(PreTrainedModel):
             loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         aux_loss = None
         if getattr(self.config, "output_router_logits", False):  # as transformers: the coefficient only in `loss`
-            blocks = [m for m in self.model.layers.modules() if isinstance(m, SparseMoeBlock)]
-            aux_loss = load_balancing_loss([b.router_logits for b in blocks], self.config.num_experts,
-                                           self.config.num_experts_per_tok, attention_mask)
+            aux_loss = self.router_aux_loss_function(self.router_statistics(self._router_logits(), attention_mask))
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.dtype)
+            aux_loss = aux_loss.float()  # reported in fp32, as transformers (the loss keeps an fp64 model's fp64)
         return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss)
 

@@ -12,6 +12,7 @@ the first expert held here.
 from __future__ import annotations
 
 import itertools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +32,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x (tokens, hidden); expert_ids, weights (tokens, k): each token's global experts and their weights.
-        Returns (tokens, hidden): the weighted sum over the experts held here (zero rows for other tokens)."""
+        """x (..., hidden): the tokens, e.g. (batch, seq, hidden); expert_ids, weights (tokens, k): each token's
+        global experts and their weights. Returns x's shape: the weighted sum over the experts held here (zero rows
+        for other tokens)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (tokens, hidden)
         counts, order = sort_by_expert(expert_ids, self.num_experts)
         held = slice(self.expert_offset, self.expert_offset + self.gate_proj.shape[0])
         first, last = sum(counts[:held.start]), sum(counts[:held.stop])
@@ -40,7 +44,9 @@ class Experts(nn.Module):
         tokens = mine // expert_ids.shape[1]
         ys = self.grouped(x[tokens], counts[held])  # (assignments, hidden)
         w = weights.flatten()[mine, None]
-        return x.new_zeros(x.shape).index_add_(0, tokens, (ys * w).to(x.dtype))
+        out = x.new_zeros(shape)  # a tensor of its own (not a view: FSDP2 wraps the experts as a module)
+        out.view(-1, shape[-1]).index_add_(0, tokens, (ys * w).to(x.dtype))
+        return out
 
     def grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The grouped matmul: `rows` (n, hidden) sorted by held expert, `counts[i]` for expert i held here; returns
@@ -186,15 +192,15 @@ class SparseMoeBlock(nn.Module):
         return logits, weights.to(dtype), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        shape = h.shape
-        x = h.reshape(-1, shape[-1])  # (tokens, hidden)
-        self.router_logits, weights, ids = self.route(x)
-        out = self.experts(x, ids, weights)
+        """h (batch, seq, hidden), routed token by token; the experts and the shared expert(s) read h itself (the
+        block's input boundary under tensor parallelism: under SP they gather its sequence once)."""
+        self.router_logits, weights, ids = self.route(h.reshape(-1, h.shape[-1]))  # (tokens, experts), (tokens, k)
+        out = self.experts(h, ids, weights)
         if hasattr(self, "shared_expert"):
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+            out = out + self.shared_experts(h)
+        return out
 
     def checkpoint_keys(self, prefix: str, config) -> dict[str, str | list[str]]:
         """{in-memory parameter name: checkpoint name, or the per-expert names of a stacked tensor} of this block
@@ -207,21 +213,39 @@ class SparseMoeBlock(nn.Module):
         return keys
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top_k: int,
-                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' load_balancing_loss_func (Switch Transformer eqs. 4-6) over every MoE layer's logits
-    (tokens, experts): num_experts * sum_e (fraction of top-k assignments to e) * (mean router probability of e),
-    both over all layers' (unpadded) tokens."""
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
-    prob_sum = torch.zeros_like(counts)
-    rows = 0.0
-    mask = None if attention_mask is None else attention_mask.reshape(-1).to(counts)
+def router_statistics(router_logits: list[torch.Tensor], attention_mask: torch.Tensor | None = None, *,
+                      num_experts: int, top_k: int) -> torch.Tensor:
+    """The load-balancing loss's token statistics (transformers' load_balancing_loss_func, Switch Transformer eqs. 4-6:
+    its loss is `balancing_loss` of them) of some MoE layers' logits (tokens, experts) and the tokens' mask
+    (batch, seq) or None: (2 experts + 1,) = [top-k assignments of each expert (no gradient), router probability
+    summed over the tokens for each expert, tokens counted], summed over the layers. Sums of the statistics of
+    other layers (a pipeline's other stages) or other tokens (other cp or sp ranks) are those of all of them. In
+    the logits' dtype, at least fp32."""
+    dtype = torch.promote_types(router_logits[0].dtype, torch.float32) if router_logits else torch.float32
+    device = router_logits[0].device if router_logits else None
+    counts = torch.zeros(num_experts, dtype=dtype, device=device)
+    prob_sum, rows = torch.zeros_like(counts), torch.zeros((), dtype=dtype, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(dtype)
     for logits in router_logits:
-        probs = logits.softmax(-1)
+        probs = logits.softmax(-1).to(dtype)
         selected = torch.topk(probs, top_k, dim=-1).indices
-        token_weight = torch.ones(probs.shape[0], device=probs.device) if mask is None else mask
+        token_weight = torch.ones(probs.shape[0], dtype=dtype, device=probs.device) if mask is None else mask
         counts = counts + torch.zeros_like(counts).scatter_add_(0, selected.reshape(-1),
                                                                 token_weight.repeat_interleave(top_k))
-        prob_sum = prob_sum + (probs.float() * token_weight[:, None]).sum(0)
+        prob_sum = prob_sum + (probs * token_weight[:, None]).sum(0)
         rows = rows + token_weight.sum()
-    return (counts / rows * (prob_sum / rows)).sum() * num_experts
+    return torch.cat([counts, prob_sum, rows[None]])
+
+
+def balancing_loss(stats: torch.Tensor, num_experts: int, *,
+                   total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The load-balancing loss of `router_statistics`' `stats`: num_experts * sum_e counts_e / rows * probs_e / rows.
+    `total`: a tensor summed over the ranks holding the batch's other tokens (context or sequence parallelism; None:
+    these are all). The counts and rows are then the whole batch's, and the result is this rank's share (its own
+    router probabilities): summed over those ranks, one process's loss, and the gradient of each share, which
+    reaches only its own tokens' probabilities, is that of one process's loss (the counts have none)."""
+    counts, probs, rows = stats[:num_experts].detach(), stats[num_experts:-1], stats[-1].detach()
+    if total is not None:
+        summed = total(torch.cat([counts, rows[None]]))
+        counts, rows = summed[:-1], summed[-1]
+    return (counts / rows * (probs / rows)).sum() * num_experts

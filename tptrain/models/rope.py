@@ -147,11 +147,19 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq[rope, kind, device] = self._inv_freq[rope, kind, torch.device("cpu")].to(device)
         return self._inv_freq[rope, kind, device]
 
+    def long_context(self, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Whether longrope's long factors apply: the batch's longest position past the pre-training context (a
+        tensor condition, as transformers: no host sync); None without longrope. Context parallelism replaces it on
+        the instance to read the whole batch's positions (a rank holds chunks of the sequence)."""
+        if self.original_length is None:
+            return None
+        return position_ids.max() + 1 > self.original_length
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rope = self.layer_rope[layer]
         inv_freq = self._inv_freq_on(rope, "short", position_ids.device)
-        if self.original_length is not None:  # a tensor condition, as transformers: no host sync
-            longer = position_ids.max() + 1 > self.original_length
+        longer = self.long_context(position_ids)
+        if longer is not None:
             inv_freq = torch.where(longer, self._inv_freq_on(rope, "long", position_ids.device), inv_freq)
         freqs = position_ids[..., None].float() * inv_freq  # (batch, seq, rotary_dim // 2), fp32
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -8,14 +8,15 @@
 
 Load balancing (head-tail): the sequence is cut into 2 x cp chunks and rank i keeps chunks i and 2cp-1-i, so every
 rank has the same causal work. The labels are shifted over the whole sequence BEFORE the split (a shard's last token
-keeps its target), the global position ids go with the tokens (RoPE and per-layer bases see true positions), and
-each mask is the rows of the whole sequence's mask for this rank's queries (causal, sliding window, packed
-documents from restarting position ids, padding), its columns ordered as the keys are gathered.
+keeps its target), the global position ids go with the tokens (RoPE and per-layer bases see true positions;
+longrope's long factors are picked by the whole batch's longest position), and each mask is the rows of the whole
+sequence's mask for this rank's queries (causal, sliding window, packed documents from restarting position ids,
+padding), its columns ordered as the keys are gathered.
 
 Each attention layer all-gathers K and V over the cp group (one collective for both, side by side along the head
 dim, so MLA's narrower values need no padding; with GQA they are smaller than Q, and any mask works) and its
 backward reduce-scatters dK/dV (`comm.gather_over_cp`). Everything else is per token (norms, MLPs, MoE routing: each
-rank routes its own tokens), so it runs on the shard unchanged.
+rank routes its own tokens, the router aux loss's token counts summed over cp), so it runs on the shard unchanged.
 
 The loss: each rank's token sum over the real-token count of the WHOLE batch (each rank holds the whole batch, so
 it is counted here with no collective), summed over cp (`comm.sum_over_cp`: all-reduce fwd / identity bwd), so
@@ -44,6 +45,7 @@ from tptrain.distributed.topology import cp_mesh
 from tptrain.layout import Case, Features, ParallelDims, Spelling, check
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel import contract
+from tptrain.parallel.expert_parallel import router_aux_over_cp
 
 
 @dataclass
@@ -133,8 +135,11 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | No
     for module in model.modules():
         if isinstance(module, contract.TPAttention):
             module.attend = _gathering(contract.attend(module), ctx)
+        if contract.long_context(module) is not None:  # longrope: the whole sequence's length picks the factors
+            module.long_context = _on_whole_sequence(contract.long_context(module), ctx)
     base = contract.base_model(model)
     base.attention_masks = _rows_for_this_rank(contract.mask_builder(model), ctx)
+    router_aux_over_cp(model, ctx)  # the router aux loss's token counts: every cp rank's tokens
     model.loss_function = _on_shifted(model.loss_function)
     if contract.has_head_loss(model):
         model.head_loss_function = _on_shifted(model.head_loss_function)
@@ -176,6 +181,8 @@ def _sum_loss(ctx: CPContext, out):
     ctx.end()
     if getattr(out, "loss", None) is not None:
         out.loss = comm.sum_over_cp(out.loss, ctx.group_name)
+    if getattr(out, "aux_loss", None) is not None:  # each rank's share of the router aux loss
+        out.aux_loss = comm.sum_over_cp(out.aux_loss, ctx.group_name)
     return out
 
 
@@ -216,6 +223,18 @@ def _rows_for_this_rank(attention_masks, ctx: CPContext):
                                key_index=ctx.key_index)
 
     return masks
+
+
+def _on_whole_sequence(long_context, ctx: CPContext):
+    """A rotary embedding's `long_context(position_ids)` on the whole batch's positions, whichever chunks it is given."""
+
+    def whole(position_ids: torch.Tensor) -> torch.Tensor | None:
+        if ctx.position_ids is None:
+            raise RuntimeError("under context parallelism the base model runs inside the CausalLM's forward (which "
+                               "splits the batch over the cp group); call the model itself, not its base model")
+        return long_context(ctx.position_ids)
+
+    return whole
 
 
 def _on_shifted(loss_function):

@@ -74,6 +74,11 @@ class TPModel(Protocol):
     sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
         `attend` (a recurrence, a convolution over the sequence, an indexer choosing keys) (`sequence_mixers`;
         absent: {}): context parallelism, which splits every sequence, refuses the model, naming them.
+    router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
+        load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
+        to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
+        this rank's share when the engine sums the counts over the ranks holding the batch's other tokens (context
+        and sequence parallelism wrap both: parallel/expert_parallel.py `router_aux_over_*`).
     The base model's (`mask_builder`; absent: None, and context parallelism refuses the model)
     attention_masks(position_ids, attention_mask, windows, *, query_index=None, key_index=None) -> {window: mask}:
         the masks its attention modules get, over the sequence of `position_ids`; `query_index` / `key_index` pick
@@ -152,8 +157,9 @@ class TPExperts(Protocol):
     gate_proj, up_proj (experts, inner, hidden), down_proj (experts, hidden, inner): the stacked weights.
     grouped(rows, counts): rows (n, hidden) sorted by held expert, counts[i] rows for held expert i ->
         (n, hidden); every held expert runs, with no row too.
-    forward(x, expert_ids, weights): x (tokens, hidden), expert_ids and weights (tokens, k) -> (tokens, hidden),
-        the weighted sum over the experts held here.
+    forward(x, expert_ids, weights): x (..., hidden), the block input (batch, seq, hidden) or its tokens,
+        expert_ids and weights (tokens, k) -> x's shape, a tensor of its own (FSDP2 may wrap the module): the
+        weighted sum over the experts held here.
     Written by the engine for the reports: `tp_dispatch` ("all_reduce" / "all_to_all": how the TP group
     exchanged the experts' work) and, over an ep axis, `ep_dispatch` ("all_to_all").
     Another stacked-experts module an ep axis can split by expert declares `tp_routed_experts = True`: it has an int
@@ -308,10 +314,15 @@ class PipelineModel(Protocol):
         nn.ModuleDict keyed by their index, so every parameter keeps its whole-model name).
     pp_first: dotted names of the modules only the first stage holds (the embedding); the others hold None there.
     pp_last: dotted names of the modules only the last stage holds (the final norm and the head).
-    pipeline_forward(x, position_ids=None): the stage's computation on what the module holds: token ids or
-        hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`).
-        The Pipeline always passes `position_ids` (batch, tokens): the sequence's length and positions come from
-        them, not from `x`, which under sequence parallelism is a tp rank's shard of the hidden states.
+    pipeline_forward(x, *carried, position_ids=None): the stage's computation on what the module holds: token ids
+        or hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`);
+        or (output, *carried): tensors besides x each stage passes on to the next (the router statistics of the
+        layers so far), `carried` being the stage before's (none on the first). The Pipeline always passes
+        `position_ids` (batch, tokens): the sequence's length and positions come from them, not from `x`, which
+        under sequence parallelism is a tp rank's shard of the hidden states.
+    Optional:
+    pipeline_loss(loss, *carried) -> loss: the last stage's microbatch loss with what was carried (the router aux
+        loss; needed when pipeline_forward carries anything).
     A model that is not one may say why (`pp_refusal`, a str; `pipeline_refusal`), which the refusal repeats.
     """
 
@@ -319,7 +330,23 @@ class PipelineModel(Protocol):
     pp_first: tuple[str, ...]
     pp_last: tuple[str, ...]
 
-    def pipeline_forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
+                         position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+def long_context(module: nn.Module):
+    """A module's `long_context(position_ids) -> bool tensor or None` (a rotary embedding whose frequencies switch on
+    the longest position of the batch: longrope; context parallelism hands it the whole batch's positions), or None
+    when it has none."""
+    return getattr(module, "long_context", None)
+
+
+def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
+    """(router_statistics, router_aux_loss_function) of a model computing the router aux loss through them (see
+    TPModel), or None."""
+    if not hasattr(model, "router_aux_loss_function"):
+        return None
+    return model.router_statistics, model.router_aux_loss_function
 
 
 def pipeline_refusal(model: nn.Module) -> str | None:

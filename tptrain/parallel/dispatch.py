@@ -21,26 +21,33 @@ Grouped = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 def dispatch_and_combine(grouped: Grouped, num_experts: int, x: torch.Tensor, expert_ids: torch.Tensor,
                          weights: torch.Tensor, ctx: "TPContext") -> torch.Tensor:
-    """The block output (tokens, hidden) on every rank of the TP group, each rank routing only its share of the
-    tokens to the `num_experts` experts held over the group.
+    """The block output, x's shape, on every rank of the TP group, each rank routing only its share of the tokens to
+    the `num_experts` experts held over the group.
 
-    x (tokens, hidden) whole on every rank; expert_ids, weights (tokens, k). Forward: the share's `exchange` over
-    the TP group and one all-gather of the shares; backward: the reverse all-to-alls and the all-gather of the
-    input share's gradient.
+    x (..., tokens along the dim before hidden, hidden): (tokens, hidden) or (batch, seq, hidden), whole on every
+    rank; expert_ids, weights (all tokens, k). The shares are cut along the dim before hidden (the sequence of a
+    (batch, seq, hidden) block input), which must split into equal shares. Forward: the share's `exchange` over the
+    TP group and one all-gather of the shares (a tensor of its own, x's shape); backward: the reverse all-to-alls
+    and the all-gather of the input share's gradient.
     """
-    p, group = ctx.size, ctx.group_name
-    assert x.shape[0] % p == 0, f"{x.shape[0]} tokens do not split into {p} equal shares"
-    x, weights = comm.split_to_tp(x, group), comm.split_to_tp(weights, group)  # this rank's share
-    combined = exchange(grouped, num_experts, x, expert_ids.chunk(p)[ctx.rank], weights, group, p)
-    return comm.gather_from_tp(combined, group, dim=0)
+    p, group, dim = ctx.size, ctx.group_name, x.dim() - 2
+    assert x.shape[dim] % p == 0, f"{x.shape[dim]} tokens do not split into {p} equal shares"
+    routing = x.shape[:-1] + (expert_ids.shape[-1],)  # (..., k): each token's routing where x holds the token
+    x, weights = comm.split_to_tp(x, group, dim), comm.split_to_tp(weights.view(routing), group, dim)  # the share
+    ids = expert_ids.view(routing).chunk(p, dim)[ctx.rank]
+    combined = exchange(grouped, num_experts, x, ids.flatten(0, -2), weights.flatten(0, -2), group, p)
+    return comm.gather_from_tp(combined, group, dim=dim)
 
 
 def exchange(grouped: Grouped, num_experts: int, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
              group: str, p: int) -> torch.Tensor:
-    """This rank's tokens x (tokens, hidden) through their experts, the `num_experts` held by the p ranks of `group`
-    (num_experts / p each, in rank order): (tokens, hidden), the weighted sum over each token's experts (partial over
-    tp when the owners hold a TP slice of each expert). One all-to-all of per-expert counts, one of the rows (to the
-    owners), one of the results (back). Ranks whose experts get no row still take part, with empty splits."""
+    """This rank's tokens x (..., hidden) through their experts, the `num_experts` held by the p ranks of `group`
+    (num_experts / p each, in rank order): x's shape (a tensor of its own), the weighted sum over each token's
+    experts (partial over tp when the owners hold a TP slice of each expert). expert_ids, weights (tokens, k) in x's
+    token order. One all-to-all of per-expert counts, one of the rows (to the owners), one of the results (back).
+    Ranks whose experts get no row still take part, with empty splits."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])  # (tokens, hidden)
     k, held = expert_ids.shape[1], num_experts // p
     flat = expert_ids.flatten()
     order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, so by owner rank
@@ -56,7 +63,9 @@ def exchange(grouped: Grouped, num_experts: int, x: torch.Tensor, expert_ids: to
     out = ran.new_empty(ran.shape)
     out[by_expert] = ran
     back = comm.dispatch_to_ranks(out, group, recv_splits, send_splits)  # in `order`
-    return x.new_zeros(x.shape).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))
+    combined = x.new_zeros(shape)
+    combined.view(-1, shape[-1]).index_add_(0, order // k, (back * weights.flatten()[order, None]).to(x.dtype))
+    return combined
 
 
 def depends_on(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,23 @@ replicated and computed on every rank, identically.
   bytes per rank. With T tokens of H features, k experts per token and p ranks, the all-reduce sends
   2 (p-1)/p T H, the all-to-all path (p-1)/p T H (2k/p + 1): all-to-all from p >= 2k on.
 
-With an ep axis of its own (`DistributedConfig(ep_size=)`, whose ranks are data-parallel: each holds its own
-tokens), `expert_tensor_parallel` splits the experts by expert over ep as well (`ShardSpec.ep_split`): a rank holds
-E/ep experts x 1/tp of each. Its tokens (whole over tp) are dispatched by all-to-all over the ep group to the
-experts' owners, each owner's tp ranks run them through their slice (partial outputs), the results come back the
-same way, and the weighted sum rides the layer's one tp all-reduce as in plain expert TP.
+With an ep axis of its own (`DistributedConfig(ep_size=)`, folded over the data- and context-parallel ranks: each
+holds its own tokens), `expert_tensor_parallel` splits the experts by expert over ep as well (`ShardSpec.ep_split`):
+a rank holds E/ep experts x 1/tp of each. Its tokens (whole over tp) are dispatched by all-to-all over the ep group
+to the experts' owners, each owner's tp ranks run them through their slice (partial outputs), the results come back
+the same way, and the weighted sum rides the layer's one tp all-reduce as in plain expert TP.
 
 In all of them the routing weights enter through `copy_to_tp` (or the share's split), so the router's gradient,
 whose expert-path part each rank computes only for its own experts (or tokens), is summed to the whole on every
-rank: (tokens, k) floats in backward, k/H of the activation all-reduce. The aux loss needs nothing (the router is
-replicated).
+rank: (tokens, k) floats in backward, k/H of the activation all-reduce. The aux loss needs nothing over tp (the
+router is replicated).
+
+Under sequence parallelism each tp rank routes its own sequence shard: the summing styles gather the shard's
+routing with the block input (`_gathered`: the same all-gather of the sequence a dense MLP's boundary does, and the
+ids and weights alike) and reduce-scatter their partial output, exact and no more bytes than a dense MLP under SP
+(every tp rank must see every token for its slice of every expert); the all-to-all style exchanges the shard as it
+is (its share). The router aux loss is then split over token shards (and under cp): `router_aux_over_sp` /
+`router_aux_over_cp` sum its token counts over them.
 """
 from __future__ import annotations
 
@@ -51,10 +58,11 @@ def all_to_all_wins(ranks: int, top_k: int) -> bool:
 
 
 class _ExpertStyle(ParallelStyle):
-    """Shared by the expert styles: the module must be a stacked-experts module; no sequence parallelism (the
-    router would see a sequence shard while the experts see the gathered sequence)."""
+    """Shared by the expert styles: the module must be a stacked-experts module. Under sequence parallelism each tp
+    rank routes its own sequence shard (the router is per token; its weight's gradient, a partial sum over tp, is
+    summed by the grad sync: the SP plan's 'sequence_parallel' rule on it), and the experts take the block input
+    (batch, seq / tp, hidden) with its routing (`_gathered`)."""
 
-    sequence_parallel_ok = False
     stacked_experts = True
 
     def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
@@ -69,13 +77,29 @@ class _ExpertStyle(ParallelStyle):
         raise NotImplementedError
 
 
+def _gathered(ctx: TPContext, x, expert_ids, weights):
+    """The block input x (batch, seq, hidden) and its routing (tokens, k) as every rank of the TP group sees them when
+    each runs every token through its share of the experts: x through the block's input boundary (`ctx.enter`,
+    shared with the shared expert's gate/up; under SP the all-gather of the sequence), the weights through
+    `copy_to_tp`, so their gradient, partial per rank, is summed; under SP every rank's shard of the routing is
+    all-gathered along the sequence as x is (the weights: all-gather fwd / reduce-scatter bwd, each rank's tokens'
+    gradient summed back to it). Returns (x (batch, seq, hidden) whole, ids, weights (batch * seq, k))."""
+    if not ctx.sequence_parallel:
+        return ctx.enter(x), expert_ids, comm.copy_to_tp(weights, ctx.group_name)
+    b, k = x.shape[0], expert_ids.shape[-1]
+    ids, weights = (comm.gather_to_sp(t.view(b, -1, k), ctx.group_name, dim=1).flatten(0, 1)
+                    for t in (expert_ids, weights))
+    return ctx.enter(x), ids, weights
+
+
 def _summed_partials(module: nn.Module, ctx: TPContext):
-    """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce)."""
+    """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce;
+    under SP a reduce-scatter back to the sequence shards)."""
     local_forward = type(module).forward
     module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
 
     def forward(self, x, expert_ids, weights):
-        x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
+        x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
         return ctx.exit(local_forward(self, x, expert_ids, weights))
 
     return forward
@@ -100,9 +124,9 @@ class ExpertTensorParallel(_ExpertStyle):
         module.ep_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
-            x, weights = ctx.enter(x), comm.copy_to_tp(weights, ctx.group_name)
+            x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
             return ctx.exit(exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.ep_group_name,
-                                            ctx.ep_size))
+                                     ctx.ep_size))
 
         replace_forward(module, forward)
 
@@ -123,10 +147,11 @@ class ExpertParallelAllReduce(_ExpertStyle):
 
 @register_style
 class ExpertParallelAllToAll(ExpertParallelAllReduce):
-    """Experts split by expert (dim 0); each rank's share of the tokens dispatched to the experts' owners and
-    combined back by all-to-all, then the shares all-gathered. A batch whose tokens do not split into equal shares
-    (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds the same
-    tokens, so every rank takes the same path."""
+    """Experts split by expert (dim 0); each rank's share of the tokens (of the sequence) dispatched to the experts'
+    owners and combined back by all-to-all, then the shares all-gathered. A batch whose sequence does not split into
+    equal shares (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds
+    the same tokens, so every rank takes the same path. Under SP a rank's share is its sequence shard, routed there: the
+    exchange alone, its tokens neither split nor gathered."""
 
     name = "expert_parallel_all_to_all"
 
@@ -136,7 +161,9 @@ class ExpertParallelAllToAll(ExpertParallelAllReduce):
         module.tp_dispatch = "all_to_all"
 
         def forward(self, x, expert_ids, weights):
-            if x.shape[0] % ctx.size:
+            if ctx.sequence_parallel:
+                return exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.group_name, ctx.size)
+            if x.shape[-2] % ctx.size:  # the sequence (or the tokens) do not split into equal shares
                 return summed(self, x, expert_ids, weights)
             return dispatch_and_combine(self.grouped, self.num_experts, x, expert_ids, weights, ctx)
 
@@ -154,3 +181,45 @@ class ExpertParallel(ExpertParallelAllToAll):
             super().install(module, ctx)
         else:
             ExpertParallelAllReduce.install(self, module, ctx)
+
+
+def router_aux_over_cp(model: nn.Module, ctx) -> None:
+    """Context parallelism's part of the router aux loss (`contract.router_aux`): each cp rank routes its own tokens,
+    so the token counts are summed over the cp group (one all-reduce of num_experts + 1 floats) and each rank's loss
+    is its share (its own router probabilities), summed over cp with the rest of the loss. `ctx`: the model's
+    CPContext (its group read at each call: the Trainer may move the model onto a mesh of its own)."""
+    if contract.router_aux(model) is not None:
+        model.router_aux_loss_function = _counts_summed(model.router_aux_loss_function, ctx)
+
+
+def router_aux_over_sp(model: nn.Module, ctx: TPContext) -> None:
+    """Sequence parallelism's part of the router aux loss: each tp rank routes its sequence shard (the padding mask's
+    columns of that shard), its counts are summed over the tp group and its share too (all-reduce fwd / identity
+    bwd: every tp rank's loss is then the whole, each share's gradient its own)."""
+    if contract.router_aux(model) is None:
+        return
+    statistics, loss_function = contract.router_aux(model)
+    summed = _counts_summed(loss_function, ctx)
+
+    def router_statistics(router_logits, attention_mask):
+        if attention_mask is not None:  # (batch, seq) -> this rank's (batch, seq / tp), as SP splits the sequence
+            attention_mask = attention_mask.chunk(ctx.size, dim=1)[ctx.rank]
+        return statistics(router_logits, attention_mask)
+
+    def router_aux_loss_function(stats, *, total=None):
+        return comm.reduce_from_tp(summed(stats, total=total), ctx.group_name)
+
+    model.router_statistics, model.router_aux_loss_function = router_statistics, router_aux_loss_function
+
+
+def _counts_summed(loss_function, ctx):
+    """`loss_function(stats, *, total=)` with the counts (and any `total` it is given) summed over `ctx`'s group (a
+    TPContext or CPContext: its `group_name` as it is at the call) too."""
+    def router_aux_loss_function(stats, *, total=None):
+        def summed(t):
+            t = comm.all_reduce(t.clone(), comm.resolve_group(ctx.group_name), phase="router_aux")
+            return t if total is None else total(t)
+
+        return loss_function(stats, total=summed)
+
+    return router_aux_loss_function

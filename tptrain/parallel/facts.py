@@ -2,7 +2,6 @@
 axes a loaded model was laid out on (what the Trainer reads instead of being told them again)."""
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 from torch import nn
@@ -13,34 +12,23 @@ from tptrain.parallel import contract
 
 def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFacts | None:
     """The facts of `model` (whole, or cut into this rank's stages; on meta or not). `objects`: the style objects
-    of its resolved plan ({module name: style}), which say which modules are experts and which styles refuse a
-    sequence shard (unknown without them). None for what is not a module (no facts to read)."""
+    of its resolved plan ({module name: style}), which say which modules are experts (unknown without them). None
+    for what is not a module (no facts to read)."""
     if not isinstance(model, nn.Module):
         return None
     config = getattr(model, "config", None)
     attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
     base = contract.base_model(model)
-    experts = sp_refusing = None
-    if objects is not None:
-        experts = sum(1 for style in objects.values() if style.stacked_experts)
-        sp_refusing = tuple(sorted({f"{_generic(name)} ({style.name!r})"
-                                    for name, style in objects.items() if not style.sequence_parallel_ok}))
+    experts = None if objects is None else sum(1 for style in objects.values() if style.stacked_experts)
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
-        backend=getattr(model, "backend", "native"), num_layers=_num_layers(model),
+        backend=getattr(model, "backend", "native"), num_layers=_num_layers(model), attention=len(attention),
         pp_refusal=contract.pipeline_refusal(model),
-        router_aux_loss=bool(getattr(config, "output_router_logits", False)),
-        longrope=getattr(config, "rope_type", None) == "longrope", attention=len(attention),
         without_attend=tuple((name, type(m).__name__) for name, m in attention.items() if contract.attend(m) is None),
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",
         sequence_mixers=tuple(contract.sequence_mixers(model).items()),
-        experts=experts, ep_plan=bool(contract.model_ep_plan(model)) if config is not None else False,
-        sp_refusing=sp_refusing or ())
-
-
-def _generic(name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", name)  # one name for all layers
+        experts=experts, ep_plan=bool(contract.model_ep_plan(model)) if config is not None else False)
 
 
 def _num_layers(model: nn.Module) -> int | None:

@@ -9,7 +9,9 @@ exactly the ranks that share a chunk.
 
 Under context parallelism (`cp_group_name` set) EVERY gradient is a per-rank share (each cp rank's tokens): in
 "backward" mode every parameter is recorded and, after the TP sum, summed over the cp group in one more flat
-all-reduce. In "step" mode (the Trainer) FSDP2's reduce-scatter over dp_shard x cp sums them instead.
+all-reduce. In "step" mode (the Trainer) FSDP2's reduce-scatter over dp_shard x cp sums them instead. Experts
+split over an ep axis are not: their ep group holds the cp ranks (each rank's owner got every cp rank's tokens
+by the dispatch), so their gradients are whole already.
 """
 from __future__ import annotations
 
@@ -91,8 +93,11 @@ class PartialGradSync:
             return
         local = {name: t.clone() for name, t in self._pending.items()}
         self.reduce_grads(self._pending)
-        if self.cp_group_name is not None:
-            _sum_flat(self._pending, self.cp_group_name)
+        if self.cp_group_name is not None:  # not the experts split over ep (whole already: the docstring)
+            specs = self.layout.specs
+            over_cp = {n: g for n, g in self._pending.items() if not (n in specs and specs[n].ep_split)}
+            if over_cp:
+                _sum_flat(over_cp, self.cp_group_name)
         for name, summed in self._pending.items():
             p = self._params[name]
             if torch.equal(p.grad, local[name]):  # nothing else accumulated: take the sum as is, so replicated

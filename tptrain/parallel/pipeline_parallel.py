@@ -198,10 +198,11 @@ class StageModule(nn.Module):
         module._parameters[attr] = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
         _replace(self.view, path, module, shallow=True)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor):
         """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
-        the stage before sent (batch, seq / cp (/ tp under SP), hidden); position_ids: the microbatch's whole
-        sequences' (batch, seq), which RoPE and the masks read (a stage's input may be a shard of the sequence)."""
+        the stage before sent (batch, seq / cp (/ tp under SP), hidden); carried: what else it sent (the router
+        statistics, `contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq), which
+        RoPE and the masks read (a stage's input may be a shard of the sequence)."""
         with contextlib.ExitStack() as scope:
             # What the axes' hooks on the model's forward do around a whole forward with labels: TP's fresh shared
             # boundary and logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it), SP's
@@ -217,19 +218,22 @@ class StageModule(nn.Module):
             if self._cp is not None:
                 position_ids = self._cp.begin(position_ids, None, seq=position_ids.shape[1], device=x.device)
                 scope.callback(self._cp.end)
-            return self.view.pipeline_forward(x, position_ids)
+            return self.view.pipeline_forward(x, *carried, position_ids=position_ids)
 
 
 class MicrobatchLoss:
     """The schedule's loss_fn: a microbatch's (logits, labels) -> its token-loss sum over the step's global token
     count (`num_items`, set each step), through the model's own `loss_function` (the TP engine's when it swapped
-    one in). The schedule does not scale gradients (scale_grads=False): the sum over microbatches is the step's."""
+    one in), plus what the model adds of what its stages carried (`pipeline_loss`: the router aux loss). The
+    schedule does not scale gradients (scale_grads=False): the sum over microbatches is the step's."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.num_items = model, None
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model.loss_function(logits, labels, self.num_items)
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        logits, *carried = output if isinstance(output, tuple) else (output,)
+        loss = self.model.loss_function(logits, labels, self.num_items)
+        return self.model.pipeline_loss(loss, *carried) if carried else loss
 
 
 class Pipeline:

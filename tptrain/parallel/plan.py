@@ -187,6 +187,11 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     layout_problems += contract.plan_problems(model, styles, tp_size)  # tptrain.hf: the weights it leaves unplanned
     if tp_size > 1:
         layout_problems += _pair_problems(model, objects, sequence_parallel)
+    if tp_size > 1 and sequence_parallel:
+        layout_problems += [f"{_generic(name)} has style {style.name!r}, which needs its inputs whole: it does not "
+                            f"work under sequence parallelism (each rank holds a shard of the sequence); disable "
+                            f"enable_sequence_parallel, or give it a style that does"
+                            for name, style in objects.items() if not style.sequence_parallel_ok]
     if ep_size > 1:
         layout_problems += ep_problems(model, objects, ep_size)
         specs = {name: dataclasses.replace(spec, ep_split=True) if name.rpartition(".")[0] in _experts(objects)

@@ -18,6 +18,7 @@ from torch import nn
 
 from tptrain.distributed import comm
 from tptrain.parallel import contract
+from tptrain.parallel.expert_parallel import router_aux_over_sp
 from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
@@ -189,3 +190,4 @@ def _install_model_hooks(model: nn.Module, resolved: ResolvedPlan, ctx: TPContex
     model.register_forward_hook(lambda module, args, out: ctx.reset())
     if resolved.sequence_parallel:
         install_sequence_parallel(model, ctx)
+        router_aux_over_sp(model, ctx)

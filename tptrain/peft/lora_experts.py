@@ -12,6 +12,7 @@ and adds s * (x @ A_e^T) @ B_e^T to each expert's projection inside the grouped 
 every expert style's collectives carry the adapter too. Each factor follows the base weight's split:
 
   experts split (dim 0, expert parallel)   A and B split by expert: every gradient is whole on its owner.
+  over an ep axis (ep_size)                A and B split by expert over ep too, then as below inside each expert.
   out split (dim 1, gate/up under ETP)     A replicated (a per-rank partial gradient), B split on its out dim.
   in split (dim 2, down under ETP)         A split on its in dim, B replicated (a per-rank partial gradient).
 
@@ -26,7 +27,6 @@ import dataclasses
 import torch
 from torch import nn
 
-from tptrain.layout import Case, Features, ParallelDims, check
 from tptrain.parallel.contract import routed_experts
 from tptrain.parallel.styles import ShardSpec, TPContext
 from tptrain.peft.lora import ADAPTER, PARTIAL, REPLICATED, LoraRuntime, add_to_block, mix_seed, over_dp
@@ -43,12 +43,14 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def factor_specs(base: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
-    """(spec of A (E, r, in), spec of B (E, out, r)) for a stacked weight (E, out, in) laid out as `base`."""
+    """(spec of A (E, r, in), spec of B (E, out, r)) for a stacked weight (E, out, in) laid out as `base`; over an ep
+    axis both split by expert as the weight is (this rank's experts' factors only: their gradients whole on it), and
+    inside each expert as below."""
     if base.replicas != 1 or base.segments:
         raise ValueError(f"LoRA cannot adapt {where!r}: its layout {base} is not a plain split")
-    if base.ep_split:  # the factors would hold every expert while the rank holds E/ep of them: the table's lora_ep
-        over_ep = ParallelDims(1, 2, 1, ep=2)  # the row reads only whether ep > 1
-        check("lora_ep", Case(dims=over_ep, features=Features(lora_experts=where)))
+    if base.ep_split:
+        return tuple(dataclasses.replace(spec, ep_split=True)
+                     for spec in factor_specs(dataclasses.replace(base, ep_split=False), where))
     if base.dim is None:
         return REPLICATED, REPLICATED
     if base.dim == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from tptrain.models.configuration.base import PretrainedConfig, DECODER_TP_PLAN
+from tptrain.models.configuration.base import DECODER_SP_PLAN, PretrainedConfig, DECODER_TP_PLAN
 from tptrain.models.configuration.llama import Qwen3Config
 from tptrain.models.configuration.mistral import MistralConfig
 
@@ -106,6 +106,18 @@ class MoeConfig(PretrainedConfig):
     @property
     def attention_tp_plan(self) -> dict[str, str]:
         return _ATTENTION_TP_PLAN
+
+    @property
+    def base_model_sp_plan(self) -> dict[str, str]:
+        """The decoder's SP plan (the norms on the residual stream) and the routers: under sequence parallelism each
+        tp rank routes its own sequence shard, so a router's (and a shared expert's gate's) weight gradient is a
+        partial sum over tp."""
+        plan = dict(DECODER_SP_PLAN)
+        if any(self.layer_is_moe):
+            plan["layers.*.mlp.gate"] = "sequence_parallel"
+            if self.shared_expert_intermediate_size:
+                plan["layers.*.mlp.shared_expert_gate"] = "sequence_parallel"
+        return plan
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import ParallelDims, raise_on_any_rank
-from tptrain.distributed.topology import dp_placements, rank_grid
+from tptrain.distributed.topology import dp_placements, rank_grid, stage_mesh
 from tptrain.training.checkpoint.dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
@@ -48,7 +48,7 @@ from tptrain.training.checkpoint.fused_shards import fused_sharded_tensor
 
 # The view mesh of a checkpoint tensor: the run's mesh with its TP axis split into (chunks, KV replicas).
 VIEW_AXES = ("dp_replicate", "dp_shard", "tp_shard", "tp_replica")
-# ... and of experts split over an ep axis: dp_shard as (dp_shard_mod_ep, ep), no KV replicas.
+# ... and of experts split over an ep axis: dp_shard x cp as (dp_shard_mod_ep, ep), no KV replicas.
 EP_VIEW_AXES = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp_shard")
 
 
@@ -82,10 +82,13 @@ class StateConverter:
 
     def _ep_view(self, name: str, local: torch.Tensor, t: torch.Tensor, shape: torch.Size) -> DTensor:
         """Experts split over the ep axis (`ShardSpec.ep_split`): dim 0 split over ep (outer) and again by FSDP
-        over dp_shard_mod_ep (a strided split), the TP split on its own dim, Replicate over dp_replicate."""
+        over dp_shard_mod_ep (a strided split), the TP split on its own dim, Replicate over dp_replicate. The view
+        mesh is this stage's ranks as (dp_replicate, dp_shard_mod_ep, ep, tp): ep is the flattened (dp_shard_in_ep,
+        cp), consecutive in the mesh."""
         spec, dims = self._spec(name), ParallelDims.of(self.mesh)
         if "ep" not in self._meshes:
-            self._meshes["ep"] = DeviceMesh(self.mesh.device_type, self.mesh.mesh, mesh_dim_names=EP_VIEW_AXES,
+            ranks = stage_mesh(self.mesh).mesh.reshape(dims.dp_replicate, dims.ep_pool // dims.ep, dims.ep, dims.tp)
+            self._meshes["ep"] = DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=EP_VIEW_AXES,
                                             _init_backend=False)
         dp = dict(zip(t.device_mesh.mesh_dim_names, t.placements)) if isinstance(t, DTensor) else {}
         fsdp = dp.get("dp_shard_mod_ep", Replicate())
