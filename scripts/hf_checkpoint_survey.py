@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 from hf_backend_survey import TINY  # the same tiny sizes as the meta-device survey
-from hf_survey_stages import STAGES, reference, run_stages, steps_dtype
+from hf_survey_stages import LAYOUT_STAGES, STAGES, reference, run_layout_stages, run_stages, steps_dtype
 
 # MLA attention (low-rank q/kv, decoupled RoPE): as many KV heads as query heads, consistent head sizes.
 _MLA = dict(num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32,
@@ -67,6 +67,7 @@ TINY_OVERRIDES: dict[str, dict] = {
     # one MoE layer of two (their defaults make the first layers dense: a tiny model had no experts)
     "beam": dict(mlp_layer_types=["dense", "sparse"], **_ONE_GROUP),
     "flint": dict(mlp_only_layers=[0]),
+    "longcat_flash": dict(_MLA, num_layers=2, num_hidden_layers=4),  # two layers of two sublayers: pp 2 can cut it
     "gemma4_text": dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=16),  # 262144 rows by default
     # a composite config: the tiny keys go to its text config (else a full-size one, which no process holds)
     "llama4": dict(text_config={k: v for k, v in TINY.items() if k != "layer_types"}),
@@ -118,7 +119,7 @@ def _write_checkpoint(model_type: str, directory: Path, ep: bool) -> tuple[torch
     return ids, reference(model, ids, steps_dtype(directory))
 
 
-def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool, ep: bool) -> dict:
+def _survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer: bool, ep: bool) -> dict:
     from tptrain.distributed import comm
 
     rank = torch.distributed.get_rank()
@@ -133,8 +134,12 @@ def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool, ep: bool
     if error:
         return {"error": f"transformers (not tptrain) fails: {error}"}
     ids, dtype = comm.all_gather_object((written[0], written[1]["steps_dtype"]) if written else None)[0]
+    tp, cp, pp = layout
     try:
-        return run_stages(directory, saved, ids, written[1] if written else None, tp_size, peer, steps_dtype=dtype,
+        if cp * pp > 1:
+            return run_layout_stages(directory, ids, written[1] if written else None, tp=tp, cp=cp, pp=pp,
+                                     steps_dtype=dtype)
+        return run_stages(directory, saved, ids, written[1] if written else None, tp, peer, steps_dtype=dtype,
                           expert_parallel=ep)
     finally:
         comm.all_gather_object(None)  # every rank done with the files
@@ -143,7 +148,7 @@ def _survey_type(model_type: str, root: Path, tp_size: int, peer: bool, ep: bool
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def worker(types: list[str], out: str, tp_size: int, peer: bool, ep: bool) -> None:
+def worker(types: list[str], out: str, layout: tuple[int, int, int], peer: bool, ep: bool) -> None:
     """One rank (torchrun-style env): every type in turn; rank 0 appends {"type", "result"} lines to `out`."""
     import transformers
 
@@ -159,7 +164,7 @@ def worker(types: list[str], out: str, tp_size: int, peer: bool, ep: bool) -> No
         for model_type in types:
             if rank == 0:
                 _append(out, {"type": model_type, "started": True})
-            result = _survey_type(model_type, Path(tmp), tp_size, peer, ep)
+            result = _survey_type(model_type, Path(tmp), layout, peer, ep)
             if rank == 0:
                 _append(out, {"type": model_type, "result": result})
 
@@ -169,21 +174,24 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _launch(types: list[str], out: Path, tp_size: int, peer: bool, ep: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp_size}",
-           __file__, "--worker", "--out", str(out), "--tp-size", str(tp_size), "--types", ",".join(types),
+def _launch(types: list[str], out: Path, layout: tuple[int, int, int], peer: bool, ep: bool) -> subprocess.Popen:
+    tp, cp, pp = layout
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * cp * pp}",
+           __file__, "--worker", "--out", str(out), "--tp-size", str(tp), "--cp-size", str(cp), "--pp-size", str(pp),
+           "--types", ",".join(types),
            *(["--peer"] if peer else []), *(["--expert-parallel"] if ep else [])]
     log = open(out.with_suffix(".log"), "ab")  # the workers' output, for a crash's cause
     return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
 
-def survey(types: list[str], tp_size: int, type_timeout: float, peer: bool, ep: bool) -> dict[str, dict]:
+def survey(types: list[str], layout: tuple[int, int, int], type_timeout: float, peer: bool,
+           ep: bool) -> dict[str, dict]:
     """Run the workers; a group that stops making progress is killed, its current type recorded as a hang."""
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     results: dict[str, dict] = {}
     while len(results) < len(types):
         todo = [t for t in types if t not in results]
-        proc, last, seen = _launch(todo, out, tp_size, peer, ep), time.monotonic(), 0
+        proc, last, seen = _launch(todo, out, layout, peer, ep), time.monotonic(), 0
         while proc.poll() is None:
             time.sleep(2)
             lines = out.read_text().splitlines() if out.exists() else []
@@ -202,52 +210,101 @@ def survey(types: list[str], tp_size: int, type_timeout: float, peer: bool, ep: 
     return {t: results[t] for t in types}
 
 
+def _stages(result: dict) -> tuple[str, ...]:
+    return LAYOUT_STAGES if "train" in result else STAGES
+
+
 def passed(result: dict) -> bool:
-    return all(result.get(stage) == "OK" for stage in STAGES)
+    return all(result.get(stage) == "OK" for stage in _stages(result))
 
 
-def table(results: dict[str, dict], tp_size: int, peer: bool) -> str:
+def spelled(layout: tuple[int, int, int]) -> str:
+    """'tp 2', 'cp 2', 'tp 2 x cp 2 x pp 2': the axes above 1 (tp always when alone)."""
+    parts = [f"{axis} {size}" for axis, size in zip(("tp", "cp", "pp"), layout) if size > 1]
+    return " x ".join(parts) or "tp 1"
+
+
+def table(results: dict[str, dict], layout: tuple[int, int, int], peer: bool) -> str:
     """The markdown table (type x stages, the peer column) and, below it, the reason for each failure."""
-    head = ["type", "tp", *STAGES, *([f"peer (transformers TP {tp_size})"] if peer else [])]
+    stages = LAYOUT_STAGES if layout[1] * layout[2] > 1 else STAGES
+    head = ["type", "layout", *stages, *([f"peer (transformers TP {layout[0]})"] if peer else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     reasons = []
     for model_type, r in results.items():
-        cells = [r.get(stage, "-") for stage in STAGES] if any(s in r for s in STAGES) else ["n/a"] * len(STAGES)
+        cells = [r.get(stage, "-") for stage in stages] if any(s in r for s in stages) else ["n/a"] * len(stages)
         peer_cell = r.get("peer", "-")
         peer_cell = "OK" if peer_cell == "OK" else peer_cell.split(" (")[0].split(":")[0]
-        lines.append(f"| `{model_type}` | {tp_size} | " + " | ".join([*cells, *([peer_cell] if peer else [])]) + " |")
+        lines.append(f"| `{model_type}` | {spelled(layout)} | " + " | ".join([*cells, *([peer_cell] if peer else [])])
+                     + " |")
         if "error" in r:
-            reasons.append(f"- `{model_type}` (tp {tp_size}): {r['error']}")
+            reasons.append(f"- `{model_type}` ({spelled(layout)}): {r['error']}")
         if peer and r.get("peer", "OK") != "OK":
-            reasons.append(f"- `{model_type}` (transformers' own TP at tp {tp_size}): {r['peer']}")
+            reasons.append(f"- `{model_type}` (transformers' own TP at tp {layout[0]}): {r['peer']}")
     return "\n".join([*lines, "", *reasons])
+
+
+def cell(result: dict | None) -> str:
+    """One type's outcome in one run, for the combined table: OK, refused (the rule's words), or the failed stage."""
+    if result is None:
+        return "not run"
+    if passed(result):
+        return "OK"
+    error = result.get("error", "")
+    if error.startswith("transformers (not tptrain)"):
+        return "n/a (transformers fails)"
+    if "cannot run with cp_size" in error or "cannot be cut into pipeline stages" in error:
+        return "refused"
+    return f"**{error.split(':')[0]}** fails"
+
+
+def combined(runs: dict[str, dict[str, dict]]) -> str:
+    """{column title: a run's --json results} -> one markdown table, a row per type and a column per run, then each
+    refusal's and failure's reason."""
+    types = sorted({t for results in runs.values() for t in results})
+    lines = ["| type | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    lines += [f"| `{t}` | " + " | ".join(cell(results.get(t)) for results in runs.values()) + " |" for t in types]
+    reasons = [f"- `{t}` ({title}): {results[t]['error']}" for title, results in runs.items() for t in types
+               if t in results and not passed(results[t]) and "error" in results[t]]
+    counts = [f"{title}: {sum(passed(r) for r in results.values())} of {len(results)}" for title, results in runs.items()]
+    return "\n".join([*lines, "", "Passing: " + "; ".join(counts) + ".", "", *reasons])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp-size", type=int, default=2)
+    parser.add_argument("--cp-size", type=int, default=1, help="context parallelism: the layout stages (Trainer)")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline parallelism: the layout stages (Trainer)")
     parser.add_argument("--types", default="", help="comma-separated model types (default: every one with a plan)")
     parser.add_argument("--peer", action="store_true", help="also run transformers' own TP at --tp-size (slower)")
     parser.add_argument("--expert-parallel", action="store_true",
                         help="enable_expert_parallel (experts split by expert over the TP group, transformers' "
                              "base_model_ep_plan) on both sides; default types: those with an ep plan")
     parser.add_argument("--json", help="also write the results to this file ({type: {stage: outcome, ...}})")
+    parser.add_argument("--combine", nargs="+", metavar="TITLE=FILE",
+                        help="print one table of several runs' --json files (a column each) and exit")
     parser.add_argument("--type-timeout", type=float, default=300.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.combine:
+        runs = {title: json.loads(Path(path).read_text()) for title, _, path in
+                (item.partition("=") for item in args.combine)}
+        return print(combined(runs))
     types = [t for t in args.types.split(",") if t]
+    layout = (args.tp_size, args.cp_size, args.pp_size)
     if args.worker:
-        return worker(types, args.out, args.tp_size, args.peer, args.expert_parallel)
-    results = survey(types or model_types(expert_parallel=args.expert_parallel), args.tp_size, args.type_timeout,
+        return worker(types, args.out, layout, args.peer, args.expert_parallel)
+    if (args.peer or args.expert_parallel) and args.cp_size * args.pp_size > 1:
+        parser.error("--peer and --expert-parallel are for the tp stages (no --cp-size / --pp-size)")
+    results = survey(types or model_types(expert_parallel=args.expert_parallel), layout, args.type_timeout,
                      args.peer, args.expert_parallel)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results, args.tp_size, args.peer), flush=True)
+    print(table(results, layout, args.peer), flush=True)
     ok = [t for t, r in results.items() if passed(r)]
     skipped = [t for t, r in results.items() if r.get("error", "").startswith("transformers (not tptrain)")]
     print(f"\n{len(ok)} of {len(results) - len(skipped)} model types (with a base_model_tp_plan and a tiny checkpoint "
-          f"transformers itself writes) pass every stage at tp {args.tp_size}"
+          f"transformers itself writes) pass every stage at {spelled(layout)}"
           f"{' with enable_expert_parallel' if args.expert_parallel else ''}: {', '.join(ok)}")
     if args.peer:
         peers = [t for t, r in results.items() if r.get("peer") == "OK"]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 STAGES = ("load", "forward", "backward", "steps", "save", "plan")
+LAYOUT_STAGES = ("load", "train", "save")  # a layout with cp or pp (run_layout_stages)
 FORWARD_RTOL = 1e-5  # the issue's: logits relative to transformers' on one process, fp32
 # each gradient: within GRAD_RTOL of its largest entry plus GRAD_ATOL of the largest gradient entry of the model
 # (fp32 sums in another order; a gradient that is 0 but for rounding, a normalised router's, is rounding on both sides)
@@ -28,7 +29,8 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 # qwen3_moe at tp 4): the bound is 1e-7, where a layout bug moves them by ~1e-2. The tolerance is the logits' dtype's.
 LOSS_RTOL = {torch.float64: 1e-7, torch.float32: 1e-5}  # the loss of each of 3 AdamW steps (and the one after)
 FP64_MAX_BYTES = 2**28
-# AdamW's eps above fp32 rounding of a gradient that is 0 but for rounding (else each side steps it by +-lr at random)
+# AdamW's eps above fp32 rounding of a gradient that is 0 but for rounding (else each side steps it by +-lr at random);
+# no weight decay (the Trainer, which the layout stages train with, decays no norm or bias; torch's AdamW all of them)
 LR, EPS, STEPS = 1e-3, 1e-6, 3
 PEER_MAX_BYTES = 2**30
 
@@ -96,28 +98,30 @@ def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
     grads = {n: p.grad for n, p in train.named_parameters() if p.grad is not None}
     del train  # one copy at a time (phi4_multimodal's is 3.3 GB)
     try:
-        losses, loss_dtype = _trajectory(model, ids, dtype)
+        losses, loss_dtype, trained = _trajectory(model, ids, dtype)
     except RuntimeError:
         if dtype == torch.float32:
             raise
         dtype = torch.float32  # inkling2_text: transformers' own fp64 forward mixes dtypes
-        losses, loss_dtype = _trajectory(model, ids, dtype)
-    return dict(logits=logits, grads=grads, losses=losses, model=model, steps_dtype=dtype, loss_dtype=loss_dtype)
+        losses, loss_dtype, trained = _trajectory(model, ids, dtype)
+    return dict(logits=logits, grads=grads, losses=losses, model=model, steps_dtype=dtype, loss_dtype=loss_dtype,
+                trained=trained)
 
 
-def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype]:
+def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype, object]:
+    """(the losses of STEPS AdamW steps and the one after, the logits' dtype, the model trained)."""
     same = dtype == next(model.parameters()).dtype  # trains `model` itself: the save stage reloads its weights
     train = model if same else copy.deepcopy(model).to(dtype).eval()
     eager_experts(train)
     with fp64_throughout():
         with torch.no_grad():
             loss_dtype = train(input_ids=ids, use_cache=False).logits.dtype
-        return train_losses(train, lambda m: _ce(m(input_ids=ids, use_cache=False).logits, ids)), loss_dtype
+        return train_losses(train, lambda m: _ce(m(input_ids=ids, use_cache=False).logits, ids)), loss_dtype, train
 
 
 def train_losses(model, loss) -> list[float]:
     """STEPS AdamW steps of `model` on `loss(model)`: its value before each and after the last."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)  # as the layout stage's Trainer
     losses = []
     for step in range(STEPS + 1):
         value = loss(model)
@@ -251,6 +255,91 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         out["peer"] = _peer(directory, ids, ref, tp_size)
     state.clear()
     return out
+
+
+def run_layout_stages(directory: Path, ids: torch.Tensor, ref: dict | None, *, tp: int, cp: int, pp: int,
+                      steps_dtype: torch.dtype) -> dict:
+    """A layout with context or pipeline parallelism ({stage: outcome} of LAYOUT_STAGES, and "error"): load (tptrain's
+    from_pretrained on tp x cp x pp ranks, the transformers backend, in the steps' dtype), train (tptrain's Trainer,
+    3 AdamW steps on the ids as one global batch, lr / eps as the steps stage, no decay, no clipping, constant lr:
+    each step's loss within the steps stage's bound of transformers' own training on one process), save (the
+    Trainer's final checkpoint, written from the stages, reloaded by transformers: its loss on the ids is the 4th
+    loss of transformers' own training)."""
+    import tempfile
+
+    import transformers
+
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.distributed import comm
+    from tptrain.training.args import ParallelismConfig, TrainingArguments
+    from tptrain.training.data import PackedDataset
+    from tptrain.training.trainer import Trainer
+
+    rank = torch.distributed.get_rank()
+    state: dict = {}
+    out: dict = {}
+    tmp = comm.all_gather_object(tempfile.mkdtemp() if rank == 0 else None)[0]
+
+    def close(values, want, what):
+        got, want = torch.tensor(values, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+        if not torch.allclose(got, want, rtol=LOSS_RTOL[ref["loss_dtype"]], atol=0):
+            raise AssertionError(f"{what} {[f'{x:.10f}' for x in got.tolist()]} != transformers' on one process "
+                                 f"{[f'{x:.10f}' for x in want.tolist()]}")
+
+    def load():
+        state["model"] = AutoModelForCausalLM.from_pretrained(directory, dtype=steps_dtype, distributed_config=(
+            DistributedConfig(tp_size=tp, cp_size=cp, pp_size=pp, backend="transformers")))
+        eager_experts(state["model"].hf_model)
+        _without_noise(state["model"])  # the Trainer trains in train mode; the reference trains in eval mode
+
+    def train():
+        args = TrainingArguments(output_dir=tmp, max_steps=STEPS, per_device_train_batch_size=ids.shape[0],
+                                 seq_len=ids.shape[1], learning_rate=LR, adam_epsilon=EPS, weight_decay=0.0,
+                                 max_grad_norm=0.0, lr_scheduler_type="constant", warmup_steps=0, logging_steps=1,
+                                 save_steps=10**6, parallelism_config=ParallelismConfig(
+                                     pp_microbatches=ids.shape[0]) if pp > 1 else None)
+        with fp64_throughout():
+            state["losses"] = Trainer(state.pop("model"), args=args,
+                                      train_dataset=PackedDataset(ids.reshape(-1), ids.shape[1])).train().losses
+        if rank == 0:
+            close(state["losses"], ref["losses"][:STEPS], f"losses of {STEPS} Trainer steps")
+
+    def save():
+        if rank != 0:
+            return
+        ref["trained"].save_pretrained(Path(tmp) / "transformers")  # what transformers' own reload makes of it
+
+        def loss(directory):  # (youtu's reload zeroes its padding row: both sides the same)
+            reloaded = transformers.AutoModelForCausalLM.from_pretrained(Path(tmp) / directory, dtype=steps_dtype)
+            reloaded = reloaded.to(steps_dtype).eval()  # its fp32 islands too (routers), as the reference trains them
+            eager_experts(reloaded)
+            with fp64_throughout(), torch.no_grad():
+                return _ce(reloaded(input_ids=ids, use_cache=False).logits, ids).item()
+
+        close([loss("final")], [loss("transformers")], "the reloaded final checkpoint's loss")
+
+    try:
+        for name, fn in zip(LAYOUT_STAGES, (load, train, save)):
+            out[name] = _stage(name, fn, out)
+    finally:
+        state.clear()
+        comm.all_gather_object(None)
+        if rank == 0:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _without_noise(model) -> None:
+    """Dropout off in train mode (seed_oss' residual dropout): what eval mode turns off, which the reference's
+    training runs in."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for owner in (module, getattr(module, "config", None)):
+            for key, value in list(vars(owner).items()) if owner is not None else ():
+                if isinstance(value, float) and "dropout" in key:
+                    setattr(owner, key, 0.0)
 
 
 def _stage(name: str, fn, out: dict) -> str:

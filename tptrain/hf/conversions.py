@@ -245,6 +245,7 @@ def checkpoint_sources(hf_model, reader) -> dict[str, str | Converted]:
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta = dict(hf_model.state_dict(keep_vars=True))
     prefix = hf_model.base_model_prefix
+    experts = {name for name, m in hf_model.named_modules() if hasattr(m, "_is_expert_parallel")}
     out: dict[str, str | Converted] = {}
     groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
     for key in sorted(reader.keys(), key=dot_natural_key):  # transformers' order: experts 0, 1, ..., 10
@@ -254,8 +255,9 @@ def checkpoint_sources(hf_model, reader) -> dict[str, str | Converted]:
         if target not in meta:
             continue  # a tensor the model does not have: transformers drops it too
         if pattern is None:
-            if target != key:
-                out[target] = key
+            if target != key:  # a renamed stacked-experts tensor is read by expert too (an ep axis splits dim 0)
+                out[target] = Converted("WeightRenaming", Tensor(key, tuple(reader.shape(key)))) \
+                    if target.rpartition(".")[0] in experts else key
         else:
             groups.setdefault(target, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
     for first, (converter, keys) in groups.items():

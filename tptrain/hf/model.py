@@ -17,7 +17,6 @@ names, hooks and `.to()` are the same as for a native model.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -31,11 +30,13 @@ from transformers.integrations.moe import _default_apply_gate
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tptrain.hf import styles as _styles  # noqa: F401 - registers the ep_dispatch_experts styles
+from tptrain.hf.attention import declare_cp_facts, running, use_tptrain_attention
 from tptrain.hf.conversions import checkpoint_sources, hub_sizes, interleaved_parameters, save_groups, to_hub
 from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
                              translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
                              packed_like_stored)
-from tptrain.hf.probe import split_readers
+from tptrain.hf.probe import meta_copy, split_readers
+from tptrain.hf.stages import run_stage, stage_parts
 from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss
 from tptrain.meta_init import build_on
@@ -113,8 +114,7 @@ class TransformersCausalLM(PreTrainedModel):
         if own:
             raise ValueError(f"{type(hf_model).__name__} holds tensors {own} outside its submodules; tptrain's "
                              f"transformers backend does not support it")
-        for name, child in hf_model.named_children():
-            self.add_module(name, child)
+        object.__setattr__(self, "_modules", hf_model._modules)  # one dict: a pipeline cut is transformers' too
         self.base_model_prefix = prefix = base_prefix(hf_model)
         self.loss_function = causal_lm_loss
         raw = type(hf_model.config).base_model_tp_plan or getattr(hf_model.config, "base_model_tp_plan", None)
@@ -139,6 +139,33 @@ class TransformersCausalLM(PreTrainedModel):
         declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
                          self.config)
         self._whole_readers = self._rule_unplanned(prefix)
+        self._declare_stages(prefix)
+        # Context parallelism's facts: `attend` on the attention modules, the base model's `attention_masks`, and the
+        # modules of the layers mixing tokens otherwise (hf/attention.py)
+        self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), getattr(self, "pp_layers", None))
+
+    def _declare_stages(self, prefix: str) -> None:
+        """The contract's PipelineModel facts (hf/stages.py), or why the model cannot be cut (`pp_refusal`)."""
+        parts = stage_parts(self, prefix)
+        if isinstance(parts, str):
+            self.pp_refusal = f"{type(self.hf_model).__name__} ({self.config.model_type}): {parts}"
+            return
+        self._stage_parts = parts
+        self.pp_layers, self.pp_first, self.pp_last = parts.layers, parts.first, parts.last
+
+    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
+                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What this module (a pipeline stage's view, or the whole model) holds of the computation: token ids in if
+        it holds the embedding, else the previous stage's hidden states; logits out if it holds the head
+        (vocab-sharded under TP for the vocab-parallel loss), else hidden states (hf/stages.py). It carries nothing
+        between stages (transformers' router aux loss is not tptrain's loss on this backend)."""
+        assert not carried, "the transformers backend's stages carry nothing"
+        attention_mask = None
+        if getattr(self, "cp_context", None) is not None:  # see forward
+            attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        with running(getattr(self, self.base_model_prefix), getattr(self, "cp_context", None)):
+            return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
+                             use_cache=False)
 
     def _rule_unplanned(self, prefix: str) -> set[str]:
         """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
@@ -149,11 +176,7 @@ class TransformersCausalLM(PreTrainedModel):
         candidates = unplanned_modules(self, styles)
         if not candidates:
             return set()
-        config = copy.deepcopy(self.config)
-        config._attn_implementation = "eager"  # sdpa's meta kernel refuses grouped KV heads
-        with build_on(torch.device("meta")):
-            meta_model = type(self.hf_model)(config)
-        kinds = split_readers(meta_model, styles, candidates) or {}
+        kinds = split_readers(meta_copy(self.hf_model), styles, candidates) or {}
         for name, kind in kinds.items():
             if kind == "per_part" and name.startswith(prefix + "."):
                 self.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
@@ -189,8 +212,16 @@ class TransformersCausalLM(PreTrainedModel):
         super()._check_checkpoint(reader)
 
     def checkpoint_keys(self) -> dict[str, Any]:
-        """The checkpoint names transformers' rules give (a renamed tensor's name, or how a rule builds it)."""
-        return getattr(self, "_checkpoint_sources", {})
+        """The checkpoint names transformers' rules give (a renamed tensor's name, or how a rule builds it); a last
+        pipeline stage's copy of a tied weight reads (and is saved as) the first stage's."""
+        keys = dict(getattr(self, "_checkpoint_sources", {}))
+        return {**keys, **{last: keys.get(first, first) for last, first in self._tied_copies().items()}}
+
+    def _tied_copies(self) -> dict[str, str]:
+        """{last stage's name: first stage's name} of the tied weights this rank holds without the first stage."""
+        plan = getattr(self, "pp_plan", None)
+        params = dict(self.named_parameters()) if plan is not None and plan.tied else {}
+        return {last: first for first, last in (plan.tied if params else ()) if last in params and first not in params}
 
     def _checkpoint_tensors(self, names: list[str]):
         """Parameters gathered group by group and written under the hub's names and layout: transformers' own
@@ -204,20 +235,21 @@ class TransformersCausalLM(PreTrainedModel):
         shapes = {n: (layout.global_shapes[n] if layout else tuple(params[n].shape), params[n].dtype)
                   for n in names}
         shapes.update({n: (tuple(b.shape), b.dtype) for n, b in buffers.items()})
-        sizes = hub_sizes(self.hf_model, groups, shapes)
+        tied = self._tied_copies()  # written under the first stage's name (which that stage writes)
+        sizes = {tied.get(k, k): v for k, v in hub_sizes(self.hf_model, groups, shapes).items()}
 
         def checkpoint_tensors():
             gathered = gathered_parameters(self, [n for group in groups for n in group if n not in buffers])
             for group in groups:
                 tensors = {n: buffers[n].detach().cpu() if n in buffers else next(gathered)[1] for n in group}
-                yield from to_hub(self.hf_model, tensors).items()
+                yield from ((tied.get(k, k), t) for k, t in to_hub(self.hf_model, tensors).items())
 
         return sizes, checkpoint_tensors
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
         super()._load(reader, device, dtype, rank=rank, ep_rank=ep_rank)
         self._load_buffers(reader, device)
-        self._materialise_buffers(device)
+        _materialise_buffers(self, device)
 
     @torch.no_grad()
     def _load_buffers(self, reader, device: torch.device) -> None:
@@ -230,43 +262,6 @@ class TransformersCausalLM(PreTrainedModel):
                 module, _, leaf = name.rpartition(".")
                 self.get_submodule(module)._buffers[leaf] = reader.read(key, dtype=buffer.dtype, device=device)
 
-    @torch.no_grad()
-    def _materialise_buffers(self, device: torch.device) -> None:
-        """Buffers still on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
-        transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
-        parameters are marked initialised, so its init functions leave them alone."""
-        for name, module in self.named_modules():
-            meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-            if not meta:
-                continue
-            for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
-                buf = module._buffers[b]
-                module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
-            params = list(module.parameters(recurse=False))
-            for p in params:
-                p._is_hf_initialized = True
-            try:
-                self._init_owner(name)._init_weights(module)
-            finally:
-                for p in params:
-                    del p._is_hf_initialized
-            unset = [b for b in meta if module._buffers[b].is_floating_point() and module._buffers[b].isnan().any()]
-            if unset:
-                raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
-                                 f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
-                                 f"transformers backend cannot build them")
-
-    def _init_owner(self, name: str) -> nn.Module:
-        """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
-        PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
-        reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""
-        parts = name.split(".")
-        for i in range(len(parts), 0, -1):
-            module = self.get_submodule(".".join(parts[:i]))
-            if isinstance(module, transformers.PreTrainedModel):
-                return module
-        return self.hf_model
-
     def tp_plan_problems(self, styles: dict[str, str], tp_size: int) -> list[str]:
         """Problems `check_plan` adds for this model (see `plan.unplanned_parameters`)."""
         if tp_size == 1:
@@ -277,6 +272,8 @@ class TransformersCausalLM(PreTrainedModel):
     def _apply_plan(self, resolved, distributed_config, *, reader=None, dtype=None):
         super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
         self._set_local_heads()
+        if getattr(self, "cp_context", None) is not None:  # masks and attention through hf/attention.py
+            use_tptrain_attention(self)
         return self
 
     def _set_local_heads(self) -> None:
@@ -314,8 +311,13 @@ class TransformersCausalLM(PreTrainedModel):
                 num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
         """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
         kwargs.setdefault("use_cache", False)
-        logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               **kwargs).logits
+        if getattr(self, "cp_context", None) is not None and attention_mask is None:
+            # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
+            # masks come from the whole batch's, hf/attention.py)
+            attention_mask = torch.ones_like(input_ids)
+        with running(getattr(self, self.base_model_prefix), getattr(self, "cp_context", None)):
+            logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   **kwargs).logits
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits)
 
@@ -327,3 +329,41 @@ class TransformersCausalLM(PreTrainedModel):
         config["dtype"] = dtype_name(dtype)
         config["architectures"] = [type(self.hf_model).__name__]
         return json.dumps(self.config._encode_special_floats(config), indent=2, sort_keys=True) + "\n"
+
+
+@torch.no_grad()
+def _materialise_buffers(model: TransformersCausalLM, device: torch.device) -> None:
+    """Buffers still on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
+    transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
+    parameters are marked initialised, so its init functions leave them alone."""
+    for name, module in model.named_modules():
+        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        if not meta:
+            continue
+        for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
+            buf = module._buffers[b]
+            module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
+        params = list(module.parameters(recurse=False))
+        for p in params:
+            p._is_hf_initialized = True
+        try:
+            _init_owner(model, name)._init_weights(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
+        unset = [b for b in meta if module._buffers[b].is_floating_point() and module._buffers[b].isnan().any()]
+        if unset:
+            raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
+                             f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
+                             f"transformers backend cannot build them")
+
+def _init_owner(model: TransformersCausalLM, name: str) -> nn.Module:
+    """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
+    PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
+    reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = model.get_submodule(".".join(parts[:i]))
+        if isinstance(module, transformers.PreTrainedModel):
+            return module
+    return model.hf_model

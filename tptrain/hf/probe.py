@@ -13,7 +13,9 @@ it derives from.
 """
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -40,7 +42,7 @@ def split_readers(model: nn.Module, styles: dict[str, str], candidates: list[str
         modules[name].register_forward_hook(_marker(marks, cls.splits_output))
     for name in candidates:
         modules[name].register_forward_pre_hook(_reader(name, modules[name], marks, seen))
-    if not _run(model, seen):
+    if not meta_forward(model, seen.clear):
         return None
     return {name: seen.get(name, "whole") for name in candidates}
 
@@ -87,16 +89,32 @@ def _split_widths(node, marks) -> set[int]:
     return widths
 
 
-def _run(model: nn.Module, seen: dict) -> bool:
-    """One forward on meta ids; transformers' mask preparation reads values (not on meta), so the masks are given:
-    per layer type (a dict) for models that take one, else none (the data flow does not depend on the mask)."""
-    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    for mask in (defaultdict(lambda: None), torch.zeros(1, 1, SEQ, SEQ, device="meta")):
-        seen.clear()
+def meta_copy(hf_model: nn.Module) -> nn.Module:
+    """A throwaway copy of the transformers model `hf_model`'s architecture on the meta device (eager attention: sdpa's
+    meta kernel refuses grouped KV heads; experts through batched_mm)."""
+    from tptrain.meta_init import build_on
+
+    config = copy.deepcopy(hf_model.config)
+    config._attn_implementation = "eager"
+    with build_on(torch.device("meta")):
+        meta = type(hf_model)(config)
+    if hasattr(meta, "set_experts_implementation"):  # grouped_mm takes bf16 only on meta; the eager loop reads values
+        meta.set_experts_implementation("batched_mm")
+    return meta
+
+
+def meta_forward(model: nn.Module, before: Callable[[], None] = lambda: None, *, batch: int = 1,
+                 seq: int = SEQ) -> bool:
+    """One forward of a meta model on (batch, seq) meta ids (`before` called ahead of each try); whether one ran.
+    transformers' mask preparation reads values (not on meta), so the masks are given: per layer type (a dict) for
+    models that take one, else none (the data flow does not depend on the mask)."""
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    for mask in (defaultdict(lambda: None), torch.zeros(batch, 1, seq, seq, device="meta")):
+        before()
         try:
             with torch.enable_grad():
                 model(input_ids=ids, attention_mask=mask, use_cache=False)
             return True
-        except Exception:  # noqa: BLE001 - a forward this probe cannot run: the static check stands
+        except Exception:  # noqa: BLE001 - a forward this probe cannot run: the caller's static answer stands
             continue
     return False

@@ -25,15 +25,15 @@ def _pp_schedule(c: Case, r: Rule) -> str | None:
                 f"{', '.join(schedules.SCHEDULES)} (torch.distributed.pipelining's names)")
 
 
-@rule(ROWS, "pp_uncuttable", between=("pp", "transformers_backend"), needs=MODEL,
-      when="pp_size > 1 on a model that does not declare its pipeline parts",
-      reason="the model does not say which modules each stage holds (pp_layers / pp_first / pp_last / "
-             "pipeline_forward)", fix="pp_size=1, or backend='native' if tptrain has the model type")
+@rule(ROWS, "pp_uncuttable", between=("pp",), needs=MODEL,
+      when="pp_size > 1 on a model that cannot be cut into stages (it says why, or declares no pipeline parts)",
+      reason="a stage holds consecutive decoder layers and passes only hidden states to the next",
+      fix="load it with pp_size=1")
 def _pp_uncuttable(c: Case, r: Rule) -> str | None:
     if c.dims.pp > 1 and c.facts.num_layers is None:
-        return (f"{c.facts.name} cannot be cut into pipeline stages (it does not declare pp_layers / pp_first / "
-                f"pp_last / pipeline_forward); load it with pp_size=1, or with backend='native' if tptrain has its "
-                f"model type")
+        why = c.facts.pp_refusal or "it does not declare pp_layers / pp_first / pp_last / pipeline_forward"
+        return (f"{c.facts.name} ({c.facts.model_type}) cannot be cut into pipeline stages (pp_size={c.dims.pp}): "
+                f"{why}; {r.fix}")
 
 
 @rule(ROWS, "pp_stages", needs=("dims", "facts.num_layers"), when="more pipeline stages than decoder layers",
@@ -57,6 +57,22 @@ def _pp_layers(c: Case, r: Rule) -> str | None:
                 f"once each, in order (e.g. {schedules.even_split(layers, n_stages)})")
 
 
+@rule(ROWS, "cp_sequence_mixer", between=("cp", "sequence_mixers"), needs=MODEL,
+      when="cp_size > 1 on a model with layers that mix tokens outside attention (recurrent, convolution, indexer)",
+      reason="context parallelism splits every sequence and gathers only the attention's keys and values; a "
+             "recurrence or a convolution over the sequence needs the tokens before this rank's",
+      fix="drop cp_size for this model type")
+def _cp_sequence_mixer(c: Case, r: Rule) -> str | None:
+    mixers = c.facts.sequence_mixers
+    if c.dims.cp == 1 or not mixers:
+        return None
+    (name, cls), more = mixers[0], len(mixers) - 1
+    return _cannot_cp(c, f"{name} ({cls}{f' and {more} more' if more else ''}) mixes tokens outside attention (a "
+                         f"recurrence, a convolution over the sequence or an indexer over all keys), which context "
+                         f"parallelism cannot split: each cp rank holds a share of every sequence and gathers only "
+                         f"the attention's keys and values; {r.fix}")
+
+
 @rule(ROWS, "cp_attention", between=("cp",), needs=MODEL,
       when="cp_size > 1 on a model with no attention module it can find",
       reason="context parallelism gathers the keys and values of each attention module (tp_kv_projections)",
@@ -66,38 +82,39 @@ def _cp_attention(c: Case, r: Rule) -> str | None:
         return _cannot_cp(c, f"cp_size found no attention module in {c.facts.name} (none declares tp_kv_projections)")
 
 
-@rule(ROWS, "cp_attend", between=("cp", "transformers_backend"), needs=MODEL,
+@rule(ROWS, "cp_attend", between=("cp",), needs=MODEL,
       when="cp_size > 1 on attention without attend(q, k, v, mask)",
       reason="context parallelism gathers the keys and values through the attention's attend",
-      fix="backend='native' (tptrain's attention has it), or drop cp_size")
+      fix="drop cp_size for this model type")
 def _cp_attend(c: Case, r: Rule) -> str | None:
     lacking = c.facts.without_attend
     if c.dims.cp == 1 or not lacking:
         return None
-    fix = "load with backend='native', or drop cp_size" if c.facts.backend == "transformers" else \
-        "drop cp_size for this model type"
     (name, cls), more = lacking[0], len(lacking) - 1
+    how = ("it does not compute attention through transformers' attention interface" if c.facts.backend ==
+           "transformers" else "it has no attend(q, k, v, mask)")
     return _cannot_cp(c, f"cp_size cannot split the attention of {name} ({cls}{f' and {more} more' if more else ''}): "
-                         f"it has no attend(q, k, v, mask) for context parallelism to gather the keys and values "
-                         f"through; {fix}")
+                         f"{how}, which context parallelism gathers the keys and values through; {r.fix}")
 
 
-@rule(ROWS, "cp_masks", between=("cp", "transformers_backend"), needs=MODEL,
+@rule(ROWS, "cp_masks", between=("cp",), needs=MODEL,
       when="cp_size > 1 on a base model without attention_masks(...)",
-      reason="each cp rank builds its query rows of the whole sequence's masks", fix="backend='native'")
+      reason="each cp rank builds its query rows of the whole sequence's masks", fix="drop cp_size for this model")
 def _cp_masks(c: Case, r: Rule) -> str | None:
     if c.dims.cp > 1 and c.facts.mask_builder is not None:
         return _cannot_cp(c, f"cp_size needs the base model ({c.facts.mask_builder}) to build its attention masks "
-                             f"through attention_masks(...) (parallel/contract.py); tptrain's native models do: load "
-                             f"with backend='native'")
+                             f"through attention_masks(...) (parallel/contract.py); {r.fix}")
 
 
 @rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
       when="enable_sequence_parallel on the transformers backend",
-      reason="transformers' layers are not split along the sequence", fix="drop enable_sequence_parallel")
+      reason="transformers' attention and MLP modules take their shapes from their input (the attention output is "
+             "reshaped to the input's sequence length), which sequence parallelism would make a shard of the sequence",
+      fix="drop enable_sequence_parallel (--sequence-parallel), or load with backend='native' if tptrain has the type")
 def _sp_transformers(c: Case, r: Rule) -> str | None:
     if c.features.sequence_parallel and c.facts.backend == "transformers":
-        return f"sequence parallelism is not supported on the transformers backend ({r.reason}); {r.fix}"
+        return (f"sequence parallelism is not supported on the transformers backend ({c.facts.model_type}): {r.reason}; "
+                f"{r.fix}")
 
 
 @rule(ROWS, "ep_dense", between=("ep", "dense_model"), needs=("dims", "facts.experts"),

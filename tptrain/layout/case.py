@@ -36,9 +36,11 @@ class ModelFacts:
     model_type: str
     backend: str = "native"
     num_layers: int | None = None  # the decoder layers a pipeline cuts; None: it cannot be cut into stages
+    pp_refusal: str | None = None  # why it cannot be cut into stages, if the model says
     attention: int = 1  # attention modules (tp_kv_projections declared)
     without_attend: tuple[str, ...] = ()  # "name (Class)" of attention modules with no attend(q, k, v, mask)
     mask_builder: str | None = None  # the base model lacking attention_masks(...), e.g. "Qwen3Model at 'model'"
+    sequence_mixers: tuple[tuple[str, str], ...] = ()  # (module, class) mixing tokens outside attention (recurrent)
     experts: int | None = None  # stacked-experts modules the plan splits (None: not read)
     ep_plan: bool = False  # the config declares base_model_ep_plan (experts split over the TP group)
 

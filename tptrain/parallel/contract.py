@@ -71,6 +71,9 @@ class TPModel(Protocol):
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
+    sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
+        `attend` (a recurrence, a convolution over the sequence, an indexer choosing keys) (`sequence_mixers`;
+        absent: {}): context parallelism, which splits every sequence, refuses the model, naming them.
     router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
@@ -290,6 +293,10 @@ def attend(module: nn.Module):
     return getattr(module, "attend", None) if isinstance(module, TPAttention) else None
 
 
+def sequence_mixers(model: nn.Module) -> dict[str, str]:
+    return dict(getattr(model, "sequence_mixers", None) or {})
+
+
 def base_model(model: nn.Module) -> nn.Module | None:
     return getattr(model, prefix(model), None)
 
@@ -316,6 +323,7 @@ class PipelineModel(Protocol):
     Optional:
     pipeline_loss(loss, *carried) -> loss: the last stage's microbatch loss with what was carried (the router aux
         loss; needed when pipeline_forward carries anything).
+    A model that is not one may say why (`pp_refusal`, a str; `pipeline_refusal`), which the refusal repeats.
     """
 
     pp_layers: str
@@ -339,6 +347,10 @@ def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
     if not hasattr(model, "router_aux_loss_function"):
         return None
     return model.router_statistics, model.router_aux_loss_function
+
+
+def pipeline_refusal(model: nn.Module) -> str | None:
+    return getattr(model, "pp_refusal", None)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:

@@ -1,0 +1,165 @@
+"""Context parallelism on the transformers backend (tptrain/hf/attention.py): tptrain's attention and mask functions
+registered with transformers' attention interfaces, each rank's queries against the whole sequence's keys and values,
+the masks from the tokens' global indices. Tiny random checkpoints written by transformers (hub layout), fp64, against
+the backend on one process: the loss, every gradient and the local logits on a packed batch (documents restarting
+inside each row, windows and chunks shorter than the documents) and on plain rows, at cp 2 and tp 2 x cp 2, 3 AdamW
+steps at cp 2; the Trainer at cp 2 with a checkpoint resumed at cp 1; the refusal of a hybrid's gated DeltaNet.
+
+    .venv/bin/python -m pytest tests/test_hf_context_parallel.py -q
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cp_utils import SEQ, packed_batch
+from tests.dist_utils import run_distributed
+from tests.hf_axes_utils import F64, FAMILIES, config, eager_experts, one_process, write_checkpoints
+
+# fp64, but transformers keeps fp32 islands in it (eager attention's softmax, Gemma's norms, routers), where another
+# order of sums rounds otherwise: up to ~4e-7 of a soft-capped logit; a layout bug moves them by ~1e-2
+TOL = dict(rtol=1e-6, atol=1e-6)
+TP_TOL = dict(rtol=1e-5, atol=1e-5)  # llama4_text at tp 2 alone: 1.7e-6 of its logits (its MoE's fp32 islands)
+TP_CP = ("gpt_neox", "cohere2", "granitemoe", "deepseek_v2", "llama4_text", "gemma2")  # also at tp 2 x cp 2
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return write_checkpoints(tmp_path_factory, FAMILIES)
+
+
+# ------------------------------------------------------------------ no process group
+
+
+def test_masks_are_rows_of_transformers_whole_masks():
+    """The mask builder on the whole batch's positions, any rows and key order: transformers' own masks of the whole
+    sequence (causal, sliding window, chunked; packed documents from restarting position ids; padding), indexed."""
+    from transformers.masking_utils import (chunked_causal_mask_function, find_packed_sequence_indices,
+                                            packed_sequence_compatibility_function, sdpa_mask,
+                                            sliding_window_causal_mask_function)
+
+    from tptrain.hf.attention import attention_masks
+
+    positions = packed_batch()["position_ids"]
+    rows, keys = torch.tensor([1, 4, 6, 9, 13, 15]), torch.randperm(SEQ, generator=torch.Generator().manual_seed(0))
+    padding = torch.ones(2, SEQ, dtype=torch.long)
+    padding[1, -3:] = 0
+    for function in (sliding_window_causal_mask_function(3), chunked_causal_mask_function(5, torch.zeros(2).long())):
+        for pad in (None, padding):
+            whole = function
+            if pad is None:  # transformers finds the documents only without a padding mask
+                whole = packed_sequence_compatibility_function(function, positions, find_packed_sequence_indices(
+                    positions))
+            want = sdpa_mask(2, SEQ, SEQ, mask_function=whole, attention_mask=pad, allow_is_causal_skip=False)
+            got = attention_masks(positions, pad, {(function, 2)}, query_index=rows, key_index=keys)[(function, 2)]
+            assert torch.equal(got, want[:, :, rows][..., keys]), (function, pad)
+
+
+def test_hybrid_refused_naming_its_layer():
+    """qwen3_next's gated DeltaNet is a recurrence over the sequence: refused before any collective, naming it."""
+    from tptrain import DistributedConfig
+    from tptrain.hf.model import TransformersCausalLM
+    from tptrain.parallel import parallelize
+
+    model = TransformersCausalLM.from_config(config("qwen3_next"), device="meta")
+    assert model.sequence_mixers == {"model.layers.0.linear_attn": "Qwen3NextGatedDeltaNet"}
+    with pytest.raises(ValueError, match=r"\(qwen3_next\) cannot run with cp_size=2: model.layers.0.linear_attn "
+                                         r"\(Qwen3NextGatedDeltaNet\) mixes tokens outside attention.*drop cp_size"):
+        parallelize.check(model, DistributedConfig(cp_size=2), world_size=2)
+    for model_type in FAMILIES:
+        assert not TransformersCausalLM.from_config(config(model_type), device="meta").sequence_mixers, model_type
+
+
+# ------------------------------------------------------------------ against one process
+
+
+def _compare(paths: dict[str, str], types, **layout) -> None:
+    """Per type: the loss, every gradient (gathered over TP) and this rank's logits equal one process's, on the
+    packed batch and on plain rows."""
+    from tests.helpers import full_grads
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.parallel.context_parallel import local_index
+
+    tol = TP_TOL if layout.get("tp_size", 1) > 1 else TOL
+    for model_type in types:
+        ref = one_process(paths[model_type])
+        model = AutoModelForCausalLM.from_pretrained(paths[model_type], dtype=F64, distributed_config=DistributedConfig(
+            backend="transformers", **layout)).train()
+        eager_experts(model)
+        for packed in (True, False):
+            what = f"{model_type} {layout} {'packed' if packed else 'plain'}"
+            batch = packed_batch(packed=packed)
+            ref.zero_grad(), model.zero_grad()
+            ref_loss, loss = ref(**batch).loss, model(**batch).loss
+            torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"{what} loss: {m}")
+            ref_loss.backward(), loss.backward()
+            grads = full_grads(model)
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m: f"{what} grad {name}: {m}")
+            with torch.no_grad():
+                index = local_index(SEQ, layout["cp_size"], model.cp_context.rank)
+                logits, want = model.eval()(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits
+                model.train(), ref.train()
+            torch.testing.assert_close(logits, want[:, index], **tol, msg=lambda m: f"{what} logits: {m}")
+
+
+def _adamw_steps(path: str, steps: int = 3, **layout) -> None:
+    from tests.helpers import full_params
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+
+    batch = packed_batch(seed=1)
+    ref = one_process(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(
+        backend="transformers", **layout)).train()
+    eager_experts(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (ref, model)]
+    for step in range(steps):
+        ref_loss, loss = ref(**batch).loss, model(**batch).loss
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{path} {layout} loss, step {step}: {m}")
+        ref_loss.backward(), loss.backward()
+        for opt in opts:
+            opt.step(), opt.zero_grad()
+    params = full_params(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _trainer_and_resume(path: str, out: str) -> None:
+    """The Trainer at cp 2 (FSDP2 over dp_shard x cp) equals one process; its checkpoint resumes at cp 1 (dp 2)."""
+    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tptrain import AutoModelForCausalLM, DistributedConfig
+    from tptrain.training.trainer import Trainer
+
+    def trainer(cp: int, where: str, steps: int) -> Trainer:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(
+            cp_size=cp, tp_size=1, backend="transformers"))
+        args = training_args(f"{out}/{where}", max_steps=steps, per_device_train_batch_size=4 // (2 // cp),
+                             save_steps=2, lr_scheduler_type="constant", warmup_steps=0)
+        return Trainer(model, args=args, train_dataset=tiny_dataset())
+
+    first = trainer(2, "cp2", 2).train().losses
+    resumed = trainer(1, "cp1", 4).train(resume_from_checkpoint=f"{out}/cp2/checkpoint-2").losses
+    args = training_args(out, max_steps=4, lr_scheduler_type="constant", warmup_steps=0)
+    expected = reference_losses(one_process(path), tiny_dataset(), args, global_batch=4)
+    torch.testing.assert_close(torch.tensor(first + resumed), torch.tensor(expected), rtol=1e-10, atol=1e-10)
+
+
+def _cp2_worker(paths: dict[str, str], out: str) -> None:
+    _compare(paths, FAMILIES, cp_size=2)
+    for model_type in ("granitemoe", "llama4_text"):
+        _adamw_steps(paths[model_type], cp_size=2)
+    _trainer_and_resume(paths["gpt_neox"], out)
+
+
+@pytest.mark.distributed
+def test_cp2_equals_one_process(checkpoints, tmp_path):
+    run_distributed(_cp2_worker, 2, checkpoints, str(tmp_path), timeout=900)
+
+
+def _tp2_cp2(paths: dict[str, str]) -> None:
+    _compare(paths, TP_CP, cp_size=2, tp_size=2)
+
+
+@pytest.mark.distributed
+def test_tp2_cp2_equals_one_process(checkpoints):
+    run_distributed(_tp2_cp2, 4, checkpoints, timeout=900)
