@@ -176,7 +176,7 @@ def test_cp_size_is_validated():
         resolve_parallelism(tiny_model(), ParallelismConfig(cp_size=2), world_size=2)
 
 
-def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeypatch):
+def test_cp_refuses_device_map_and_passes_the_plan_check(checkpoints, monkeypatch):
     with pytest.raises(ValueError, match=r"device_map cannot be combined.*context parallelism"):
         AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], device_map="cpu",
                                              distributed_config=DistributedConfig(cp_size=2))
@@ -186,9 +186,7 @@ def test_cp_refuses_device_map_and_the_transformers_backend(checkpoints, monkeyp
     monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: 2)
     config = AutoConfig.from_pretrained(checkpoints["qwen3"], backend="transformers")
     hf = AutoModelForCausalLM.from_config(config, device="meta")
-    with pytest.raises(ValueError, match=r"cp_size=2.*model\.layers\.0\.self_attn \(Qwen3Attention and 1 more\).*"
-                                         r"backend='native'"):
-        hf._check_plan(DistributedConfig(cp_size=2))
+    hf._check_plan(DistributedConfig(cp_size=2))  # the backend runs cp too (tests/test_hf_context_parallel.py)
     # the router aux loss and longrope compose with cp (tests/test_compose_moe.py): the plan check passes
     moe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
         "qwen3_moe", **{**CP_FAMILIES["qwen3_moe"], "output_router_logits": True}), device="meta")

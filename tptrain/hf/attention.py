@@ -132,12 +132,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     cp = (_RUNNING.get() or (None, None))[1]
     if cp is not None and getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = _temperature_by_global_index(module, query, cp.query_index)
+    # Kept on the module after the call: context parallelism's backward recomputes this call's attention from them.
     module.tptrain_attention_options = dict(dropout=dropout if module.training else 0.0, scaling=scaling,
                                             softcap=softcap, sinks=s_aux)
-    try:
-        out = module.attend(query, key, value, attention_mask)
-    finally:
-        del module.tptrain_attention_options
+    out = module.attend(query, key, value, attention_mask)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -160,6 +158,13 @@ class Attend:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+
+    def recomputable(self) -> bool:
+        """Whether this call's attention is a function of q, k, v and the mask alone, so context parallelism's
+        backward may recompute it: not with attention sinks (a parameter, whose gradient the recompute would not
+        reach) nor dropout (random numbers). Otherwise context parallelism keeps the gathered K and V."""
+        options = self.module.tptrain_attention_options
+        return options["sinks"] is None and not options["dropout"]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         module = self.module

@@ -193,12 +193,16 @@ def _gathering(attend, ctx: CPContext):
     """`attend` on this rank's queries against every rank's keys and values (gathered in rank order). Only this
     rank's q, k and v are kept for backward, which gathers K and V again and recomputes the attention
     (`comm.on_gathered_over_cp`): the whole sequence's K and V, and what attention's backward keeps, live per layer
-    only while it runs."""
+    only while it runs. An `attend` whose `recomputable()` says no (the transformers backend's, with attention sinks
+    or dropout) keeps the gathered K and V instead."""
 
     def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # One collective for both, side by side: (batch, kv_heads, seq / cp, k dim + v dim). MLA's values are
         # narrower than its keys (v_head_dim < qk_nope_head_dim + qk_rope_head_dim): no padding needed.
         assert k.shape[:-1] == v.shape[:-1] and k.dtype == v.dtype, (k.shape, v.shape, k.dtype, v.dtype)
+        if not getattr(attend, "recomputable", lambda: True)():  # parameters or random numbers inside: keep K and V
+            kv = comm.gather_to_sp(torch.cat([k, v], dim=-1), ctx.group_name, dim=2)  # all-gather / reduce-scatter
+            return _attend_all(attend, ctx, (k.shape[-1], v.shape[-1]), kv, q, mask)
         return comm.on_gathered_over_cp(functools.partial(_attend_all, attend, ctx, (k.shape[-1], v.shape[-1])),
                                         torch.cat([k, v], dim=-1), ctx.group_name, q, mask, dim=2)
 
