@@ -147,6 +147,18 @@ def tiny_model(**overrides) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
 
+def save_perturbed(model_type: str, kw: dict, path: str) -> str:
+    """A tiny fp64 native checkpoint of `model_type` at `path`, every parameter perturbed (norms away from 1: every
+    parameter matters)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    return path
+
+
 def tiny_dataset(num_blocks: int = 64, seed: int = 1) -> PackedDataset:
     from tptrain.training.data import PackedDataset
 

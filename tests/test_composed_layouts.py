@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.helpers import LORA_TARGETS, MOE_TRAIN_TINY, TRAINER_TINY, random_lora, tiny_dataset, training_args
+from tests.helpers import save_perturbed, LORA_TARGETS, MOE_TRAIN_TINY, TRAINER_TINY, random_lora, tiny_dataset, training_args
 from tptrain import DistributedConfig
-from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.models import AutoModelForCausalLM
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 F64 = torch.float64
@@ -39,14 +39,7 @@ EVAL_ROWS = 6  # 3 per dp rank at dp 2: the second batch padded
 
 def save_family(family: str, root: str) -> str:
     model_type, kw = FAMILIES[family]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=F64)
-    with torch.no_grad():  # norms away from 1: every parameter matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    path = os.path.join(root, family)
-    model.save_pretrained(path)
-    return path
+    return save_perturbed(model_type, kw, os.path.join(root, family))
 
 
 def eval_set():

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import TRAINER_TINY, tiny_dataset, training_args
+from tests.helpers import save_perturbed, TRAINER_TINY, tiny_dataset, training_args
 from tptrain import DistributedConfig
-from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.models import AutoModelForCausalLM
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 FAMILIES = {  # 4 layers: 2 stages of 2, or 4 stages of 1 (two per rank)
@@ -27,14 +27,7 @@ FAMILIES = {  # 4 layers: 2 stages of 2, or 4 stages of 1 (two per rank)
 
 def save_family(family: str, root: str) -> str:
     model_type, kw = FAMILIES[family]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float64)
-    with torch.no_grad():  # norms away from 1: every parameter matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    path = os.path.join(root, family)
-    model.save_pretrained(path)
-    return path
+    return save_perturbed(model_type, kw, os.path.join(root, family))
 
 
 def packed_rows(seed: int = 3):

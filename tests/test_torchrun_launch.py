@@ -105,7 +105,7 @@ def test_user_script_that_simply_ends_exits_cleanly(tmp_path):
     torch.save(batch(config.vocab_size)[0], tmp_path / "ids.pt")
     (tmp_path / "script.py").write_text(USER_SCRIPT)
     args = (str(tmp_path / "script.py"), str(tmp_path / "src"), "-", str(tmp_path / "ids.pt"))
-    for _ in range(4):  # 8 runs, two at a time
+    for _ in range(3):  # 6 runs, two at a time
         runs = [_torchrun(*args), _torchrun(*args)]
         for run in runs:
             assert "LOSS" in _finish(run)

@@ -108,7 +108,7 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
     print(f"tptrain plan: no layout of {args.world} ranks fits {profile.name}'s memory "
           f"(the smallest peak: {min(p.peak for p in plan.layouts) / 2**30:.1f} GiB per rank, "
           f"{plan.layouts[0].budget / 2**30:.1f} GiB available); "
-          + ("what would fit: " + "; ".join(hints) if hints else "nothing tried fits (up to --world 4096)"),
+          + ("what would fit: " + "; ".join(hints) if hints else "nothing tried fits (more ranks stop lowering the peak)"),
           file=sys.stderr)
     return 2
 

@@ -180,7 +180,9 @@ def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profi
                    max_world: int = 4096) -> list[str]:
     """When nothing fits at `world`: the changes of the run that would make a layout fit at this world (activation
     checkpointing, the optimizer in backward, bf16, a pipeline of one-sequence microbatches), and the smallest world
-    (doubling) where one fits as it is."""
+    (doubling, while doubling still lowers the smallest peak) where one fits as it is."""
+    if profile.memory_per_rank(1) <= profile.runtime_bytes:  # the runtime alone takes the whole device
+        return [f"--gpu-memory above the runtime's own {_gib(profile.runtime_bytes)} GiB per device"]
     hints = []
     toggles = [("--gradient-checkpointing", dict(gradient_checkpointing=True)),
                ("--optim-in-backward", dict(optim_in_backward=True)), ("--bf16", dict(bf16=True)),
@@ -190,23 +192,26 @@ def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profi
         if all(getattr(settings, key) == value for key, value in change.items()):
             continue
         changed = replace(settings, **change)
-        found = _fitting(facts, world, changed, profile)
+        found, _ = _fitting(facts, world, changed, profile)
         if found is not None:
             hints.append(f"{flag}: {found.layout.spell()} (peak {_gib(found.peak)} of {_gib(found.budget)})")
-    bigger = world * 2
+    bigger, smallest = world * 2, None
     while bigger <= max_world:
-        found = _fitting(facts, bigger, settings, profile)
+        found, peak = _fitting(facts, bigger, settings, profile)
         if found is not None:
             hints.append(f"--world {bigger}: {found.layout.spell()} (peak {_gib(found.peak)} of {_gib(found.budget)})")
             break
-        bigger *= 2
+        if smallest is not None and peak > 0.99 * smallest:  # more ranks no longer lower the smallest peak
+            break
+        bigger, smallest = bigger * 2, peak
     return hints
 
 
 @functools.lru_cache(maxsize=64)
-def _fitting(facts: ModelFacts, world: int, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan | None:
-    """The best layout of `world` ranks that fits (None: none)."""
+def _fitting(facts: ModelFacts, world: int, settings: TrainSettings,
+             profile: DeviceProfile) -> tuple[LayoutPlan | None, float]:
+    """The best layout of `world` ranks that fits (None: none), and the smallest peak of any (inf: no layout)."""
     valid, _ = valid_layouts(world, facts, settings)
-    fitting = sorted((p for p in (estimate(facts, layout, settings, profile) for layout in valid) if p.fits),
-                     key=rank_key)
-    return fitting[0] if fitting else None
+    plans = [estimate(facts, layout, settings, profile) for layout in valid]
+    fitting = sorted((p for p in plans if p.fits), key=rank_key)
+    return (fitting[0] if fitting else None), min((p.peak for p in plans), default=float("inf"))
