@@ -62,7 +62,7 @@ def write_corpus(path: Path, size: int) -> None:
 
 def tokenize_throughput(corpus: Path, model: Path, compare: bool = True) -> dict[str, float]:
     """MB/s of a cold token cache build in this process, and of datasets.map with the same tokenizer."""
-    from tptrain.training.data import load_tokenizer
+    from tptrain.text import load_tokenizer
     from tptrain.training.sft_data import cache_store
 
     tokenizer, mb = load_tokenizer(model), corpus.stat().st_size / 1e6
@@ -92,7 +92,7 @@ def tokenize_throughput(corpus: Path, model: Path, compare: bool = True) -> dict
 def encode_limit(corpus: Path, model: Path, sample: int = 32 << 20) -> float:
     """MB/s of the tokenizer's `encode_batch` alone, on every core, over the corpus's first `sample` bytes cut into
     the pieces the cache encodes (whole documents for a tokenizer without a cutter): nothing read or written."""
-    from tptrain.training.data import load_tokenizer
+    from tptrain.text import load_tokenizer
     from tptrain.training.token_pieces import piece_cutter
     from tptrain.training.token_stream import text_documents
 
