@@ -67,10 +67,11 @@ def test_llama_405b_tp8_pp8_fsdp8(tmp_path, schedule, published, band):
     logits: published 72.7 GiB (interleaved 1F1B) and 82.5 GiB (1F1B), reserved. Both fit an 80 GB H100 by the
     planner: under a pipeline FSDP2 keeps the stage gathered (12 GiB in bf16) and its gradients unsharded in fp32 (24
     GiB) until the last microbatch; the activations in flight are the checkpointed inputs of 16 layers per microbatch.
-    Pipeline x sequence parallelism is refused by today's rules, so the estimate is asked for directly."""
+    tptrain runs this layout too (pipeline x sequence parallelism composes)."""
     facts = _facts(tmp_path, LLAMA_405B)
     settings = TrainSettings(batch_size=32, seq_len=8192, bf16=True, gradient_checkpointing=True, pp_schedule=schedule,
                              pp_microbatches=8, sequence_parallel=True, loss="logits")
+    assert layout_problem(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings) is None
     plan = estimate(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings, H100)
     ratio = plan.peak / (published * GiB)
     assert band[0] < ratio < band[1], plan.peak / GiB
