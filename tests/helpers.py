@@ -174,26 +174,70 @@ def training_args(output_dir, **kw) -> TrainingArguments:
     return TrainingArguments(output_dir=str(output_dir), **{**defaults, **kw})
 
 
-def reference_losses(model, dataset, args: TrainingArguments, global_batch: int) -> list[float]:
-    """Plain single-device training on the same global batches (max_grad_norm 0: no clipping, as the Trainer's)."""
-    from tptrain.training.data import DataOrder
+def _reference_optimizer(model, args: TrainingArguments):
+    """AdamW and its learning-rate schedule as the Trainer builds them from `args`."""
     from tptrain.training.optim import lr_multiplier, param_groups
 
     opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(
         args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
+    return opt, sched
+
+
+def reference_losses(model, dataset, args: TrainingArguments, global_batch: int, *, collate_rows=None) -> list[float]:
+    """Plain single-device training on the same global batches (max_grad_norm 0: no clipping, as the Trainer's).
+    collate_rows: a batch's rows -> the model's keyword inputs, as the Trainer's collator makes them (default: the
+    rows stacked, their own labels)."""
+    from tptrain.training.data import DataOrder
+
+    opt, sched = _reference_optimizer(model, args)
     order = DataOrder(len(dataset), seed=args.seed, dp_rank=0, dp_size=1, global_batch=global_batch)
     losses = []
     for _ in range(args.max_steps):
-        ids = torch.stack([dataset[i] for i in order.next_batch()])
-        loss = model(ids, labels=ids).loss
+        rows = [dataset[i] for i in order.next_batch()]
+        if collate_rows is None:
+            ids = torch.stack(rows)
+            loss = model(ids, labels=ids).loss
+        else:
+            loss = model(**collate_rows(rows)).loss
         loss.backward()
         if args.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def microbatch_reference(model, args: TrainingArguments, *, global_batch: int, microbatches: int = 1, held=None,
+                         eval_at: tuple[int, ...] = ()) -> tuple[list[float], dict[int, float]]:
+    """Plain single-device training on tiny_dataset()'s global batches, each split into `microbatches` forwards of
+    their own (the router aux loss per pipeline microbatch, as gradient accumulation makes it; the token loss over the
+    step's token count), the gradient norm clipped to max_grad_norm: (each step's loss, {step: the loss over every
+    row of `held`} at the steps `eval_at` names)."""
+    from tptrain.losses import IGNORE_INDEX, shift_labels
+    from tptrain.training.data import DataOrder
+
+    data = tiny_dataset()
+    opt, sched = _reference_optimizer(model, args)
+    order = DataOrder(len(data), seed=args.seed, dp_rank=0, dp_size=1, global_batch=global_batch)
+    losses, evals = [], {}
+    for step in range(1, args.max_steps + 1):
+        ids = torch.stack([data[i] for i in order.next_batch()])
+        count, total = int((shift_labels(ids) != IGNORE_INDEX).sum()), 0.0
+        for part in ids.chunk(microbatches):
+            loss = model(part, labels=part, num_items_in_batch=count).loss
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step(), sched.step(), opt.zero_grad()
+        losses.append(total)
+        if step in eval_at:
+            rows = torch.stack([held[i] for i in range(len(held))])
+            with torch.no_grad():
+                evals[step] = model.eval()(rows, labels=rows).loss.item()
+            model.train()
+    return losses, evals
 
 
 # ------------------------------------------------------------------ private memory (from test_load_memory.py)

@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from tests.cp_utils import CP_FAMILIES, F64, packed_batch
 from tests.dist_utils import run_distributed
-from tests.helpers import MOE_TRAIN_TINY, TOL, full_grads, full_params, reference_losses, tiny_dataset, training_args
+from tests.helpers import (MOE_TRAIN_TINY, TOL, full_grads, full_params, microbatch_reference, reference_losses,
+                           tiny_dataset, training_args)
 from tptrain import DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -102,33 +103,6 @@ def _trains_like(path: str, batch: dict, *, steps: int = 3, **distributed) -> No
 
 # ---------------------------------------------------------------- the router aux loss under pp
 
-def _microbatch_reference(model, args, microbatches: int) -> list[float]:
-    """One process, each pipeline microbatch a forward of its own (the aux loss per microbatch, as gradient
-    accumulation makes it; the token loss over the step's token count): the losses of `args.max_steps` steps."""
-    from tptrain.losses import IGNORE_INDEX, shift_labels
-    from tptrain.training.data import DataOrder
-    from tptrain.training.optim import lr_multiplier, param_groups
-
-    data = tiny_dataset()
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(
-        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
-    order = DataOrder(len(data), seed=args.seed, dp_rank=0, dp_size=1, global_batch=args.per_device_train_batch_size)
-    losses = []
-    for _ in range(args.max_steps):
-        ids = torch.stack([data[i] for i in order.next_batch()])
-        count, total = int((shift_labels(ids) != IGNORE_INDEX).sum()), 0.0
-        for part in ids.chunk(microbatches):
-            loss = model(part, labels=part, num_items_in_batch=count).loss
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step(), sched.step(), opt.zero_grad()
-        losses.append(total)
-    return losses
-
-
 def _pp_aux(path: str, tmp: str, schedules: tuple[str, ...], **sizes) -> None:
     """The Trainer at pp 2 (x `sizes`: cp 2, or tp 2 with SP) with the router aux loss equals one process running the
     same microbatches (each stage's statistics carried on; under cp and SP the counts summed over the token shards)."""
@@ -142,7 +116,8 @@ def _pp_aux(path: str, tmp: str, schedules: tuple[str, ...], **sizes) -> None:
         config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=2, cp_size=sizes.get("cp_size"))
         args = training_args(f"{tmp}/{''.join(c for c in what if c.isalnum())}", max_steps=3, parallelism_config=config)
         losses = Trainer(model, args=args, train_dataset=tiny_dataset()).train().losses
-        expected = _microbatch_reference(AutoModelForCausalLM.from_pretrained(path, dtype=F64).train(), args, 2)
+        expected, _ = microbatch_reference(AutoModelForCausalLM.from_pretrained(path, dtype=F64).train(), args,
+                                           global_batch=args.per_device_train_batch_size, microbatches=2)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-10, atol=1e-10,
                                    msg=lambda m: f"{what}: {m}")
 

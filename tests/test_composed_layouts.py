@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.helpers import save_perturbed, LORA_TARGETS, MOE_TRAIN_TINY, TRAINER_TINY, random_lora, tiny_dataset, training_args
+from tests.helpers import (LORA_TARGETS, MOE_TRAIN_TINY, TRAINER_TINY, microbatch_reference, random_lora, save_perturbed,
+                           tiny_dataset, training_args)
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 
@@ -122,39 +123,6 @@ def _resumed_in_one(root: str) -> None:
 
 # ---------------------------------------------------------------- one process
 
-def reference(model, args, *, global_batch: int, microbatches: int = 1, eval_at: tuple[int, ...] = ()):
-    """Plain single-device training on the Trainer's global batches, each split into `microbatches` forwards of their
-    own (the router aux loss per pipeline microbatch; the token loss over the step's token count): (losses,
-    {step: eval loss over eval_set()} at `eval_at`)."""
-    from tptrain.losses import IGNORE_INDEX, shift_labels
-    from tptrain.training.data import DataOrder
-    from tptrain.training.optim import lr_multiplier, param_groups
-
-    data, held = tiny_dataset(), eval_set()
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(
-        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
-    order = DataOrder(len(data), seed=args.seed, dp_rank=0, dp_size=1, global_batch=global_batch)
-    losses, evals = [], {}
-    for step in range(1, args.max_steps + 1):
-        ids = torch.stack([data[i] for i in order.next_batch()])
-        count, total = int((shift_labels(ids) != IGNORE_INDEX).sum()), 0.0
-        for part in ids.chunk(microbatches):
-            loss = model(part, labels=part, num_items_in_batch=count).loss
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step(), sched.step(), opt.zero_grad()
-        losses.append(total)
-        if step in eval_at:
-            rows = torch.stack([held[i] for i in range(len(held))])
-            with torch.no_grad():
-                evals[step] = model.eval()(rows, labels=rows).loss.item()
-            model.train()
-    return losses, evals
-
-
 def _measured(root: str, name: str) -> dict:
     return torch.load(os.path.join(root, f"{name}.pt"))
 
@@ -171,8 +139,8 @@ def _check_run(root: str, name: str, family: str, *, global_batch: int, steps: i
     if adapter is not None:
         ref = PeftModel.from_pretrained(ref, os.path.join(root, adapter), is_trainable=True)
     args = training_args(root, max_steps=steps)
-    losses, evals = reference(ref.train(), args, global_batch=global_batch, microbatches=microbatches,
-                              eval_at=eval_at)
+    losses, evals = microbatch_reference(ref.train(), args, global_batch=global_batch, microbatches=microbatches,
+                                         held=eval_set(), eval_at=eval_at)
     got = _measured(root, name)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses[first:]), **TOL,
                                msg=lambda m: f"{name} losses: {m}")

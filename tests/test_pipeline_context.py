@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import save_perturbed, TRAINER_TINY, tiny_dataset, training_args
+from tests.helpers import TRAINER_TINY, reference_losses, save_perturbed, tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 
@@ -45,26 +45,12 @@ def packed_rows(seed: int = 3):
                       name="packed")
 
 
-def reference_losses(model, data, args, global_batch: int) -> list[float]:
-    """Plain single-device training on the Trainer's global batches (rows as the collator makes them)."""
-    from tptrain.training.data import DataOrder
-    from tptrain.training.optim import lr_multiplier, param_groups
+def _collated(rows) -> dict:
+    """The model's inputs from rows as the Trainer's collator makes them (padding, labels, restarting positions)."""
     from tptrain.training.sft_data import collate
 
-    opt = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(
-        args.lr_scheduler_type, warmup_steps=args.warmup_steps, total_steps=args.max_steps))
-    order = DataOrder(len(data), seed=args.seed, dp_rank=0, dp_size=1, global_batch=global_batch)
-    losses = []
-    for _ in range(args.max_steps):
-        batch = collate([data[i] for i in order.next_batch()], pad_id=0)
-        loss = model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids")).loss
-        loss.backward()
-        if args.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step(), sched.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batch = collate(rows, pad_id=0)
+    return dict(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"))
 
 
 def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int = 1, sp: bool = False,
@@ -100,7 +86,8 @@ def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int =
     if not all(stage.is_last for stage in trainer.pipeline.stages):
         assert set(sent) == {(1, 16 // cp // (tp if sp else 1), TRAINER_TINY["hidden_size"])}, (what, sent)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).train()
-    expected = reference_losses(ref, data, args, global_batch=microbatches * dp_shard * dp_replicate * accumulation)
+    expected = reference_losses(ref, data, args, global_batch=microbatches * dp_shard * dp_replicate * accumulation,
+                                collate_rows=_collated)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL,
                                msg=lambda m: f"{what} losses: {m}")
     if evaluate:  # eval_loss: the token mean over the whole eval set, as one process computes it
@@ -138,7 +125,7 @@ def _resume(root: str) -> None:
     reshards model and AdamW state): the resumed steps' losses are those of uninterrupted one-process training."""
     ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, "qwen3_tied"), dtype=torch.float64).train()
     args = training_args(root, max_steps=5, lr_scheduler_type="constant", warmup_steps=0)
-    expected = reference_losses(ref, tiny_dataset(), args, global_batch=2)
+    expected = reference_losses(ref, tiny_dataset(), args, global_batch=2, collate_rows=_collated)
     first = _run(root, "resume-pp2", pp=2, steps=2)
     second = _run(root, "resume-pp1", pp=1, steps=4, resume=os.path.join(root, "resume-pp2", "checkpoint-2"))
     third = _run(root, "resume-pp2-again", pp=2, steps=5, resume=os.path.join(root, "resume-pp1", "checkpoint-4"))
@@ -167,7 +154,7 @@ def _lora(root: str) -> None:
     args = training_args(out, max_steps=3, per_device_train_batch_size=2, parallelism_config=ParallelismConfig(
         pp_size=2, cp_size=2, pp_microbatches=2))
     losses = Trainer(model, args=args, train_dataset=tiny_dataset()).train().losses
-    expected = reference_losses(ref.train(), tiny_dataset(), args, global_batch=2)
+    expected = reference_losses(ref.train(), tiny_dataset(), args, global_batch=2, collate_rows=_collated)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
     if dist.get_rank() == 0:
         saved = load_file(os.path.join(out, "final", "adapter", "adapter_model.safetensors"))
