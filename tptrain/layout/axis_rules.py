@@ -13,6 +13,12 @@ def _cannot_cp(c: Case, detail: str) -> str:
     return f"{c.facts.name} ({c.facts.model_type}) cannot run with cp_size={c.dims.cp}: {detail}"
 
 
+def _first_of(modules: list[tuple[str, str]]) -> str:
+    """"model.layers.0.mixer (MambaMixer and 3 more)": the first (name, class) of `modules` and how many follow."""
+    (name, cls), more = modules[0], len(modules) - 1
+    return f"{name} ({cls}{f' and {more} more' if more else ''})"
+
+
 def _schedule(c: Case) -> str:
     return schedules.canonical(c.features.pp_schedule) or c.features.pp_schedule
 
@@ -66,8 +72,7 @@ def _cp_sequence_mixer(c: Case, r: Rule) -> str | None:
     mixers = c.facts.sequence_mixers
     if c.dims.cp == 1 or not mixers:
         return None
-    (name, cls), more = mixers[0], len(mixers) - 1
-    return _cannot_cp(c, f"{name} ({cls}{f' and {more} more' if more else ''}) mixes tokens outside attention (a "
+    return _cannot_cp(c, f"{_first_of(mixers)} mixes tokens outside attention (a "
                          f"recurrence, a convolution over the sequence or an indexer over all keys), which context "
                          f"parallelism cannot split: each cp rank holds a share of every sequence and gathers only "
                          f"the attention's keys and values; {r.fix}")
@@ -90,10 +95,9 @@ def _cp_attend(c: Case, r: Rule) -> str | None:
     lacking = c.facts.without_attend
     if c.dims.cp == 1 or not lacking:
         return None
-    (name, cls), more = lacking[0], len(lacking) - 1
     how = ("it does not compute attention through transformers' attention interface" if c.facts.backend ==
            "transformers" else "it has no attend(q, k, v, mask)")
-    return _cannot_cp(c, f"cp_size cannot split the attention of {name} ({cls}{f' and {more} more' if more else ''}): "
+    return _cannot_cp(c, f"cp_size cannot split the attention of {_first_of(lacking)}: "
                          f"{how}, which context parallelism gathers the keys and values through; {r.fix}")
 
 
