@@ -56,7 +56,12 @@ TINY_OVERRIDES: dict[str, dict] = {
     **{t: _MLA for t in ("axk2", "deepseek_v2", "dots3_note_text", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash",
                          "minicpm3", "youtu")},
     **{t: {**_MLA, **_ONE_GROUP} for t in ("axk1", "deepseek_v3", "deepseek_v32")},
-    "bailing_hybrid": _ONE_GROUP,
+    # hybrids: one recurrent layer and one attention layer (their defaults make both first layers recurrent)
+    **{t: dict(layer_types=["linear_attention", "full_attention"]) for t in (
+        "kimi_linear", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "bailing_hybrid": dict(_ONE_GROUP, layer_types=["linear_attention", "full_attention"]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "dots1": {**_ONE_GROUP, "n_shared_experts": 1},
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "cohere_compass_text": dict(layer_types=["sliding_attention", "full_attention"], rope_parameters={

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import traceback
 from pathlib import Path
@@ -331,15 +332,25 @@ def run_layout_stages(directory: Path, ids: torch.Tensor, ref: dict | None, *, t
 
 
 def _without_noise(model) -> None:
-    """Dropout off in train mode (seed_oss' residual dropout): what eval mode turns off, which the reference's
-    training runs in."""
+    """Dropout off in train mode (seed_oss' residual dropout), and routers kept in eval mode (phimoe's samples its
+    routes in train mode: Gumbel noise, which no other layout draws as one process does): what eval mode turns off,
+    which the reference's training runs in."""
     for module in model.modules():
+        if type(module).__name__.endswith("Router"):
+            module.train = functools.partial(_eval_only, module)
+            module.train()
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for owner in (module, getattr(module, "config", None)):
             for key, value in list(vars(owner).items()) if owner is not None else ():
                 if isinstance(value, float) and "dropout" in key:
                     setattr(owner, key, 0.0)
+
+
+def _eval_only(module, mode: bool = True):
+    for part in module.modules():
+        part.training = False
+    return module
 
 
 def _stage(name: str, fn, out: dict) -> str:

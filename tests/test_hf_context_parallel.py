@@ -3,7 +3,8 @@ registered with transformers' attention interfaces, each rank's queries against 
 the masks from the tokens' global indices. Tiny random checkpoints written by transformers (hub layout), fp64, against
 the backend on one process: the loss, every gradient and the local logits on a packed batch (documents restarting
 inside each row, windows and chunks shorter than the documents) and on plain rows, at cp 2 and tp 2 x cp 2, 3 AdamW
-steps at cp 2; the Trainer at cp 2 with a checkpoint resumed at cp 1; the refusal of a hybrid's gated DeltaNet.
+steps at cp 2; the Trainer at cp 2 with a checkpoint resumed at cp 1. A hybrid's gated DeltaNet (qwen3_next) runs on the
+whole sequence gathered beside its split attention, against one process too; an indexer of the keys is refused.
 
     .venv/bin/python -m pytest tests/test_hf_context_parallel.py -q
 """
@@ -14,18 +15,21 @@ import torch
 
 from tests.cp_utils import SEQ, packed_batch
 from tests.dist_utils import run_distributed
-from tests.hf_axes_utils import F64, FAMILIES, config, eager_experts, one_process, write_checkpoints
+from tests.hf_axes_utils import F64, FAMILIES, HYBRID, TINY, config, eager_experts, one_process, write_checkpoints
 
 # fp64, but transformers keeps fp32 islands in it (eager attention's softmax, Gemma's norms, routers), where another
 # order of sums rounds otherwise: up to ~4e-7 of a soft-capped logit; a layout bug moves them by ~1e-2
 TOL = dict(rtol=1e-6, atol=1e-6)
 TP_TOL = dict(rtol=1e-5, atol=1e-5)  # llama4_text at tp 2 alone: 1.7e-6 of its logits (its MoE's fp32 islands)
-TP_CP = ("gpt_neox", "cohere2", "granitemoe", "deepseek_v2", "llama4_text", "gemma2")  # also at tp 2 x cp 2
+# qwen3_next's gated delta rule runs in fp32 whatever the model's dtype (transformers' torch fallback): 1.1e-6 of a
+# conv weight's gradient at cp 2
+ISLAND_TOL = {"qwen3_next": TP_TOL}
+TP_CP = ("gpt_neox", "cohere2", "granitemoe", "deepseek_v2", "llama4_text", "gemma2", "qwen3_next")  # and tp 2 x cp 2
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return write_checkpoints(tmp_path_factory, FAMILIES)
+    return write_checkpoints(tmp_path_factory, {**FAMILIES, **HYBRID})
 
 
 # ------------------------------------------------------------------ no process group
@@ -55,19 +59,28 @@ def test_masks_are_rows_of_transformers_whole_masks():
             assert torch.equal(got, want[:, :, rows][..., keys]), (function, pad)
 
 
-def test_hybrid_refused_naming_its_layer():
-    """qwen3_next's gated DeltaNet is a recurrence over the sequence: refused before any collective, naming it."""
+def test_token_mixers_run_on_the_whole_sequence_and_key_indexers_are_refused():
+    """qwen3_next's gated DeltaNet (a recurrence) runs on the whole sequence under cp (`cp_whole_sequence`, against
+    one process below); DeepSeek-V3.2's indexer picks keys from all of them for its attention: refused before any
+    collective, naming it."""
+    import transformers
+
     from tptrain import DistributedConfig
     from tptrain.hf.model import TransformersCausalLM
     from tptrain.parallel import parallelize
 
     model = TransformersCausalLM.from_config(config("qwen3_next"), device="meta")
-    assert model.sequence_mixers == {"model.layers.0.linear_attn": "Qwen3NextGatedDeltaNet"}
-    with pytest.raises(ValueError, match=r"\(qwen3_next\) cannot run with cp_size=2: model.layers.0.linear_attn "
-                                         r"\(Qwen3NextGatedDeltaNet\) mixes tokens outside attention.*drop cp_size"):
+    assert model.cp_whole_sequence == {"model.layers.0.linear_attn": "Qwen3NextGatedDeltaNet"}
+    assert not model.sequence_mixers
+    parallelize.check(model, DistributedConfig(cp_size=2), world_size=2)
+    indexed = transformers.AutoConfig.for_model("deepseek_v32", **{**TINY, **FAMILIES["deepseek_v2"]})
+    model = TransformersCausalLM.from_config(indexed, device="meta")
+    with pytest.raises(ValueError, match=r"\(deepseek_v32\) cannot run with cp_size=2: model.layers.0.self_attn.indexer "
+                                         r"\(DeepseekV32Indexer and 1 more\) mixes tokens outside attention.*drop cp_size"):
         parallelize.check(model, DistributedConfig(cp_size=2), world_size=2)
     for model_type in FAMILIES:
-        assert not TransformersCausalLM.from_config(config(model_type), device="meta").sequence_mixers, model_type
+        model = TransformersCausalLM.from_config(config(model_type), device="meta")
+        assert not model.sequence_mixers and not model.cp_whole_sequence, model_type
 
 
 # ------------------------------------------------------------------ against one process
@@ -80,8 +93,8 @@ def _compare(paths: dict[str, str], types, **layout) -> None:
     from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.parallel.context_parallel import local_index
 
-    tol = TP_TOL if layout.get("tp_size", 1) > 1 else TOL
     for model_type in types:
+        tol = TP_TOL if layout.get("tp_size", 1) > 1 else ISLAND_TOL.get(model_type, TOL)
         ref = one_process(paths[model_type])
         model = AutoModelForCausalLM.from_pretrained(paths[model_type], dtype=F64, distributed_config=DistributedConfig(
             backend="transformers", **layout)).train()
@@ -103,7 +116,7 @@ def _compare(paths: dict[str, str], types, **layout) -> None:
             torch.testing.assert_close(logits, want[:, index], **tol, msg=lambda m: f"{what} logits: {m}")
 
 
-def _adamw_steps(path: str, steps: int = 3, **layout) -> None:
+def _adamw_steps(path: str, steps: int = 3, tol: dict = TOL, **layout) -> None:
     from tests.helpers import full_params
     from tptrain import AutoModelForCausalLM, DistributedConfig
 
@@ -115,13 +128,13 @@ def _adamw_steps(path: str, steps: int = 3, **layout) -> None:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (ref, model)]
     for step in range(steps):
         ref_loss, loss = ref(**batch).loss, model(**batch).loss
-        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{path} {layout} loss, step {step}: {m}")
+        torch.testing.assert_close(loss, ref_loss, **tol, msg=lambda m: f"{path} {layout} loss, step {step}: {m}")
         ref_loss.backward(), loss.backward()
         for opt in opts:
             opt.step(), opt.zero_grad()
     params = full_params(model)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(params[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], p.detach(), **tol, msg=lambda m: f"{name}: {m}")
 
 
 def _trainer_and_resume(path: str, out: str) -> None:
@@ -145,9 +158,9 @@ def _trainer_and_resume(path: str, out: str) -> None:
 
 
 def _cp2_worker(paths: dict[str, str], out: str) -> None:
-    _compare(paths, FAMILIES, cp_size=2)
-    for model_type in ("granitemoe", "llama4_text"):
-        _adamw_steps(paths[model_type], cp_size=2)
+    _compare(paths, {**FAMILIES, **HYBRID}, cp_size=2)
+    for model_type in ("granitemoe", "llama4_text", "qwen3_next"):
+        _adamw_steps(paths[model_type], tol=ISLAND_TOL.get(model_type, TOL), cp_size=2)
     _trainer_and_resume(paths["gpt_neox"], out)
 
 

@@ -82,6 +82,9 @@ def use_tptrain_attention(model: nn.Module) -> None:
 # Modules that mix tokens other than by attention over the keys: recurrences (Mamba, gated DeltaNet, lightning/linear
 # attention), short convolutions, and what selects or compresses keys from all of them (DSA's indexer, compressors).
 _MIXER_NAMES = re.compile(r"Mamba|DeltaNet|Lightning|LinearAttention|ShortConv|Recurrent|Indexer|Compressor|SSM")
+# Of those, the ones whose output indexes or summarises the attention's keys: the attention under context parallelism
+# sees this rank's keys only, so they cannot run on the whole sequence beside it.
+_KEY_SELECTORS = re.compile(r"Indexer|Compressor")
 # config.layer_types values whose layers attend by a mask over the keys (or do not mix tokens at all)
 _ATTENDING_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "moe", "mlp"}
 
@@ -89,19 +92,40 @@ _ATTENDING_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attent
 def declare_cp_facts(model: nn.Module, base: nn.Module, layers: str | None) -> dict[str, str]:
     """Give the engine what context parallelism reads (parallel/contract.py): `attend` on every module computing
     attention through transformers' interface (a TPAttention, `tp_kv_projections` () where the plan did not split
-    it), the base model's `attention_masks`. Returns {module: class} of the modules of the decoder layers (`layers`,
-    their list's name; None: the whole model) mixing tokens otherwise, which context parallelism cannot split (the
-    model's `sequence_mixers` fact)."""
+    it), the base model's `attention_masks`, and `cp_whole_sequence`: {module: class} of the decoder layers' token
+    mixers outside attention (recurrences, short convolutions) that run on the whole sequence under context
+    parallelism, each the largest part of its layer holding no attention. Returns {module: class} of the modules
+    of the decoder layers (`layers`, their list's name; None: the whole model) mixing tokens in a way context
+    parallelism can do neither (the model's `sequence_mixers` fact, which it refuses)."""
     base.attention_masks = attention_masks
-    mixers: dict[str, str] = {}
+    interface = []
     for name, module in model.named_modules():
         if calls_attention_interface(module):
+            interface.append(name)
             module.attend = Attend(module)
             if not hasattr(module, "tp_kv_projections"):
                 module.tp_kv_projections = ()
+    model.cp_whole_sequence, refused = {}, {}
+    for name, cls in _token_mixers(model, base, layers).items():
+        unit = None if _KEY_SELECTORS.search(cls) else _whole_sequence_unit(name, layers, interface)
+        if unit is None:
+            refused[name] = cls
+        else:
+            model.cp_whole_sequence[unit] = type(model.get_submodule(unit)).__name__
+    return refused
+
+
+def _token_mixers(model: nn.Module, base: nn.Module, layers: str | None) -> dict[str, str]:
+    """{module: class} of the modules of the decoder layers mixing tokens outside attention: named so (not the
+    decoder layers themselves, nor attention named "linear": their parts are looked at), or holding a convolution;
+    else the layers of the config's `layer_types` that do not attend."""
+    mixers: dict[str, str] = {}
+    layer = re.compile(rf"{re.escape(layers)}\.\d+") if layers is not None else None
+    for name, module in model.named_modules():
         if layers is not None and not name.startswith(f"{layers}.") or any(name.startswith(f"{m}.") for m in mixers):
             continue
-        if _MIXER_NAMES.search(type(module).__name__):
+        named = _MIXER_NAMES.search(type(module).__name__) and not calls_attention_interface(module)
+        if named and not (layer is not None and layer.fullmatch(name)):  # (a layer: its parts are looked at)
             mixers[name] = type(module).__name__
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
             owner = name.rpartition(".")[0]
@@ -111,6 +135,19 @@ def declare_cp_facts(model: nn.Module, base: nn.Module, layers: str | None) -> d
         mixers = {f"{layers or 'layers'}.{i}": f"a {kind!r} layer" for i, kind in enumerate(kinds)
                   if kind not in _ATTENDING_LAYER_TYPES}
     return mixers
+
+
+def _whole_sequence_unit(name: str, layers: str | None, interface: list[str]) -> str | None:
+    """The largest module on the path from decoder layer `name`'s layer down to `name` that holds no module calling
+    the attention interface (None: `name` is a layer itself, or holds one)."""
+    if layers is None or not name.startswith(f"{layers}."):
+        return None
+    parts = name[len(layers) + 1:].split(".")  # [layer index, child, ...]
+    for depth in range(2, len(parts) + 1):
+        unit = ".".join([layers, *parts[:depth]])
+        if not any(a == unit or a.startswith(f"{unit}.") for a in interface):
+            return unit
+    return None
 
 
 # ---------------------------------------------------------------------------------------- attention

@@ -64,26 +64,28 @@ def _pp_layers(c: Case, r: Rule) -> str | None:
 
 
 @rule(ROWS, "cp_sequence_mixer", between=("cp", "sequence_mixers"), needs=MODEL,
-      when="cp_size > 1 on a model with layers that mix tokens outside attention (recurrent, convolution, indexer)",
+      when="cp_size > 1 on a model with layers mixing tokens outside attention that cannot run on the whole "
+           "sequence (an indexer or compressor of the keys; a mixer holding attention)",
       reason="context parallelism splits every sequence and gathers only the attention's keys and values; a "
-             "recurrence or a convolution over the sequence needs the tokens before this rank's",
+             "recurrence or short convolution runs on the whole sequence gathered (contract cp_whole_sequence), "
+             "but what picks or compresses the keys must see the keys the attention sees",
       fix="drop cp_size for this model type")
 def _cp_sequence_mixer(c: Case, r: Rule) -> str | None:
     mixers = c.facts.sequence_mixers
     if c.dims.cp == 1 or not mixers:
         return None
-    return _cannot_cp(c, f"{_first_of(mixers)} mixes tokens outside attention (a "
-                         f"recurrence, a convolution over the sequence or an indexer over all keys), which context "
-                         f"parallelism cannot split: each cp rank holds a share of every sequence and gathers only "
-                         f"the attention's keys and values; {r.fix}")
+    return _cannot_cp(c, f"{_first_of(mixers)} mixes tokens outside attention (an indexer or compressor "
+                         f"choosing among all keys, or a mixer holding an attention), which context parallelism "
+                         f"cannot split: each cp rank holds a share of every sequence and gathers only the "
+                         f"attention's keys and values; {r.fix}")
 
 
 @rule(ROWS, "cp_attention", between=("cp",), needs=MODEL,
-      when="cp_size > 1 on a model with no attention module it can find",
+      when="cp_size > 1 on a model with no attention module (nor token mixer run on the whole sequence) it can find",
       reason="context parallelism gathers the keys and values of each attention module (tp_kv_projections)",
       fix="drop cp_size")
 def _cp_attention(c: Case, r: Rule) -> str | None:
-    if c.dims.cp > 1 and c.facts.attention == 0:
+    if c.dims.cp > 1 and c.facts.attention == 0 and not c.facts.whole_sequence:
         return _cannot_cp(c, f"cp_size found no attention module in {c.facts.name} (none declares tp_kv_projections)")
 
 

@@ -140,6 +140,10 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | No
             module.attend = _gathering(contract.attend(module), ctx)
         if contract.long_context(module) is not None:  # longrope: the whole sequence's length picks the factors
             module.long_context = _on_whole_sequence(contract.long_context(module), ctx)
+    held = dict(model.named_modules())  # (a pipeline stage holds its own layers only)
+    for module in (held[name] for name in contract.whole_sequence_modules(model) if name in held):
+        module.register_forward_pre_hook(functools.partial(_whole_sequence_inputs, ctx), with_kwargs=True)
+        module.register_forward_hook(functools.partial(_this_ranks_rows, ctx))  # recurrences, short convolutions
     base = contract.base_model(model)
     base.attention_masks = _rows_for_this_rank(contract.mask_builder(model), ctx)
     router_aux_over_cp(model, ctx)  # the router aux loss's token counts: every cp rank's tokens
@@ -226,6 +230,51 @@ def _attend_all(attend, ctx: CPContext, widths: tuple[int, int], kv: torch.Tenso
     ends = (ctx.rank + 1) * chunk, (2 * ctx.size - ctx.rank) * chunk
     return torch.cat([attend(q[:, :, :chunk], k[:, :, :ends[0]], v[:, :, :ends[0]], None),
                       attend(q[:, :, chunk:], k[:, :, :ends[1]], v[:, :, :ends[1]], None)], dim=2)
+
+
+def _whole_sequence_inputs(ctx: CPContext, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A token mixer outside attention (`contract.whole_sequence_modules`: a recurrence, a short convolution) is
+    given the whole sequence: each of its (batch, seq / cp, ...) inputs, the length of its first tensor input,
+    all-gathered over cp in sequence order (floating point: reduce-scatter in backward, so each rank's input gets
+    every rank's share of its gradient; the rest, padding masks, without one). Every cp rank then runs the mixer on
+    the whole sequence and keeps its own rows (`_this_ranks_rows`): its activations and compute are one process's,
+    not 1/cp. Derived from the shapes, not the forward's state, as activation checkpointing runs it again."""
+    first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 2), None)
+    if first is None:
+        return args, kwargs
+    local = first.shape[1]
+    order = torch.argsort(torch.cat([local_index(local * ctx.size, ctx.size, r, first.device)
+                                     for r in range(ctx.size)]))
+
+    def whole(x):
+        if isinstance(x, tuple):
+            return tuple(whole(y) for y in x)
+        if not torch.is_tensor(x) or x.dim() < 2 or x.shape[1] != local:
+            return x
+        if x.is_floating_point():
+            gathered = comm.gather_to_sp(x.contiguous(), ctx.group_name, dim=1)
+        else:  # a padding mask (gloo gathers no bool)
+            gathered = comm.all_gather(x.contiguous().to(torch.int64), comm.resolve_group(ctx.group_name), dim=1
+                                       ).to(x.dtype)
+        return gathered.index_select(1, order)
+
+    return whole(args), {k: whole(v) for k, v in kwargs.items()}
+
+
+def _this_ranks_rows(ctx: CPContext, module: nn.Module, args: tuple, out):
+    """The whole-sequence output of a token mixer (`_whole_sequence_inputs`) -> this rank's tokens: rows
+    `local_index` of dim 1 of every (batch, seq, ...) tensor of the output (a tensor or a tuple led by one)."""
+    head = out[0] if isinstance(out, tuple) else out
+    if not torch.is_tensor(head) or head.dim() < 2:
+        raise TypeError(f"{type(module).__name__} runs on the whole sequence under context parallelism and must return "
+                        f"a (batch, seq, ...) tensor or a tuple led by one; it returned {type(head).__name__}")
+    seq = head.shape[1]
+    index = local_index(seq, ctx.size, ctx.rank, head.device)
+
+    def rows(x):
+        return x.index_select(1, index) if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] == seq else x
+
+    return tuple(rows(x) for x in out) if isinstance(out, tuple) else rows(out)
 
 
 def _rows_for_this_rank(attention_masks, ctx: CPContext):

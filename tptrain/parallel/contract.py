@@ -74,6 +74,10 @@ class TPModel(Protocol):
     sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
         `attend` (a recurrence, a convolution over the sequence, an indexer choosing keys) (`sequence_mixers`;
         absent: {}): context parallelism, which splits every sequence, refuses the model, naming them.
+    cp_whole_sequence: {module name: class name} of token mixers outside attention (a recurrence, a short
+        convolution) that context parallelism runs on the whole sequence (`whole_sequence_modules`; absent: {}): a
+        module called with (batch, seq, ...) tensors returning (batch, seq, ...) ones (or a tuple led by one), whose
+        every token's output depends on the tokens of its sequence alone; no attention inside.
     router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
@@ -295,6 +299,10 @@ def attend(module: nn.Module):
 
 def sequence_mixers(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "sequence_mixers", None) or {})
+
+
+def whole_sequence_modules(model: nn.Module) -> dict[str, str]:
+    return dict(getattr(model, "cp_whole_sequence", None) or {})
 
 
 def base_model(model: nn.Module) -> nn.Module | None:

@@ -28,6 +28,7 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",
         sequence_mixers=tuple(contract.sequence_mixers(model).items()),
+        whole_sequence=tuple(contract.whole_sequence_modules(model).items()),
         experts=experts, ep_plan=bool(contract.model_ep_plan(model)) if config is not None else False)
 
 
