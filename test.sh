@@ -7,8 +7,22 @@
 #   ./test.sh -m distributed                      # the multi-process ones (ranks, `tptrain train`, torchrun)
 #   ./test.sh                                     # everything (what .ci/run runs)
 # A test that starts processes without the `distributed` marker fails, saying so (tests/conftest.py).
+#
+# Two pytest processes share the work (pytest-xdist, whole files each, so a file's shared checkpoints and rank
+# pool are built once): a test spends much of its time starting processes, waiting on a collective or on a
+# launcher, and the other one fills those gaps. TPTRAIN_TEST_WORKERS=N for N of them, 0 for one process (as
+# does naming test files or ids, or -n / -p yourself).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$root/scripts/setup.sh"
 cd "$root"
-exec .venv/bin/python -m pytest -q "$@"
+workers="${TPTRAIN_TEST_WORKERS:-2}"
+split=(-n "$workers" --dist loadfile)
+for arg in "$@"; do
+    if [[ $arg == -n* || $arg == --numprocesses* || $arg == -p || $arg == --collect-only || $arg == --co \
+          || $arg == tests* || $arg == *::* || -e $arg ]]; then
+        split=()
+    fi
+done
+[[ $workers == 0 ]] && split=()
+exec .venv/bin/python -m pytest -q "${split[@]}" "$@"

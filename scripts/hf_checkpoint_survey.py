@@ -58,8 +58,9 @@ TINY_OVERRIDES: dict[str, dict] = {
     **{t: {**_MLA, **_ONE_GROUP} for t in ("axk1", "deepseek_v3", "deepseek_v32")},
     # hybrids: one recurrent layer and one attention layer (their defaults make both first layers recurrent)
     **{t: dict(layer_types=["linear_attention", "full_attention"]) for t in (
-        "kimi_linear", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
-    "bailing_hybrid": dict(_ONE_GROUP, layer_types=["linear_attention", "full_attention"]),
+        "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "kimi_linear": dict(_MLA, layer_types=["linear_attention", "full_attention"]),  # its attention is MLA
+    "bailing_hybrid": dict(_MLA, **_ONE_GROUP, layer_types=["linear_attention", "full_attention"]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "dots1": {**_ONE_GROUP, "n_shared_experts": 1},
