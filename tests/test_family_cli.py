@@ -1,23 +1,25 @@
 """`tptrain train --model DIR` on every model type: a tiny checkpoint written by transformers, trained for the
-smoke run's 4 steps at tp 2 (two worker processes), its final checkpoint reloaded by tptrain and transformers.
+smoke run's 4 steps at tp 2 (two ranks), its final checkpoint reloaded by tptrain and transformers.
 
-Each test starts the next selected model type's run before it waits for its own: two runs at a time keep both
-cores busy through the other's start-up and teardown (18 runs: ~220 s one at a time, ~160 s so).
+The command runs as it does under torchrun (`torchrun -m tptrain train ...`: each rank runs `tptrain train` with
+RANK set), in the suite's rank pool (tests/dist_utils.py), whose ranks have torch and tptrain imported already: 18
+types x two fresh interpreters and a launcher were a minute and a half of the suite. The launcher itself (`tptrain
+train` starting its own workers) is tested in test_train_cli.py, test_launch_faults.py and test_faults.py.
 
     .venv/bin/python -m pytest tests/test_family_cli.py -q
 """
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.deepseek_utils import DEEPSEEK_TINY
 from tests.family_utils import randomize, save_byte_tokenizer
+from tests.dist_utils import run_distributed
 from tests.helpers import (GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE, OLMO3_TINY, PHI3_TINY,
-                           SIMPLE_FAMILIES, SIMPLE_TINY, finish_tptrain_train, start_tptrain_train)
+                           SIMPLE_FAMILIES, SIMPLE_TINY)
 from tptrain import AutoModelForCausalLM
 from tptrain.models import MODEL_REGISTRY
 from tptrain.training.reporting import read_metrics
@@ -55,55 +57,24 @@ def _hf_model(model_type: str):
     return hf
 
 
-def _start(model_type: str, directory: Path):
-    """Write `model_type`'s checkpoint (transformers) in `directory` and start its run; (process, the model)."""
-    hf = _hf_model(model_type)
-    hf.save_pretrained(directory / "model")
-    save_byte_tokenizer(directory / "model")
-    return start_tptrain_train("--model", str(directory / "model"), "--output-dir", str(directory / "run")), hf
-
-
-def _next_selected(request) -> str | None:
-    """The model type of the next test of this function that pytest will run (None: this is the last)."""
-    items = request.session.items
-    here = items.index(request.node)
-    for item in items[here + 1:]:
-        if item.module is request.node.module and item.originalname == request.node.originalname:
-            return item.callspec.params["model_type"]
-    return None
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{model_type: (directory, process, the transformers model)} of the runs started and not yet collected."""
-    started: dict = {}
-
-    def start(model_type: str) -> None:
-        if model_type not in started:
-            directory = tmp_path_factory.mktemp(f"cli-{model_type}")
-            started[model_type] = (directory, *_start(model_type, directory))
-
-    yield started, start
-    for _, proc, _ in started.values():  # a run whose test never came (an interrupted session)
-        proc.kill()
-        proc.communicate()
+def _cli(argv: list[str]) -> None:
+    """One rank of `tptrain train ARGV` (RANK set, as torchrun sets it: the command is this rank)."""
+    from tptrain.cli import main
+    code = main(["train", *argv])
+    assert code == 0, f"tptrain train exited with {code}"
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_train_cli_smoke(model_type, runs, request):
+def test_train_cli_smoke(model_type, tmp_path):
     import transformers
-    started, start = runs
-    start(model_type)
-    following = _next_selected(request)
-    if following is not None:
-        start(following)  # runs while this test waits for its own
-    directory, proc, hf = started.pop(model_type)
-    run = finish_tptrain_train(proc)
-    assert run.returncode == 0, run.stdout + run.stderr
-    losses = [r["loss"] for r in read_metrics(directory / "run" / "metrics.jsonl")]
+    hf = _hf_model(model_type)
+    hf.save_pretrained(tmp_path / "model")
+    save_byte_tokenizer(tmp_path / "model")
+    run_distributed(_cli, 2, ["--smoke-test", "--model", str(tmp_path / "model"), "--output-dir", str(tmp_path / "run")])
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses))), losses
-    final = directory / "run" / "final"
+    final = tmp_path / "run" / "final"
     ours = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     assert ours.config.model_type == model_type
     with warnings.catch_warnings():
