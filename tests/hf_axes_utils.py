@@ -35,6 +35,7 @@ FAMILIES = {
 HYBRID = {"qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
                              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                              shared_expert_intermediate_size=16, decoder_sparse_step=1)}
+TYPES = (*FAMILIES, *HYBRID)  # every type of the backend's cp and pp tests
 
 
 def config(model_type: str):

@@ -15,7 +15,7 @@ import torch
 
 from tests.cp_utils import SEQ, packed_batch
 from tests.dist_utils import run_distributed
-from tests.hf_axes_utils import F64, FAMILIES, HYBRID, TINY, config, eager_experts, one_process, write_checkpoints
+from tests.hf_axes_utils import F64, FAMILIES, TINY, TYPES, config, eager_experts, one_process, write_checkpoints
 
 # fp64, but transformers keeps fp32 islands in it (eager attention's softmax, Gemma's norms, routers), where another
 # order of sums rounds otherwise: up to ~4e-7 of a soft-capped logit; a layout bug moves them by ~1e-2
@@ -29,7 +29,7 @@ TP_CP = ("gpt_neox", "cohere2", "granitemoe", "deepseek_v2", "llama4_text", "gem
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return write_checkpoints(tmp_path_factory, {**FAMILIES, **HYBRID})
+    return write_checkpoints(tmp_path_factory, TYPES)
 
 
 # ------------------------------------------------------------------ no process group
@@ -158,7 +158,7 @@ def _trainer_and_resume(path: str, out: str) -> None:
 
 
 def _cp2_worker(paths: dict[str, str], out: str) -> None:
-    _compare(paths, {**FAMILIES, **HYBRID}, cp_size=2)
+    _compare(paths, TYPES, cp_size=2)
     for model_type in ("granitemoe", "llama4_text", "qwen3_next"):
         _adamw_steps(paths[model_type], tol=ISLAND_TOL.get(model_type, TOL), cp_size=2)
     _trainer_and_resume(paths["gpt_neox"], out)

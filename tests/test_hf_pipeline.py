@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.hf_axes_utils import F64, FAMILIES, HYBRID, TINY, config, eager_experts, one_process, write_checkpoints
+from tests.hf_axes_utils import F64, TINY, TYPES, config, eager_experts, one_process, write_checkpoints
 
-TYPES = (*FAMILIES, *HYBRID)
 TP_PP = ("gpt_neox", "gemma", "cohere2", "deepseek_v2", "qwen3_next")  # also at tp 2 x pp 2
 TOL = dict(rtol=1e-10, atol=1e-10)
 TRAIN_TOL = dict(rtol=1e-7, atol=1e-7)  # the routers' fp32 islands in an fp64 model, through AdamW

@@ -40,7 +40,7 @@ class ModelFacts:
     attention: int = 1  # attention modules (tp_kv_projections declared)
     without_attend: tuple[str, ...] = ()  # "name (Class)" of attention modules with no attend(q, k, v, mask)
     mask_builder: str | None = None  # the base model lacking attention_masks(...), e.g. "Qwen3Model at 'model'"
-    sequence_mixers: tuple[tuple[str, str], ...] = ()  # (module, class) mixing tokens outside attention (recurrent)
+    sequence_mixers: tuple[tuple[str, str], ...] = ()  # (module, class) mixing tokens cp cannot split (key indexers)
     whole_sequence: tuple[tuple[str, str], ...] = ()  # (module, class) of mixers cp runs on the whole sequence
     experts: int | None = None  # stacked-experts modules the plan splits (None: not read)
     ep_plan: bool = False  # the config declares base_model_ep_plan (experts split over the TP group)

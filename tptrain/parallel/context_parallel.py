@@ -91,7 +91,7 @@ class CPContext:
             position_ids = torch.arange(seq, device=device)[None]
         self.position_ids, self.attention_mask = position_ids, attention_mask
         self.query_index = local_index(seq, self.size, self.rank, device)
-        self.key_index = torch.cat([local_index(seq, self.size, r, device) for r in range(self.size)])
+        self.key_index = gathered_index(seq, self.size, device)
         return position_ids[:, self.query_index]
 
     def end(self) -> None:
@@ -122,6 +122,12 @@ def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | 
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     last = torch.arange((2 * cp_size - 1 - rank) * chunk, (2 * cp_size - rank) * chunk, device=device)
     return torch.cat([first, last])
+
+
+def gathered_index(seq: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(seq,) the sequence index of each position of a tensor all-gathered over cp in rank order (every rank's
+    `local_index` in turn); its argsort puts the gathered positions back in sequence order."""
+    return torch.cat([local_index(seq, cp_size, r, device) for r in range(cp_size)])
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | None:
@@ -224,7 +230,7 @@ def _attend_all(attend, ctx: CPContext, widths: tuple[int, int], kv: torch.Tenso
     # to its own end, causal at the end (attend's None), so the fused kernels keep working. (Derived from the
     # shapes, not the forward's state: backward and activation checkpointing recompute this.)
     seq = k.shape[2]
-    order = torch.argsort(torch.cat([local_index(seq, ctx.size, r, k.device) for r in range(ctx.size)]))
+    order = torch.argsort(gathered_index(seq, ctx.size, k.device))
     k, v = k.index_select(2, order), v.index_select(2, order)
     chunk = q.shape[2] // 2
     ends = (ctx.rank + 1) * chunk, (2 * ctx.size - ctx.rank) * chunk
@@ -243,20 +249,16 @@ def _whole_sequence_inputs(ctx: CPContext, module: nn.Module, args: tuple, kwarg
     if first is None:
         return args, kwargs
     local = first.shape[1]
-    order = torch.argsort(torch.cat([local_index(local * ctx.size, ctx.size, r, first.device)
-                                     for r in range(ctx.size)]))
+    order = torch.argsort(gathered_index(local * ctx.size, ctx.size, first.device))
 
     def whole(x):
         if isinstance(x, tuple):
             return tuple(whole(y) for y in x)
         if not torch.is_tensor(x) or x.dim() < 2 or x.shape[1] != local:
             return x
-        if x.is_floating_point():
-            gathered = comm.gather_to_sp(x.contiguous(), ctx.group_name, dim=1)
-        else:  # a padding mask (gloo gathers no bool)
-            gathered = comm.all_gather(x.contiguous().to(torch.int64), comm.resolve_group(ctx.group_name), dim=1
-                                       ).to(x.dtype)
-        return gathered.index_select(1, order)
+        if not x.is_floating_point():  # a padding mask (gloo gathers no bool)
+            return gather_sequence(x.to(torch.int64), ctx).to(x.dtype)
+        return comm.gather_to_sp(x.contiguous(), ctx.group_name, dim=1).index_select(1, order)
 
     return whole(args), {k: whole(v) for k, v in kwargs.items()}
 
@@ -316,6 +318,4 @@ def gather_sequence(t: torch.Tensor, ctx: CPContext, *, dim: int = 1) -> torch.T
     """(batch, seq / cp, ...) of this rank's tokens (`out.logits`) -> (batch, seq, ...) of every rank's, in
     sequence order. Not differentiable: for reading outputs (generation, inspection). Collective over cp."""
     full = comm.all_gather(t.contiguous(), comm.resolve_group(ctx.group_name), dim=dim)
-    seq = full.shape[dim]
-    gathered = torch.cat([local_index(seq, ctx.size, r, t.device) for r in range(ctx.size)])  # of each position
-    return full.index_select(dim, torch.argsort(gathered))
+    return full.index_select(dim, torch.argsort(gathered_index(full.shape[dim], ctx.size, t.device)))

@@ -72,8 +72,9 @@ class TPModel(Protocol):
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
     sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
-        `attend` (a recurrence, a convolution over the sequence, an indexer choosing keys) (`sequence_mixers`;
-        absent: {}): context parallelism, which splits every sequence, refuses the model, naming them.
+        `attend` and cannot run on the whole sequence either (an indexer or compressor choosing among all keys)
+        (`sequence_mixers`; absent: {}): context parallelism, which splits every sequence, refuses the model,
+        naming them.
     cp_whole_sequence: {module name: class name} of token mixers outside attention (a recurrence, a short
         convolution) that context parallelism runs on the whole sequence (`whole_sequence_modules`; absent: {}): a
         module called with (batch, seq, ...) tensors returning (batch, seq, ...) ones (or a tuple led by one), whose
