@@ -88,13 +88,13 @@ def batch(vocab: int, *, seed: int = 1, b: int = 2, s: int = 16):
 
 def full_grads(model) -> dict[str, torch.Tensor]:
     """Every trained parameter's gradient, gathered (frozen ones, DeepSeek's e_score_correction_bias, have none)."""
-    layout = model.tp_layout
+    layout = model.parallel.tp
     return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()
             if p.requires_grad}
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    layout = model.tp_layout
+    layout = model.parallel.tp
     return {n: gather_full(p.detach(), layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
 
 

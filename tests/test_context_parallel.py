@@ -14,7 +14,7 @@ from tptrain import DistributedConfig
 from tptrain.distributed import ParallelDims
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig
-from tptrain.training.parallelize import resolve_parallelism
+from tptrain.training.mesh import resolve_parallelism
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
                     torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}")
             with torch.no_grad():  # eval logits (not fused): this rank's tokens, gathered over TP's vocabulary
                 logits, ref_logits = model.eval()(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits
-            cp_rank = model.cp_context.rank
+            cp_rank = model.parallel.cp.rank
             index = local_index(SEQ, kwargs["cp_size"], cp_rank)
             torch.testing.assert_close(logits, ref_logits[:, index], **TOL, msg=lambda m: f"{what} logits: {m}")
             gathers = [r for r in tracker.records if r.op == "all_gather" and r.phase == "forward"]
@@ -260,7 +260,7 @@ def _trainer_worker(tmp: str) -> None:
 
     from tests.helpers import reference_losses, tiny_dataset, tiny_model
     from tptrain.distributed import comm, init_distributed
-    from tptrain.modeling import gather_parameters
+    from tptrain.parallel.saving import gather_parameters
 
     init_distributed()
     close = dict(rtol=1e-9, atol=1e-9)

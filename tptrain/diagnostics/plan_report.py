@@ -88,9 +88,7 @@ def _pipeline_lines(config: Any, resolved, dtype: torch.dtype, tp_size: int, ep_
              f"(the table above is the whole model; each rank holds its stages' part of it)"]
     for pp_rank in range(pp_size):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
-        plan = pipeline_parallel.plan_pipeline(model, pp=pp_size, pp_rank=pp_rank, schedule=schedule)
-        pipeline_parallel.cut_model(model, plan)
-        stage = pipeline_parallel.stage_plan(resolved, model)
+        plan, stage = pipeline_parallel.cut_for_rank(model, resolved, pp=pp_size, pp_rank=pp_rank, schedule=schedule)
         _, per_rank, _ = _rows(model, stage.styles, stage.specs, tp_size, dtype.itemsize, ep_size)
         stages = "; ".join(f"stage {s}: " + ("embedding, " if s == 0 else "")
                            + (f"layers {_ranges(list(plan.stage_layers[s]))}" if plan.stage_layers[s] else "no layer")
