@@ -182,11 +182,11 @@ class StageModule(nn.Module):
     """One stage of this rank's model: a view holding only that stage's modules (the same parameter objects), so
     its `parameters()` are the stage's, as PipelineStage (and the zero-bubble weight backward) expect."""
 
-    def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool, scope: ForwardScope) -> None:
+    def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
         self.view = _shallow(model)
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
-        self.scope = scope
+        self.scope: ForwardScope = state_of(model).scope  # the model's forward scope (empty for one process)
 
     def own_parameter(self, name: str) -> None:
         """Give this view its own copy of the model's parameter `name` (the module holding it, and that module's
@@ -236,8 +236,7 @@ class Pipeline:
         plan = self.plan = state.pp
         self.model, self.loss, self.scope = model, MicrobatchLoss(model), state.scope
         last = plan.n_stages - 1
-        self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last,
-                                                 scope=self.scope),
+        self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),
                                      s, plan.n_stages, device, group=mesh["pp"].get_group()) for s in plan.stages]
         for stage in self.stages if on_forward is not None else ():
             stage.submod.register_forward_pre_hook(lambda module, args: on_forward())
