@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
-from tptrain.layout import Case, Features, ModelFacts, ParallelDims, Spelling, check
+from tptrain.layout import Spelling, check
 from tptrain.parallel.styles import TPContext
 
 
@@ -125,10 +125,8 @@ class SequenceParallelSaver:
 def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what: str | None = None) -> None:
     """ValueError unless `seq_len` splits over the TP ranks (the rule table's `sp_seq_len`); `what` names where the
     length comes from."""
-    case = Case(dims=ParallelDims(1, 1, tp_size), features=Features(sequence_parallel=True, seq_len=seq_len),
-                facts=ModelFacts(type(model).__name__, ""),
-                spelling=Spelling(seq_len=what or f"the input's sequence length {seq_len}"))
-    check("sp_seq_len", case)
+    check("sp_seq_len", tp=tp_size, sequence_parallel=True, seq_len=seq_len, name=type(model).__name__,
+          spelling=Spelling(seq_len=what or f"the input's sequence length {seq_len}"))
 
 
 def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:
