@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from tptrain.parallel import contract
-from tptrain.parallel.styles import STYLES, ShardSpec, canonical_style
+from tptrain.parallel.styles import STYLES, ColwiseParallel, ParallelStyle, RowwiseParallel, ShardSpec, canonical_style
 from tptrain.parallel.styles.base import declared
 
 # transformers styles that leave the weight whole on every rank: no rule ("grouped_gemm": the stacked weights of
@@ -137,7 +137,8 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
       column-parallel children whose rows are the KV heads (x head_dim, or x the module's v_head_dim), replicated
       when tp_size > num_key_value_heads;
       `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it);
-    * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim;
+    * `tp_replicated_tail` on modules whose style sums that tail's gradient ('mla_kv_a_proj': `replicated_tail`):
+      the config's qk_rope_head_dim;
     * on transformers' experts modules (`@use_experts_implementation`'s, with `_is_expert_parallel`):
       `tp_routed_experts` (forward(x, expert_ids, weights), what an ep axis splits: `contract.routed_experts`) and
       `tp_top_k`, the config's num_experts_per_tok, which 'ep_dispatch_experts' chooses its dispatch by.
@@ -147,16 +148,17 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     heads = config.num_attention_heads
     n_kv = contract.kv_heads(config)
     rope = getattr(config, "qk_rope_head_dim", None)  # MLA: the shared RoPE key at the end of kv_a_proj's output
-    for name, style in styles.items():
-        if style == "mla_kv_a_proj" and rope:
+    facts = {name: STYLES.get(canonical_style(style)) for name, style in styles.items()}  # None: not tptrain's
+    for name, cls in facts.items():
+        if cls is not None and cls.replicated_tail == "gradient_summed" and rope:
             model.get_submodule(name).tp_replicated_tail = rope
     top_k = getattr(config, "num_experts_per_tok", None)
     for owner, module in model.named_modules():
         if hasattr(module, "_is_expert_parallel"):
             module.tp_routed_experts, module.tp_top_k = True, top_k if isinstance(top_k, int) else None
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
-        cols = tuple(n for n in children if canonical_style(styles[f"{owner}.{n}"]) in ("colwise", "fused_colwise"))
-        rows = [n for n in children if styles[f"{owner}.{n}"] == "rowwise"]
+        cols = tuple(n for n in children if _splits_columns(facts[f"{owner}.{n}"]))
+        rows = [n for n in children if _reads_split_columns(facts[f"{owner}.{n}"])]
         if cols and rows:
             module.tp_pairs = {row: cols for row in rows}
         head_dim = getattr(module, "head_dim", None)
@@ -171,6 +173,16 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
                 if own_kv == n_kv else ()
             module.tp_query_projection = next((n for n, c in linear.items() if c.out_features == heads * head_dim),
                                               None)
+
+
+def _splits_columns(cls: type[ParallelStyle] | None) -> bool:
+    """A column-parallel style whose output stays split (colwise, fused_colwise): the producer of a pair."""
+    return cls is not None and issubclass(cls, ColwiseParallel) and cls.splits_output
+
+
+def _reads_split_columns(cls: type[ParallelStyle] | None) -> bool:
+    """A row-parallel style fed the producers' split features (rowwise): the consumer of a pair."""
+    return cls is not None and issubclass(cls, RowwiseParallel) and cls.needs_split_input
 
 
 def resolve_names(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
