@@ -108,6 +108,7 @@ class ExpertStyle(ParallelStyle):
             self._install_over_ep(module, ctx)
             return
         dispatch, held = self.chosen_dispatch(module, ctx), self.held_experts(module)
+        assert dispatch == "all_reduce" or self.split == "experts", f"{self.name}: an all-to-all needs whole experts"
         if self.split == "experts":
             self.hold(module, ctx.rank, ctx.size)
         summed = self.summed(module, ctx)
