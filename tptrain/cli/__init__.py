@@ -143,7 +143,7 @@ def _json_object(text: str) -> dict:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.diagnostics.plan_report import plan_report
-    from tptrain.layout import Asked, Case, Spelling, check
+    from tptrain.layout import Asked, Spelling, check
     from tptrain.models import AutoConfig
 
     usage = check_train_arguments(args) if args.train else (
@@ -152,8 +152,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.plan_parser.error(usage)
     try:
         if not args.train:  # the sizes as this command spells them (--tp-size), as `tptrain train` checks them
-            check("positive", Case(asked=Asked(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size,
-                                               pp_size=args.pp_size), spelling=Spelling(cli=True)))
+            check("positive", asked=Asked(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size,
+                                          pp_size=args.pp_size), spelling=Spelling(cli=True))
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         if args.train:
             return run_train_plan(args, config)

@@ -79,9 +79,9 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
     """Plan, print (table or JSON), and return the exit code."""
     import torch
 
-    from tptrain.diagnostics.layout import TrainSettings
+    from tptrain.diagnostics.train_settings import TrainSettings
     from tptrain.layout import parse_layout
-    from tptrain.diagnostics.model_facts import ModelFacts
+    from tptrain.diagnostics.model_shapes import ModelShapes
     from tptrain.diagnostics.train_plan import plan_training, what_would_fit
     from tptrain.diagnostics.train_report import plan_json, plan_text
     from tptrain.modeling import resolve_dtype
@@ -94,17 +94,17 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
                              expert_parallel=args.expert_parallel)
     layout = parse_layout(args.layout, args.world) if args.layout else None
-    facts = ModelFacts.of(config, dtype=dtype)
+    shapes = ModelShapes.of(config, dtype=dtype)
     try:
-        plan = plan_training(facts, world=args.world, settings=settings, profile=profile, layout=layout)
+        plan = plan_training(shapes, world=args.world, settings=settings, profile=profile, layout=layout)
     except ValueError as exc:
         print(f"tptrain plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_json(plan), indent=1) if args.json else plan_text(plan, facts, model_name=args.model),
+    print(json.dumps(plan_json(plan), indent=1) if args.json else plan_text(plan, shapes, model_name=args.model),
           end="\n" if args.json else "")
     if plan.best is not None:
         return 0
-    hints = what_would_fit(facts, args.world, settings, profile)
+    hints = what_would_fit(shapes, args.world, settings, profile)
     print(f"tptrain plan: no layout of {args.world} ranks fits {profile.name}'s memory "
           f"(the smallest peak: {min(p.peak for p in plan.layouts) / 2**30:.1f} GiB per rank, "
           f"{plan.layouts[0].budget / 2**30:.1f} GiB available); "
@@ -132,9 +132,9 @@ def resolve_train_layout(args: argparse.Namespace) -> bool:
 def _train_layout(args: argparse.Namespace) -> str:
     import torch
 
-    from tptrain.diagnostics.layout import TrainSettings
+    from tptrain.diagnostics.train_settings import TrainSettings
     from tptrain.layout import parse_layout
-    from tptrain.diagnostics.model_facts import ModelFacts
+    from tptrain.diagnostics.model_shapes import ModelShapes
     from tptrain.diagnostics.train_plan import layout_problem, plan_training
     from tptrain.models import AutoConfig
 
@@ -152,16 +152,16 @@ def _train_layout(args: argparse.Namespace) -> str:
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
                              expert_parallel=args.expert_parallel)
-    facts = ModelFacts.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
+    shapes = ModelShapes.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
     note = ""
     if args.layout != "auto":
         chosen = parse_layout(args.layout, world)
-        problem = layout_problem(facts, chosen, settings)
+        problem = layout_problem(shapes, chosen, settings)
         if problem:
             raise ValueError(f"--layout {chosen.spell()}: {problem}")
     else:
         profile = _profile(argparse.Namespace(device=None, gpu_memory=None))
-        plan = plan_training(facts, world=world, settings=settings, profile=profile)
+        plan = plan_training(shapes, world=world, settings=settings, profile=profile)
         usable = [p for p in plan.layouts if p.fits and p.layout.dp_replicate == 1]  # tptrain train: no dp_replicate
         if not usable:
             raise ValueError(f"--layout auto: no layout of {world} ranks fits {profile.name}'s memory at --batch-size "

@@ -74,7 +74,7 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
 def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     """The flags' sizes, against each other and the world size: the rule table's size rows, which import nothing
     heavy (tptrain/layout), as every rank resolves them."""
-    from tptrain.layout import Asked, Case, Features, Spelling, check, resolve
+    from tptrain.layout import Asked, Features, Spelling, check, resolve
 
     sizes = dict(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size, pp_size=args.pp_size)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items() if k == "tp_size" or (v or 1) > 1)
@@ -82,7 +82,7 @@ def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     processes = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
                                                else "")
     spelling = Spelling(cli=True, described=flags, processes=processes)
-    check("positive", Case(asked=Asked(**sizes), spelling=spelling))  # before --nproc-per-node, which they make
+    check("positive", asked=Asked(**sizes), spelling=spelling)  # before --nproc-per-node, which they make
     for flag, value in (("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
                         ("--preemption-grace", args.preemption_grace)):
         if not value > 0:

@@ -126,7 +126,7 @@ class TransformersCausalLM(PreTrainedModel):
             base = {name: "embedding_rowwise", **base}
         param_specs, self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
         interleaved = {**interleaved_parameters(hf_model), **_halved_gate_up(hf_model)}
-        for owner, specs in param_specs.items():  # read by the owner's style (hf.plan.PARAMETER_OWNER_STYLES)
+        for owner, specs in param_specs.items():  # read by the owner's style (per_parameter_rules)
             self.get_submodule(owner).tp_param_specs = {
                 leaf: packed_like_stored(spec, self.get_parameter(f"{owner}.{leaf}").shape,
                                          interleaved.get(f"{owner}.{leaf}")) for leaf, spec in specs.items()}

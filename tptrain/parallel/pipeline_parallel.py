@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed.state import Batch, ForwardScope, state_of
-from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check, schedules
+from tptrain.layout import check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
 from tptrain.parallel.pipeline_grads import TiedWeights
@@ -46,7 +46,7 @@ from tptrain.parallel.plan import ResolvedPlan
 def schedule_name(name: str) -> str:
     """The canonical spelling of a schedule (case-insensitive, as torch's get_schedule_class); ValueError listing
     the valid ones (the rule table's `pp_schedule`)."""
-    check("pp_schedule", Case(features=Features(pp_schedule=name)))
+    check("pp_schedule", pp_schedule=name)
     return schedules.canonical(name)
 
 
@@ -61,11 +61,9 @@ def split_layers(num_layers: int, n_stages: int, layers: list[list[int]] | None 
     """Each stage's decoder layers: `layers` checked, or an even split of layers + embedding + head (the
     embedding counts as one layer of the first stage, the head of the last; torchtitan's rule). The rule table's
     `pp_stages` and `pp_layers` refuse what cannot be split."""
-    case = Case(dims=ParallelDims(1, 1, 1, pp=n_stages), facts=ModelFacts("", "", num_layers=num_layers),
-                features=Features(pp_layers=layers))
-    check("pp_stages", case)
+    check("pp_stages", pp=n_stages, num_layers=num_layers)
     if layers is not None:
-        check("pp_layers", case)
+        check("pp_layers", pp=n_stages, num_layers=num_layers, pp_layers=layers)
         return [list(stage) for stage in layers]
     return schedules.even_split(num_layers, n_stages)
 
@@ -73,10 +71,8 @@ def split_layers(num_layers: int, n_stages: int, layers: list[list[int]] | None 
 def check_microbatches(schedule: str, pp: int, n_microbatches: int, batch_size: int) -> None:
     """ValueError if `schedule` cannot run `n_microbatches` at `pp`, or `batch_size` does not split into them (the
     rule table's `pp_microbatches`, `pp_rounds`, `pp_batch`)."""
-    case = Case(dims=ParallelDims(1, 1, 1, pp=pp),
-                features=Features(pp_schedule=schedule, pp_microbatches=n_microbatches, batch_size=batch_size))
     for name in ("pp_microbatches", "pp_rounds", "pp_batch"):
-        check(name, case)
+        check(name, pp=pp, pp_schedule=schedule, pp_microbatches=n_microbatches, batch_size=batch_size)
 
 
 @dataclass(frozen=True)
@@ -114,7 +110,7 @@ def plan_pipeline(model: nn.Module, *, pp: int, pp_rank: int, schedule: str,
     """The stages of `model` (whole, e.g. on meta) at `pp`; every problem a ValueError (no process group)."""
     parts = contract.pipeline_parts(model)
     if parts is None:  # the rule table's pp_uncuttable
-        check("pp_uncuttable", Case(dims=ParallelDims(1, 1, 1, pp=pp), facts=ModelFacts(type(model).__name__, "")))
+        check("pp_uncuttable", pp=pp, name=type(model).__name__)
     schedule = schedule_name(schedule)
     n_layers = len(model.get_submodule(parts[0]))
     split = split_layers(n_layers, pp * stages_per_rank(schedule), layers)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check
+from tptrain.layout import check
 from tptrain.parallel import contract
 from tptrain.parallel import expert_parallel as _expert_styles
 from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, canonical_style, make_style
@@ -167,8 +167,8 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size). `ep_size` > 1: split by
     expert over an ep axis of their own, each expert tensor-parallel over tp (`ep_problems`)."""
     if expert_parallel:  # the rule table's expert_parallel_dense
-        check("expert_parallel_dense", Case(features=Features(expert_parallel=True), facts=ModelFacts(
-            type(model).__name__, model.config.model_type, ep_plan=bool(contract.model_ep_plan(model)))))
+        check("expert_parallel_dense", expert_parallel=True, name=type(model).__name__,
+              model_type=model.config.model_type, ep_plan=bool(contract.model_ep_plan(model)))
     styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel,
                                     expert_parallel=expert_parallel)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
@@ -229,8 +229,8 @@ def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size:
     is refused by the rule table (nothing to split); the rest are plan problems (each experts module's style and
     its own expert count)."""
     experts = _experts(objects)  # none: the rule table's ep_dense
-    check("ep_dense", Case(dims=ParallelDims(1, ep_size, 1, ep=ep_size),
-                           facts=ModelFacts(type(model).__name__, model.config.model_type, experts=len(experts))))
+    check("ep_dense", dp_shard=ep_size, ep=ep_size, name=type(model).__name__, model_type=model.config.model_type,
+          experts=len(experts))
     problems = []
     for name in experts:
         module, style = model.get_submodule(name), objects[name]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tptrain.parallel.styles import ShardSpec, TPContext, register_local_output_hook, vocab_shard_embedding
+from tptrain.parallel.styles import STYLES, ShardSpec, TPContext, register_local_output_hook, vocab_shard_embedding
 
 REPLICATED = ShardSpec()
 PARTIAL = ShardSpec(None, partial_grad=True)
@@ -51,18 +51,20 @@ class LoraRuntime:
 
 
 def factor_specs(style: str | None, base_spec: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
-    """(spec of A, spec of B) for a base module with TP style `style` and weight spec `base_spec`."""
+    """(spec of A, spec of B) for a base module with TP style `style` and weight spec `base_spec`, as the style
+    says an adapter on it splits (`ParallelStyle.adapter_split`)."""
     if style is None:  # not sharded: plain replicated module
         return REPLICATED, REPLICATED
-    if style in ("colwise", "colwise_gather_output", "fused_colwise"):
+    split = STYLES[style].adapter_split
+    if split == "output":
         # B follows the weight's rows, incl. KV-head replicas and their partial grads, and a fused weight's
         # segments (each split on its own, so B's local rows line up with the base's local q, k, v)
         return PARTIAL, base_spec
-    if style in ("rowwise", "embedding_rowwise"):
+    if split == "input":
         return ShardSpec(1), PARTIAL
+    supported = ", ".join(name for name, cls in STYLES.items() if cls.adapter_split is not None)
     raise ValueError(f"LoRA cannot adapt {where!r}: its tensor-parallel style {style!r} is not supported (supported: "
-                     "colwise, colwise_gather_output, fused_colwise, rowwise, embedding_rowwise); drop it from "
-                     "target_modules")
+                     f"{supported}); drop it from target_modules")
 
 
 def over_dp(t: torch.Tensor) -> torch.Tensor:
