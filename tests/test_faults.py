@@ -273,6 +273,10 @@ def test_bad_fault_and_node_flags_are_refused_before_any_worker_starts(tmp_path,
         (["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", "h:1"],
          "--nproc-per-node 1 x --nnodes 3 = 3 processes is not a multiple of --tp-size 2"),
         (["--pg-timeout", "-5"], "TPTRAIN_PG_TIMEOUT='-5.0' must be a positive number of seconds"),
+        (["--hang-timeout", "-1"], "--hang-timeout must be a number of seconds (0: off), got -1.0"),
+        (["--max-nonfinite-skips", "0"], "--max-nonfinite-skips must be a positive integer, got 0"),
+        (["--on-nonfinite", "skip", "--optim-in-backward", "--max-grad-norm", "0"],
+         "(--on-nonfinite skip) cannot skip a step with optim_in_backward=True (--optim-in-backward)"),
     ]
     for flags, expected in cases:
         monkeypatch.setenv(comm.PG_TIMEOUT_ENV, "600")  # restored at the end: --pg-timeout sets it for the workers

@@ -169,6 +169,23 @@ def test_no_checkpoint_or_final_model_from_nonfinite_weights(tmp_path):
     assert _checkpoints(tmp_path / "run") == ["final"]  # train()'s own final/, from the finite weights
 
 
+def test_with_optim_in_backward_the_loss_is_checked_and_no_save_takes_nonfinite_weights(tmp_path):
+    # A NaN gradient in step 2 is applied during backward (no norm exists to refuse it first): its checkpoint is refused.
+    trainer = _trainer(tmp_path / "grad", optim_in_backward=True, max_grad_norm=0)
+    _poison_gradient(trainer, {2})
+    with pytest.raises(NonFiniteStepError, match=rf"^not writing checkpoint-2: parameter {POISONED} holds NaN or inf"):
+        trainer.train()
+    assert _checkpoints(tmp_path / "grad") == []
+    # A NaN loss is caught after the step, and said to have been applied.
+    trainer = _trainer(tmp_path / "loss", optim_in_backward=True, max_grad_norm=0)
+    _poison_loss(trainer, {3})
+    with pytest.raises(NonFiniteStepError, match=r"^step 3 is not finite: the loss is nan. Training stopped "
+                                                 r"\(on_nonfinite='stop'\) after its update, which optim_in_backward "
+                                                 r"applied during backward: the weights may hold NaN or inf"):
+        trainer.train()
+    assert _checkpoints(tmp_path / "loss") == ["checkpoint-2"]
+
+
 def test_arguments_are_checked(tmp_path):
     for kw, match in [
         (dict(on_nonfinite="ignore"), "on_nonfinite must be 'stop' or 'skip', got 'ignore'"),

@@ -44,9 +44,11 @@ def full_device_error(exc: BaseException, directory: str | os.PathLike, *, what:
         return None
     first = (str(exc).splitlines() or [""])[0]
     need = f", which needs {size_text(needed)} in all" if needed else ""
-    return (f"the device holding {directory} is full ({size_text(free)} free) while writing {what}{need}: the partial "
-            f"copy is removed and what was there before is intact; free some space or write elsewhere (the write "
-            f"failed with {type(exc).__name__}: {first})")
+    state = (f"is full ({size_text(free)} free)" if free < MARGIN else
+             f"has no space left for this process though {size_text(free)} are free (out of inodes, or over a quota)")
+    return (f"the device holding {directory} {state} while writing {what}{need}: the partial copy is removed and what "
+            f"was there before is intact; free some space or write elsewhere (the write failed with "
+            f"{type(exc).__name__}: {first})")
 
 
 def _says_full(exc: BaseException | None) -> bool:

@@ -100,23 +100,34 @@ def _ranks(ranks: list[int]) -> str:
 
 @dataclass
 class Verdict:
-    message: str
+    """What to say after a non-finite step, and whether to stop; a stop's message ends with the latest checkpoint in
+    `output_dir` as it is when the message is read (an async save of an earlier step published by then)."""
+
+    text: str
     stop: bool
+    output_dir: str | os.PathLike | None = None
+
+    @property
+    def message(self) -> str:
+        latest = complete_checkpoints(self.output_dir) if self.stop else []
+        return self.text + (f" {latest[-1]} is the latest checkpoint: continue from it with --resume "
+                            "(resume_from_checkpoint) and a lower learning rate." if latest else "")
 
 
 @dataclass
 class NonFiniteGuard:
     """What a run does after a non-finite step: stop, or skip up to `max_skips` in a row. `skipped`: the steps
-    skipped so far (kept in checkpoints: the schedule advanced only on the others)."""
+    skipped so far (kept in checkpoints: the schedule advanced only on the others). `in_backward`: the steps are
+    applied during backward (optim_in_backward), before the loss is known."""
 
     on_nonfinite: str = "stop"
     max_skips: int = 5
+    in_backward: bool = False
     skipped: list[int] = field(default_factory=list)
     in_a_row: int = 0
 
     def verdict(self, step: int, what: str | None, *, output_dir: str | os.PathLike) -> Verdict | None:
-        """None after a finite step; else the message (every rank's the same) and whether to stop (the message then
-        names the latest checkpoint in `output_dir`, to resume from)."""
+        """None after a finite step; else the message (every rank's the same) and whether to stop."""
         if what is None:
             self.in_a_row = 0
             return None
@@ -131,12 +142,11 @@ class NonFiniteGuard:
                f"(--max-nonfinite-skips) allows" if skipping else "on_nonfinite='stop'")
         fix = FIX.replace("skip such steps with on_nonfinite='skip' (--on-nonfinite skip)",
                           "allow more skips in a row") if skipping else FIX
-        latest = complete_checkpoints(output_dir)
-        resume = (f" {latest[-1]} is the latest checkpoint: continue from it with --resume (resume_from_checkpoint) "
-                  "and a lower learning rate." if latest else "")
-        return Verdict(f"step {step} is not finite: {what}. Training stopped ({why}) without applying it: the "
-                       f"weights are {_weights_of(step - self.in_a_row)}, and no checkpoint or final model is written "
-                       f"from it; {fix}.{resume}", True)
+        weights = (f"without applying it: the weights are {_weights_of(step - self.in_a_row)}" if not self.in_backward
+                   else "after its update, which optim_in_backward applied during backward: the weights may hold NaN "
+                        "or inf")
+        return Verdict(f"step {step} is not finite: {what}. Training stopped ({why}) {weights}, and no checkpoint or "
+                       f"final model is written from it; {fix}.", True, output_dir)
 
 
 def _weights_of(step: int) -> str:

@@ -42,7 +42,8 @@ class TrainStep:
                  scheduler: Any) -> StepResult:
         """Forward and backward of every micro-batch of this dp rank's share of the step, then the optimizer and
         schedule step, unless the global loss or gradient norm is NaN or inf: then neither runs (the weights, the
-        optimizer state and the schedule stay as they were) and `StepResult.nonfinite` says what was not finite."""
+        optimizer state and the schedule stay as they were; with optim_in_backward the update happened in backward)
+        and `StepResult.nonfinite` says what was not finite."""
         num_items = self.token_count(micro)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for batch in micro:
@@ -66,11 +67,11 @@ class TrainStep:
             grad_norm = clip_grad_norm_(self.inner, self.args.max_grad_norm, specs=self.specs, mesh=self.mesh,
                                         exclude=exclude).item()
         local_loss, loss = loss_sum.item(), self.global_loss(loss_sum)
-        result = StepResult(loss, grad_norm)
-        if is_finite(loss, grad_norm) or self.args.optim_in_backward:  # stepped in backward: the loss is only said
+        result, finite = StepResult(loss, grad_norm), is_finite(loss, grad_norm)  # the same on every rank: global
+        if finite or self.args.optim_in_backward:  # in backward: the rest (held-back partials) follows, as it must
             optimizer.step()
             scheduler.step()
-        if not is_finite(loss, grad_norm):  # the same on every rank: both values are global
+        if not finite:
             result.nonfinite = describe(self.inner, local_loss=local_loss, loss=loss, grad_norm=grad_norm)
         optimizer.zero_grad(set_to_none=True)
         return result

@@ -33,7 +33,7 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.text import load_tokenizer
 from tptrain.training.data import PackedDataset
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
-from tptrain.training.nonfinite import NonFiniteGuard, NonFiniteStepError, StepResult
+from tptrain.training.nonfinite import NonFiniteGuard, NonFiniteStepError, StepResult, Verdict
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.parallelize import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
@@ -98,7 +98,7 @@ class Trainer:
         self.checkpoints = Checkpointer(self.model, args=args, optimizer=self.optimizer, converter=self.converter,
                                         is_rank0=self.is_rank0)
         self.global_step = 0
-        self.nonfinite = NonFiniteGuard(args.on_nonfinite, args.max_nonfinite_skips)
+        self.nonfinite = NonFiniteGuard(args.on_nonfinite, args.max_nonfinite_skips, args.optim_in_backward)
         self.best_eval_loss: float | None = None
         if self.is_rank0:
             report_inputs(self.tokenizer, {"train": self.dataset, "eval": self.eval_dataset}, seq_len=args.seq_len)
@@ -169,11 +169,11 @@ class Trainer:
         if reporter is not None:
             reporter.close()
         if failed:  # a non-finite step: nothing is written after it
-            raise NonFiniteStepError(failed)
+            raise NonFiniteStepError(failed.message)
         final = None if stop.stopped else self.save_model()
         return TrainOutput(self.global_step, losses, final, stopped=stop.stopped, skipped_steps=self.nonfinite.skipped)
 
-    def _run(self, reporter, stop: StopOnSignal, watchdog: HangWatchdog) -> tuple[list[float], str | None]:
+    def _run(self, reporter, stop: StopOnSignal, watchdog: HangWatchdog) -> tuple[list[float], Verdict | None]:
         """The steps to max_steps or a stop signal: (their losses, why a non-finite step stopped the run, or None)."""
         args, losses = self.args, []
         while self.global_step < args.max_steps:
@@ -190,7 +190,7 @@ class Trainer:
                 reporter.log(self.global_step, {k: v for k, v in metrics.items() if v is not None})
             verdict = self.nonfinite.verdict(self.global_step, result.nonfinite, output_dir=args.output_dir)
             if verdict is not None and verdict.stop:
-                return losses, verdict.message
+                return losses, verdict
             if verdict is not None and reporter is not None:  # skipped
                 reporter.message(f"tptrain: {verdict.message}")
             if self.eval_dataset is not None and args.eval_steps and self.global_step % args.eval_steps == 0:

@@ -144,12 +144,13 @@ class HangWatchdog:
         stale = [r for r in range(self.world) if r != self.rank and self.rank in second
                  and first.get(r, {}).get("beat") == second.get(r, {}).get("beat")]
         live = [r for r in range(self.world) if r not in stale]
+        out = _stderr()
         if self.rank == min(live, default=self.rank):
-            print(hang_report(announced, stale, second, STALE_BEATS * self.interval), file=sys.stderr, flush=True)
+            print(hang_report(announced, stale, second, STALE_BEATS * self.interval), file=out, flush=True)
         time.sleep(min(0.3, 5.0 / max(1, len(live))) * (live.index(self.rank) if self.rank in live else 0))
-        print(f"tptrain: rank {self.rank}'s Python stack (most recent call first):", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
+        print(f"tptrain: rank {self.rank}'s Python stack (most recent call first):", file=out, flush=True)
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.flush()
         sys.stdout.flush()
         self._wait_for_stacks(live)
         os._exit(HANG_EXIT_CODE)
@@ -219,6 +220,16 @@ def _frame(frame) -> str:
             path = path.split(marker)[-1] if marker.startswith("site") else "tptrain" + os.sep + path.split(marker)[-1]
             break
     return f"{path}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _stderr():
+    """sys.stderr, or the process's own when it was replaced by an object without a file descriptor (a notebook's),
+    which faulthandler cannot write to."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
 
 
 def _ranks(ranks: list[int]) -> str:
