@@ -398,18 +398,19 @@ def test_the_hang_limit_waits_for_the_warmup_then_follows_the_steps():
 def test_the_hang_report_names_the_stalled_or_misplaced_ranks():
     from tptrain.training.watchdog import hang_report
 
-    beats = {r: {"beat": 7, "step": 12, "where": "tptrain/distributed/comm/handles.py:32 wait", "pid": 100 + r,
-                 "host": "node0"} for r in range(4)}
+    beats = {r: {"beat": 7, "step": 12, "running": True, "where": "tptrain/distributed/comm/handles.py:32 wait",
+                 "pid": 100 + r, "host": "node0"} for r in range(4)}
     report = hang_report("step 12 has run 70 s on rank 0, past the hang timeout of 60 s", [2], beats, 8.0)
     assert report.startswith("tptrain: error: step 12 has run 70 s on rank 0, past the hang timeout of 60 s.\n")
     assert ("Rank 2 never reached the collective the others wait in: no heartbeat for 8 s (a stopped process: "
             "SIGSTOP, a debugger; stuck in native code; or a dead host); rank 2's last (pid 102 on node0) was in step 12, at "
             "tptrain/distributed/comm/handles.py:32 wait.") in report
     assert "  live: ranks 0, 1, 3 in step 12, at tptrain/distributed/comm/handles.py:32 wait" in report
-    beats[3]["where"] = "tptrain/training/data.py:40 next_batch"
+    beats[3].update(where="tptrain/training/trainer.py:160 _train", running=False, step=11)
     report = hang_report("step 12 has run 70 s on rank 0", [], beats, 8.0)
     assert "Every rank is alive; rank 3 not where the others are (never reached their collective)." in report
-    beats[3]["where"] = beats[0]["where"]
+    assert "  live: rank 3 after step 11, at tptrain/training/trainer.py:160 _train" in report
+    beats[3].update(where=beats[0]["where"], running=True, step=12)
     assert "Every rank is alive and at the same place" in hang_report("step 12 ...", [], beats, 8.0)
 
 

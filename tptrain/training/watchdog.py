@@ -57,7 +57,7 @@ class HangWatchdog:
         fixed = hang_timeout not in (None, "auto")
         self.interval = min(2.0, max(0.25, hang_timeout / 4)) if fixed else 2.0
         self.durations: deque[float] = deque(maxlen=RECENT_STEPS)
-        self.completed = 0  # steps this process ran
+        self.completed, self.last = 0, None  # steps this process ran; the last one's number
         self.current: tuple[int, float] | None = None  # (step, start) while one runs
         self.rank, self.world, self.store = 0, 1, None
         self._beats, self._done, self._thread = 0, threading.Event(), None
@@ -86,7 +86,7 @@ class HangWatchdog:
         self.current = (n, time.monotonic())
         yield
         self.durations.append(time.monotonic() - self.current[1])
-        self.current, self.completed = None, self.completed + 1
+        self.current, self.completed, self.last = None, self.completed + 1, n
 
     def limit(self) -> float | None:
         """Seconds a step may run before it counts as hung; None during the warm-up."""
@@ -116,7 +116,7 @@ class HangWatchdog:
     def _publish(self) -> None:
         self._beats += 1
         running = self.current
-        beat = {"beat": self._beats, "step": running[0] if running else self.completed, "running": bool(running),
+        beat = {"beat": self._beats, "step": running[0] if running else self.last, "running": bool(running),
                 "where": where(), "host": socket.gethostname(), "pid": os.getpid()}
         self._store("set", f"tptrain_beat/{self.rank}", json.dumps(beat))
 
@@ -177,15 +177,14 @@ def hang_report(announced: str, stale: list[int], beats: dict[int, dict], quiet:
         lines.append("The store holding the ranks' heartbeats did not answer (or there is one rank): which rank "
                      "stalled is unknown.")
     if stale:
-        last = "; ".join(f"rank {r}'s last (pid {beats[r]['pid']} on {beats[r]['host']}) was in step "
-                         f"{beats[r]['step']}, at {beats[r]['where']}" if r in beats else f"rank {r} never sent one"
-                         for r in stale)
+        last = "; ".join(f"rank {r}'s last (pid {beats[r]['pid']} on {beats[r]['host']}) was {_step(beats[r])}, at "
+                         f"{beats[r]['where']}" if r in beats else f"rank {r} never sent one" for r in stale)
         lines.append(f"{_ranks(stale).capitalize()} never reached the collective the others wait in: no heartbeat for "
                      f"{quiet:.0f} s (a stopped process: SIGSTOP, a debugger; stuck in native code; or a dead host); "
                      f"{last}.")
     places: dict[tuple, list[int]] = {}
     for r in sorted(set(beats) - set(stale)):
-        places.setdefault((beats[r]["step"], beats[r]["where"]), []).append(r)
+        places.setdefault((_step(beats[r]), beats[r]["where"]), []).append(r)
     if not stale and len(places) > 1:
         most = max(places.values(), key=len)
         odd = [r for ranks in places.values() if ranks is not most for r in ranks]
@@ -194,15 +193,24 @@ def hang_report(announced: str, stale: list[int], beats: dict[int, dict], quiet:
     elif not stale:
         lines.append("Every rank is alive and at the same place: a collective that never completes (a network fault, "
                      "or ranks calling different collectives).")
-    lines.extend(f"  live: {_ranks(ranks)} in step {step}, at {at}" for (step, at), ranks in places.items())
+    lines.extend(f"  live: {_ranks(ranks)} {step}, at {at}" for (step, at), ranks in places.items())
     lines.append(f"Each live rank's Python stack follows; they exit with code {HANG_EXIT_CODE} (the launcher ends the "
                  "job, or restarts it under --max-restarts).")
     return "\n".join(lines)
 
 
+def _step(beat: dict) -> str:
+    if beat["running"]:
+        return f"in step {beat['step']}"
+    return f"after step {beat['step']}" if beat["step"] is not None else "before its first step"
+
+
 def where() -> str:
-    """Where the main thread is: its innermost tptrain frame, and the innermost frame when that is elsewhere."""
+    """Where the main thread is: its innermost tptrain frame, and the innermost frame when that is elsewhere (this
+    module's own frames left out: a heartbeat sent from the main thread)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
     innermost, ours = frame, None
     while frame is not None and ours is None:
         ours = frame if f"{os.sep}tptrain{os.sep}" in frame.f_code.co_filename else None
