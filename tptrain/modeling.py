@@ -224,13 +224,18 @@ class PreTrainedModel(nn.Module):
         """
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
-        config_json = self.config_json(next(iter(params.values())).dtype)
+        extra = {"config.json": self.config_json(next(iter(params.values())).dtype), **self.extra_files()}
         if axes.save_stages(self, sizes, checkpoint_tensors, save_directory, max_shard_size=max_shard_size,
-                            extra_files={"config.json": config_json}):  # cut into stages: each writes its own files
+                            extra_files=extra):  # cut into stages: each writes its own files
             return
         save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
                   write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
-                                                      extra_files={"config.json": config_json}))
+                                                      extra_files=extra))
+
+    def extra_files(self) -> dict[str, bytes | str]:
+        """Files written beside the weights and config.json ({name: content}): none, but a vision-language model's
+        processor files."""
+        return {}
 
     def _checkpoint_tensors(self, names: list[str]) -> tuple[dict[str, int], Callable[[], Iterator]]:
         """({checkpoint tensor name: bytes} in writing order, a function returning the iterator that gathers the

@@ -118,6 +118,9 @@ class TPAttention(Protocol):
         num_key_value_heads (`kv_projections`; absent: (), and the module is not split by heads; () on an
         attention whose projections are fused: `tp_segments` says which rows are KV heads).
     Optional:
+    tp_heads: (query heads, KV heads) of this module, where they are not the config's (`heads`; absent: the config's
+        num_attention_heads and num_key_value_heads): a vision-language model's text decoder and vision tower, each
+        with its own counts, under one composite config that has neither.
     attend(q, k, v, mask): q (batch, heads, queries, head_dim), k (batch, kv_heads, keys, head_dim) and v (batch,
         kv_heads, keys, v dim: MLA's is narrower) after RoPE, mask (batch or 1, 1, queries, keys) bool or None (plain
         causal) -> (batch, heads, queries, v dim) (`attend`; absent: None, and context parallelism refuses the model,
@@ -231,6 +234,12 @@ def attention_heads(config: Any) -> int | None:
 
 def kv_heads(config: Any) -> int | None:
     return getattr(config, "num_key_value_heads", None) or attention_heads(config)
+
+
+def heads(module: nn.Module, config: Any) -> tuple[int | None, int | None]:
+    """(query heads, KV heads) of an attention module: its own `tp_heads`, else the config's."""
+    own = getattr(module, "tp_heads", None)
+    return tuple(own) if own is not None else (attention_heads(config), kv_heads(config))
 
 
 def key_value_head_dims(config: Any) -> tuple[int, int]:

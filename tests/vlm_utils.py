@@ -1,0 +1,94 @@
+"""What the vision-language tests share: a tiny config of each family (built with transformers: its own config
+classes, every size small), a checkpoint transformers writes from it (every parameter random), and a labelled batch
+of each family's inputs under transformers' names, made without a processor: pixel values of the shape its
+processor returns, and as many image placeholder tokens in the ids as its tower and projector make features (asked
+of transformers' own `get_image_features`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tests.family_utils import randomize
+
+F64 = torch.float64
+VOCAB, B, S_TEXT = 128, 2, 8  # each row: an image's placeholders, then S_TEXT text tokens
+IMAGE, START, END = 120, 121, 122  # the image placeholder id and the ids around it (families with such tokens)
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+
+
+@dataclass(frozen=True)
+class Family:
+    """config(): transformers' config of a tiny model; pixels(gen): {input name: tensor} of a batch of B images,
+    one per row; around: the ids before and after each image's placeholders."""
+
+    config: Callable[[], Any]
+    pixels: Callable[[torch.Generator], dict[str, torch.Tensor]]
+    around: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    extra: dict = field(default_factory=dict)
+
+
+def _config(model_type: str, **kwargs):
+    import transformers
+    return transformers.CONFIG_MAPPING[model_type](**kwargs)
+
+
+def _qwen2_5_vl():
+    return _config("qwen2_5_vl", text_config=dict(TEXT, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])), vision_config=dict(
+        depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32, patch_size=4,
+        spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=123, vision_start_token_id=START, vision_end_token_id=END)
+
+
+def _qwen_pixels(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    # 4 x 4 patches of 3 x 2 x 4 x 4 values each image; 2 x 2 merged: 4 placeholders
+    return {"pixel_values": torch.randn(B * 16, 3 * 2 * 4 * 4, generator=gen),
+            "image_grid_thw": torch.tensor([[1, 4, 4]] * B)}
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_5_vl": Family(_qwen2_5_vl, _qwen_pixels, ((START,), (END,))),
+}
+
+
+def write_checkpoint(tmp_path_factory, model_type: str):
+    """(directory, transformers' fp64 model): a random tiny checkpoint written by transformers' save_pretrained."""
+    import transformers
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(FAMILIES[model_type].config()).eval()
+    randomize(hf)
+    path = tmp_path_factory.mktemp(model_type)
+    hf.save_pretrained(path)
+    return path, hf.to(F64)
+
+
+def image_tokens(hf, pixels: dict[str, torch.Tensor]) -> int:
+    """How many placeholders each image needs: the features transformers' tower and projector make of it."""
+    with torch.no_grad():
+        features = hf.model.get_image_features(**pixels)
+    features = getattr(features, "pooler_output", features)
+    rows = torch.cat([f.reshape(-1, f.shape[-1]) for f in features]) if isinstance(features, (list, tuple)) else \
+        features.reshape(-1, features.shape[-1])
+    return rows.shape[0] // B
+
+
+def batch(model_type: str, hf, seed: int = 1) -> dict[str, torch.Tensor]:
+    """One labelled batch of B rows: [before, image placeholders, after, S_TEXT text tokens], labels -100 on
+    everything but the text (and one text token of row 1), the pixels in fp64."""
+    family = FAMILIES[model_type]
+    gen = torch.Generator().manual_seed(seed)
+    pixels = {k: v.to(F64) if v.is_floating_point() else v for k, v in family.pixels(gen).items()}
+    before, after = family.around
+    n = image_tokens(hf, pixels)
+    prefix = [*before, *([IMAGE] * n), *after]
+    text = torch.randint(3, IMAGE, (B, S_TEXT), generator=gen)
+    ids = torch.cat([torch.tensor([prefix] * B), text], dim=1)
+    labels = ids.clone()
+    labels[:, :len(prefix)] = -100
+    labels[1, -3] = -100
+    return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), **pixels, **family.extra}
