@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import full_grads, full_params
+from tests.helpers import full_params
 from tests.vlm_utils import F64, FAMILIES, batch, write_checkpoint
+from tptrain.parallel.shards import gather_full
 
 pytestmark = pytest.mark.vision
 # transformers' norms and its loss compute in fp32 inside an fp64 model: a sum taken in another order moves results by
@@ -34,26 +35,39 @@ def checkpoints(tmp_path_factory):
 
 
 def _transformers(path):
+    """transformers' model in fp64, train mode, its experts (if any) through the eager loop (no fp64 kernel)."""
     import transformers
-    return transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=F64).train()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=F64).train()
+    if hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")
+    return hf
 
 
 def _equivalence(model, ref, inputs: dict, steps: int = 3) -> None:
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)  # as the survey's: a near-zero gradient's
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)      # rounding is not a whole step
     for step in range(steps):
         ref_loss, loss = ref(**inputs).loss, model(**inputs).loss
         torch.testing.assert_close(loss, ref_loss.to(F64), **TOL, msg=lambda m: f"loss at step {step}: {m}")
         ref_loss.backward(), loss.backward()
         if step == 0:
-            grads = full_grads(model)
+            grads = _gathered_grads(model)
             for name, p in ref.named_parameters():
-                assert p.grad is not None and p.grad.abs().sum() > 0 or "lm_head" in name, name
+                if p.grad is None:  # a part this input does not reach (SigLIP's pooling head): in neither model
+                    assert grads[name] is None, name
+                    continue
                 torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
         ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
     params = full_params(model)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(params[name], p.detach(), **STEP_TOL, msg=lambda m: f"{name} after {steps}: {m}")
+
+
+def _gathered_grads(model) -> dict:
+    """Every parameter's gradient at full shape (None where the input does not reach it: on every rank alike)."""
+    layout = model.tp_layout
+    return {n: None if p.grad is None else gather_full(p.grad, layout.specs[n], layout.ctx)
+            for n, p in model.named_parameters()}
 
 
 def _tp_worker(tp: int, checkpoints: dict, save_root) -> None:
@@ -63,8 +77,8 @@ def _tp_worker(tp: int, checkpoints: dict, save_root) -> None:
                                                             distributed_config=DistributedConfig(tp_size=tp)).train()
         assert model.backend == "transformers" and model.tp_size == tp
         split = [n for n, spec in model.tp_layout.specs.items() if spec.dim is not None]
-        assert any(".language_model." in n or n.startswith("language_model.") for n in split), model_type
-        assert any("vision" in n or "visual" in n for n in split), (model_type, "the tower is not split")
+        text = [n for n in split if n.startswith(model._text_decoder + ".")]
+        assert text and any(n not in text and "lm_head" not in n for n in split), (model_type, "a tower split")
         model.save_pretrained(save_root / model_type)
         _equivalence(model, _transformers(path), inputs)
 

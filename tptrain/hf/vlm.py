@@ -29,7 +29,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
-from tptrain.hf.plan import declare_tp_facts, translate_plan, vocab_parallel_embedding
+from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
 from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_roots
 from tptrain.io import resolve_checkpoint
 from tptrain.io.hub import PROCESSOR_PATTERNS
@@ -62,7 +62,8 @@ class TransformersImageTextToText(TransformersCausalLM):
         derived, self._tower_attention = derive_plan(hf_model, tower_roots(hf_model, plan))
         plan.update(derived)
         base = {g[len(prefix) + 1:]: s for g, s in plan.items() if g.startswith(prefix + ".")}
-        return base, {g: s for g, s in plan.items() if not g.startswith(prefix + ".")}
+        # rules naming no module are a variant's or a class's stray ones (Llama 4's head rules under its text model)
+        return base, {g: s for g, s in plan.items() if not g.startswith(prefix + ".") and resolve_names(hf_model, {g: s})}
 
     def _declare_tp_facts(self, plan: dict[str, str]) -> None:
         """Each module's facts from its own sub-model's config (the text config's heads, the vision config's);
