@@ -11,6 +11,8 @@ from typing import Any, Callable
 import torch
 
 from tests.family_utils import randomize
+from tests.helpers import full_params
+from tptrain.parallel.shards import gather_full
 
 F64 = torch.float64
 VOCAB, B, S_TEXT = 128, 2, 8  # each row: an image's placeholders, then S_TEXT text tokens
@@ -19,6 +21,10 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_l
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
             pad_token_id=0)
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+# transformers' norms and its loss compute in fp32 inside an fp64 model: a sum taken in another order moves results by
+# fp32 rounding (~1e-7); a layout bug is an O(1) error.
+TOL = dict(rtol=1e-6, atol=1e-6)
+STEP_TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW divides by sqrt(v): a near-zero gradient's rounding, magnified
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,9 @@ FAMILIES: dict[str, Family] = {
     "internvl": Family(lambda: _config("internvl", text_config=dict(TEXT, model_type="qwen2"), vision_config=dict(
         VISION, image_size=[16, 16], patch_size=[4, 4]), downsample_ratio=0.5, image_token_id=IMAGE), _images,
                        ((START,), (END,))),
+    # two vision heads: at tp 4 the derived plan cannot split them, so the tower stays whole (with a note)
+    "llava_2_vision_heads": Family(lambda: _config("llava", text_config=dict(TEXT, model_type="llama"), vision_config=dict(
+        _SIGLIP, model_type="clip_vision_model", num_attention_heads=2), image_token_index=IMAGE), _images),
     "llama4": Family(lambda: _config("llama4", text_config=_LLAMA4_TEXT, vision_config=_LLAMA4_VISION,
                                      image_token_index=IMAGE), _images),
 }
@@ -123,3 +132,63 @@ def batch(model_type: str, hf, seed: int = 1) -> dict[str, torch.Tensor]:
     labels[:, :len(prefix)] = -100
     labels[1, -3] = -100
     return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids), **pixels, **family.extra(ids)}
+
+
+def transformers_model(path):
+    """transformers' model in fp64, train mode, its experts (if any) through the eager loop (no fp64 kernel)."""
+    import transformers
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=F64).train()
+    if hasattr(hf, "set_experts_implementation"):
+        hf.set_experts_implementation("eager")
+    return hf
+
+
+def equivalence(model, ref, inputs: dict, steps: int = 3) -> None:
+    """The TP `model` against transformers' `ref` on one process: the loss of each of `steps` AdamW steps, every
+    gradient (gathered) of the first, every parameter after the last."""
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)  # as the survey's: a near-zero gradient's
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)      # rounding is not a whole step
+    for step in range(steps):
+        ref_loss, loss = ref(**inputs).loss, model(**inputs).loss
+        torch.testing.assert_close(loss, ref_loss.to(F64), **TOL, msg=lambda m: f"loss at step {step}: {m}")
+        ref_loss.backward(), loss.backward()
+        if step == 0:
+            grads = gathered_grads(model)
+            for name, p in ref.named_parameters():
+                if p.grad is None:  # a part this input does not reach (SigLIP's pooling head): in neither model
+                    assert grads[name] is None, name
+                    continue
+                torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"grad of {name}: {m}")
+        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
+    params = full_params(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), **STEP_TOL, msg=lambda m: f"{name} after {steps}: {m}")
+
+
+def gathered_grads(model) -> dict:
+    """Every parameter's gradient at full shape (None where the input does not reach it: on every rank alike)."""
+    layout = model.tp_layout
+    return {n: None if p.grad is None else gather_full(p.grad, layout.specs[n], layout.ctx)
+            for n, p in model.named_parameters()}
+
+
+QWEN_SPECIALS = {"<|image_pad|>": IMAGE, "<|vision_start|>": START, "<|vision_end|>": END, "<|video_pad|>": 123,
+                 "<|endoftext|>": 124}
+
+
+def qwen_processor():
+    """A Qwen2.5-VL processor for the tiny qwen2_5_vl config, built offline: a word-level tokenizer (w0 .. w119,
+    then the special tokens at the config's ids) and the image processor's patches (4 x 4, merged 2 x 2, images of
+    16 x 16 pixels). Needs torchvision (its video processor)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(IMAGE)}, **QWEN_SPECIALS}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="<|endoftext|>",
+                                                     eos_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIALS)[:4]})
+    patches = dict(patch_size=4, merge_size=2, temporal_patch_size=2)
+    return transformers.Qwen2_5_VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(**patches, min_pixels=16 * 16, max_pixels=16 * 16),
+        tokenizer=tokenizer, video_processor=transformers.Qwen2VLVideoProcessor(**patches))
