@@ -131,6 +131,9 @@ class PreTrainedModel(nn.Module):
     def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
         mesh, device = distributed_config.device_mesh()
+        if dist.get_rank() == 0:
+            for note in resolved.notes:  # an optional plan left out at this tp size (a tower kept whole)
+                warnings.warn(note, stacklevel=3)
 
         def load(model: "PreTrainedModel") -> None:  # once laid out: only this rank's stages and slices are read
             ctx = model.tp_layout.ctx

@@ -361,7 +361,7 @@ def _materialise_buffers(model: TransformersCausalLM, device: torch.device) -> N
         for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
             buf = module._buffers[b]
             module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
-        params = list(module.parameters(recurse=False))
+        params = list(module.parameters())  # its init may write its children's too (SigLIP's position embedding)
         for p in params:
             p._is_hf_initialized = True
         try:

@@ -205,6 +205,8 @@ def unplanned_modules(model: nn.Module, styles: dict[str, str]) -> list[str]:
         if not pairs:
             continue
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}
+        if not any(f"{owner}.{n}" in styles for n in known):  # not split (an optional plan left out): no region
+            continue
         for name, sub in module.named_modules():
             full = f"{owner}.{name}"
             if name and name.split(".")[0] not in known and full not in styles and any(

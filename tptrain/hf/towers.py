@@ -63,11 +63,14 @@ def _ancestors(name: str) -> list[str]:
     return ["", *(".".join(parts[:i]) for i in range(1, len(parts) + 1))]
 
 
-def derive_plan(hf_model: nn.Module, roots: list[str]) -> tuple[dict[str, str], dict[str, tuple[int, int]]]:
-    """({module name: style}, {attention module: (heads, head width)}) for the blocks under `roots` that split."""
-    plan: dict[str, str] = {}
+def derive_plan(hf_model: nn.Module, roots: list[str]
+                ) -> tuple[dict[str, dict[str, str]], dict[str, tuple[int, int]]]:
+    """({root: {module glob: style}} of the roots with a block that splits, {attention module: (heads, their
+    width)})."""
+    plans: dict[str, dict[str, str]] = {}
     attention: dict[str, tuple[int, int]] = {}
     for root in roots:
+        plan = {}
         for name, module in hf_model.get_submodule(root).named_modules():
             full = f"{root}.{name}" if name else root
             block = _block(module)
@@ -76,7 +79,9 @@ def derive_plan(hf_model: nn.Module, roots: list[str]) -> tuple[dict[str, str], 
                 plan.update({f"{full}.{child}": style for child, style in rules.items()})
                 if heads:
                     attention[full] = heads
-    return _as_globs(hf_model, plan), attention
+        if plan:
+            plans[root] = _as_globs(hf_model, plan)
+    return plans, attention
 
 
 def _as_globs(hf_model: nn.Module, plan: dict[str, str]) -> dict[str, str]:

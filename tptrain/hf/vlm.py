@@ -29,7 +29,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
-from tptrain.hf.plan import declare_tp_facts, translate_plan, vocab_parallel_embedding
+from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
 from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_roots
 from tptrain.io import resolve_checkpoint
 from tptrain.io.hub import PROCESSOR_PATTERNS
@@ -49,9 +49,9 @@ class TransformersImageTextToText(TransformersCausalLM):
     auto_class = "AutoModelForImageTextToText"
 
     def _declared_plans(self, hf_model: nn.Module, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
-        """Every sub-model's declared plan under its own name, the input embedding vocab-parallel, the tower and
-        projector's derived plan where they declare none; split into the base model's (relative to `prefix`) and
-        the rest (full names)."""
+        """Every sub-model's declared plan under its own name and the input embedding vocab-parallel, split into the
+        base model's (relative to `prefix`) and the rest (full names); the tower and projector's derived plans, where
+        they declare none, are optional (`tp_optional_plans`: each kept whole at a tp size it does not divide)."""
         declared = submodel_plans(hf_model)
         plan = translate_plan(declared)
         embed = hf_model.get_input_embeddings()
@@ -60,14 +60,17 @@ class TransformersImageTextToText(TransformersCausalLM):
             plan = {name: "embedding_rowwise", **plan}
         self._text_decoder = decoder_name(hf_model)
         derived, self._tower_attention = derive_plan(hf_model, tower_roots(hf_model, plan))
-        plan.update(derived)
+        self.tp_optional_plans = {f"{root} ({type(hf_model.get_submodule(root)).__name__}, tptrain's derived plan)":
+                                  rules for root, rules in derived.items()}
         base = {g[len(prefix) + 1:]: s for g, s in plan.items() if g.startswith(prefix + ".")}
-        return base, {g: s for g, s in plan.items() if not g.startswith(prefix + ".")}
+        # rules naming no module are a variant's or a class's stray ones (Llama 4's head rules under its text model)
+        return base, {g: s for g, s in plan.items() if not g.startswith(prefix + ".") and resolve_names(hf_model, {g: s})}
 
     def _declare_tp_facts(self, plan: dict[str, str]) -> None:
         """Each module's facts from its own sub-model's config (the text config's heads, the vision config's);
         the derived tower attention split by its own head count, no KV heads to replicate."""
-        declare_tp_facts(self, plan, self.config, config_of=lambda name: _init_owner(self, name).config)
+        optional = {glob: style for rules in self.tp_optional_plans.values() for glob, style in rules.items()}
+        declare_tp_facts(self, {**plan, **optional}, self.config, config_of=lambda name: _init_owner(self, name).config)
         for name, (heads, _) in self._tower_attention.items():
             module = self.get_submodule(name)
             module.tp_heads, module.tp_kv_projections = (heads, heads), ()

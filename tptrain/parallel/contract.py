@@ -69,6 +69,10 @@ class TPModel(Protocol):
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
+    tp_optional_plans: {what: {full-name glob: style}}: rules applied only at a tp size where they split (every
+        width and head count they split divides it, `plan.check_plan`); elsewhere their modules stay whole on every
+        rank, and the resolved plan's `notes` say so (`optional_plans`; absent: {}; a vision-language model's derived
+        plan of its tower and of its projector).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
     sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
@@ -264,6 +268,10 @@ def base_plan(model: nn.Module) -> dict[str, str]:
     """The base model's plan: the model's own `tp_base_plan` if it has one, else its config's."""
     plan = getattr(model, "tp_base_plan", None)
     return dict(plan) if plan is not None else config_plan(model.config)
+
+
+def optional_plans(model: nn.Module) -> dict[str, dict[str, str]]:
+    return {what: dict(rules) for what, rules in (getattr(model, "tp_optional_plans", None) or {}).items()}
 
 
 def plan_problems(model: nn.Module, styles: dict[str, str], tp_size: int) -> list[str]:

@@ -58,9 +58,12 @@ def _glob_regex(glob: str) -> re.Pattern:
 
 
 def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
-                 sequence_parallel: bool = False, expert_parallel: bool = False) -> tuple[dict[str, str], list[str]]:
-    """Return ({module name: style name}, problems). Later rules win over earlier ones."""
-    plan = model_plan(model, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+                 sequence_parallel: bool = False, expert_parallel: bool = False,
+                 optional: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """Return ({module name: style name}, problems). Later rules win over earlier ones; `optional`: the model's
+    optional rules kept at this tp size (full names), before the overrides."""
+    plan = {**model_plan(model, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel),
+            **(optional or {})}
     if isinstance(tp_plan, Mapping):
         plan = merge_overrides(model, plan, tp_plan)
     elif tp_plan not in (None, "auto"):
@@ -185,6 +188,7 @@ class ResolvedPlan:
     problems: list[str]
     vocab_parallel_loss: bool
     ep_size: int = 1  # the experts also split by expert over an ep axis of this size (ShardSpec.ep_split)
+    notes: list[str] = dataclasses.field(default_factory=list)  # the optional rules left out at this size, and why
 
     def raise_problems(self, model: nn.Module) -> None:
         """One ValueError listing every problem (identical on every rank: nothing here communicates)."""
@@ -201,8 +205,9 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     if expert_parallel:  # the rule table's expert_parallel_dense
         check("expert_parallel_dense", Case(features=Features(expert_parallel=True), facts=ModelFacts(
             type(model).__name__, model.config.model_type, ep_plan=bool(contract.model_ep_plan(model)))))
+    optional, notes = _optional_rules(model, tp_size)
     styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel,
-                                    expert_parallel=expert_parallel)
+                                    expert_parallel=expert_parallel, optional=optional)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
     if tp_size > 1 and not problems and not contract.base_plan(model) and not user_rules:
         # The head's own plan alone would split only the output head: that is not tensor parallelism of the model.
@@ -232,7 +237,26 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
         objects[head].output_head = True
     return ResolvedPlan(tp_size, sequence_parallel, styles, objects, specs,
                         list(dict.fromkeys(problems + layout_problems)),
-                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)
+                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size,
+                        notes=notes)
+
+
+def _optional_rules(model: nn.Module, tp_size: int) -> tuple[dict[str, str], list[str]]:
+    """(the model's optional rules that split at `tp_size`, a note for each group kept whole instead)."""
+    kept, notes = {}, []
+    for what, rules in contract.optional_plans(model).items():
+        objects = {}
+        for glob, style in rules.items():
+            rx = _glob_regex(glob)
+            objects.update({n: make_style(canonical_style(style), where=n) for n, _ in model.named_modules()
+                            if n and rx.match(n)})
+        why = _layout_specs(model, objects, tp_size)[1] if tp_size > 1 else []
+        if why:
+            notes.append(f"{what} kept whole on every rank at tp_size={tp_size} (its gradients complete on each): "
+                         f"{why[0]}")
+        else:
+            kept.update(rules)
+    return kept, notes
 
 
 def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
@@ -243,7 +267,9 @@ def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None =
         return check_plan(model, tp_plan, size, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                           ep_size=ep_size)
 
-    split = _split_attention_heads(model, check(1).objects)  # the styles are the same at every size
+    optional = {n for rules in contract.optional_plans(model).values() for glob in rules
+                for n, _ in model.named_modules() if n and _glob_regex(glob).match(n)}  # whole where they don't split
+    split = _split_attention_heads(model, {n: s for n, s in check(1).objects.items() if n not in optional})
     limit = max((counts[0] for counts in split if counts[0]), default=None) \
         or contract.attention_heads(model.config) or 64
     # The head counts rule out most sizes by arithmetic alone: each check of a large model's plan takes ~0.2 s.
