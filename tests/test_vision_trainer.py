@@ -1,0 +1,66 @@
+"""The Trainer on a vision-language model: image-text chat records (a .jsonl beside its images) through the
+checkpoint's processor, at tp 2 on two processes, give the losses of transformers' own model trained on one process
+on the same batches (fp64; transformers computes its loss in fp32); `tptrain train` runs such a checkpoint end to end.
+
+    .venv-vision/bin/python -m pytest tests/test_vision_trainer.py -q
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.helpers import reference_losses
+from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
+
+pytestmark = pytest.mark.vision
+TYPES = ("qwen2_5_vl", "llava")
+TOL = dict(rtol=1e-6, atol=1e-6)  # transformers' loss in fp32, tptrain's in fp64
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    images = write_images(root / "images")
+    write_jsonl(root / "data.jsonl", chat_records([str(p.relative_to(root)) for p in images]) * 2)
+    return {t: vision_checkpoint(root / t, t) for t in TYPES}, root
+
+
+def _args(output_dir):
+    from tptrain.training.args import TrainingArguments
+
+    return TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=3, max_steps=3, seq_len=128,
+                             learning_rate=1e-3, warmup_steps=1, max_grad_norm=1.0, seed=3)
+
+
+def _train(checkpoints: dict, root) -> None:
+    from tptrain import AutoModelForImageTextToText, DistributedConfig, Trainer
+
+    for model_type, path in checkpoints.items():
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64,
+                                                            distributed_config=DistributedConfig(tp_size=2))
+        out = Trainer(model=model, args=_args(root / f"run-{model_type}"), train_dataset=str(root / "data.jsonl"))
+        losses = out.train().losses
+        if torch.distributed.get_rank() == 0:
+            (root / f"{model_type}.json").write_text(json.dumps(losses))
+
+
+@pytest.mark.distributed
+def test_tp2_trainer_equals_transformers_on_one_process(files):
+    import transformers
+    from tptrain.training.vision_data import build_vision_data, collate_vision, vision_encoder
+
+    checkpoints, root = files
+    run_distributed(_train, 2, checkpoints, root, timeout=400)
+    for model_type, path in checkpoints.items():
+        hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64).train()
+        encoder = vision_encoder(path)
+        rows = build_vision_data(str(root / "data.jsonl"), encoder, seq_len=128, config=hf.config)
+        want = reference_losses(hf, rows, _args(root / "unused"), 3,
+                                collate_rows=lambda batch: collate_vision(batch, pad_id=encoder.eos_token_id))
+        got = json.loads((root / f"{model_type}.json").read_text())
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL,
+                                   msg=lambda m: f"{model_type}: {m}")
+        assert (root / f"run-{model_type}" / "final" / "processor_config.json").is_file()
