@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.helpers import reference_losses
+from tests.helpers import reference_losses, tptrain_train
 from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
 
 pytestmark = pytest.mark.vision
@@ -24,7 +24,10 @@ TOL = dict(rtol=1e-6, atol=1e-6)  # transformers' loss in fp32, tptrain's in fp6
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
     images = write_images(root / "images")
-    write_jsonl(root / "data.jsonl", chat_records([str(p.relative_to(root)) for p in images]) * 2)
+    records = chat_records([str(p.relative_to(root)) for p in images])
+    write_jsonl(root / "data.jsonl", records * 2)
+    (root / "images" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    write_jsonl(root / "broken.jsonl", [records[0], {**records[1], "images": ["images/broken.png"]}])
     return {t: vision_checkpoint(root / t, t) for t in TYPES}, root
 
 
@@ -41,6 +44,8 @@ def _train(checkpoints: dict, root) -> None:
     for model_type, path in checkpoints.items():
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64,
                                                             distributed_config=DistributedConfig(tp_size=2))
+        with pytest.raises(ValueError, match=r"broken.jsonl line 2: image .*broken.png does not decode"):
+            Trainer(model=model, args=_args(root / "refused"), train_dataset=str(root / "broken.jsonl"))  # each rank
         out = Trainer(model=model, args=_args(root / f"run-{model_type}"), train_dataset=str(root / "data.jsonl"))
         losses = out.train().losses
         if torch.distributed.get_rank() == 0:
@@ -64,3 +69,20 @@ def test_tp2_trainer_equals_transformers_on_one_process(files):
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL,
                                    msg=lambda m: f"{model_type}: {m}")
         assert (root / f"run-{model_type}" / "final" / "processor_config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tptrain_train_runs_a_vision_language_checkpoint(files, tmp_path):
+    checkpoints, root = files
+    out = tptrain_train("--model", str(checkpoints["qwen2_5_vl"]), "--data", str(root / "data.jsonl"), "--tp-size",
+                        "2", "--seq-len", "128", "--output-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "qwen2_5_vl loaded from" in out.stdout and "10 samples (10 images, " in out.stdout
+    assert "greedy reply to " in out.stdout and "data.jsonl line 1 (1 image(s)): '<image> What is in the picture?'" \
+        in out.stdout
+    assert (tmp_path / "run" / "final" / "processor_config.json").is_file()
+    refused = tptrain_train("--model", str(checkpoints["qwen2_5_vl"]), "--data", str(root / "data.jsonl"),
+                            "--packing", "--output-dir", str(tmp_path / "packed"))
+    assert refused.returncode == 2 and "--packing is not available for image-text rows: qwen2_5_vl computes" in \
+        refused.stderr

@@ -44,7 +44,14 @@ class ProcessorEncoder:
                         assistant_only_loss: bool = True) -> "ProcessorEncoder":
         """The processor saved in `directory` (ValueError naming what is missing) and its chat template, or the
         Jinja file `chat_template`."""
-        processor = load_processor(directory)
+        try:
+            processor = load_processor(directory)
+        except ImportError as exc:  # transformers' message names the missing library (its video processor's)
+            first = next((line for line in str(exc).splitlines() if line.strip()), str(exc)).strip()
+            raise ValueError(f"the processor in {directory} cannot be loaded: {first.split('. ')[0].rstrip('.')}. "
+                             f"Install the vision "
+                             f"extra: pip install \"tptrain[vision]\" (bash scripts/setup.sh --vision builds "
+                             f".venv-vision with a torch and torchvision that import together)") from None
         tokenizer = processor.tokenizer
         variables = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
         if chat_template is not None:
@@ -78,8 +85,22 @@ class ProcessorEncoder:
         labels[0] = IGNORE_INDEX
         row = {"input_ids": ids, "labels": labels}
         for key, value in out.items():
+            if not torch.is_tensor(value):
+                raise ValueError(f"the processor of {self.source} returned {key!r} as a {type(value).__name__}, not a "
+                                 "tensor; tptrain batches the tensors a processor returns")
             row[key] = value[0] if value.dim() == 2 and value.shape[1] == ids.numel() and value.shape[0] == 1 else value
         return row
+
+    def prompt(self, messages: list[dict[str, Any]], images: list[Any]) -> dict[str, torch.Tensor]:
+        """The processor's inputs (batch of one) for `messages` rendered with the generation prompt: what the model
+        continues with the assistant's reply."""
+        text = self.template.text(messages, add_generation_prompt=True)
+        bos = self.processor.tokenizer.bos_token
+        return dict(self.processor(text=[text], images=[images] if images else None, return_tensors="pt",
+                                   add_special_tokens=not (bos is not None and text.startswith(bos))))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.processor.tokenizer.decode(ids)
 
     def multimodal_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """(seq,) bool: the tokens the processor marks as an image's (or video's, audio's)."""

@@ -109,6 +109,12 @@ class AutoModelForImageTextToText:
     """
 
     @staticmethod
+    def config(path_or_id: str | os.PathLike) -> Any:
+        """transformers' config of an image-text-to-text checkpoint (its directory or hub id)."""
+        backend = _vision_backend(load_config_dict(path_or_id).get("model_type"))
+        return backend.TransformersImageTextToText.config_class.from_pretrained(path_or_id)
+
+    @staticmethod
     def from_config(config: Any, **kwargs: Any):
         """Random init (or meta, with device="meta") from transformers' config of an image-text-to-text model."""
         return _vision_backend(getattr(config, "model_type", None)).TransformersImageTextToText.from_config(
