@@ -1,6 +1,7 @@
 """The Trainer on a vision-language model: image-text chat records (a .jsonl beside its images) through the
-checkpoint's processor, at tp 2 on two processes, give the losses of transformers' own model trained on one process
-on the same batches (fp64; transformers computes its loss in fp32); `tptrain train` runs such a checkpoint end to end.
+checkpoint's processor, at tp 2 on two processes, give the losses (3 steps, then the eval loss) of transformers' own
+model trained on one process on the same batches (fp64; transformers computes its loss in fp32); a record whose image
+does not decode is refused on every rank before training; `tptrain train` runs such a checkpoint end to end.
 
     .venv-vision/bin/python -m pytest tests/test_vision_trainer.py -q
 """
@@ -26,6 +27,7 @@ def files(tmp_path_factory):
     images = write_images(root / "images")
     records = chat_records([str(p.relative_to(root)) for p in images])
     write_jsonl(root / "data.jsonl", records * 2)
+    write_jsonl(root / "eval.jsonl", records)
     (root / "images" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n cut short")
     write_jsonl(root / "broken.jsonl", [records[0], {**records[1], "images": ["images/broken.png"]}])
     return {t: vision_checkpoint(root / t, t) for t in TYPES}, root
@@ -46,10 +48,11 @@ def _train(checkpoints: dict, root) -> None:
                                                             distributed_config=DistributedConfig(tp_size=2))
         with pytest.raises(ValueError, match=r"broken.jsonl line 2: image .*broken.png does not decode"):
             Trainer(model=model, args=_args(root / "refused"), train_dataset=str(root / "broken.jsonl"))  # each rank
-        out = Trainer(model=model, args=_args(root / f"run-{model_type}"), train_dataset=str(root / "data.jsonl"))
-        losses = out.train().losses
+        trainer = Trainer(model=model, args=_args(root / f"run-{model_type}"), train_dataset=str(root / "data.jsonl"))
+        losses = trainer.train().losses
+        evaluated = trainer.evaluate(str(root / "eval.jsonl"))["eval_loss"]  # in batches of 3 rows
         if torch.distributed.get_rank() == 0:
-            (root / f"{model_type}.json").write_text(json.dumps(losses))
+            (root / f"{model_type}.json").write_text(json.dumps([losses, evaluated]))
 
 
 @pytest.mark.distributed
@@ -65,9 +68,13 @@ def test_tp2_trainer_equals_transformers_on_one_process(files):
         rows = build_vision_data(str(root / "data.jsonl"), encoder, seq_len=128, config=hf.config)
         want = reference_losses(hf, rows, _args(root / "unused"), 3,
                                 collate_rows=lambda batch: collate_vision(batch, pad_id=encoder.eos_token_id))
-        got = json.loads((root / f"{model_type}.json").read_text())
+        got, evaluated = json.loads((root / f"{model_type}.json").read_text())
         torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), **TOL,
                                    msg=lambda m: f"{model_type}: {m}")
+        with torch.no_grad():  # the trained reference, every eval row in one batch: the mean over their targets
+            held = build_vision_data(str(root / "eval.jsonl"), encoder, seq_len=128, config=hf.config).rows
+            want_eval = hf.eval()(**collate_vision(held, pad_id=encoder.eos_token_id)).loss.item()
+        assert abs(evaluated - want_eval) < 1e-6, (model_type, evaluated, want_eval)
         assert (root / f"run-{model_type}" / "final" / "processor_config.json").is_file()
 
 
