@@ -106,10 +106,12 @@ def _check_model_type(model: str) -> Path:
     of imports."""
     from tptrain.io.hub import resolve_checkpoint
     from tptrain.models.configuration import load_config_dict
-    from tptrain.models.registry import select_backend
+    from tptrain.models.registry import select_backend, vision_language
 
     model_dir = resolve_checkpoint(model, config_only=True)  # a hub id: its weights come in the workers
-    select_backend(load_config_dict(model_dir).get("model_type"))
+    config = load_config_dict(model_dir)
+    if not vision_language(config):  # a vision-language model runs on transformers' code (cli/vision.py)
+        select_backend(config.get("model_type"))
     return model_dir
 
 
@@ -117,17 +119,18 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     """Everything else that needs no process group, in a second or two: the model's config and plan, --seq-len,
     the flags, the data file, the output directory. Raises the first problem found."""
     from tptrain.io import writable_error
-    from tptrain.models import AutoConfig, AutoModelForCausalLM
     from tptrain.training.args import check_seq_len
     from tptrain.training.setup import check_run
     from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
     from tptrain.cli import finetune as finetune_cli
+    from tptrain.cli import vision as vision_cli
 
-    config = AutoConfig.from_pretrained(model_dir)
+    vision = vision_cli.is_vision(model_dir)
+    config = vision_cli.config(model_dir, vision)
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
-    meta = AutoModelForCausalLM.from_config(config, device="meta")  # the rule table, as the workers will check it
+    meta = vision_cli.auto_class(vision).from_config(config, device="meta")  # the rule table, as the workers check it
     check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name="--seq-len")
-    _check_tp_plan(config, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
+    _check_tp_plan(meta, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
                    expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
     check_seq_len(args.seq_len, config, what="--seq-len")
     if args.compile:
@@ -137,7 +140,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given)  # data, eval, LoRA
+    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision)  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
@@ -156,14 +159,12 @@ def _distributed_config(args: argparse.Namespace):
                              pp_size=args.pp_size, pp_schedule=args.pp_schedule)
 
 
-def _check_tp_plan(config, tp_size: int, model: str, *, sequence_parallel: bool = False, expert_parallel: bool = False,
+def _check_tp_plan(meta, tp_size: int, model: str, *, sequence_parallel: bool = False, expert_parallel: bool = False,
                    ep_size: int = 1) -> None:
-    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem, and the
+    """The plan at --tp-size on the meta model (what `tptrain plan` checks): one line, the first problem, and the
     sizes that would work."""
-    from tptrain.models import AutoModelForCausalLM
     from tptrain.parallel.plan import check_plan, working_tp_sizes
 
-    meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
         problems = check_plan(meta, "auto", tp_size, sequence_parallel=sequence_parallel,
                               expert_parallel=expert_parallel, ep_size=ep_size).problems
@@ -266,15 +267,16 @@ class _Inputs:
     dataset: Any
     training_args: Any
     eval_dataset: Any = None
+    vision: bool = False  # a vision-language model: `tokenizer` is its processor's encoder (cli/vision.py)
 
 
 def _train(args: argparse.Namespace) -> None:
     import torch
 
     from tptrain.distributed import init_distributed, raise_on_any_rank
-    from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
     from tptrain.cli import finetune as finetune_cli
+    from tptrain.cli import vision as vision_cli
     from tptrain.cli.messages import announce, summary
     from tptrain.generation import greedy_generate
     from tptrain.training.trainer import Trainer
@@ -290,11 +292,12 @@ def _train(args: argparse.Namespace) -> None:
     raise_on_any_rank(error)
     dtype = resolve_dtype(args.dtype, inputs.config)
     distributed = _distributed_config(args)
+    auto = vision_cli.auto_class(inputs.vision)
     if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)
+        model = auto.from_config(inputs.config, dtype=dtype).parallelize(distributed)
     else:
-        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
+        model = auto.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
     rank = torch.distributed.get_rank()
     if rank == 0:
         announce(args, inputs, model, threads)
@@ -309,24 +312,29 @@ def _train(args: argparse.Namespace) -> None:
                   flush=True)
         return
     finetune_cli.finish(trainer, args)  # --merge: final/merged
-    text = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
-    if args.pp_size == 1:
+    text = asked = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
+    if args.pp_size == 1 and inputs.vision:  # the reply to the data's first prompt, its images included
+        asked, text = vision_cli.sample(trainer.model, inputs.tokenizer, inputs.dataset, args.max_new_tokens)
+    elif args.pp_size == 1:
         text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
-        summary(args, result, time.perf_counter() - start, text)
+        summary(args, result, time.perf_counter() - start, text, asked=asked)
 
 
 def _read_inputs(args: argparse.Namespace) -> _Inputs:
+    from tptrain.cli import vision as vision_cli
     from tptrain.io import resolve_checkpoint
-    from tptrain.models import AutoConfig
     from tptrain.text import load_tokenizer
     from tptrain.training.sft_data import build_training_data
 
     model_dir = resolve_checkpoint(args.model)
-    from_scratch = _config_only(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    from_scratch, vision = _config_only(model_dir), vision_cli.is_vision(model_dir)
     training_args = _training_args(args, from_scratch=from_scratch)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = vision_cli.config(model_dir, vision)
+    if vision:  # image-text records through the checkpoint's processor
+        encoder, dataset, eval_dataset = vision_cli.data(args, model_dir, config)
+        return _Inputs(model_dir, from_scratch, config, encoder, dataset, training_args, eval_dataset, vision=True)
+    tokenizer = load_tokenizer(model_dir)
 
     def build(source):  # a file: tokenized by local rank 0 into the token cache, mapped by every rank
         return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,

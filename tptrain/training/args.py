@@ -125,7 +125,9 @@ class TrainingArguments:
     Fine-tuning data and evaluation (tptrain/training/sft_data.py, evaluation.py):
     num_train_epochs: train this many passes over the data instead of max_steps (None: max_steps).
     packing: pack instruction samples into rows of seq_len tokens (document-masked); False: one sample
-        per row, padded to the longest of its micro-batch. Plain text is always cut into blocks.
+        per row, padded to the longest of its micro-batch. Plain text is always cut into blocks. None (the
+        default): packed, but image-text rows (a vision-language model's), which are one record per row and
+        refuse True (training/vision_data.py says why).
     assistant_only_loss: a "messages" record trains only on its assistant turns; False: on every token.
     truncation: "truncate" (cut samples longer than seq_len; the count is reported once) or "error".
     chat_template: a Jinja file rendering "messages" records instead of the checkpoint's template.
@@ -189,7 +191,7 @@ class TrainingArguments:
     parallelism_config: ParallelismConfig | None = None
     # fine-tuning data and evaluation
     num_train_epochs: float | None = None
-    packing: bool = True
+    packing: bool | None = None
     assistant_only_loss: bool = True
     truncation: str = "truncate"
     chat_template: str | os.PathLike | None = None
@@ -305,7 +307,9 @@ class TrainingArguments:
 
 def check_seq_len(seq_len: int, config: Any, *, what: str) -> None:
     """Refuse sequences longer than the model's `max_position_embeddings`: positions beyond it were never
-    trained (RoPE extrapolates badly), and an unbounded length only shows up as a run that never steps."""
+    trained (RoPE extrapolates badly), and an unbounded length only shows up as a run that never steps. A
+    vision-language model's limit is its text decoder's."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or seq_len <= limit:
         return

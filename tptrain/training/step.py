@@ -25,6 +25,12 @@ from tptrain.training.nonfinite import StepResult, describe, is_finite
 from tptrain.training.optim import clip_grad_norm_
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch's inputs beyond the text's (ids, labels, positions): a vision-language model's attention_mask, pixel
+    values, image_grid_thw, ... under the processor's names (training/vision_data.py); none for text."""
+    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
+
+
 class TrainStep:
     """One optimizer step of `model` (a PeftModel runs forward; its base model's layout is synced and clipped) as
     parallelised by the Trainer's set-up: `pipeline` (pipeline parallelism, or None), `fsdp` (whether FSDP2 wraps it:
@@ -53,7 +59,7 @@ class TrainStep:
                     loss_sum += self.pipeline.step(batch, num_items)
                     continue
                 loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                                  num_items_in_batch=num_items).loss
+                                  num_items_in_batch=num_items, **model_inputs(batch)).loss
             loss.backward()
             loss_sum += loss.detach().to(torch.float64)
         if self.pipeline is not None:

@@ -42,6 +42,7 @@ from tptrain.training.saving import Checkpointer
 from tptrain.training.setup import (apply_training_steps, optimizer_and_schedule, place, report_inputs,
                                     training_data)
 from tptrain.training.step import TrainStep
+from tptrain.training.vision_data import VisionDataset, takes_images, vision_rows
 from tptrain.training.watchdog import HangWatchdog
 
 
@@ -57,11 +58,11 @@ class TrainOutput:
 class Trainer:
     """Trains `model` (already tensor-parallel if tp_size > 1) on `train_dataset`.
 
-    train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
-        strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's);
-        instruction records ("messages", "prompt"/"completion": a .jsonl, a list of dicts, a
-        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments);
-        a `StreamingText` is read while training (training/streaming.py; needs max_steps).
+    train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of strings, a
+        `datasets.Dataset`), tokenized with `tokenizer` (default: the checkpoint's); instruction records ("messages",
+        "prompt"/"completion": a .jsonl, a list of dicts, a `datasets.Dataset`) become an SFTDataset (sft_data.py,
+        options in TrainingArguments); a `StreamingText` is read while training (streaming.py; needs max_steps); a
+        vision-language model's image-text chats go through its checkpoint's processor (vision_data.py).
     eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
         (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
@@ -107,7 +108,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up checks (no collectives)
 
-    def _dataset(self, source: Any) -> PackedDataset | SFTDataset:
+    def _dataset(self, source: Any) -> PackedDataset | SFTDataset | VisionDataset:
+        if takes_images(self.inner):  # through the checkpoint's processor, loaded once
+            self.tokenizer, rows = vision_rows(source, self.tokenizer, self.args, model=self.inner)
+            return rows
         if not isinstance(source, (PackedDataset, SFTDataset)):  # already tokenized: only seq_len is checked
             if self.tokenizer is None:
                 self.tokenizer = load_tokenizer(self._model_dir())
