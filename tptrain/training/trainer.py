@@ -114,24 +114,16 @@ class Trainer:
             return rows
         if not isinstance(source, (PackedDataset, SFTDataset)):  # already tokenized: only seq_len is checked
             if self.tokenizer is None:
-                self.tokenizer = load_tokenizer(self._model_dir())
+                self.tokenizer = load_tokenizer(model_dir(self.inner))
             vocab = self.inner.config.vocab_size
             if self.tokenizer.vocab_size > vocab:
                 raise ValueError(f"the tokenizer produces ids up to {self.tokenizer.vocab_size - 1} but the model's "
                                  f"vocab_size is {vocab}; pass the model's own tokenizer")
         a = self.args
-        return build_training_data(source, self.tokenizer, a.seq_len, model_dir=self._model_dir(),
+        return build_training_data(source, self.tokenizer, a.seq_len, model_dir=model_dir(self.inner),
                                    chat_template=a.chat_template, packing=a.packing,
                                    assistant_only_loss=a.assistant_only_loss, truncation=a.truncation,
                                    cache_dir=a.data_cache_dir, vocab_size=self.inner.config.vocab_size)
-
-    def _model_dir(self) -> Path | None:
-        name = getattr(self.inner, "name_or_path", None)
-        if name is None:
-            return None
-        from tptrain.io import resolve_checkpoint
-
-        return resolve_checkpoint(name)
 
     def _check_sequence_length(self, dims: ParallelDims) -> None:
         check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
@@ -305,4 +297,14 @@ class Trainer:
 
     def _tokenizer_dir(self) -> Path | None:
         path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json
-        return Path(path).parent if path is not None else self._model_dir()
+        return Path(path).parent if path is not None else model_dir(self.inner)
+
+
+def model_dir(model: nn.Module) -> Path | None:
+    """The checkpoint directory `model` was loaded from (its tokenizer and chat template live there), or None."""
+    name = getattr(model, "name_or_path", None)
+    if name is None:
+        return None
+    from tptrain.io import resolve_checkpoint
+
+    return resolve_checkpoint(name)
