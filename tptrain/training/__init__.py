@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ParallelismConfig", "Trainer", "TrainOutput", "TrainingArguments"]
+__all__ = ["DPOConfig", "DPOTrainer", "ParallelismConfig", "Trainer", "TrainOutput", "TrainingArguments"]
 _EXPORTS = {"ParallelismConfig": "tptrain.training.args", "TrainingArguments": "tptrain.training.args",
-            "Trainer": "tptrain.training.trainer", "TrainOutput": "tptrain.training.trainer"}
+            "Trainer": "tptrain.training.trainer", "TrainOutput": "tptrain.training.trainer",
+            "DPOConfig": "tptrain.training.preference", "DPOTrainer": "tptrain.training.preference"}
 
 
 def __getattr__(name: str):

@@ -164,7 +164,8 @@ class Trainer:
             if reporter is not None and (self.global_step % args.logging_steps == 0
                                          or self.global_step == args.max_steps):
                 metrics = {"loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start}
+                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start,
+                           **self.step.metrics}
                 reporter.log(self.global_step, {k: v for k, v in metrics.items() if v is not None})
             if self.eval_dataset is not None and args.eval_steps and self.global_step % args.eval_steps == 0:
                 self._evaluate_and_log(reporter)
