@@ -104,15 +104,18 @@ def _prompt_lengths(table: SampleTable) -> np.ndarray:
 
 
 def collate_pairs(items: list[dict[str, Any]], *, pad_id: int, multiple: int = 1, groups: int = 1,
-                  length: int | None = None) -> dict[str, torch.Tensor]:
+                  length: int | None = None, whole_chosen: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch of pairs: (2 x pairs, seq) input_ids, labels and position_ids, right-padded to the longest
     row (or `length`) rounded up to `multiple`, labels -100 and positions running on there; within each of `groups`
-    equal groups of pairs, every chosen row, then every rejected row. "lengths": (2 x pairs,) each row's real
+    equal groups of pairs, every chosen row, then every rejected row (`whole_chosen`, ORPO's: then every chosen row
+    again, labelled on every real token, prompt included). "lengths": (2 x pairs,) each row's real
     tokens; "pairs": (pairs,) each pair's index in the dataset; "ref_logps": (2 x pairs,) in the rows' order, when the items carry them."""
     if len(items) % groups:
         raise ValueError(f"{len(items)} pairs do not split into {groups} equal groups (pipeline microbatches)")
     size = len(items) // groups
-    order = [item[key] for g in range(groups) for key in ("chosen", "rejected") for item in items[g * size:(g + 1) * size]]
+    keys = ("chosen", "rejected", "whole") if whole_chosen else ("chosen", "rejected")
+    order = [_whole(item["chosen"]) if key == "whole" else item[key]
+             for g in range(groups) for key in keys for item in items[g * size:(g + 1) * size]]
     longest = max(row["input_ids"].numel() for row in order) if length is None else length
     longest = -(-longest // multiple) * multiple
     batch: dict[str, Any] = {"input_ids": [], "labels": [], "position_ids": []}
@@ -128,6 +131,11 @@ def collate_pairs(items: list[dict[str, Any]], *, pad_id: int, multiple: int = 1
         out["ref_logps"] = torch.cat([torch.stack([item["ref_logps"][k] for item in items[g * size:(g + 1) * size]])
                                       for g in range(groups) for k in (0, 1)])
     return out
+
+
+def _whole(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A row labelled on every token (ORPO's NLL reads the prompt too)."""
+    return {"input_ids": row["input_ids"], "labels": row["input_ids"]}
 
 
 def build_preference_data(source: Any, tokenizer: Any, *, model_dir: str | Path | None = None,

@@ -50,6 +50,7 @@ class Pairs:
     rejected_tokens: torch.Tensor
     chosen_targets: torch.Tensor
     rejected_targets: torch.Tensor
+    chosen_nll: torch.Tensor | None = None  # ORPO: the whole chosen sequence's summed NLL, prompt included
 
     def logratios(self) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi(y|x) - log pi_ref(y|x) of the chosen and the rejected completions (the log-probabilities
@@ -66,7 +67,7 @@ class Pairs:
 @dataclass(frozen=True)
 class Totals:
     """What the global batch holds, counted over every micro-batch and data-parallel rank: the pairs, and the chosen
-    completions' predicted tokens (the "sft" term's token mean)."""
+    completions' predicted tokens (the NLL term's token mean; ORPO's: the whole chosen sequences')."""
 
     pairs: int
     chosen_tokens: int
@@ -91,6 +92,11 @@ class ObjectiveConfig:
         return self.loss_weights or (1.0,) * len(self.loss_type)
 
     @property
+    def whole_chosen_nll(self) -> bool:
+        """ORPO: its NLL term is over the whole chosen sequence, prompt included (a third row per pair)."""
+        return "orpo" in self.loss_type
+
+    @property
     def reference_free_objective(self) -> bool:
         """SimPO or ORPO: the objective itself has no reference model."""
         return bool(set(self.loss_type) & set(REFERENCE_FREE_LOSS_TYPES))
@@ -103,7 +109,7 @@ def objective_loss(pairs: Pairs, config: ObjectiveConfig, *, totals: Totals) -> 
     loss = pairs.chosen.new_zeros(())
     for loss_type, weight in zip(config.loss_type, config.weights):
         if loss_type in ("sft", "orpo", "simpo"):
-            nll = -pairs.chosen.sum() / totals.chosen_tokens
+            nll = (pairs.chosen_nll.sum() if loss_type == "orpo" else -pairs.chosen.sum()) / totals.chosen_tokens
             loss = loss + weight * (nll if loss_type != "simpo" else config.cpo_alpha * nll)
             if loss_type == "sft":
                 continue

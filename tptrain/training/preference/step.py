@@ -28,24 +28,31 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
-def pairs_of(logps: torch.Tensor, ref: torch.Tensor | None, *, labels: torch.Tensor | None = None,
-             counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> Pairs:
-    """The pairs of one forward's rows (every chosen row, then every rejected row): their log-probabilities (rows,),
-    the reference's (rows,) or None, and each row's completion and predicted tokens, `counts` or read from the rows'
-    `labels` (batch, seq; whole sequences)."""
-    if counts is None:
-        counts = (labels != IGNORE_INDEX).sum(dim=-1), (shift_labels(labels) != IGNORE_INDEX).sum(dim=-1)
+def row_counts(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's completion tokens and predicted tokens, from its labels (rows, seq; whole sequences)."""
+    return (labels != IGNORE_INDEX).sum(dim=-1), (shift_labels(labels) != IGNORE_INDEX).sum(dim=-1)
+
+
+def pairs_of(logps: torch.Tensor, ref: torch.Tensor | None, counts: tuple[torch.Tensor, torch.Tensor], *,
+             blocks: int = 2) -> Pairs:
+    """The pairs of one forward's rows (every chosen row, then every rejected row; with `blocks` 3, ORPO's, every
+    chosen row again labelled on every token): their log-probabilities (rows,), the reference's (rows,) or None, and
+    each row's completion and predicted tokens (`row_counts`)."""
     tokens, targets = (c.to(logps.dtype) for c in counts)
-    ref = (None, None) if ref is None else ref.to(logps.dtype).chunk(2)
-    return Pairs(*logps.chunk(2), *ref, *tokens.chunk(2), *targets.chunk(2))
+    logps, tokens, targets = logps.chunk(blocks), tokens.chunk(blocks), targets.chunk(blocks)
+    ref = (None, None) if ref is None else ref.to(logps[0].dtype).chunk(blocks)[:2]
+    whole = -logps[2] if blocks == 3 else None
+    return Pairs(*logps[:2], *ref, *tokens[:2], *targets[:2], chosen_nll=whole)
 
 
 def pair_metric_sums(pairs: Pairs, objective: ObjectiveConfig) -> torch.Tensor:
     """(len(METRICS),) the sums over the pairs of what TRL logs per pair (divided by the global pairs later)."""
     chosen, rejected = rewards(pairs, objective)
+    # SimPO's and ORPO's trainers log the mean log-probability per token, DPO's the sum
+    logps = pairs.averages() if objective.reference_free_objective else (pairs.chosen, pairs.rejected)
     return torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).to(chosen.dtype).sum(),
-                        (chosen - rejected).sum(), pairs.chosen.detach().sum(),
-                        pairs.rejected.detach().sum()]).to(torch.float64)
+                        (chosen - rejected).sum(), logps[0].detach().sum(),
+                        logps[1].detach().sum()]).to(torch.float64)
 
 
 class PreferenceStep(TrainStep):
@@ -56,6 +63,7 @@ class PreferenceStep(TrainStep):
                  objective: ObjectiveConfig, reference: Any, aux_coef: float = 0.0) -> None:
         super().__init__(model, args=args, mesh=mesh, device=device, pipeline=pipeline, fsdp=fsdp)
         self.objective, self.reference, self.aux_coef = objective, reference, aux_coef
+        self.blocks = 3 if objective.whole_chosen_nll else 2  # rows per pair (collate_pairs' whole_chosen)
 
     def forward_backward(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         totals, tokens = self.totals(micro)
@@ -78,7 +86,7 @@ class PreferenceStep(TrainStep):
         with self.autocast():
             out = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
                              per_sequence=True)
-        pairs = pairs_of(-out.loss, ref, labels=batch["labels"])
+        pairs = pairs_of(-out.loss, ref, row_counts(batch["labels"]), blocks=self.blocks)
         loss = objective_loss(pairs, self.objective, totals=totals)
         if self.aux_coef and out.aux_loss is not None:
             loss = loss + self.aux_coef * out.aux_loss.to(loss.dtype)
@@ -86,13 +94,18 @@ class PreferenceStep(TrainStep):
         return loss.detach().to(torch.float64), pair_metric_sums(pairs, self.objective)
 
     def totals(self, micro: list[dict[str, torch.Tensor]]) -> tuple[Totals, int]:
-        """The global batch's pairs and chosen predicted tokens, and its real tokens (every row's, for num_tokens),
-        in one all-reduce over dp (the TP and cp ranks of a dp rank hold the same batch)."""
+        """The global batch's pairs and the predicted tokens of its chosen rows (the NLL term's count: ORPO's whole
+        chosen rows, the last block), and its real tokens (the pairs' rows, for num_tokens), in one all-reduce over dp
+        (the TP and cp ranks of a dp rank hold the same batch)."""
         local = torch.zeros(3, dtype=torch.int64, device=self.device)
         for batch in micro:
-            chosen, _ = batch["labels"].chunk(2) if self.pipeline is None else _chosen_rows(batch, self.pipeline)
+            groups = self.pipeline.n_microbatches if self.pipeline is not None else 1
+            blocks = [g.chunk(self.blocks) for g in batch["labels"].chunk(groups)]
+            chosen = torch.cat([b[-1] if self.blocks == 3 else b[0] for b in blocks])
+            lengths = batch["lengths"].chunk(groups * self.blocks)
+            real = sum(part.sum() for k, part in enumerate(lengths) if k % self.blocks < 2)
             local += torch.stack([batch["pairs"].new_tensor(batch["pairs"].numel()),
-                                  (shift_labels(chosen) != IGNORE_INDEX).sum(), batch["lengths"].sum()]).to(local)
+                                  (shift_labels(chosen) != IGNORE_INDEX).sum(), real]).to(local)
         comm.all_reduce(local, dp_mesh(self.mesh).get_group(), phase="token_count")
         pairs, chosen_tokens, tokens = (int(v) for v in local.tolist())
         return Totals(pairs=pairs, chosen_tokens=chosen_tokens), tokens
@@ -112,8 +125,7 @@ class PreferenceStep(TrainStep):
         Under cp each rank's loss is its 1/cp share of the objective of the sums over cp (summed over cp in forward
         and backward), so the pipeline's step sums the shares to the loss, as it sums a token loss's."""
         ref = self.reference.log_probs(batch)
-        labels = batch["labels"]
-        counts = [(labels != IGNORE_INDEX).sum(dim=-1), (shift_labels(labels) != IGNORE_INDEX).sum(dim=-1)]
+        counts = row_counts(batch["labels"])
         rows = torch.stack([torch.zeros_like(counts[0]) if ref is None else ref, *counts], dim=-1).to(torch.float64)
         sums: list[torch.Tensor] = []
         cp = state_of(self.inner).cp
@@ -121,7 +133,8 @@ class PreferenceStep(TrainStep):
         def microbatch_loss(token_losses: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
             logps = -token_losses if cp is None else comm.sum_over_tp(-token_losses, cp.group_name)
             values = values.to(logps.dtype)
-            pairs = pairs_of(logps, None if ref is None else values[:, 0], counts=(values[:, 1], values[:, 2]))
+            pairs = pairs_of(logps, None if ref is None else values[:, 0], (values[:, 1], values[:, 2]),
+                             blocks=self.blocks)
             sums.append(pair_metric_sums(pairs, self.objective))
             return objective_loss(pairs, self.objective, totals=totals) / (1 if cp is None else cp.size)
 
@@ -132,10 +145,3 @@ class PreferenceStep(TrainStep):
         finally:
             self.pipeline.loss.objective = None
         return loss, sum(sums, torch.zeros(len(METRICS), dtype=torch.float64, device=self.device))
-
-
-def _chosen_rows(batch: dict[str, torch.Tensor], pipeline: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chosen and the rejected rows' labels of a batch grouped for the pipeline's microbatches."""
-    groups = batch["labels"].chunk(pipeline.n_microbatches)
-    chosen, rejected = zip(*(g.chunk(2) for g in groups))
-    return torch.cat(chosen), torch.cat(rejected)

@@ -70,7 +70,8 @@ class DPOTrainer(Trainer):
         to max_length: the stages exchange one shape)."""
         groups = self.pipeline.schedule._n_microbatches if self.pipeline is not None else 1
         length = self.args.seq_len if self.pipeline is not None else None
-        batch = collate_pairs(rows, groups=groups, length=length, **self._padding())
+        batch = collate_pairs(rows, groups=groups, length=length, whole_chosen=self.args.objective().whole_chosen_nll,
+                              **self._padding())
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _report_truncation(self) -> None:
