@@ -85,3 +85,37 @@ def _trl_classes(trainer: str):
         return ORPOConfig, ORPOTrainer
     from trl import DPOConfig, DPOTrainer
     return DPOConfig, DPOTrainer
+
+
+def full_tensors(model, which: str) -> dict[str, torch.Tensor]:
+    """{name: the parameter's full tensor ("params") or its gradient's ("grads")} of every trained parameter this
+    rank's stage holds, gathered over FSDP2's shards and then TP's (collective over both)."""
+    from torch.distributed.tensor import DTensor
+
+    from tptrain.distributed.state import state_of
+    from tptrain.parallel.tensor_parallel import gather_full
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layout = state_of(inner).tp
+    out = {}
+    for name, p in inner.named_parameters():
+        if not p.requires_grad:
+            continue
+        t = (p if which == "params" else p.grad).detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+        out[name] = (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu().clone()
+    return out
+
+
+def record_gradients(trainer) -> list[dict[str, torch.Tensor]]:
+    """Each step's full gradients, gathered just before the optimizer steps (after every sum over the axes)."""
+    steps: list[dict[str, torch.Tensor]] = []
+    step = trainer.optimizer.step
+
+    def recorded(*args, **kwargs):
+        steps.append(full_tensors(trainer.model, "grads"))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recorded
+    return steps

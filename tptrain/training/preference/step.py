@@ -144,4 +144,6 @@ class PreferenceStep(TrainStep):
                 loss = self.pipeline.step(batch, 0, rows=rows)
         finally:
             self.pipeline.loss.objective = None
-        return loss, sum(sums, torch.zeros(len(METRICS), dtype=torch.float64, device=self.device))
+        # torch's first training step also runs the loss once for its backward's metadata: the last microbatches count
+        kept = sums[-self.pipeline.n_microbatches:] if sums else []
+        return loss, sum(kept, torch.zeros(len(METRICS), dtype=torch.float64, device=self.device))
