@@ -69,9 +69,10 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 data_cache_dir=args.data_cache)
 
 
-def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool) -> None:
+def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool, data: bool = True) -> None:
     """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
-    (records parsed, chat template present when a record is a chat), LoRA's values. Raises the first problem found."""
+    (records parsed, chat template present when a record is a chat; not with `data` False: `tptrain dpo` checks its
+    own), LoRA's values. Raises the first problem found."""
     from tptrain.text import load_chat_template, load_tokenizer
     from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
@@ -79,7 +80,7 @@ def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: boo
     _check_data_options(args)
     load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if path is None or (flag == "--data" and args.streaming):
+        if path is None or (flag == "--data" and args.streaming) or not data:
             continue
         if not Path(path).expanduser().is_file():
             read_documents(path)  # raises, naming the path
