@@ -133,10 +133,11 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     config = AutoConfig.from_pretrained(model_dir)
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     meta = AutoModelForCausalLM.from_config(config, device="meta")  # the rule table, as the workers will check it
-    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name="--seq-len")
+    length_flag = "--max-length" if _dpo(args) else "--seq-len"
+    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name=length_flag)
     _check_tp_plan(config, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
                    expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
-    check_seq_len(args.seq_len, config, what="--seq-len")
+    check_seq_len(args.seq_len, config, what=length_flag)
     if args.compile:
         from tptrain.distributed import local_device
         from tptrain.training.mesh import compile_error
