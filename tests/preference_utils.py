@@ -21,8 +21,13 @@ OPTIM = dict(learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0, w
              seed=3)
 
 
-def checkpoint(directory: Path, **config) -> Path:
-    """A tiny Qwen3 written by transformers (fp64, every weight random) with the ChatML tokenizer and template."""
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True,
+           router_aux_loss_coef=0.05, norm_topk_prob=True)
+
+
+def checkpoint(directory: Path, *, moe: bool = False, **config) -> Path:
+    """A tiny Qwen3 (`moe`: Qwen3-MoE, its router aux loss on) written by transformers (fp64, every weight random)
+    with the ChatML tokenizer and template."""
     import transformers
 
     chat_checkpoint(directory, CHATML_GENERATION)
@@ -30,8 +35,10 @@ def checkpoint(directory: Path, **config) -> Path:
     tok_config["bos_token"] = None  # no bos: TRL's CPO / ORPO tokenization would prepend one, DPO's does not
     (directory / "tokenizer_config.json").write_text(json.dumps(tok_config))
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3Config(**{**TINY, **config}, eos_token_id=4097, pad_token_id=4097, bos_token_id=None)
-    model = transformers.Qwen3ForCausalLM(hf_config).to(F64)
+    kind = "Qwen3Moe" if moe else "Qwen3"
+    hf_config = getattr(transformers, f"{kind}Config")(**{**TINY, **(MOE if moe else {}), **config}, eos_token_id=4097,
+                                                       pad_token_id=4097, bos_token_id=None)
+    model = getattr(transformers, f"{kind}ForCausalLM")(hf_config).to(F64)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

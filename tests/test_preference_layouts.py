@@ -1,6 +1,7 @@
 """DPO at every layout equals one process (fp64): tp 2, tp 2 x dp 2 (FSDP2, with sequence parallelism), cp 2, pp 2
-(whole pairs per microbatch), LoRA at tp 2 (the reference: the adapters off) and precompute_ref_log_probs at tp 2
-(no reference held: the same run as one process's frozen copy). Each step's loss, TRL's reward metrics, every
+(whole pairs per microbatch), LoRA at tp 2 (the reference: the adapters off), precompute_ref_log_probs at tp 2
+(no reference held: the same run as one process's frozen copy) and a mixture-of-experts model with expert
+parallelism (its router aux loss in the objective). Each step's loss, TRL's reward metrics, every
 gradient (gathered before each of the 3 AdamW steps) and every parameter after them."""
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ RUNS = {
     "cp2": (dict(cp_size=2), dict(), 4, dict(), False),
     "pp2": (dict(pp_size=2), dict(pp_microbatches=2), 4, dict(), False),
     "tp2_dp2_sp": (dict(tp_size=2, enable_sequence_parallel=True), dict(dp_shard_size=2), 2, dict(), False),
+    # Qwen3-MoE, its router aux loss on: the experts split by expert over the two ranks (ep = tp)
+    "moe_one": (dict(), dict(), 4, dict(), False),
+    "moe_ep2": (dict(tp_size=2, enable_expert_parallel=True), dict(), 4, dict(), False),
 }
 
 
@@ -41,7 +45,8 @@ def _run(tmp: str, name: str) -> None:
 
     layout, parallel, batch, options, lora = RUNS[name]
     config = DistributedConfig(**layout) if layout else None
-    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/ckpt", dtype=torch.float64, distributed_config=config)
+    path = f"{tmp}/moe" if name.startswith("moe") else f"{tmp}/ckpt"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=config)
     if lora:
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(**LORA))
@@ -97,13 +102,15 @@ def _assert_equal(tmp_path, name: str, ref: str) -> None:
 
 def test_every_layout_equals_one_process(tmp_path):
     checkpoint(tmp_path / "ckpt")
-    run_distributed(_worker, 1, str(tmp_path), ["one", "one_lora"])
-    run_distributed(_worker, 2, str(tmp_path), ["tp2", "tp2_precompute", "tp2_lora", "cp2", "pp2"])
+    checkpoint(tmp_path / "moe", moe=True)
+    run_distributed(_worker, 1, str(tmp_path), ["one", "one_lora", "moe_one"])
+    run_distributed(_worker, 2, str(tmp_path), ["tp2", "tp2_precompute", "tp2_lora", "cp2", "pp2", "moe_ep2"])
     run_distributed(_worker, 4, str(tmp_path), ["tp2_dp2_sp"])
     for name in ("tp2", "tp2_precompute", "cp2", "pp2", "tp2_dp2_sp"):
         _assert_equal(tmp_path, name, "one")
     _assert_equal(tmp_path, "tp2_lora", "one_lora")
+    _assert_equal(tmp_path, "moe_ep2", "moe_one")
     # the policies moved away from their references (the rewards are 0 at the first step only)
-    for name in ("one", "one_lora"):
+    for name in ("one", "one_lora", "moe_one"):
         first, last = _metrics(tmp_path, name)[0], _metrics(tmp_path, name)[-1]
         assert first["rewards/chosen"] == 0.0 and abs(last["rewards/chosen"]) > 1e-3, (name, first, last)
