@@ -156,3 +156,23 @@ def test_tptrain_dpo_refuses_bad_data_before_any_worker(ckpt, tmp_path):
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert f"{bad} line 2: the record has no \"rejected\" field" in proc.stderr
+
+
+def test_the_planner_counts_the_reference():
+    from tptrain.diagnostics.device_profiles import device_profile
+    from tptrain.diagnostics.model_shapes import ModelShapes
+    from tptrain.diagnostics.train_plan import estimate
+    from tptrain.diagnostics.train_settings import TrainSettings
+    from tptrain.layout import ParallelDims
+    from tptrain.models import AutoConfig
+
+    shapes = ModelShapes.of(AutoConfig.for_model("qwen3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=64), dtype=torch.float32)
+    layout, profile = ParallelDims(tp=2, dp_shard=2), device_profile("h100")
+    plans = {ref: estimate(shapes, layout, TrainSettings(batch_size=8, seq_len=256, reference=ref), profile)
+             for ref in (None, "copy", "adapters", "precomputed")}
+    params = {ref: plan.worst.terms["parameters"] for ref, plan in plans.items()}
+    assert params["copy"] == 2 * params[None] and params["adapters"] == params["precomputed"] == params[None]
+    compute = {ref: plan.time.parts["compute"] for ref, plan in plans.items()}
+    assert compute["copy"] == compute["adapters"] > compute["precomputed"] == compute[None]
