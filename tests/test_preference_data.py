@@ -176,3 +176,22 @@ def test_the_planner_counts_the_reference():
     assert params["copy"] == 2 * params[None] and params["adapters"] == params["precomputed"] == params[None]
     compute = {ref: plan.time.parts["compute"] for ref, plan in plans.items()}
     assert compute["copy"] == compute["adapters"] > compute["precomputed"] == compute[None]
+
+
+def test_tptrain_dpo_run_files(tmp_path):
+    run_file = tmp_path / "dpo.yaml"
+    run_file.write_text("beta: 0.3\nloss-type: [sigmoid, sft]\nloss-weights: [1.0, 0.5]\nmax-length: 96\n")
+    proc = subprocess.run([sys.executable, "-m", "tptrain", "dpo", "--config", str(run_file), "--beta", "0.2",
+                           "--print-config"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    printed = yaml.safe_load(proc.stdout)
+    assert proc.stdout.startswith("# tptrain dpo's resolved configuration") and "# preference" in proc.stdout
+    assert (printed["beta"], printed["loss-type"], printed["loss-weights"], printed["max-length"]) == \
+        (0.2, ["sigmoid", "sft"], [1.0, 0.5], 96)  # the flag over the file
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("betta: 0.3\n")
+    proc = subprocess.run([sys.executable, "-m", "tptrain", "dpo", "--config", str(bad)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown key 'betta'; did you mean 'beta'?" in proc.stderr

@@ -26,7 +26,7 @@ FIELDS = ("beta", "loss_type", "loss_weights", "label_smoothing", "rpo_alpha", "
 def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
     """`tptrain train`'s flags, then the preference objective's (TRL's DPOConfig names, as flags)."""
     from tptrain.cli.train_arguments import add_train_arguments
-    from tptrain.training.preference.objectives import F_DIVERGENCES, LOSS_TYPES
+    from tptrain.training.preference.names import F_DIVERGENCES, LOSS_TYPES, TRUNCATION_MODES
 
     add_train_arguments(parser)
     g = parser.add_argument_group("preference")
@@ -48,7 +48,7 @@ def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-length", type=int, default=1024, help="tokens per sequence, prompt + completion (default "
                                                                 "1024; the run's --seq-len)")
     g.add_argument("--max-prompt-length", type=int, default=None, help="cut a prompt to its last N tokens first")
-    g.add_argument("--truncation-mode", default="keep_start", choices=("keep_start", "keep_end"),
+    g.add_argument("--truncation-mode", default="keep_start", choices=TRUNCATION_MODES,
                    help="which end of a sequence longer than --max-length is kept (default keep_start)")
     g.add_argument("--precompute-ref-log-probs", action="store_true",
                    help="compute the reference's log-probabilities of every pair once before training (stored beside "

@@ -18,6 +18,7 @@ expected) before anything else, and saves the resolved configuration as `<output
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import os
 import sys
@@ -169,6 +170,13 @@ def _value(action: argparse.Action, name: str, value: Any, path: str | os.PathLi
         if not isinstance(value, bool):
             raise wrong("true or false")
         return value
+    if action.nargs == "+":  # a list (--loss-type sigmoid sft): a list of the option's values, or one value
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise wrong("a non-empty list")
+        one = copy.copy(action)
+        one.nargs = None
+        return [_value(one, name, item, path) for item in items]
     if action.nargs == "?":  # --resume [CHECKPOINT]: true (the latest), false / null (none) or a path
         if value is True:
             return action.const

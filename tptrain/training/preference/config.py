@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tptrain.training.args import TrainingArguments
-from tptrain.training.preference.data import TRUNCATION_MODES
-from tptrain.training.preference.objectives import (BATCH_SORTED_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES,
-                                                    LOSS_TYPES, REFERENCE_FREE_LOSS_TYPES, ObjectiveConfig)
+from tptrain.training.preference.names import (BATCH_SORTED_LOSS_TYPES, F_DIVERGENCE_LOSS_TYPES, F_DIVERGENCES,
+                                               LOSS_TYPES, REFERENCE_FREE_LOSS_TYPES, TRUNCATION_MODES)
+from tptrain.training.preference.objectives import ObjectiveConfig
 
 
 @dataclass

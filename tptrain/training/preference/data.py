@@ -25,11 +25,11 @@ from torch.utils.data import Dataset
 
 from tptrain.losses import IGNORE_INDEX
 from tptrain.text import load_chat_template
+from tptrain.training.preference.names import TRUNCATION_MODES
 from tptrain.training.preference.records import PreferenceEncoder, check_records, preference_source
 from tptrain.training.sft_data import SampleTable
 from tptrain.training.token_cache import open_or_build
 
-TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 class PreferenceDataset(Dataset):
