@@ -74,6 +74,10 @@ class DPOTrainer(Trainer):
                               **self._padding())
         return {k: v.to(self.device) for k, v in batch.items()}
 
+    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
+        raise ValueError("DPOTrainer evaluates no held-out preference set yet (the Trainer's evaluate is a token loss "
+                         "over text, not the objective); evaluate the saved model (final/) on its own")
+
     def _report_truncation(self) -> None:
         data = self.dataset
         if data.num_truncated and self.is_rank0:
