@@ -195,3 +195,26 @@ def test_tptrain_dpo_run_files(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tptrain", "dpo", "--config", str(bad)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "unknown key 'betta'; did you mean 'beta'?" in proc.stderr
+
+
+def test_per_sequence_losses_of_both_backends_and_both_heads(ckpt):
+    """Each row's summed token loss: the chunked head (training mode) equals the whole logits' (return_logits), on
+    tptrain's model and on transformers' under tptrain's engine, values and gradients."""
+    from tptrain import DistributedConfig
+    from tptrain.models import AutoModelForCausalLM
+
+    ids = torch.randint(0, 4000, (3, 10), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(10) < 3, IGNORE_INDEX)
+    weights = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    results = []
+    for backend, whole in (("native", False), ("native", True), ("transformers", False)):
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float64,
+                                                     distributed_config=DistributedConfig(backend=backend)).train()
+        out = model(ids, labels=labels, per_sequence=True, **({"return_logits": True} if whole else {})).loss
+        (out * weights).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    # transformers' Qwen3 normalises and rotates in fp32 even in an fp64 model: ~1e-7 apart
+    for (out, grads), tol in zip(results[1:], (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-5, atol=1e-6))):
+        torch.testing.assert_close(out, results[0][0], **tol)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(grads[name], grad, **tol)
