@@ -87,10 +87,10 @@ class DPOConfig(TrainingArguments):
                 raise ValueError(f"DPOConfig.loss_type {name!r} is not one of {', '.join(LOSS_TYPES)}")
         if not types:
             raise ValueError("DPOConfig.loss_type is empty; give at least one loss type (default 'sigmoid')")
-        weights = self.loss_weights
-        if weights is not None and len(weights) != len(self.loss_type if not isinstance(self.loss_type, str) else [1]):
-            raise ValueError(f"DPOConfig.loss_weights has {len(weights)} weights for the {len(types)} loss types "
-                             f"{list(types)}; give one weight per loss type")
+        given = types[:-1] if self.rpo_alpha is not None else types  # rpo_alpha brings its own weight
+        if self.loss_weights is not None and len(self.loss_weights) != len(given):
+            raise ValueError(f"DPOConfig.loss_weights has {len(self.loss_weights)} weights for the {len(given)} loss "
+                             f"types {list(given)}; give one weight per loss type")
         if set(types) & set(REFERENCE_FREE_LOSS_TYPES) and len(types) > 1:
             raise ValueError(f"DPOConfig.loss_type {list(types)}: 'simpo' and 'orpo' are objectives of their own "
                              "(trl.experimental's CPOTrainer and ORPOTrainer), each with its NLL term; give one alone")

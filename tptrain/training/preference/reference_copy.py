@@ -101,7 +101,8 @@ def _shares(trainer: Any) -> list[list[int]]:
         args.precompute_ref_batch_size or args.per_device_train_batch_size)
     dp, rank = trainer.dims.dp, dp_mesh(trainer.mesh).get_local_rank()
     mine = list(range(rank, len(data), dp))
-    count = -(-(-(-len(data) // dp)) // size)  # batches per rank: the largest share's
+    largest = -(-len(data) // dp)  # the largest share's pairs, and its batches
+    count = -(-largest // size)
     padded = mine + [mine[-1] if mine else 0] * (count * size - len(mine))
     return [padded[k:k + size] for k in range(0, count * size, size)]
 

@@ -92,8 +92,8 @@ class DPOTrainer(Trainer):
         if not args.needs_reference:
             return NoReference()
         adapters = _is_peft(model) and self.ref_model is None
-        if args.precompute_ref_log_probs:
-            ref = self.ref_model if self.ref_model is not None else model
+        if args.precompute_ref_log_probs:  # a given reference laid out on the run's mesh first, or the policy itself
+            ref = frozen_copy(self, self.ref_model) if self.ref_model is not None else model
             source = self._reference_of(ref, adapters=adapters, pipeline=self.pipeline if ref is model else None)
             precompute(self, source)
             self.ref_model = None  # TRL frees a given reference once its log-probabilities are computed
