@@ -55,6 +55,9 @@ def summary(args: argparse.Namespace, result, seconds: float, text: str | None) 
     losses = [loss for _, loss in logged_losses(read_metrics(out / "metrics.jsonl"))]
     if losses:
         print(f"trained to step {result.global_step}: {loss_headline(losses)}; last step {losses[-1]:.3f}")
+    if result.skipped_steps:  # --on-nonfinite skip
+        steps = ", ".join(map(str, result.skipped_steps[:10])) + (", ..." if len(result.skipped_steps) > 10 else "")
+        print(f"{len(result.skipped_steps)} step(s) skipped, their loss or gradient norm not finite: {steps}")
     print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
           f"metrics: {out / 'metrics.jsonl'}")
     if text is not None:

@@ -93,10 +93,12 @@ def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     spelling = Spelling(cli=True, described=flags, processes=processes)
     check("positive", asked=Asked(**sizes), spelling=spelling)  # before --nproc-per-node, which they make
     for flag, value in (("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
-                        ("--preemption-grace", args.preemption_grace)):
+                        ("--preemption-grace", args.preemption_grace), ("--max-nonfinite-skips", args.max_nonfinite_skips)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
+    if args.hang_timeout is not None and not args.hang_timeout >= 0:
+        raise ValueError(f"--hang-timeout must be a number of seconds (0: off), got {args.hang_timeout}")
     if args.max_restarts < 0 or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--max-restarts must be >= 0 (got {args.max_restarts}) and --node-rank in "
                          f"[0, --nnodes {args.nnodes}) (got {args.node_rank})")
@@ -216,7 +218,14 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         seed=args.seed, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
         torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
-        preemption_grace=args.preemption_grace, parallelism_config=_parallelism_config(args), **training_kwargs(args))
+        preemption_grace=args.preemption_grace, on_nonfinite=args.on_nonfinite,
+        max_nonfinite_skips=args.max_nonfinite_skips, hang_timeout=_hang_timeout(args.hang_timeout),
+        parallelism_config=_parallelism_config(args), **training_kwargs(args))
+
+
+def _hang_timeout(seconds: float | None) -> float | str | None:
+    """--hang-timeout as TrainingArguments.hang_timeout: unset "auto", 0 None (off)."""
+    return "auto" if seconds is None else seconds or None
 
 
 def _parallelism_config(args: argparse.Namespace):
@@ -255,7 +264,7 @@ def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
             _train(args)
         return 0
     except Exception as exc:  # noqa: BLE001 - reported below, once per distinct message
-        user_error = isinstance(exc, (ValueError, TypeError, OSError))
+        user_error = isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError))  # not finite: a message
         message = f"{type(exc).__name__}: {exc}" if user_error else traceback.format_exc()
         if error_dir is None:  # under torchrun (or one process): every rank says it, prefixed
             print(f"tptrain train: error (rank {rank}): {message}", file=sys.stderr)
