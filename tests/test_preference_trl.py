@@ -4,8 +4,9 @@ ORPO as trl.experimental's CPOTrainer and ORPOTrainer; reference_free as CPO's r
 (written by transformers), data, batch (every pair each step, so no data order enters) and AdamW.
 
 TRL's fused head computes its log-softmax statistics in fp32 even for an fp64 model and logs float32 values, so the
-losses, gradient norms and TRL's metrics agree to ~1e-7 relative, and the parameters after 3 AdamW steps (which
-normalise each gradient entry, amplifying rounding in the smallest ones) to ~1e-5; a wrong term or scale is O(1)."""
+losses, gradient norms and TRL's metrics agree to ~1e-7 relative at the first step (~1e-5 after), and the parameters
+after 3 AdamW steps (which normalise each gradient entry, amplifying rounding in the smallest ones) to 1e-5 on average,
+1e-3 at most; a wrong term or scale is O(1)."""
 from __future__ import annotations
 
 import json
@@ -18,8 +19,14 @@ from tests.preference_utils import OPTIM, chat_records, checkpoint, plain_record
 
 pytestmark = pytest.mark.distributed
 
-LOGGED = dict(rtol=2e-6, atol=2e-6)  # TRL logs float32 values
-PARAMS = dict(rtol=0.0, atol=3e-4)  # lr 1e-2: a wrong update is O(1e-2)
+LOGGED = dict(rtol=2e-6, atol=2e-6)  # TRL logs float32 values: step 1, from the same weights
+# later steps start from weights 3 AdamW-normalised float32 roundings apart, which a steep loss (sppo_hard's squares,
+# forward_kl's exp) carries to ~1e-5 relative
+LATER = dict(rtol=1e-4, atol=1e-5)
+# lr 1e-2: a wrong update is O(1e-2) in most entries; AdamW normalises each entry's gradient, so an entry whose
+# gradient is near 0 turns TRL's float32 rounding into up to ~5e-4 (a few entries of a steep loss: forward_kl's)
+PARAMS = dict(rtol=0.0, atol=1e-3)
+PARAMS_MEAN = 1e-5  # the mean |difference| of every tensor
 EVERY_DPO_TYPE = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
                   "apo_down", "discopop", "sft", "sigmoid_norm"]
 WEIGHTS = [1.0, 0.3, 0.7, 0.5, 0.2, 0.9, 0.4, 0.05, 0.6, 0.8, 0.35, 0.15, 0.45]
@@ -78,11 +85,12 @@ def _compare(tmp_path, cases: dict) -> None:
         for got, want in zip(lines, expected["logs"]):
             for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                         "rewards/margins", "logps/chosen", "logps/rejected"):
-                torch.testing.assert_close(got[key], want[key], **LOGGED,
+                torch.testing.assert_close(got[key], want[key], **(LOGGED if got["step"] == 1 else LATER),
                                            msg=lambda m: f"{name} step {got['step']} {key}: {m}")
         params = torch.load(tmp_path / f"{name}.pt")
         for key, want in expected["params"].items():
             torch.testing.assert_close(params[key], want, **PARAMS, msg=lambda m: f"{name} {key} after 3 steps: {m}")
+            assert (params[key] - want).abs().mean() < PARAMS_MEAN, (name, key)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -189,7 +189,7 @@ def _reference(args: argparse.Namespace) -> str | None:
     """The reference a `tptrain dpo` run holds (None: `tptrain train`)."""
     if getattr(args, "workflow", "train") != "dpo":
         return None
-    reference_free = args.reference_free or set(args.loss_type) <= {"sft", "simpo", "orpo"}
+    reference_free = args.reference_free or set(args.loss_type) <= {"simpo", "orpo"}
     if args.precompute_ref_log_probs or reference_free:
         return "precomputed"
     return "adapters" if args.lora_r else "copy"

@@ -124,9 +124,9 @@ class DPOConfig(TrainingArguments):
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the objective reads reference log-probabilities (not reference-free, not SimPO / ORPO, not the
-        NLL term alone)."""
-        return not self.reference_free and not set(self.loss_types) <= {"sft", *REFERENCE_FREE_LOSS_TYPES}
+        """Whether the run reads reference log-probabilities: not reference-free, not SimPO / ORPO (the NLL term alone
+        reads none for its loss, but TRL's rewards/* are still log-ratios to the reference)."""
+        return not self.reference_free and not set(self.loss_types) <= set(REFERENCE_FREE_LOSS_TYPES)
 
     def objective(self) -> ObjectiveConfig:
         weights = None if self.loss_weights is None else tuple(self.loss_weights)

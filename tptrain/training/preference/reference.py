@@ -55,7 +55,7 @@ class PrecomputedReference:
 
 
 class NoReference:
-    """Reference-free objectives (SimPO, ORPO, reference_free, the NLL term alone)."""
+    """Reference-free objectives (SimPO, ORPO, reference_free)."""
 
     def log_probs(self, batch: dict[str, torch.Tensor]) -> None:
         return None
