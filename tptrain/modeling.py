@@ -149,6 +149,7 @@ class PreTrainedModel(nn.Module):
                                   pp_layers=distributed_config.pp_layers,
                                   load=(lambda model: model._load(reader, device, dtype)) if reader is not None else None)
         parallelize(self, mesh, options, device=device)
+        self.parallel.config = distributed_config
         return self
 
     def _check_plan(self, distributed_config: DistributedConfig) -> Any:

@@ -33,11 +33,11 @@ from tptrain.cli.plan_train import add_train_plan_arguments, check_train_argumen
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     train = None
-    if argv[:1] == ["train"]:
+    if argv[:1] in (["train"], ["dpo"]):
         try:
             from tptrain.cli import train
         except ImportError as exc:
-            return _fail("train", f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
+            return _fail(argv[0], f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
     args = _parser(train).parse_args(argv)
     if train is not None:  # the flags given override a run file's values (--config): it reads them from argv
         return train.run_train(args, argv[1:])
@@ -51,7 +51,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,prepare-data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
                                       "each module's style, each parameter's global and per-rank shape, parameter "
@@ -84,8 +84,13 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.set_defaults(handler=_run_plan, plan_parser=plan)
     _add_prepare_data(sub)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
+    dpo_parser = sub.add_parser("dpo", help="preference tuning: DPO, its loss types, SimPO, ORPO on preference pairs "
+                                            "(tptrain dpo --help)")
     if train is not None:
+        from tptrain.cli.dpo import add_dpo_arguments
+
         train.add_train_arguments(train_parser)
+        add_dpo_arguments(dpo_parser)
     return parser
 
 

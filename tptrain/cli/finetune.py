@@ -70,17 +70,18 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 data_cache_dir=args.data_cache)
 
 
-def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool, vision: bool = False) -> None:
+def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool, vision: bool = False,
+              data: bool = True) -> None:
     """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
-    (records parsed, chat template present when a record is a chat; a vision-language model's: cli/vision.py),
-    LoRA's values. Raises the first problem found."""
+    (records parsed, chat template present when a record is a chat; a vision-language model's: cli/vision.py; not
+    with `data` False: `tptrain dpo` checks its own), LoRA's values. Raises the first problem found."""
     from tptrain.cli import vision as vision_cli
 
     _check_data_options(args)
     if vision:
         vision_cli.preflight(args, model_dir)
     else:
-        _check_text_data(args, model_dir)
+        _check_text_data(args, model_dir, files=data)
     if args.num_epochs is not None and max_steps_given:
         raise ValueError("pass --max-steps or --num-epochs, not both")
     if args.lora_r < 0:
@@ -93,14 +94,14 @@ def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: boo
         lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
 
 
-def _check_text_data(args: argparse.Namespace, model_dir: Path) -> None:
+def _check_text_data(args: argparse.Namespace, model_dir: Path, *, files: bool) -> None:
     from tptrain.text import load_chat_template, load_tokenizer
     from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
 
     load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if path is None or (flag == "--data" and args.streaming):
+        if path is None or (flag == "--data" and args.streaming) or not files:
             continue
         if not Path(path).expanduser().is_file():
             read_documents(path)  # raises, naming the path

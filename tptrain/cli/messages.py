@@ -36,6 +36,8 @@ def announce(args: argparse.Namespace, inputs, model, threads: int) -> None:
 
 
 def _describe_data(dataset, args: argparse.Namespace) -> str:
+    if hasattr(dataset, "num_pairs"):  # preference pairs (training/preference/data.py)
+        return f"{dataset.num_pairs:,} preference pairs from {args.data}, up to {args.max_length} tokens each"
     if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
         rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
         images = f"{dataset.num_images:,} images, " if hasattr(dataset, "num_images") else ""

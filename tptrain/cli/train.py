@@ -16,6 +16,7 @@ a checkpoint and exits 0 within --preemption-grace seconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from tptrain.cli import dpo as dpo_cli
 from tptrain.cli.plan_train import resolve_train_layout
 from tptrain.cli.run_file import apply_run_file, dump, resolved_config, save_run_config
 from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, add_train_arguments, fill_defaults
@@ -37,6 +39,8 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     `argv`: the command line after `train`, whose flags override a run file's values (--config)."""
     try:
         args = apply_run_file(args, argv)
+        if _dpo(args):  # `tptrain dpo` (cli/dpo.py): --max-length is the sequence length
+            dpo_cli.fill_defaults(args)
         fill_defaults(args)
         if args.layout is not None and resolve_train_layout(args):  # --layout: the sizes, before anything else
             return 2
@@ -66,6 +70,11 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     if "RANK" in os.environ or nproc * args.nnodes == 1:
         return _worker(args, error_dir=None)
     return _launch(args, nproc)
+
+
+def _dpo(args: argparse.Namespace) -> bool:
+    """Whether this is `tptrain dpo` (preference tuning, cli/dpo.py), which runs through the same launcher."""
+    return getattr(args, "workflow", "train") == "dpo"
 
 
 # ------------------------------------------------------------------ checks before any worker starts
@@ -129,10 +138,11 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     config = vision_cli.config(model_dir, vision)
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     meta = vision_cli.auto_class(vision).from_config(config, device="meta")  # the rule table, as the workers check it
-    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name="--seq-len")
+    length_flag = "--max-length" if _dpo(args) else "--seq-len"
+    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name=length_flag)
     _check_tp_plan(meta, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
                    expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
-    check_seq_len(args.seq_len, config, what="--seq-len")
+    check_seq_len(args.seq_len, config, what=length_flag)
     if args.compile:
         from tptrain.distributed import local_device
         from tptrain.training.mesh import compile_error
@@ -140,7 +150,10 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision)  # data, eval, LoRA
+    if _dpo(args):  # the preference records, each bad one named
+        dpo_cli.preflight(args, model_dir)
+    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision,
+                           data=not _dpo(args))  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
@@ -192,7 +205,13 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
     from tptrain.cli.finetune import training_kwargs
 
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
-    return TrainingArguments(
+    arguments = TrainingArguments
+    if _dpo(args):  # the preference objective's fields too
+        from tptrain.training.preference import DPOConfig
+
+        arguments = functools.partial(DPOConfig, **dpo_cli.training_kwargs(args))
+        lr = dpo_cli.DPO_LR if args.lr is None else args.lr
+    return arguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
         max_steps=FULL.max_steps if args.max_steps is None else args.max_steps,  # None: --num-epochs counts them
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
@@ -302,8 +321,13 @@ def _train(args: argparse.Namespace) -> None:
     if rank == 0:
         announce(args, inputs, model, threads)
     model = finetune_cli.apply_lora(model, args)  # --lora-r: only the adapters train
-    trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer,
-                      eval_dataset=inputs.eval_dataset)
+    if _dpo(args):
+        from tptrain.training.preference import DPOTrainer
+
+        trainer = DPOTrainer(model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
+    else:
+        trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset,
+                          tokenizer=inputs.tokenizer, eval_dataset=inputs.eval_dataset)
     result = trainer.train()  # ends with the consolidated model (or adapter) + tokenizer files in output_dir/final
     if result.stopped:
         if rank == 0:
@@ -337,6 +361,13 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
     tokenizer = load_tokenizer(model_dir)
 
     def build(source):  # a file: tokenized by local rank 0 into the token cache, mapped by every rank
+        if _dpo(args):  # preference pairs: the DPOTrainer cuts them to --max-length
+            from tptrain.training.preference.data import build_preference_data
+
+            return build_preference_data(source, tokenizer, model_dir=model_dir, chat_template=args.chat_template,
+                                         max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+                                         truncation_mode=args.truncation_mode, cache_dir=args.data_cache,
+                                         vocab_size=config.vocab_size)
         return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
                                    chat_template=args.chat_template, packing=args.packing,
                                    assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,

@@ -107,6 +107,7 @@ class _States:
     """A stage's persistent bytes and, per unit (layer index, "first", "last"), what FSDP2 gathers and reduces."""
 
     params: int = 0
+    reference: int = 0  # a preference run's frozen reference copy (no gradients, no optimizer states)
     grads: int = 0
     optimizer: int = 0
     largest_grad: int = 0
@@ -129,6 +130,8 @@ def states(stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: P
         kept = _sharded(p, shards) + (math.ceil(lora / shards) if lora else 0)
         kept_trained = math.ceil(trained / shards) if settings.lora_r else _sharded(p, shards)
         out.params += kept * prec.param
+        if settings.reference == "copy":  # a preference run's frozen reference, sharded as the policy
+            out.reference += _sharded(p, shards) * prec.param
         out.grads_of[p.unit] = out.grads_of.get(p.unit, 0) + kept_trained * prec.param
         out.largest_grad = max(out.largest_grad, kept_trained * prec.param)
         out.largest_of[p.unit] = max(out.largest_of.get(p.unit, 0), kept_trained * prec.param)
@@ -236,7 +239,7 @@ def _moments(stage: _Stage, st: _States, acts: _Acts, layout: ParallelDims, sett
     gpipe = pp and pipeline_parallel.schedule_name(settings.pp_schedule) in ("GPipe", "LoopedBFS")
     other = sc.others * (saved + loss.held * gpipe)
     outputs = sc.outputs * loss.output
-    base = dict(parameters=st.params, optimizer_states=st.optimizer)
+    base = dict(parameters=st.params + st.reference, optimizer_states=st.optimizer)
     root = st.gathered.get("first", 0) + st.gathered.get("last", 0)
     held = sum(st.gathered.values()) if pp else root  # a pipeline keeps its stage gathered
     unit_grads = _unit_grads(st, layout, prec)
@@ -279,7 +282,7 @@ def _backward_end(stage: _Stage, st: _States, layout: ParallelDims, prec: Precis
     root (or, in a pipeline, of each unit's accumulated gradients): its gradients copied into one flat buffer in the
     reduce dtype (a CPU's gloo reduce-scatters a copy of it; dp_replicate's all-reduce works on another); in mixed
     precision the head's gradient outlives the copy."""
-    base = dict(parameters=st.params, optimizer_states=st.optimizer)
+    base = dict(parameters=st.params + st.reference, optimizer_states=st.optimizer)
     grads = 0 if oib else st.grads
     if not layout.data_parallel:
         fresh = st.largest_of.get("first", 0) if stage.first else 0

@@ -133,7 +133,9 @@ def step_time(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings
     head = 2 * tokens * shapes.hidden * shapes.vocab / layout.tp if layout.pp == 1 else 0.0
     frozen = settings.lora_r > 0
     passes = (1 + (1 if frozen else 2)) + settings.gradient_checkpointing  # forward, backward, recompute
-    flops = linear * passes + attention * (3 + settings.gradient_checkpointing) + head * 3
+    reference = settings.reference in ("copy", "adapters")  # a preference run's reference: one more forward
+    flops = linear * (passes + reference) + attention * (3 + settings.gradient_checkpointing + reference) \
+        + head * (3 + reference)
     world_on_node = min(layout.world_size, profile.devices_per_node)
     rate = profile.flops(settings.bf16 or settings.dtype.itemsize == 2) * profile.efficiency
     rate *= profile.compute_share(world_on_node)

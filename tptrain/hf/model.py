@@ -327,8 +327,10 @@ class TransformersCausalLM(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
-        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
+                num_items_in_batch: int | torch.Tensor | None = None, per_sequence: bool = False,
+                **kwargs: Any) -> CausalLMOutput:
+        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss (`per_sequence`:
+        each row's summed token loss, (batch,))."""
         kwargs.setdefault("use_cache", False)
         cp = self.parallel.cp
         if cp is not None and attention_mask is None:
@@ -338,7 +340,8 @@ class TransformersCausalLM(PreTrainedModel):
         with running(getattr(self, self.base_model_prefix), cp):
             logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    **kwargs).logits
-        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
+        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
+                                                              per_sequence=per_sequence)
         return CausalLMOutput(loss=loss, logits=logits)
 
     # ------------------------------------------------------------------ saving

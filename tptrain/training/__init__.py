@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["NonFiniteStepError", "ParallelismConfig", "Trainer", "TrainOutput", "TrainingArguments"]
+__all__ = ["DPOConfig", "DPOTrainer", "NonFiniteStepError", "ParallelismConfig", "Trainer", "TrainOutput",
+           "TrainingArguments"]
 _EXPORTS = {"ParallelismConfig": "tptrain.training.args", "TrainingArguments": "tptrain.training.args",
             "Trainer": "tptrain.training.trainer", "TrainOutput": "tptrain.training.trainer",
-            "NonFiniteStepError": "tptrain.training.nonfinite"}
+            "NonFiniteStepError": "tptrain.training.nonfinite",
+            "DPOConfig": "tptrain.training.preference", "DPOTrainer": "tptrain.training.preference"}
 
 
 def __getattr__(name: str):

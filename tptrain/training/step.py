@@ -44,6 +44,7 @@ class TrainStep:
         state = state_of(self.inner)
         self.specs = state.tp.specs if state.laid_out else {}
         self.grad_sync = state.grad_sync
+        self.metrics: dict[str, float] = {}  # what a workflow's step adds to the step's log line (TRL's names)
 
     def __call__(self, micro: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
                  scheduler: Any) -> StepResult:
@@ -51,17 +52,7 @@ class TrainStep:
         schedule step, unless the global loss or gradient norm is NaN or inf: then neither runs (the weights, the
         optimizer state and the schedule stay as they were; with optim_in_backward the update happened in backward)
         and `StepResult.nonfinite` says what was not finite."""
-        num_items = self.token_count(micro)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in micro:
-            with self.autocast():
-                if self.pipeline is not None:  # forward and backward of every pipeline microbatch
-                    loss_sum += self.pipeline.step(batch, num_items)
-                    continue
-                loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                                  num_items_in_batch=num_items, **model_inputs(batch)).loss
-            loss.backward()
-            loss_sum += loss.detach().to(torch.float64)
+        loss_sum = self.forward_backward(micro)
         if self.pipeline is not None:
             self.pipeline.ties.sync_grads()
         # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
@@ -90,6 +81,22 @@ class TrainStep:
         if self.pipeline is not None:
             comm.all_reduce(loss_sum, self.mesh["pp"].get_group(), phase="loss")
         return loss_sum.item()
+
+    def forward_backward(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward of every micro-batch: this rank's share of the step's loss (fp64; the caller sums
+        it over dp and pp). A workflow's loss (preference tuning) is this method of its own step."""
+        num_items = self.token_count(micro)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for batch in micro:
+            with self.autocast():
+                if self.pipeline is not None:  # forward and backward of every pipeline microbatch
+                    loss_sum += self.pipeline.step(batch, num_items)
+                    continue
+                loss = self.model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
+                                  num_items_in_batch=num_items, **model_inputs(batch)).loss
+            loss.backward()
+            loss_sum += loss.detach().to(torch.float64)
+        return loss_sum
 
     def token_count(self, micro: list[dict[str, torch.Tensor]]) -> int:
         """Real target tokens (labels != -100 after the shift) of the whole step over all dp ranks."""

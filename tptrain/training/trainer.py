@@ -182,7 +182,8 @@ class Trainer:
             if reporter is not None and (self.global_step % args.logging_steps == 0
                                          or self.global_step == args.max_steps or result.nonfinite):
                 metrics = {"loss": result.loss, "learning_rate": lr, "grad_norm": result.grad_norm,
-                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start}
+                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start,
+                           **self.step.metrics}
                 reporter.log(self.global_step, {k: v for k, v in metrics.items() if v is not None})
             verdict = self.nonfinite.verdict(self.global_step, result.nonfinite, output_dir=args.output_dir)
             if verdict is not None and verdict.stop:
