@@ -44,9 +44,10 @@ def _describe_data(dataset, args: argparse.Namespace) -> str:
     return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 
-def summary(args: argparse.Namespace, result, seconds: float, text: str | None) -> None:
+def summary(args: argparse.Namespace, result, seconds: float, text: str, *, sampled: bool) -> None:
     """The run in three lines; the loss figures are those of metrics.jsonl (earlier, resumed steps included),
-    so the final figure is the one loss.png's title states."""
+    so the final figure is the one loss.png's title states. `text`: the greedy continuation of --prompt, or (not
+    `sampled`) why the layout could not generate one."""
     from tptrain.training.reporting import logged_losses, loss_headline, read_metrics
 
     out = Path(args.output_dir)
@@ -58,5 +59,7 @@ def summary(args: argparse.Namespace, result, seconds: float, text: str | None) 
         print(f"{len(result.skipped_steps)} step(s) skipped, their loss or gradient norm not finite: {steps}")
     print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
           f"metrics: {out / 'metrics.jsonl'}")
-    if text is not None:
+    if sampled:
         print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)
+    else:
+        print(f"no greedy continuation of {args.prompt!r}: {text}", flush=True)

@@ -276,7 +276,7 @@ def _train(args: argparse.Namespace) -> None:
     from tptrain.modeling import resolve_dtype
     from tptrain.cli import finetune as finetune_cli
     from tptrain.cli.messages import announce, summary
-    from tptrain.generation import greedy_generate
+    from tptrain.generation import complete, layout_refusal
     from tptrain.training.trainer import Trainer
 
     threads = _set_threads(torch)
@@ -309,11 +309,11 @@ def _train(args: argparse.Namespace) -> None:
                   flush=True)
         return
     finetune_cli.finish(trainer, args)  # --merge: final/merged
-    text = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
-    if args.pp_size == 1:
-        text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
+    refusal = layout_refusal(trainer.model, use_cache=False)  # pipeline stages cannot generate (final/ can)
+    text = refusal or complete(trainer.model, inputs.tokenizer, [args.prompt], max_new_tokens=args.max_new_tokens,
+                               do_sample=False, use_cache=layout_refusal(trainer.model) is None)[0]  # cp, sp: none
     if rank == 0:
-        summary(args, result, time.perf_counter() - start, text)
+        summary(args, result, time.perf_counter() - start, text, sampled=refusal is None)
 
 
 def _read_inputs(args: argparse.Namespace) -> _Inputs:

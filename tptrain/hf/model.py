@@ -310,18 +310,20 @@ class TransformersCausalLM(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
-        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
-        kwargs.setdefault("use_cache", False)
+        """transformers' forward for the logits (vocab-sharded under TP with labels, or sampled by the generation
+        engine); tptrain's loss. Without `use_cache` (or a cache given in `past_key_values`) no cache is made; with
+        it transformers' own cache (its DynamicCache, each rank's KV heads) is returned in `past_key_values`."""
+        kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         cp = self.parallel.cp
         if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
         with running(getattr(self, self.base_model_prefix), cp):
-            logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   **kwargs).logits
-        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
-        return CausalLMOutput(loss=loss, logits=logits)
+            out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **kwargs)
+        loss = None if labels is None else self.loss_function(out.logits, labels, num_items_in_batch)
+        return CausalLMOutput(loss=loss, logits=out.logits, past_key_values=getattr(out, "past_key_values", None))
 
     # ------------------------------------------------------------------ saving
 
