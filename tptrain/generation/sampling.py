@@ -103,7 +103,7 @@ def _top_candidates(scores: torch.Tensor, k: int, shard: VocabShard) -> tuple[to
 
 def _whole_vocabulary(scores: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
     """Every token's (values, ids) on every rank: the slices gathered."""
-    values = scores if shard.size == 1 else comm.all_gather(scores.contiguous(), shard.group, dim=-1)
+    values = scores if shard.size == 1 else comm.all_gather(scores.contiguous(), shard.group, dim=1)
     return values, torch.arange(values.shape[-1], device=values.device).expand_as(values)
 
 
