@@ -10,6 +10,7 @@ Tiny random checkpoints written by transformers, fp64 (the sampler reads fp32 lo
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import types
@@ -319,3 +320,65 @@ def test_tp2_dp2_each_dp_rank_its_own_prompts(checkpoints):
                                   eos_token_id=2)
             expected[name].append((ids, mask, out))
     run_distributed(_dp_worker, 4, checkpoints, expected, timeout=600)
+
+
+# ------------------------------------------------------------------ tptrain generate
+
+
+def _cli_checkpoint(root) -> tuple[str, str]:
+    """(a random Qwen3 with the bundled tokenizer, a ChatML template file)."""
+    import transformers
+    from tests.sft_utils import BUNDLED, CHATML_GENERATION
+    config = transformers.AutoConfig.for_model("qwen3", **{**QWEN3, "vocab_size": 4096})
+    path, _ = random_checkpoint(_Factory(root), "cli", partial(transformers.AutoModelForCausalLM.from_config, config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED / name, path / name)
+    (root / "chatml.jinja").write_text(CHATML_GENERATION)
+    return str(path), str(root / "chatml.jinja")
+
+
+@pytest.mark.distributed
+def test_cli_generates_at_tp2_as_one_process(tmp_path):
+    """`tptrain generate --tp-size 2 --nproc-per-node 4` (dp 2): text and chat prompts from a file and one from
+    --prompt, greedy; rank 0 prints each continuation in order, the ones `complete` gives on one process."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.dist_utils import require_distributed_marker
+    from tests.helpers import ROOT
+    from tptrain.generation import complete
+    from tptrain.text import load_chat_template, load_tokenizer
+    path, template = _cli_checkpoint(tmp_path)
+    records = [{"prompt": "To be, or not"}, {"prompt": [{"role": "user", "content": "Once upon"}]},
+               {"prompt": ""}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    require_distributed_marker("tptrain generate")
+    run = subprocess.run([sys.executable, "-m", "tptrain", "generate", "--model", path, "--prompts",
+                          str(tmp_path / "prompts.jsonl"), "--prompt", "Friends", "--chat-template", template,
+                          "--tp-size", "2", "--nproc-per-node", "4", "--max-new-tokens", "6", "--batch-size", "1",
+                          "--dtype", "float64"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                              "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    printed = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    chat = load_chat_template(path, template).text(records[1]["prompt"], add_generation_prompt=True)
+    texts = ["Friends", records[0]["prompt"], chat, ""]
+    model = _load(path, "native")
+    expected = complete(model, load_tokenizer(path), texts, max_new_tokens=6)
+    assert [p["prompt"] for p in printed] == ["Friends", *(r["prompt"] for r in records)]
+    assert [p["completion"] for p in printed] == expected, (printed, expected)
+
+
+def test_cli_refuses_bad_input_before_starting(tmp_path, capsys):
+    from tests.sft_utils import BUNDLED
+    from tptrain.cli import main
+    (tmp_path / "bad.jsonl").write_text('{"text": "no prompt"}\n')
+    cases = {("--prompts", str(tmp_path / "bad.jsonl")): 'bad.jsonl line 1: expected {"prompt": text or a list',
+             ("--prompts", str(tmp_path / "missing.jsonl")): "missing.jsonl is not a file",
+             (): "give --prompt TEXT (repeatable) or --prompts FILE.jsonl",
+             ("--prompt", "x", "--tp-size", "3", "--nproc-per-node", "2"): "--nproc-per-node 2",
+             ("--prompt", "x", "--max-new-tokens", "0"): "--max-new-tokens must be a positive integer, got 0"}
+    for flags, message in cases.items():
+        assert main(["generate", "--model", str(BUNDLED), *flags]) == 2
+        assert message in capsys.readouterr().err, flags
