@@ -9,6 +9,7 @@
     python -m tptrain plan ...                                # the same
     tptrain train --help
     tptrain prepare-data --model ./ckpt --data corpus.txt     # tokenize into the token cache before training
+    tptrain generate --model ./ckpt --prompt "To be" --tp-size 2   # continue prompts (cli/generate.py)
     tptrain --version
 
 `plan` exits 0 when the layout works, 2 when the plan is impossible (the report lists every problem), 1
@@ -27,6 +28,7 @@ from typing import Sequence
 
 from tptrain.backends import BACKENDS
 from tptrain.dtypes import NAMES, canonical_name
+from tptrain.cli.generate import add_generate_arguments
 from tptrain.cli.plan_train import add_train_plan_arguments, check_train_arguments, run_train_plan
 
 
@@ -51,7 +53,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,prepare-data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,generate,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
                                       "each module's style, each parameter's global and per-rank shape, parameter "
@@ -83,6 +85,10 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     add_train_plan_arguments(plan)
     plan.set_defaults(handler=_run_plan, plan_parser=plan)
     _add_prepare_data(sub)
+    add_generate_arguments(sub.add_parser(
+        "generate", help="continue prompts with a checkpoint over tensor-parallel ranks (model.generate)",
+        description="Continue --prompt / --prompts with MODEL laid out over --tp-size ranks (the ones past it "
+                    "data-parallel), with a KV cache; greedy unless --do-sample. Rank 0 prints the continuations."))
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
     dpo_parser = sub.add_parser("dpo", help="preference tuning: DPO, its loss types, SimPO, ORPO on preference pairs "
                                             "(tptrain dpo --help)")

@@ -329,20 +329,22 @@ class TransformersCausalLM(PreTrainedModel):
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, per_sequence: bool = False,
                 **kwargs: Any) -> CausalLMOutput:
-        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss (`per_sequence`:
-        each row's summed token loss, (batch,))."""
-        kwargs.setdefault("use_cache", False)
+        """transformers' forward for the logits (vocab-sharded under TP with labels, or sampled by the generation
+        engine); tptrain's loss (`per_sequence`: each row's summed token loss, (batch,)). Without `use_cache` (or a
+        cache given in `past_key_values`) no cache is made; with it transformers' own cache (its DynamicCache, each
+        rank's KV heads) is returned in `past_key_values`."""
+        kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         cp = self.parallel.cp
         if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
         with running(getattr(self, self.base_model_prefix), cp):
-            logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   **kwargs).logits
-        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
+            out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **kwargs)
+        loss = None if labels is None else self.loss_function(out.logits, labels, num_items_in_batch,
                                                               per_sequence=per_sequence)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutput(loss=loss, logits=out.logits, past_key_values=getattr(out, "past_key_values", None))
 
     # ------------------------------------------------------------------ saving
 

@@ -26,6 +26,7 @@ class Features:
     pp_microbatches: int | None = None  # None: as many as pipeline ranks
     batch_size: int | None = None  # per_device_train_batch_size
     seq_len: int | None = None  # the tokens of a sequence (TrainingArguments.seq_len, or an input's length)
+    generation: str | None = None  # model.generate: "cache" (a KV cache) or "recompute" (use_cache=False)
 
 
 @dataclass(frozen=True)
