@@ -112,8 +112,8 @@ def layout_refusal(model: nn.Module, *, use_cache: bool = True) -> str | None:
 
 def _agree(state: ParallelState, error: Exception | None, inputs: tuple, generator: torch.Generator | int | None, *,
            sampling: bool) -> torch.Generator | None:
-    """Every rank's error raised on every rank; the TP group's prompts, settings and generator compared; the draws'
-    generator (with none given, seeded by the group's first rank)."""
+    """Every rank's error raised on every rank (of a laid-out model's job); the TP group's prompts, settings and
+    generator compared; the draws' generator (with none given, seeded by the group's first rank)."""
     proposed = None
     if generator is None and sampling:
         proposed = int(torch.randint(2**62, (), dtype=torch.long))  # torch's global generator, on each rank
@@ -126,7 +126,10 @@ def _agree(state: ParallelState, error: Exception | None, inputs: tuple, generat
                                "generator seeds; every rank of a TP group must pass the same input_ids, "
                                "attention_mask, arguments and generator (data-parallel ranks may differ)")
         proposed = seen[0][1]
-    comm.raise_on_any_rank(error)
+    if state.mesh is not None:  # laid out: every rank is in this call
+        comm.raise_on_any_rank(error)
+    elif error is not None:  # a model nobody laid out runs alone
+        raise error
     if isinstance(generator, torch.Generator):
         return generator
     seed = generator if generator is not None else proposed

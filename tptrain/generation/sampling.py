@@ -71,7 +71,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     top = _over_ranks(scores.amax(-1), shard, dist.ReduceOp.MAX)
     local = tokens - shard.offset(scores.shape[-1])
     held = (local >= 0) & (local < scores.shape[-1])
-    picked = scores.gather(1, local.clamp(0, scores.shape[-1] - 1)[:, None])[:, 0] * held
+    picked = torch.where(held, scores.gather(1, local.clamp(0, scores.shape[-1] - 1)[:, None])[:, 0], 0.0)
     summed = _over_ranks(torch.stack([(scores - top[:, None]).exp().sum(-1), picked], -1), shard, dist.ReduceOp.SUM)
     return summed[:, 1] - top - summed[:, 0].log()
 
