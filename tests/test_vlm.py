@@ -85,8 +85,8 @@ def test_each_attention_is_checked_by_its_own_heads_and_a_tower_that_does_not_sp
 
 
 def test_refusals_before_any_process_group(tmp_path):
-    """cp and pp are refused by the rule table (not built for vision-language models yet); a text-only checkpoint is
-    no image-text-to-text model."""
+    """pp is refused by the rule table (not built for vision-language models yet); a text-only checkpoint is no
+    image-text-to-text model."""
     import transformers
 
     from tptrain import AutoModelForImageTextToText, DistributedConfig
@@ -95,8 +95,6 @@ def test_refusals_before_any_process_group(tmp_path):
     model = TransformersImageTextToText.from_config(FAMILIES["llava"].config(), device="meta")
     with pytest.raises(ValueError, match="cannot be cut into pipeline stages.*vision-language"):
         check(model, DistributedConfig(pp_size=2), world_size=2)
-    with pytest.raises(ValueError, match="cannot run with cp_size=2"):
-        check(model, DistributedConfig(cp_size=2), world_size=2)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT)
                                   ).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="not an image-text-to-text model.*AutoModelForCausalLM"):

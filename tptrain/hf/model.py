@@ -292,7 +292,7 @@ class TransformersCausalLM(PreTrainedModel):
         super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
         self._set_local_heads()
         if self.parallel.cp is not None:  # masks and attention through hf/attention.py
-            use_tptrain_attention(self)
+            use_tptrain_attention(self, contract.sequence_entry(self) or "")
         return self
 
     def _set_local_heads(self) -> None:

@@ -28,6 +28,7 @@ import transformers
 from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+from tptrain.hf.attention import declare_cp_facts
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
 from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_roots
@@ -80,9 +81,13 @@ class TransformersImageTextToText(TransformersCausalLM):
                            f"vision-language model (the tower and projector on the first stage) are not built yet")
 
     def _declare_cp_facts(self, prefix: str) -> None:
-        """None yet: context parallelism splits the merged sequence, after the image embeddings are placed (the
-        rule table refuses it: no attention declares `attend`)."""
-        self.sequence_mixers = {}
+        """Context parallelism splits the merged sequence where it enters the text decoder (`cp_sequence_entry`),
+        after transformers' forward has run the tower and projector on every image, placed their features and
+        computed the position ids (multimodal RoPE's too) on the whole sequence: `attend` on the text decoder's
+        attention modules only, the masks through the base model (hf/attention.py)."""
+        self.cp_sequence_entry = self._text_decoder
+        layers = getattr(self, "pp_layers", None) or f"{self._text_decoder}.layers"
+        self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), layers, within=self._text_decoder)
 
     def _set_local_heads(self) -> None:
         """The text decoder's as the causal backend's; each attention outside it split by heads (the tower's) gets

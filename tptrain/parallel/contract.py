@@ -83,6 +83,15 @@ class TPModel(Protocol):
         convolution) that context parallelism runs on the whole sequence (`whole_sequence_modules`; absent: {}): a
         module called with (batch, seq, ...) tensors returning (batch, seq, ...) ones (or a tuple led by one), whose
         every token's output depends on the tokens of its sequence alone; no attention inside.
+    cp_sequence_entry: the dotted name of the module the model's token sequence enters to be mixed, where that is not
+        the model's forward (`sequence_entry`; absent: None, the batch is split before the forward): a
+        vision-language model's text decoder, called with keyword arguments `inputs_embeds` (batch, seq, hidden),
+        `position_ids` (batch, seq), (rows, batch, seq) (multimodal RoPE) or None, and `attention_mask` (batch,
+        seq), a dict of built masks, or None. Under context parallelism the forward takes the whole batch, so
+        what runs before this module (the vision tower and projector on every image, the image features placed
+        among the token embeddings, the multimodal position ids) computes on every token, and the sequence is split
+        at this module's entry; only the attention modules inside it are split over cp, and the masks it is given
+        or builds are this rank's rows.
     router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
@@ -321,6 +330,17 @@ def sequence_mixers(model: nn.Module) -> dict[str, str]:
 
 def whole_sequence_modules(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "cp_whole_sequence", None) or {})
+
+
+def sequence_entry(model: nn.Module) -> str | None:
+    return getattr(model, "cp_sequence_entry", None)
+
+
+def in_sequence(model: nn.Module, name: str) -> bool:
+    """Whether module `name` runs on the token sequence as context parallelism splits it: inside the model's
+    `sequence_entry` where it declares one (a vision-language model's tower runs before, on the whole batch)."""
+    entry = sequence_entry(model)
+    return entry is None or name == entry or name.startswith(f"{entry}.")
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
