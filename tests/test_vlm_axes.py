@@ -63,3 +63,85 @@ def test_cp2_matches_transformers(checkpoints):
 def test_tp2_cp2_matches_transformers(checkpoints):
     run_distributed(_cp_worker, 4, {t: checkpoints[t] for t in ("qwen2_5_vl", "gemma3")}, dict(cp_size=2, tp_size=2),
                     timeout=600)
+
+
+# ------------------------------------------------------------------ the Trainer on image-text records
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """{model_type: a tiny checkpoint with its processor}, and the directory of data.jsonl (image-text chats: one
+    image, two images, none; images of different sizes, so Qwen's patches per sample differ)."""
+    from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
+
+    root = tmp_path_factory.mktemp("records")
+    images = write_images(root / "images")
+    write_jsonl(root / "data.jsonl", chat_records([str(p.relative_to(root)) for p in images]) * 2)
+    return {t: vision_checkpoint(root / t, t) for t in ("qwen2_5_vl", "llava")}, root
+
+
+def _trainer_args(output_dir, **kwargs):
+    from tptrain.training.args import TrainingArguments
+
+    return TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, max_steps=3, seq_len=128,
+                             learning_rate=1e-3, warmup_steps=1, max_grad_norm=1.0, seed=3, **kwargs)
+
+
+def _train(checkpoints: dict, root, layout: dict, out) -> None:
+    """3 Trainer steps of each checkpoint laid out as `layout` (global batch 4); each rank 0 writes the losses."""
+    import json
+
+    from tptrain import AutoModelForImageTextToText, DistributedConfig, Trainer
+    from tptrain.training.args import ParallelismConfig
+
+    for model_type, path in checkpoints.items():
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=F64,
+                                                            distributed_config=DistributedConfig(**layout))
+        parallelism = ParallelismConfig(pp_microbatches=2) if layout.get("pp_size", 1) > 1 else None
+        trainer = Trainer(model=model, args=_trainer_args(out / model_type, parallelism_config=parallelism),
+                          train_dataset=str(root / "data.jsonl"))
+        losses = trainer.train().losses
+        if torch.distributed.get_rank() == 0:
+            (out / f"{model_type}.json").write_text(json.dumps(losses))
+
+
+def _equal_transformers(checkpoints: dict, root, out) -> None:
+    """The losses and the final checkpoint (written from the stages) of `_train`: transformers' model trained on
+    one process on the same batches."""
+    import json
+
+    import transformers
+
+    from tests.helpers import reference_losses
+    from tptrain.training.vision_data import build_vision_data, collate_vision, vision_encoder
+
+    for model_type, path in checkpoints.items():
+        hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=F64).train()
+        encoder = vision_encoder(path)
+        rows = build_vision_data(str(root / "data.jsonl"), encoder, seq_len=128, config=hf.config)
+        want = reference_losses(hf, rows, _trainer_args(out / "unused"), 4,
+                                collate_rows=lambda batch: collate_vision(batch, pad_id=encoder.eos_token_id))
+        got = json.loads((out / f"{model_type}.json").read_text())
+        torch.testing.assert_close(torch.tensor(got, dtype=F64), torch.tensor(want, dtype=F64), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"{model_type} losses: {m}")
+        saved = transformers.AutoModelForImageTextToText.from_pretrained(out / model_type / "final", dtype=F64)
+        trained = dict(hf.named_parameters())
+        for name, p in saved.named_parameters():
+            torch.testing.assert_close(p, trained[name].detach(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{model_type} {name} after 3 steps: {m}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [dict(pp_size=2, tp_size=1), dict(cp_size=2, tp_size=1)], ids=["pp2", "cp2"])
+def test_trainer_equals_transformers(records, tmp_path, layout):
+    checkpoints, root = records
+    run_distributed(_train, 2, checkpoints, root, layout, tmp_path, timeout=600)
+    _equal_transformers(checkpoints, root, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_trainer_tp2_cp2_pp2_equals_transformers(records, tmp_path):
+    checkpoints, root = records
+    run_distributed(_train, 8, checkpoints, root, dict(tp_size=2, cp_size=2, pp_size=2), tmp_path, timeout=1200)
+    _equal_transformers(checkpoints, root, tmp_path)
