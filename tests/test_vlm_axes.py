@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.vlm_utils import F64, IMAGE, batch, equivalence, transformers_model, write_checkpoint
+from tests.vlm_utils import F64, IMAGE, TOL, batch, equivalence, gathered_grads, transformers_model, write_checkpoint
 
 pytestmark = pytest.mark.vision
 CP_TYPES = ("qwen2_5_vl", "llava", "gemma3")
@@ -45,7 +45,31 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _cp_worker(checkpoints: dict, layout: dict) -> None:
+def test_the_cut_and_the_refusals_before_any_process_group():
+    """Qwen2.5-VL's tower beside the embedding on the first stage, its text decoder's attention alone split over cp
+    (the tower's runs on the whole batch's images): tp 2 x cp 2 x pp 2 passes the rule table. Llama 4's tower sits
+    beside its causal LM, outside the base model a stage runs: pp refused naming it, cp not."""
+    from tptrain import DistributedConfig
+    from tptrain.hf.vlm import TransformersImageTextToText
+    from tptrain.parallel.facts import model_facts
+    from tptrain.parallel.parallelize import check
+    from tests.vlm_utils import FAMILIES
+
+    qwen = TransformersImageTextToText.from_config(FAMILIES["qwen2_5_vl"].config(), device="meta")
+    assert set(qwen.pp_first) == {"model.visual", "model.language_model.embed_tokens"}
+    assert qwen.pp_last == ("model.language_model.norm", "lm_head") and qwen.cp_sequence_entry == "model.language_model"
+    assert model_facts(qwen).attention == 2  # the decoder's two layers; not the tower's two blocks
+    check(qwen, DistributedConfig(tp_size=2, cp_size=2, pp_size=2), world_size=8)
+    llama4 = TransformersImageTextToText.from_config(FAMILIES["llama4"].config(), device="meta")
+    with pytest.raises(ValueError, match=r"\(llama4\) cannot be cut into pipeline stages \(pp_size=2\): .*its vision_model "
+                                         r"\(Llama4VisionModel\) runs before the decoder layers outside its base model "
+                                         r"language_model.*load it with pp_size=1"):
+        check(llama4, DistributedConfig(pp_size=2, tp_size=1), world_size=2)
+    check(llama4, DistributedConfig(cp_size=2, tp_size=2), world_size=4)
+
+
+def _cp(checkpoints: dict, **layout) -> None:
+    """The model's forward at `layout` against transformers: loss, every gradient, 3 AdamW steps."""
     from tptrain import AutoModelForImageTextToText, DistributedConfig
     for model_type, (path, inputs) in checkpoints.items():
         model = AutoModelForImageTextToText.from_pretrained(
@@ -54,15 +78,66 @@ def _cp_worker(checkpoints: dict, layout: dict) -> None:
         equivalence(model, transformers_model(path), inputs)
 
 
-@pytest.mark.distributed
-def test_cp2_matches_transformers(checkpoints):
-    run_distributed(_cp_worker, 2, checkpoints, dict(cp_size=2, tp_size=1), timeout=600)
+def _pipeline_step(checkpoints: dict, **layout) -> None:
+    """One pipeline step (2 microbatches, each one sample and its image) at `layout`: the loss and every gradient
+    (the tower's, on the first stage) against transformers' forward and backward of the whole batch."""
+    from tptrain import AutoModelForImageTextToText, DistributedConfig
+    from tptrain.distributed.state import ROWS
+    from tptrain.losses import shift_labels
+    from tptrain.parallel.parallelize import ParallelOptions, parallelize
+
+    for model_type, (path, inputs) in checkpoints.items():
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=F64, distributed_config=DistributedConfig(**layout)).train()
+        pipeline = parallelize(model, model.parallel.mesh, ParallelOptions(train=True, pp_microbatches=2),
+                               device=torch.device("cpu")).pipeline
+        ids = inputs["input_ids"]
+        rows = {k + ROWS: torch.tensor([v.shape[0] // len(ids)] * len(ids)) for k, v in inputs.items()
+                if v.shape[:2] != ids.shape}  # the images' inputs: one image per sample
+        loss = pipeline.step({**inputs, **rows}, int((shift_labels(inputs["labels"]) != -100).sum()))
+        torch.distributed.all_reduce(loss, group=model.parallel.mesh["pp"].get_group())  # the last stage's
+        pipeline.ties.sync_grads()
+        ref = transformers_model(path)
+        ref_loss = ref(**inputs).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach().to(F64), **TOL, msg=lambda m: f"{model_type} loss: {m}")
+        want = dict(ref.named_parameters())
+        grads = _full_grads(model)
+        assert any(".visual." in n or ".vision_tower." in n for n in grads) == model.parallel.pp.holds(0)
+        for name, grad in grads.items():
+            if name in want:  # (a tied head's copy: its gradient is the embedding's)
+                torch.testing.assert_close(grad, want[name].grad, **TOL, msg=lambda m: f"{model_type} {name}: {m}")
+
+
+def _full_grads(model) -> dict:
+    """vlm_utils.gathered_grads, FSDP2's shards (under cp the pipeline's stages are wrapped over cp) gathered first."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p.grad, DTensor):
+            p.grad = p.grad.full_tensor()
+    return gathered_grads(model)
+
+
+def _two_ranks(checkpoints: dict) -> None:
+    _cp(checkpoints, cp_size=2, tp_size=1)
+    _pipeline_step({t: checkpoints[t] for t in ("qwen2_5_vl", "gemma3")}, pp_size=2, tp_size=1)
 
 
 @pytest.mark.distributed
-def test_tp2_cp2_matches_transformers(checkpoints):
-    run_distributed(_cp_worker, 4, {t: checkpoints[t] for t in ("qwen2_5_vl", "gemma3")}, dict(cp_size=2, tp_size=2),
-                    timeout=600)
+def test_cp2_and_pp2_match_transformers(checkpoints):
+    run_distributed(_two_ranks, 2, checkpoints, timeout=900)
+
+
+def _four_ranks(checkpoints: dict) -> None:
+    _cp({t: checkpoints[t] for t in ("qwen2_5_vl", "gemma3")}, cp_size=2, tp_size=2)
+    # gemma3's images attend within themselves both ways (its token types' blocks), over the cp ranks of each stage
+    _pipeline_step({"gemma3": checkpoints["gemma3"]}, pp_size=2, cp_size=2, tp_size=1)
+
+
+@pytest.mark.distributed
+def test_tp2_cp2_and_pp2_cp2_match_transformers(checkpoints):
+    run_distributed(_four_ranks, 4, checkpoints, timeout=900)
 
 
 # ------------------------------------------------------------------ the Trainer on image-text records
@@ -87,22 +162,23 @@ def _trainer_args(output_dir, **kwargs):
                              learning_rate=1e-3, warmup_steps=1, max_grad_norm=1.0, seed=3, **kwargs)
 
 
-def _train(checkpoints: dict, root, layout: dict, out) -> None:
-    """3 Trainer steps of each checkpoint laid out as `layout` (global batch 4); each rank 0 writes the losses."""
+def _train(checkpoints: dict, root, layouts: dict[str, dict], out) -> None:
+    """3 Trainer steps of each checkpoint laid out as each of `layouts` (global batch 4); rank 0 writes the losses."""
     import json
 
     from tptrain import AutoModelForImageTextToText, DistributedConfig, Trainer
     from tptrain.training.args import ParallelismConfig
 
-    for model_type, path in checkpoints.items():
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=F64,
-                                                            distributed_config=DistributedConfig(**layout))
-        parallelism = ParallelismConfig(pp_microbatches=2) if layout.get("pp_size", 1) > 1 else None
-        trainer = Trainer(model=model, args=_trainer_args(out / model_type, parallelism_config=parallelism),
-                          train_dataset=str(root / "data.jsonl"))
-        losses = trainer.train().losses
-        if torch.distributed.get_rank() == 0:
-            (out / f"{model_type}.json").write_text(json.dumps(losses))
+    for where, layout in layouts.items():
+        for model_type, path in checkpoints.items():
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=F64,
+                                                                distributed_config=DistributedConfig(**layout))
+            parallelism = ParallelismConfig(pp_microbatches=2) if layout.get("pp_size", 1) > 1 else None
+            trainer = Trainer(model=model, args=_trainer_args(out / where / model_type, parallelism_config=parallelism),
+                              train_dataset=str(root / "data.jsonl"))
+            losses = trainer.train().losses
+            if torch.distributed.get_rank() == 0:
+                (out / where / f"{model_type}.json").write_text(json.dumps(losses))
 
 
 def _equal_transformers(checkpoints: dict, root, out) -> None:
@@ -132,16 +208,18 @@ def _equal_transformers(checkpoints: dict, root, out) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [dict(pp_size=2, tp_size=1), dict(cp_size=2, tp_size=1)], ids=["pp2", "cp2"])
-def test_trainer_equals_transformers(records, tmp_path, layout):
+def test_trainer_pp2_and_cp2_equal_transformers(records, tmp_path):
     checkpoints, root = records
-    run_distributed(_train, 2, checkpoints, root, layout, tmp_path, timeout=600)
-    _equal_transformers(checkpoints, root, tmp_path)
+    layouts = {"pp2": dict(pp_size=2, tp_size=1), "cp2": dict(cp_size=2, tp_size=1)}
+    run_distributed(_train, 2, checkpoints, root, layouts, tmp_path, timeout=900)
+    for where in layouts:
+        _equal_transformers(checkpoints, root, tmp_path / where)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_trainer_tp2_cp2_pp2_equals_transformers(records, tmp_path):
     checkpoints, root = records
-    run_distributed(_train, 8, checkpoints, root, dict(tp_size=2, cp_size=2, pp_size=2), tmp_path, timeout=1200)
-    _equal_transformers(checkpoints, root, tmp_path)
+    run_distributed(_train, 8, checkpoints, root, {"3d": dict(tp_size=2, cp_size=2, pp_size=2)}, tmp_path,
+                    timeout=1200)
+    _equal_transformers(checkpoints, root, tmp_path / "3d")
