@@ -19,16 +19,20 @@ Not yet: context parallelism (the merged sequence split after the image embeddin
 """
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 import transformers
 from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+from tptrain.hf.attention import declare_cp_facts
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
+from tptrain.hf.stages import stage_parts
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
 from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_roots
 from tptrain.io import resolve_checkpoint
@@ -76,13 +80,31 @@ class TransformersImageTextToText(TransformersCausalLM):
             module.tp_heads, module.tp_kv_projections = (heads, heads), ()
 
     def _declare_stages(self, prefix: str) -> None:
-        self.pp_refusal = (f"{type(self.hf_model).__name__} ({self.config.model_type}): pipeline stages of a "
-                           f"vision-language model (the tower and projector on the first stage) are not built yet")
+        """The causal backend's cut of the text decoder's layers (hf/stages.py), the tower and projector on the first
+        stage beside the embedding."""
+        self._declare_stage_parts(stage_parts(self, prefix, self._text_decoder or None))
+
+    def input_positions(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor | None:
+        """(batch, rows, seq): the multimodal RoPE position ids (time, height, width) transformers' forward computes
+        from the whole rows' ids, image grids and token types (`compute_3d_position_ids`: Qwen2-VL and its kin), which
+        every pipeline stage needs; None where the model's positions are the plain 0..seq-1 (contract.PipelineModel)."""
+        compute = getattr(getattr(self, self.base_model_prefix), "compute_3d_position_ids", None)
+        if compute is None:
+            return None
+        given = {"input_ids": input_ids, **inputs}
+        named = [p.name for p in inspect.signature(compute).parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        positions = compute(**{name: given.get(name) for name in named})
+        return None if positions is None else positions.movedim(1, 0)
 
     def _declare_cp_facts(self, prefix: str) -> None:
-        """None yet: context parallelism splits the merged sequence, after the image embeddings are placed (the
-        rule table refuses it: no attention declares `attend`)."""
-        self.sequence_mixers = {}
+        """Context parallelism splits the merged sequence where it enters the text decoder (`cp_sequence_entry`),
+        after transformers' forward has run the tower and projector on every image, placed their features and
+        computed the position ids (multimodal RoPE's too) on the whole sequence: `attend` on the text decoder's
+        attention modules only, the masks through the base model (hf/attention.py)."""
+        self.cp_sequence_entry = self._text_decoder
+        layers = getattr(self, "pp_layers", None) or f"{self._text_decoder}.layers"
+        self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), layers, within=self._text_decoder)
 
     def _set_local_heads(self) -> None:
         """The text decoder's as the causal backend's; each attention outside it split by heads (the tower's) gets

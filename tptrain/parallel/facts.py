@@ -18,7 +18,9 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
     if not isinstance(model, nn.Module):
         return None
     config = getattr(model, "config", None)
-    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
+    # (a vision-language model's tower attends before the sequence is split: context parallelism leaves it alone)
+    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)
+                 and contract.in_sequence(model, name)}
     base = contract.base_model(model)
     experts = None if objects is None else sum(1 for style in objects.values() if style.stacked_experts)
     return ModelFacts(

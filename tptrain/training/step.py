@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
-from tptrain.distributed.state import state_of
+from tptrain.distributed.state import ROWS, state_of
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.args import TrainingArguments
@@ -27,8 +27,9 @@ from tptrain.training.optim import clip_grad_norm_
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A batch's inputs beyond the text's (ids, labels, positions): a vision-language model's attention_mask, pixel
-    values, image_grid_thw, ... under the processor's names (training/vision_data.py); none for text."""
-    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
+    values, image_grid_thw, ... under the processor's names (training/vision_data.py; not their rows per sample,
+    which a pipeline reads); none for text."""
+    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids") and not k.endswith(ROWS)}
 
 
 class TrainStep:
