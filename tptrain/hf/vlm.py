@@ -68,12 +68,18 @@ class TransformersImageTextToText(TransformersCausalLM):
 
     def _declare_tp_facts(self, plan: dict[str, str]) -> None:
         """Each module's facts from its own sub-model's config (the text config's heads, the vision config's);
-        the derived tower attention split by its own head count, no KV heads to replicate."""
+        the derived tower attention split by its own head count, no KV heads to replicate; why its sequence cannot
+        be split (`sp_refusal`, the rule table's `sp_refused`)."""
         optional = {glob: style for rules in self.tp_optional_plans.values() for glob, style in rules.items()}
         declare_tp_facts(self, {**plan, **optional}, self.config, config_of=lambda name: _init_owner(self, name).config)
         for name, (heads, _) in self._tower_attention.items():
             module = self.get_submodule(name)
             module.tp_heads, module.tp_kv_projections = (heads, heads), ()
+        self.sp_refusal = (f"its decoder's input, the merged sequence (the image features put in place of the whole "
+                           f"row's placeholders, and multimodal rotary positions computed from the whole row), is "
+                           f"made inside transformers' forward of {type(self.hf_model).__name__} before the first "
+                           f"decoder layer, and transformers' modules take their shapes from their input: no layer "
+                           f"can be handed a shard of the sequence")
 
     def _declare_stages(self, prefix: str) -> None:
         self.pp_refusal = (f"{type(self.hf_model).__name__} ({self.config.model_type}): pipeline stages of a "
@@ -97,6 +103,13 @@ class TransformersImageTextToText(TransformersCausalLM):
                 continue
             width = self._tower_attention.get(name, (None, heads[0] * getattr(module, "head_dim", 0)))[1]
             localise_heads(module, heads[0], width, self.tp_size)
+
+    def input_dependent_parameters(self) -> list[str]:
+        """The parameters only a batch with images reaches: all but the text decoder's and the output head's (the
+        tower's, the projector's; the Trainer keeps them in step over dp ranks: training/input_reach.py)."""
+        head = next(n for n, m in self.named_modules() if m is self.get_output_embeddings())
+        return [n for n, _ in self.named_parameters()
+                if not n.startswith((self._text_decoder + ".", head + "."))]
 
     def extra_files(self) -> dict[str, bytes]:
         """The processor's files (image processor, tokenizer, chat template) of the checkpoint this model was

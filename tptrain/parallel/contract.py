@@ -379,6 +379,12 @@ def pipeline_refusal(model: nn.Module) -> str | None:
     return getattr(model, "pp_refusal", None)
 
 
+def sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why the model's sequence cannot be split over the TP group (`sp_refusal`, a str; absent: None, it can be
+    where its plan allows), which the rule table's `sp_refused` repeats."""
+    return getattr(model, "sp_refusal", None)
+
+
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
     """(layer list, first-stage modules, last-stage modules) of a `PipelineModel`; None if the model is not one."""
     return (model.pp_layers, tuple(model.pp_first), tuple(model.pp_last)) if isinstance(model, PipelineModel) else None
