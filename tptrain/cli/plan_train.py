@@ -35,6 +35,12 @@ def add_train_plan_arguments(plan: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank on every linear layer (0: full "
                                                          "fine-tuning)")
     g.add_argument("--optim-in-backward", action="store_true", help="step and free each gradient in backward")
+    g.add_argument("--images-per-sample", type=int, default=1,
+                   help="a vision-language model's images per sequence (tiles, for families that cut an image into "
+                        "tiles); its tower's activations are counted for each")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="the images' side in pixels (default: the tower's own; needed for towers of any size, such as "
+                        "Qwen2.5-VL's)")
     g.add_argument("--pp-microbatches", type=int, default=None, help="microbatches per batch under pp (default: pp)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planning.md has the schema)")
 
@@ -92,9 +98,12 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
                              gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r,
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
-                             expert_parallel=args.expert_parallel)
+                             expert_parallel=args.expert_parallel, images_per_sample=args.images_per_sample,
+                             image_size=args.image_size)
     layout = parse_layout(args.layout, args.world) if args.layout else None
     shapes = ModelShapes.of(config, dtype=dtype)
+    if shapes.tower is not None and settings.images_per_sample:
+        shapes.tower.tokens(settings.image_size)  # a tower of any size needs --image-size: bad input (exit 1)
     try:
         plan = plan_training(shapes, world=args.world, settings=settings, profile=profile, layout=layout)
     except ValueError as exc:

@@ -22,7 +22,9 @@ class TrainSettings:
     gradient stepped and freed in backward; pp_schedule / pp_microbatches: the pipeline's (microbatches default to
     pp); sequence_parallel / expert_parallel: DistributedConfig's flags; loss: "fused" (tptrain's head fused with the
     loss, chunk by chunk) or "logits" (whole logits, then the cross-entropy: what a pipeline's last stage does, and
-    other frameworks)."""
+    other frameworks); images_per_sample / image_size: a vision-language model's images (or an image's tiles, for
+    families that cut one into tiles) per sequence, and their side in pixels (default: the tower's own size), which
+    its vision tower turns into (side / patch)^2 tokens each."""
 
     batch_size: int
     seq_len: int
@@ -36,10 +38,15 @@ class TrainSettings:
     sequence_parallel: bool = False
     expert_parallel: bool = False
     loss: str = "fused"
+    images_per_sample: int = 1
+    image_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
             check_positive_int(getattr(self, name), "--" + name.replace("_", "-"))
+        if self.images_per_sample < 0 or self.image_size is not None and self.image_size < 1:
+            raise ValueError(f"--images-per-sample must be >= 0 and --image-size >= 1, got {self.images_per_sample} "
+                             f"and {self.image_size}")
         if self.lora_r < 0:
             raise ValueError(f"--lora-r must be >= 0, got {self.lora_r}")
         if self.loss not in ("fused", "logits"):

@@ -30,7 +30,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
 
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
-from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_roots
+from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_facts, tower_roots
 from tptrain.io import resolve_checkpoint
 from tptrain.io.hub import PROCESSOR_PATTERNS
 
@@ -59,6 +59,7 @@ class TransformersImageTextToText(TransformersCausalLM):
         if plan and name and vocab_parallel_embedding(embed, name, declared):
             plan = {name: "embedding_rowwise", **plan}
         self._text_decoder = decoder_name(hf_model)
+        self.layer_list = f"{self._text_decoder}.layers"  # FSDP2's units (the tower stays in the root's: input_reach)
         derived, self._tower_attention = derive_plan(hf_model, tower_roots(hf_model, plan))
         self.tp_optional_plans = {f"{root} ({type(hf_model.get_submodule(root)).__name__}, tptrain's derived plan)":
                                   rules for root, rules in derived.items()}
@@ -110,6 +111,11 @@ class TransformersImageTextToText(TransformersCausalLM):
         head = next(n for n, m in self.named_modules() if m is self.get_output_embeddings())
         return [n for n, _ in self.named_parameters()
                 if not n.startswith((self._text_decoder + ".", head + "."))]
+
+    def tower_facts(self) -> dict | None:
+        """The vision tower's widths and variants for the memory planner (hf/towers.py `tower_facts`)."""
+        head = next(n for n, m in self.named_modules() if m is self.get_output_embeddings())
+        return tower_facts(self.hf_model, (self._text_decoder, head))
 
     def extra_files(self) -> dict[str, bytes]:
         """The processor's files (image processor, tokenizer, chat template) of the checkpoint this model was

@@ -69,6 +69,9 @@ class TPModel(Protocol):
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
+    layer_list: the dotted name of the decoder layers (an nn.ModuleList; a pipeline stage's nn.ModuleDict), each its
+        own FSDP2 unit and compiled on its own (`layers`; absent: `{base_model_prefix}.layers`; a vision-language
+        model's text decoder's, e.g. "model.language_model.layers").
     tp_optional_plans: {what: {full-name glob: style}}: rules applied only at a tp size where they split (every
         width and head count they split divides it, `plan.check_plan`); elsewhere their modules stay whole on every
         rank, and the resolved plan's `notes` say so (`optional_plans`; absent: {}; a vision-language model's derived
@@ -258,6 +261,10 @@ def key_value_head_dims(config: Any) -> tuple[int, int]:
 
 def prefix(model: nn.Module) -> str:
     return getattr(model, "base_model_prefix", "model")
+
+
+def layers(model: nn.Module) -> str:
+    return getattr(model, "layer_list", None) or f"{prefix(model)}.layers"
 
 
 def head_plan(model: nn.Module) -> dict[str, str]:
