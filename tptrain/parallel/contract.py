@@ -69,6 +69,9 @@ class TPModel(Protocol):
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
+    layer_list: the dotted name of the decoder layers (an nn.ModuleList; a pipeline stage's nn.ModuleDict), each its
+        own FSDP2 unit and compiled on its own (`layers`; absent: `{base_model_prefix}.layers`; a vision-language
+        model's text decoder's, e.g. "model.language_model.layers").
     tp_optional_plans: {what: {full-name glob: style}}: rules applied only at a tp size where they split (every
         width and head count they split divides it, `plan.check_plan`); elsewhere their modules stay whole on every
         rank, and the resolved plan's `notes` say so (`optional_plans`; absent: {}; a vision-language model's derived
@@ -269,6 +272,10 @@ def prefix(model: nn.Module) -> str:
     return getattr(model, "base_model_prefix", "model")
 
 
+def layers(model: nn.Module) -> str:
+    return getattr(model, "layer_list", None) or f"{prefix(model)}.layers"
+
+
 def head_plan(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "_tp_plan", None) or {})
 
@@ -410,6 +417,12 @@ def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
 
 def pipeline_refusal(model: nn.Module) -> str | None:
     return getattr(model, "pp_refusal", None)
+
+
+def sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why the model's sequence cannot be split over the TP group (`sp_refusal`, a str; absent: None, it can be
+    where its plan allows), which the rule table's `sp_refused` repeats."""
+    return getattr(model, "sp_refusal", None)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:

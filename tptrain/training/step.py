@@ -21,6 +21,7 @@ from tptrain.distributed.state import ROWS, state_of
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.args import TrainingArguments
+from tptrain.training.input_reach import InputReach
 from tptrain.training.nonfinite import StepResult, describe, is_finite
 from tptrain.training.optim import clip_grad_norm_
 
@@ -46,6 +47,8 @@ class TrainStep:
         self.specs = state.tp.specs if state.laid_out else {}
         self.grad_sync = state.grad_sync
         self.metrics: dict[str, float] = {}  # what a workflow's step adds to the step's log line (TRL's names)
+        dp = dp_mesh(mesh)  # a vision-language model's tower: reached by images only, kept in step over dp
+        self.reach = InputReach.of(self.inner, dp.get_group(), dp.size()) if pipeline is None else None
 
     def __call__(self, micro: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
                  scheduler: Any) -> StepResult:
@@ -56,6 +59,8 @@ class TrainStep:
         loss_sum = self.forward_backward(micro)
         if self.pipeline is not None:
             self.pipeline.ties.sync_grads()
+        if self.reach is not None:
+            self.reach.settle()
         # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
         # gradients left: the optimizer held them back for this sum and steps them now
         if self.grad_sync is not None:
