@@ -20,7 +20,7 @@ from torch import nn
 
 from tptrain.models import AutoModelForCausalLM, AutoModelForImageTextToText
 from tptrain.models.registry import vision_language
-from tptrain.parallel import contract
+from tptrain.parallel import contract, pipeline_contract
 from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.styles import ShardSpec
 
@@ -169,7 +169,7 @@ class ModelShapes:
         """Every parameter (a tied one once, in its first unit, and flagged again as the head's copy) as a rank holds
         it at (tp, ep)."""
         specs = self.resolved(tp, ep, sp, expert_parallel).specs
-        layers_path, first, last = contract.pipeline_parts(self.model) or (contract.layers(self.model), (), ())
+        layers_path, first, last = pipeline_contract.pipeline_parts(self.model) or (contract.layers(self.model), (), ())
         head = contract.output_head(self.model)
         linear = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Linear) and m is not head}
         out, seen = [], {}

@@ -94,7 +94,7 @@ class TransformersImageTextToText(TransformersCausalLM):
     def input_positions(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor | None:
         """(batch, rows, seq): the multimodal RoPE position ids (time, height, width) transformers' forward computes
         from the whole rows' ids, image grids and token types (`compute_3d_position_ids`: Qwen2-VL and its kin), which
-        every pipeline stage needs; None where the model's positions are the plain 0..seq-1 (contract.PipelineModel)."""
+        every pipeline stage needs; None where the model's positions are the plain 0..seq-1 (pipeline_contract.PipelineModel)."""
         compute = getattr(getattr(self, self.base_model_prefix), "compute_3d_position_ids", None)
         if compute is None:
             return None

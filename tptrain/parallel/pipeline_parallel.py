@@ -8,7 +8,7 @@ layer each (torchtitan's rule), or as `pp_layers` says. A rank's model keeps onl
 in an nn.ModuleDict keyed by their index, so every parameter keeps its whole-model name (the loader reads only those
 tensors; DCP and save_pretrained see global names). Each of its stages is a `StageModule`: a shallow view of the
 model holding only that stage's modules (the same parameter objects). The model says what to cut through
-`contract.PipelineModel`; nothing here names a model's module.
+`pipeline_contract.PipelineModel`; nothing here names a model's module.
 
 The other axes compose through the model's one forward scope (tptrain/distributed/state.py), which a pipeline runs
 where the model's forward would: `Pipeline.step` runs it around the whole batch ("step": under cp the batch is split
@@ -38,7 +38,7 @@ from torch import nn
 from tptrain.distributed.state import ROWS, Batch, ForwardScope, state_of
 from tptrain.layout import check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
-from tptrain.parallel import contract
+from tptrain.parallel import pipeline_contract
 from tptrain.parallel.pipeline_grads import TiedWeights
 from tptrain.parallel.plan import ResolvedPlan
 
@@ -108,7 +108,7 @@ class PipelinePlan:
 def plan_pipeline(model: nn.Module, *, pp: int, pp_rank: int, schedule: str,
                   layers: list[list[int]] | None = None) -> PipelinePlan:
     """The stages of `model` (whole, e.g. on meta) at `pp`; every problem a ValueError (no process group)."""
-    parts = contract.pipeline_parts(model)
+    parts = pipeline_contract.pipeline_parts(model)
     if parts is None:  # the rule table's pp_uncuttable
         check("pp_uncuttable", pp=pp, name=type(model).__name__)
     schedule = schedule_name(schedule)
@@ -146,7 +146,7 @@ def _replace(root: nn.Module, path: str, value: nn.Module | None, *, shallow: bo
 def keep_stage(model: nn.Module, layers: list[int], *, first: bool, last: bool, shallow: bool = False) -> None:
     """Remove from `model` what a stage holding `layers` (and the first / last stage's modules if it is that stage)
     does not hold. In place, or on a view of the model when `shallow`."""
-    layers_path, first_paths, last_paths = contract.pipeline_parts(model)
+    layers_path, first_paths, last_paths = pipeline_contract.pipeline_parts(model)
     container = model.get_submodule(layers_path)
     def layer(i):
         return container[str(i)] if isinstance(container, nn.ModuleDict) else container[i]
@@ -198,7 +198,7 @@ class StageModule(nn.Module):
                 rows: torch.Tensor | None = None, **inputs: torch.Tensor):
         """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
         the stage before sent (batch, seq / cp (/ tp under SP), hidden); carried: what else it sent (the router
-        statistics, `contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq) or
+        statistics, `pipeline_contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq) or
         (batch, rows, seq), which RoPE and the masks read (a stage's input may be a shard of the sequence); inputs:
         the microbatch's other inputs (`by_microbatch`). Inside the model's forward scope, as the model's own forward
         would be (a loss follows: MicrobatchLoss computes it from the last stage's logits). rows: the microbatch's
@@ -318,7 +318,7 @@ class Pipeline:
         ids, positions = batch["input_ids"], batch.get("position_ids")
         inputs = by_microbatch(batch, self.n_microbatches)
         if positions is None:  # multimodal RoPE's, from the whole rows (every stage reads them)
-            positions = contract.input_positions(self.model, ids, _other_inputs(batch))
+            positions = pipeline_contract.input_positions(self.model, ids, _other_inputs(batch))
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         whole = Batch("step", input_ids=ids, labels=batch["labels"], position_ids=positions,
@@ -382,7 +382,7 @@ def held_elsewhere(model: nn.Module, name: str) -> bool:
     plan = state_of(model).pp
     if plan is None:
         return False
-    layers, first, last = contract.pipeline_parts(model)
+    layers, first, last = pipeline_contract.pipeline_parts(model)
     if name.startswith(f"{layers}."):
         return int(name[len(layers) + 1:].split(".")[0]) not in plan.layers()
     paths = (() if plan.holds(0) else first) + (() if plan.holds(plan.n_stages - 1) else last)
