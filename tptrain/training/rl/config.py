@@ -26,6 +26,7 @@ class GRPOConfig(TrainingArguments):
         log-probabilities are log_softmax(logits / temperature), as TRL's.
     stop_strings: strings ending a completion (model.generate's `stop_strings`; needs the tokenizer).
     beta: weight of the KL to the reference (k3 estimator); 0 (TRL's default): no reference is held.
+    use_bias_correction_kl: the KL term times the ratio to the old policy (TRL 1.16's default: True).
     num_iterations: optimizer steps on each batch of completions (PPO epochs; > 1: the ratio to the log-probabilities
         of the policy that generated them).
     epsilon, epsilon_high: the clip range [1 - epsilon, 1 + epsilon_high] (epsilon_high None: epsilon); cispo's
@@ -49,6 +50,7 @@ class GRPOConfig(TrainingArguments):
     min_p: float | None = None
     stop_strings: list[str] | tuple[str, ...] | None = None
     beta: float = 0.0
+    use_bias_correction_kl: bool = True
     num_iterations: int = 1
     epsilon: float = 0.2
     epsilon_high: float | None = None

@@ -26,6 +26,7 @@ class Objective:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     max_completion_length: int = 512
+    use_bias_correction_kl: bool = True
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class TokenTerms:
 def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor | None, advantages: torch.Tensor,
                 objective: Objective) -> TokenTerms:
     """TRL's per-token loss: the clipped surrogate (cispo: the clipped, detached ratio times the log-probability)
-    of the ratio to `old` (None: the policy itself, detached: num_iterations 1), plus beta x the k3 KL to `ref`."""
+    of the ratio to `old` (None: the policy itself, detached: num_iterations 1), plus beta x the k3 KL to `ref`
+    (times the ratio with use_bias_correction_kl, TRL's default: the KL's importance-sampling correction)."""
     old = logps.detach() if old is None else old
     ratio = torch.exp(logps - old)
     adv = advantages.to(logps.dtype).unsqueeze(-1)  # (rows, 1)
@@ -60,6 +62,8 @@ def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor
     if objective.beta != 0.0:
         delta = ref.to(logps.dtype) - logps
         kl = torch.exp(delta) - delta - 1
+        if objective.use_bias_correction_kl:
+            kl = kl * ratio
         loss = loss + objective.beta * kl
     return TokenTerms(loss, ratio, kl)
 

@@ -31,7 +31,8 @@ class GRPOStep(TrainStep):
                  aux_coef: float = 0.0) -> None:
         super().__init__(model, args=args, mesh=mesh, device=device, pipeline=pipeline, fsdp=fsdp)
         self.objective = Objective(loss_type=args.loss_type, beta=args.beta, epsilon_low=args.epsilon,
-                                   epsilon_high=args.upper_epsilon, max_completion_length=args.max_completion_length)
+                                   epsilon_high=args.upper_epsilon, max_completion_length=args.max_completion_length,
+                                   use_bias_correction_kl=args.use_bias_correction_kl)
         self.aux_coef = aux_coef
 
     def token_log_probs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
