@@ -43,13 +43,14 @@ class Rollout:
     iterations_left: int
 
 
-def generation_seed(seed: int, generation: int, dp_rank: int) -> int:
-    """The draws of the `generation`-th batch of completions on a dp rank: a function of the run's seed, so a run
-    resumed from a checkpoint draws what the uninterrupted run would have."""
-    return zlib.crc32(f"{seed}/{generation}/{dp_rank}".encode())
+def generation_seeds(seed: int, generation: int, first: int, rows: int) -> list[int]:
+    """Each completion's own seed in the `generation`-th batch: a function of the run's seed and the completion's
+    place in the global batch (`first`: this rank's first), so completions are the same at every data-parallel size,
+    and a run resumed from a checkpoint draws what the uninterrupted run would have."""
+    return [zlib.crc32(f"{seed}/{generation}/{first + k}".encode()) for k in range(rows)]
 
 
-def generate_completions(trainer: Any, rows: list[dict], seed: int) -> Completions:
+def generate_completions(trainer: Any, rows: list[dict], seeds: list[int]) -> Completions:
     """num_generations sampled completions of each prompt of `rows` (each group consecutive), every rank of a TP
     group the same."""
     args, tok = trainer.args, trainer.tokenizer
@@ -61,7 +62,7 @@ def generate_completions(trainer: Any, rows: list[dict], seed: int) -> Completio
         out = generate(trainer.inner, ids, mask, max_new_tokens=args.max_completion_length, do_sample=True,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                        eos_token_id=list(eos), pad_token_id=pad, stop_strings=args.stop_strings, tokenizer=tok,
-                       generator=seed, num_return_sequences=args.num_generations)
+                       generator=seeds, num_return_sequences=args.num_generations)
     kept, truncated = [], []
     for row in out[:, longest:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), None)
@@ -79,10 +80,9 @@ def make_rollout(trainer: Any, indices: list[int]) -> Rollout:
     """The rollout of this dp rank's prompts `indices` (collective over the run's ranks)."""
     args = trainer.args
     rows = [trainer.dataset[i] for i in indices]
-    dp_rank = dp_mesh(trainer.mesh).get_local_rank()
-    seed = generation_seed(args.seed, trainer.generations, dp_rank)
-    done = generate_completions(trainer, rows, seed)
     group = args.num_generations
+    first = dp_mesh(trainer.mesh).get_local_rank() * len(rows) * group
+    done = generate_completions(trainer, rows, generation_seeds(args.seed, trainer.generations, first, len(rows) * group))
     prompts = [r["prompt"] for r in rows for _ in range(group)]
     columns = {k: [r["columns"][k] for r in rows for _ in range(group)] for k in rows[0]["columns"]}
     rewards, error = None, None
