@@ -84,6 +84,17 @@ class GRPOTrainer(Trainer):
         _check_positions(self.inner, data, a.max_completion_length)
         return data
 
+    def _check_sequence_length(self, dims: Any) -> None:
+        """The run's rows (a prompt and its completion) within the model's positions, named by GRPO's options (the
+        longest prompt's row is checked once the prompts are read)."""
+        limit, a = getattr(self.inner.config, "max_position_embeddings", None), self.args
+        if isinstance(limit, int) and a.seq_len > limit:
+            prompt = f"max_prompt_length={a.max_prompt_length} + " if a.max_prompt_length else "a prompt + "
+            raise ValueError(f"GRPOConfig: {prompt}max_completion_length={a.max_completion_length} reach {a.seq_len} "
+                             f"positions, past the model's max_position_embeddings={limit}; lower max_completion_length "
+                             "(--max-completion-length) or max_prompt_length (--max-prompt-length)")
+        super()._check_sequence_length(dims)
+
     def training_step(self, indices: list[int]) -> StepResult:
         """One optimizer step: a new batch of completions of this dp rank's prompts `indices` every num_iterations
         steps (generated, scored, their old and reference log-probabilities computed), else the last one again."""
