@@ -30,7 +30,7 @@ class Objective:
 
 
 @dataclass(frozen=True)
-class Totals:
+class BatchCounts:
     """The global batch's counts the loss types divide by: completions, completion tokens (mask), micro-batches."""
 
     completions: int
@@ -68,7 +68,7 @@ def token_terms(logps: torch.Tensor, old: torch.Tensor | None, ref: torch.Tensor
     return TokenTerms(loss, ratio, kl)
 
 
-def loss_share(loss: torch.Tensor, mask: torch.Tensor, objective: Objective, totals: Totals) -> torch.Tensor:
+def loss_share(loss: torch.Tensor, mask: torch.Tensor, objective: Objective, totals: BatchCounts) -> torch.Tensor:
     """This micro-batch's share of the global loss: "grpo" each completion's token mean over the global
     completions; "bnpo" this micro-batch's token mean over the global micro-batches (TRL's, per micro-batch);
     "dr_grpo" the token sum over completions x max_completion_length; "dapo" / "cispo" the token sum over the

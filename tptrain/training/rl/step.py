@@ -20,7 +20,7 @@ from tptrain.distributed import comm
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.preference.reference import token_log_probs
-from tptrain.training.rl.objective import METRICS, Objective, Totals, loss_share, metric_sums, token_terms
+from tptrain.training.rl.objective import METRICS, BatchCounts, Objective, loss_share, metric_sums, token_terms
 from tptrain.training.step import TrainStep
 
 
@@ -63,7 +63,7 @@ class GRPOStep(TrainStep):
         self.metrics = {name: v for name, v in zip(METRICS, means) if name in shown}
         return loss_sum
 
-    def totals(self, micro: list[dict[str, torch.Tensor]]) -> Totals:
+    def totals(self, micro: list[dict[str, torch.Tensor]]) -> BatchCounts:
         """The global batch's completions, counted completion tokens and micro-batches: one all-reduce over dp (the
         TP ranks of a dp rank hold the same rows)."""
         local = torch.zeros(3, dtype=torch.int64, device=self.device)
@@ -72,4 +72,4 @@ class GRPOStep(TrainStep):
             local += torch.stack([counted.new_tensor(batch["input_ids"].shape[0]), counted, counted.new_tensor(1)])
         comm.all_reduce(local, dp_mesh(self.mesh).get_group(), phase="token_count")
         completions, tokens, micro_batches = (int(v) for v in local.tolist())
-        return Totals(completions=completions, tokens=tokens, micro_batches=micro_batches)
+        return BatchCounts(completions=completions, tokens=tokens, micro_batches=micro_batches)
