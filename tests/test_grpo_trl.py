@@ -127,3 +127,35 @@ def test_loss_and_gradients_equal_trl(tmp_path, name):
     assert shown and all(k in want["metrics"] for k in shown), (shown, sorted(want["metrics"]))
     for key in shown:
         torch.testing.assert_close(got["metrics"][key], want["metrics"][key], **CLOSE, msg=lambda m: f"{name} {key}")
+
+
+def test_per_token_log_probs_of_both_backends_and_both_heads(tmp_path):
+    """Each position's loss of logits / temperature: the chunked head (training mode) equals the whole logits'
+    (return_logits) and log_softmax of transformers' own logits, on tptrain's model and on transformers' under
+    tptrain's engine, values and gradients."""
+    import transformers
+
+    from tptrain import DistributedConfig
+    from tptrain.losses import IGNORE_INDEX
+    from tptrain.models import AutoModelForCausalLM
+
+    path = checkpoint(tmp_path / "ckpt")
+    ids = torch.randint(0, 4000, (3, 10), generator=torch.Generator().manual_seed(0))
+    labels = ids.masked_fill(torch.arange(10) < 3, IGNORE_INDEX)
+    weights = torch.randn(3, 10, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    logps = (hf(ids).logits[:, :-1] / TEMPERATURE).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    want = torch.nn.functional.pad(-logps * (labels[:, 1:] != IGNORE_INDEX), (0, 1))
+    results = []
+    for backend, whole in (("native", False), ("native", True), ("transformers", False)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                     distributed_config=DistributedConfig(backend=backend)).train()
+        out = model(ids, labels=labels, per_token=True, temperature=TEMPERATURE,
+                    **({"return_logits": True} if whole else {})).loss
+        (out * weights).sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], want.detach(), rtol=1e-5, atol=1e-6)  # transformers' fp32 rotary
+    for (out, grads), tol in zip(results[1:], (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-5, atol=1e-6))):
+        torch.testing.assert_close(out, results[0][0], **tol)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(grads[name], grad, **tol)
