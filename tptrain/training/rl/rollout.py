@@ -13,6 +13,7 @@ reward_std); each group's mean and std are its own rank's.
 """
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ class Rollout:
     micro: list[dict[str, torch.Tensor]]
     metrics: dict[str, float]
     iterations_left: int
+    seconds: dict[str, float]  # time/generation, time/scoring (rewards, old and reference log-probabilities)
 
 
 def generation_seeds(seed: int, generation: int, first: int, rows: int) -> list[int]:
@@ -82,7 +84,9 @@ def make_rollout(trainer: Any, indices: list[int]) -> Rollout:
     rows = [trainer.dataset[i] for i in indices]
     group = args.num_generations
     first = dp_mesh(trainer.mesh).get_local_rank() * len(rows) * group
+    start = time.perf_counter()
     done = generate_completions(trainer, rows, generation_seeds(args.seed, trainer.generations, first, len(rows) * group))
+    generated = time.perf_counter()
     prompts = [r["prompt"] for r in rows for _ in range(group)]
     columns = {k: [r["columns"][k] for r in rows for _ in range(group)] for k in rows[0]["columns"]}
     rewards, error = None, None
@@ -98,7 +102,8 @@ def make_rollout(trainer: Any, indices: list[int]) -> Rollout:
     micro = _micro_batches(trainer, rows, done, adv)
     prompt_tokens = sum(len(r["prompt_ids"]) for r in rows) * group
     metrics = {**_reward_metrics(trainer, everyone, total), **_length_metrics(trainer, done, prompt_tokens)}
-    return Rollout(micro, metrics, iterations_left=args.num_iterations)
+    seconds = {"time/generation": generated - start, "time/scoring": time.perf_counter() - generated}
+    return Rollout(micro, metrics, iterations_left=args.num_iterations, seconds=seconds)
 
 
 def _micro_batches(trainer: Any, rows: list[dict], done: Completions, adv: torch.Tensor) -> list[dict]:

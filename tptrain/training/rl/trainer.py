@@ -12,7 +12,8 @@ laid out, the reward functions, TRL's advantages), its loss (objective.py, in th
 and, with beta > 0, its reference (the preference workflow's: the LoRA base with the adapters off, or a frozen copy
 laid out like the model). Each batch of completions trains num_iterations optimizer steps. Set-up, the layouts,
 checkpoints and resume (the prompt order and the generation seeds included), the final model and reporting are the
-Trainer's; the step logs TRL's metrics (reward, reward_std, rewards/<func>/mean, completions/*, clip_ratio/*, kl).
+Trainer's; the step logs TRL's metrics (reward, reward_std, rewards/<func>/mean, completions/*, clip_ratio/*, kl),
+and where its time went (time/generation, time/scoring: 0 on a step that reuses a batch; the rest of step_time trains).
 """
 from __future__ import annotations
 
@@ -99,13 +100,15 @@ class GRPOTrainer(Trainer):
         """One optimizer step: a new batch of completions of this dp rank's prompts `indices` every num_iterations
         steps (generated, scored, their old and reference log-probabilities computed), else the last one again."""
         self.model.train()
-        if self.rollout is None or self.rollout.iterations_left == 0:
+        fresh = self.rollout is None or self.rollout.iterations_left == 0
+        if fresh:
             self.rollout = make_rollout(self, indices)
             done = self.global_step % self.args.num_iterations  # resumed inside a batch's iterations
             self.rollout.iterations_left -= done
         self.rollout.iterations_left -= 1
         result = self.step(self.rollout.micro, self.optimizer, self.scheduler)
         self.step.metrics.update(self.rollout.metrics)
+        self.step.metrics.update({k: v if fresh else 0.0 for k, v in self.rollout.seconds.items()})
         return result
 
     @property
