@@ -33,6 +33,7 @@ def _grpo(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # ~1 min: two workers started by the launcher (docs/reinforcement-learning.md's example runs it too)
 def test_tptrain_grpo_trains_at_tp2(ckpt, tmp_path):
     out = tmp_path / "run"
     proc = _grpo("--model", str(ckpt), "--data", _prompts(tmp_path, prompt_records(4)), "--reward-funcs", REWARDS,
