@@ -1,5 +1,6 @@
 """GRPO at every layout it generates on equals one process (fp64): tp 2, tp 2 x dp 2 (FSDP2: each dp rank generates
-its own prompts' groups) and LoRA at tp 2 (the KL's reference: the adapters off). The same completions are sampled
+its own prompts' groups), LoRA at tp 2 (the KL's reference: the adapters off) and a Qwen3-MoE with expert parallelism
+(its router aux loss in the objective). The same completions are sampled
 at every layout (each completion's draws its own seed), so each step's loss, TRL's metrics, every gradient
 (gathered before each of the 3 AdamW steps) and every parameter after them agree. The runs read old log-probs
 (num_iterations 2: the second step trains on the first step's completions) and a KL to the reference (beta > 0: a
@@ -29,6 +30,9 @@ RUNS = {
     "tp2": (dict(tp_size=2), dict(), 8, False),
     "tp2_lora": (dict(tp_size=2), dict(), 8, True),
     "tp2_dp2": (dict(tp_size=2), dict(dp_shard_size=2), 4, False),
+    # Qwen3-MoE, its router aux loss in the objective: the experts split by expert over the two ranks (ep = tp)
+    "moe_one": (dict(), dict(), 8, False),
+    "moe_ep2": (dict(tp_size=2, enable_expert_parallel=True), dict(), 8, False),
 }
 LOGGED = ("loss", "grad_norm", "reward", "reward_std", "rewards/letter_e/mean", "rewards/short/mean", "kl",
           "clip_ratio/region_mean", "completions/mean_length", "num_tokens")
@@ -44,7 +48,8 @@ def _run(tmp: str, name: str) -> None:
 
     layout, parallel, batch, lora = RUNS[name]
     config = DistributedConfig(**layout) if layout else None
-    model = AutoModelForCausalLM.from_pretrained(f"{tmp}/ckpt", dtype=torch.float64, distributed_config=config)
+    path = f"{tmp}/moe" if name.startswith("moe") else f"{tmp}/ckpt"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=config)
     if lora:
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(**LORA))
@@ -85,12 +90,14 @@ def _assert_equal(tmp_path, name: str, ref: str) -> None:
 
 def test_every_layout_equals_one_process(tmp_path):
     checkpoint(tmp_path / "ckpt")
-    run_distributed(_worker, 1, str(tmp_path), ["one", "one_lora"])
-    run_distributed(_worker, 2, str(tmp_path), ["tp2", "tp2_lora"])
+    checkpoint(tmp_path / "moe", moe=True)
+    run_distributed(_worker, 1, str(tmp_path), ["one", "one_lora", "moe_one"])
+    run_distributed(_worker, 2, str(tmp_path), ["tp2", "tp2_lora", "moe_ep2"])
     run_distributed(_worker, 4, str(tmp_path), ["tp2_dp2"])
     for name in ("tp2", "tp2_dp2"):
         _assert_equal(tmp_path, name, "one")
     _assert_equal(tmp_path, "tp2_lora", "one_lora")
+    _assert_equal(tmp_path, "moe_ep2", "moe_one")
     for name in ("one", "one_lora"):  # the runs did something: a KL away from the reference, clipped ratios
         lines = metrics(tmp_path / name)
         assert lines[0]["kl"] == 0.0 and lines[1]["kl"] > 0 and lines[1]["clip_ratio/region_mean"] > 0, lines
