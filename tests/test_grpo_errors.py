@@ -190,3 +190,11 @@ def test_a_reward_error_on_one_dp_rank_reaches_every_rank(tmp_path):
 
     checkpoint(tmp_path / "ckpt")
     run_distributed(_raises_on_one_rank, 2, str(tmp_path))
+
+
+def test_prompts_from_a_datasets_dataset():
+    datasets = pytest.importorskip("datasets")
+    rows = datasets.Dataset.from_list([{"prompt": "ab", "answer": "x"}, {"prompt": "cde", "answer": "y"}])
+    data = build_prompts(rows, _Chars(), model_dir=None)
+    assert len(data) == 2 and data[1]["prompt_ids"] == [99, 100, 101] and data[1]["columns"] == {"answer": "y"}
+    assert data.longest == 3 and not data.conversational
