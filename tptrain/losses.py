@@ -31,7 +31,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
                    num_items_in_batch: int | torch.Tensor | None = None, *, shifted: bool = False,
-                   per_sequence: bool = False) -> torch.Tensor:
+                   per_sequence: bool = False, per_token: bool = False) -> torch.Tensor:
     """Next-token cross-entropy in fp32. Labels are shifted here; IGNORE_INDEX positions don't count.
 
     With `num_items_in_batch` (real tokens over all micro-batches of a step) the loss is
@@ -39,14 +39,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     `shifted`: `labels` are already each position's target (context parallelism shifts before it splits the
     sequence, so a shard's last token keeps its target); every loss function of this contract takes it.
     `per_sequence`: (batch,) each row's summed token loss instead (its targets' negative log-likelihood, what
-    preference objectives read; `num_items_in_batch` unused); every loss function of this contract takes it too.
+    preference objectives read; `num_items_in_batch` unused); every loss function of this contract takes it too, and
+    `per_token`: (batch, seq) each position's loss against its (shifted) target, 0 where ignored (GRPO's per-token
+    log-probabilities, negated).
     """
     labels = labels if shifted else shift_labels(labels)
     # Upcast half precision to fp32 (as transformers does); fp32/fp64 stay as they are.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
-    if per_sequence:
-        return F.cross_entropy(logits, labels.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(labels.shape).sum(dim=-1)
+    if per_sequence or per_token:
+        per_position = F.cross_entropy(logits, labels.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX,
+                                       reduction="none").view(labels.shape)
+        return per_position if per_token else per_position.sum(dim=-1)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = F.cross_entropy(logits, labels.reshape(-1).to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -217,14 +220,16 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: to
 
 def chunked_causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            num_items_in_batch: int | torch.Tensor | None = None, *, transform,
-                           chunk: int | None = None, shifted: bool = False, per_sequence: bool = False) -> torch.Tensor:
+                           chunk: int | None = None, shifted: bool = False, per_sequence: bool = False,
+                           per_token: bool = False) -> torch.Tensor:
     """`causal_lm_loss(transform(h @ weight.T), labels, num_items_in_batch, shifted=, per_sequence=)` without the
     whole logits."""
     labels = labels if shifted else shift_labels(labels)
     target = labels.reshape(-1).to(h.device)
-    if per_sequence:
-        return chunked_token_losses(h.reshape(-1, h.shape[-1]), weight, target, transform=transform,
-                                    chunk=chunk).view(labels.shape).sum(dim=-1)
+    if per_sequence or per_token:
+        per_position = chunked_token_losses(h.reshape(-1, h.shape[-1]), weight, target, transform=transform,
+                                            chunk=chunk).view(labels.shape)
+        return per_position if per_token else per_position.sum(dim=-1)
     return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, target,
                                       loss_denominator(target, num_items_in_batch), transform=transform, chunk=chunk)
 

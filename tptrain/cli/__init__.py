@@ -35,7 +35,7 @@ from tptrain.cli.plan_train import add_train_plan_arguments, check_train_argumen
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     train = None
-    if argv[:1] in (["train"], ["dpo"]):
+    if argv[:1] in (["train"], ["dpo"], ["grpo"]):
         try:
             from tptrain.cli import train
         except ImportError as exc:
@@ -53,7 +53,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,generate,prepare-data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,grpo,generate,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
                                       "each module's style, each parameter's global and per-rank shape, parameter "
@@ -92,11 +92,15 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
     dpo_parser = sub.add_parser("dpo", help="preference tuning: DPO, its loss types, SimPO, ORPO on preference pairs "
                                             "(tptrain dpo --help)")
+    grpo_parser = sub.add_parser("grpo", help="reinforcement learning with verifiable rewards: GRPO, DAPO, Dr. GRPO on "
+                                              "prompts and reward functions (tptrain grpo --help)")
     if train is not None:
         from tptrain.cli.dpo import add_dpo_arguments
+        from tptrain.cli.grpo import add_grpo_arguments
 
         train.add_train_arguments(train_parser)
         add_dpo_arguments(dpo_parser)
+        add_grpo_arguments(grpo_parser)
     return parser
 
 

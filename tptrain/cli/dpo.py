@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 DPO_LR = 1e-6  # TRL's DPOConfig default
+LENGTH_FLAG = "--max-length"
 # The DPOConfig fields these flags set (their dest is the field's name)
 FIELDS = ("beta", "loss_type", "loss_weights", "label_smoothing", "rpo_alpha", "reference_free", "simpo_gamma",
           "cpo_alpha", "f_divergence_type", "f_alpha_divergence_coef", "discopop_tau", "router_aux_loss_coef",
@@ -60,6 +61,31 @@ def add_dpo_arguments(parser: argparse.ArgumentParser) -> None:
 def fill_defaults(args: argparse.Namespace) -> None:
     """What `tptrain dpo` sets before `tptrain train`'s defaults: the sequence length is --max-length."""
     args.seq_len = args.max_length
+
+
+def config(args: argparse.Namespace, lr: float | None) -> tuple[Any, float]:
+    """(DPOConfig with these flags' fields, the learning rate: --lr, else TRL's default)."""
+    import functools
+
+    from tptrain.training.preference import DPOConfig
+
+    return functools.partial(DPOConfig, **training_kwargs(args)), DPO_LR if lr is None else lr
+
+
+def dataset(source: Any, tokenizer: Any, model_dir: Path, config: Any, args: argparse.Namespace) -> Any:
+    """Preference pairs in the token cache (the DPOTrainer cuts them to --max-length)."""
+    from tptrain.training.preference.data import build_preference_data
+
+    return build_preference_data(source, tokenizer, model_dir=model_dir, chat_template=args.chat_template,
+                                 max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+                                 truncation_mode=args.truncation_mode, cache_dir=args.data_cache,
+                                 vocab_size=config.vocab_size)
+
+
+def trainer(model: Any, inputs: Any, args: argparse.Namespace) -> Any:
+    from tptrain.training.preference import DPOTrainer
+
+    return DPOTrainer(model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
 
 
 def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -36,6 +36,9 @@ def announce(args: argparse.Namespace, inputs, model, threads: int) -> None:
 
 
 def _describe_data(dataset, args: argparse.Namespace) -> str:
+    if hasattr(dataset, "conversational") and hasattr(dataset, "longest"):  # GRPO's prompts (training/rl/prompts.py)
+        return (f"{len(dataset):,} prompts from {args.data} (up to {dataset.longest} tokens), "
+                f"{args.num_generations} completions of up to {args.max_completion_length} tokens each")
     if hasattr(dataset, "num_pairs"):  # preference pairs (training/preference/data.py)
         return f"{dataset.num_pairs:,} preference pairs from {args.data}, up to {args.max_length} tokens each"
     if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)

@@ -30,12 +30,14 @@ _COMMAND_LINE_ONLY = ("help", "config", "print_config")  # flags a run file cann
 
 
 def train_parser(workflow: str = "train") -> argparse.ArgumentParser:
-    """A parser of `tptrain train`'s flags alone (its options and sections), or `tptrain dpo`'s ("dpo")."""
+    """A parser of `tptrain train`'s flags alone (its options and sections), or `tptrain dpo`'s ("dpo") or
+    `tptrain grpo`'s ("grpo")."""
     from tptrain.cli.dpo import add_dpo_arguments
+    from tptrain.cli.grpo import add_grpo_arguments
     from tptrain.cli.train_arguments import add_train_arguments
 
     parser = argparse.ArgumentParser(prog=f"tptrain {workflow}")
-    (add_dpo_arguments if workflow == "dpo" else add_train_arguments)(parser)
+    {"dpo": add_dpo_arguments, "grpo": add_grpo_arguments}.get(workflow, add_train_arguments)(parser)
     return parser
 
 
@@ -91,8 +93,8 @@ def dump(config: dict[str, Any]) -> str:
 
     Dumper.add_representer(str, Dumper.represent_str)
     parser = train_parser()
-    command = "train" if set(config) <= set(_options(parser)) else "dpo"  # a preference run's options: tptrain dpo
-    parser = parser if command == "train" else train_parser(command)
+    command = next((c for c in ("train", "dpo", "grpo") if set(config) <= set(_options(train_parser(c)))), "train")
+    parser = train_parser(command)  # a preference run's options: tptrain dpo; a GRPO run's: tptrain grpo
     lines = [f"# tptrain {command}'s resolved configuration: `tptrain {command} --config THIS_FILE` runs it again"]
     for title, names in _sections(parser):
         section = {name: config[name] for name in names if name in config}

@@ -16,7 +16,6 @@ a checkpoint and exits 0 within --preemption-grace seconds.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tptrain.cli import dpo as dpo_cli
+from tptrain.cli import grpo as grpo_cli
 from tptrain.cli.plan_train import resolve_train_layout
 from tptrain.cli.run_file import apply_run_file, dump, resolved_config, save_run_config
 from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, add_train_arguments, fill_defaults
@@ -39,8 +39,8 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     `argv`: the command line after `train`, whose flags override a run file's values (--config)."""
     try:
         args = apply_run_file(args, argv)
-        if _dpo(args):  # `tptrain dpo` (cli/dpo.py): --max-length is the sequence length
-            dpo_cli.fill_defaults(args)
+        if _workflow(args):  # `tptrain dpo` / `tptrain grpo` (cli/dpo.py, cli/grpo.py): their sequence length
+            _workflow(args).fill_defaults(args)
         fill_defaults(args)
         if args.layout is not None and resolve_train_layout(args):  # --layout: the sizes, before anything else
             return 2
@@ -72,9 +72,10 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     return _launch(args, nproc)
 
 
-def _dpo(args: argparse.Namespace) -> bool:
-    """Whether this is `tptrain dpo` (preference tuning, cli/dpo.py), which runs through the same launcher."""
-    return getattr(args, "workflow", "train") == "dpo"
+def _workflow(args: argparse.Namespace):
+    """`tptrain dpo`'s or `tptrain grpo`'s module (cli/dpo.py, cli/grpo.py: its data, config, checks and trainer),
+    which runs through the same launcher; None for `tptrain train`."""
+    return {"dpo": dpo_cli, "grpo": grpo_cli}.get(getattr(args, "workflow", "train"))
 
 
 # ------------------------------------------------------------------ checks before any worker starts
@@ -138,7 +139,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     config = vision_cli.config(model_dir, vision)
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
     meta = vision_cli.auto_class(vision).from_config(config, device="meta")  # the rule table, as the workers check it
-    length_flag = "--max-length" if _dpo(args) else "--seq-len"
+    length_flag = _workflow(args).LENGTH_FLAG if _workflow(args) else "--seq-len"
     check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name=length_flag)
     _check_tp_plan(meta, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
                    expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
@@ -150,10 +151,10 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    if _dpo(args):  # the preference records, each bad one named
-        dpo_cli.preflight(args, model_dir)
+    if _workflow(args):  # the preference records / the prompts and reward functions, each bad one named
+        _workflow(args).preflight(args, model_dir)
     finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision,
-                           data=not _dpo(args))  # data, eval, LoRA
+                           data=not _workflow(args))  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
@@ -206,11 +207,8 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
 
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
     arguments = TrainingArguments
-    if _dpo(args):  # the preference objective's fields too
-        from tptrain.training.preference import DPOConfig
-
-        arguments = functools.partial(DPOConfig, **dpo_cli.training_kwargs(args))
-        lr = dpo_cli.DPO_LR if args.lr is None else args.lr
+    if _workflow(args):  # the workflow's objective's fields too
+        arguments, lr = _workflow(args).config(args, args.lr)
     return arguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
         max_steps=FULL.max_steps if args.max_steps is None else args.max_steps,  # None: --num-epochs counts them
@@ -321,10 +319,8 @@ def _train(args: argparse.Namespace) -> None:
     if rank == 0:
         announce(args, inputs, model, threads)
     model = finetune_cli.apply_lora(model, args)  # --lora-r: only the adapters train
-    if _dpo(args):
-        from tptrain.training.preference import DPOTrainer
-
-        trainer = DPOTrainer(model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
+    if _workflow(args):
+        trainer = _workflow(args).trainer(model, inputs, args)
     else:
         trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset,
                           tokenizer=inputs.tokenizer, eval_dataset=inputs.eval_dataset)
@@ -363,13 +359,8 @@ def _read_inputs(args: argparse.Namespace) -> _Inputs:
     tokenizer = load_tokenizer(model_dir)
 
     def build(source):  # a file: tokenized by local rank 0 into the token cache, mapped by every rank
-        if _dpo(args):  # preference pairs: the DPOTrainer cuts them to --max-length
-            from tptrain.training.preference.data import build_preference_data
-
-            return build_preference_data(source, tokenizer, model_dir=model_dir, chat_template=args.chat_template,
-                                         max_length=args.max_length, max_prompt_length=args.max_prompt_length,
-                                         truncation_mode=args.truncation_mode, cache_dir=args.data_cache,
-                                         vocab_size=config.vocab_size)
+        if _workflow(args):  # preference pairs, prompts
+            return _workflow(args).dataset(source, tokenizer, model_dir, config, args)
         return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
                                    chat_template=args.chat_template, packing=args.packing,
                                    assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,

@@ -54,13 +54,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              min_p: float | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              stop_strings: str | list[str] | None = None, tokenizer: Any = None,
-             generator: torch.Generator | int | None = None, num_return_sequences: int = 1,
+             generator: torch.Generator | int | list[int] | None = None, num_return_sequences: int = 1,
              use_cache: bool = True, output_logprobs: bool = False, return_dict_in_generate: bool = False):
     """transformers' `generate` for decoder-only prompts (left-padded, with their attention_mask): the prompts and
     their continuations, (batch x num_return_sequences, prompt + new) ids, padded with pad_token_id after a finished
     sequence, as long as the longest continuation. Arguments as transformers spells them; one not given takes the
     checkpoint's generation_config.json, then transformers' default (settings.py). `generator`: a torch.Generator or
-    a seed for the draws, the same on every rank of a TP group (None: a seed from torch's global generator on the
+    a seed for the draws, or a list of seeds, one per returned sequence (each row's draws its own, whatever rows it is
+    batched with: GRPO's completions are the same at every data-parallel size), the same on every rank of a TP group
+    (None: a seed from torch's global generator on the
     group's first rank). `use_cache=False` recomputes the whole sequence at every step (what sequence and context
     parallelism can run; the rule table refuses them the cache)."""
     state = state_of(model)
@@ -76,6 +78,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
                              "return_dict_in_generate=True as well")
         if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
             raise ValueError(f"generate: num_return_sequences must be a positive integer, got {num_return_sequences}")
+        if isinstance(generator, list) and len(generator) != input_ids.shape[0] * num_return_sequences:
+            raise ValueError(f"generate: a list of generator seeds gives one per returned sequence: "
+                             f"{input_ids.shape[0] * num_return_sequences}, got {len(generator)}")
         settings = resolve_settings(model, input_ids.shape[1], given, tokenizer=tokenizer)
         mask = prompt_mask(input_ids, attention_mask, settings.pad_token_id)
     except (TypeError, ValueError) as exc:  # raised on every rank, below
@@ -110,8 +115,9 @@ def layout_refusal(model: nn.Module, *, use_cache: bool = True) -> str | None:
     return None
 
 
-def _agree(state: ParallelState, error: Exception | None, inputs: tuple, generator: torch.Generator | int | None, *,
-           sampling: bool) -> torch.Generator | None:
+def _agree(state: ParallelState, error: Exception | None, inputs: tuple,
+           generator: torch.Generator | int | list[int] | None, *, sampling: bool
+           ) -> torch.Generator | list[torch.Generator] | None:
     """Every rank's error raised on every rank (of a laid-out model's job); the TP group's prompts, settings and
     generator compared; the draws' generator (with none given, seeded by the group's first rank)."""
     proposed = None
@@ -132,6 +138,8 @@ def _agree(state: ParallelState, error: Exception | None, inputs: tuple, generat
         raise error
     if isinstance(generator, torch.Generator):
         return generator
+    if isinstance(generator, list):
+        return [torch.Generator().manual_seed(int(seed)) for seed in generator]
     seed = generator if generator is not None else proposed
     return None if seed is None else torch.Generator().manual_seed(seed)
 
@@ -141,7 +149,7 @@ def _digest(input_ids, attention_mask, settings, copies, generator) -> str:
     for t in (input_ids, attention_mask, generator.get_state() if isinstance(generator, torch.Generator) else None):
         if t is not None:
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    h.update(repr(generator if isinstance(generator, int) else None).encode())
+    h.update(repr(generator if isinstance(generator, (int, list)) else None).encode())
     return h.hexdigest()
 
 
@@ -187,7 +195,7 @@ class _Steps:
 
 
 def _run(model: nn.Module, state: ParallelState, settings: GenerationSettings, ids: torch.Tensor,
-         mask: torch.Tensor | None, generator: torch.Generator | None, tokenizer: Any, use_cache: bool,
+         mask: torch.Tensor | None, generator: Any, tokenizer: Any, use_cache: bool,
          output_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The loop: the prompts, then one token per sequence per step, until every sequence is finished or has
     max_new_tokens (over an ep axis, whose ranks exchange tokens in every forward, until every rank is done: a rank
@@ -212,8 +220,7 @@ def _run(model: nn.Module, state: ParallelState, settings: GenerationSettings, i
         logits = steps(ids, mask, positions)
         token = torch.full_like(unfinished, fill, dtype=torch.long)  # a rank done: a step for the exchanges only
         if unfinished.any():
-            uniforms = None if not settings.do_sample else torch.rand(
-                batch, generator=generator, device=generator.device, dtype=torch.float64).to(device)
+            uniforms = _uniforms(generator, batch).to(device) if settings.do_sample else None
             token = next_tokens(logits, settings, shard, uniforms)
             token = torch.where(unfinished, token, fill) if pads else token
             if output_logprobs:
@@ -230,6 +237,13 @@ def _run(model: nn.Module, state: ParallelState, settings: GenerationSettings, i
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
     return ids[:, :prompt + produced], torch.stack(logprobs, -1) if output_logprobs else None
+
+
+def _uniforms(generator: torch.Generator | list[torch.Generator], batch: int) -> torch.Tensor:
+    """(batch,) fp64 uniforms for one step's draws: from the one generator, or each row's from its own."""
+    if isinstance(generator, list):
+        return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generator])
+    return torch.rand(batch, generator=generator, device=generator.device, dtype=torch.float64)
 
 
 def _lockstep_group(state: ParallelState):

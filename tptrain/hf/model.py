@@ -314,9 +314,10 @@ class TransformersCausalLM(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, per_sequence: bool = False,
-                **kwargs: Any) -> CausalLMOutput:
+                per_token: bool = False, temperature: float = 1.0, **kwargs: Any) -> CausalLMOutput:
         """transformers' forward for the logits (vocab-sharded under TP with labels, or sampled by the generation
-        engine); tptrain's loss (`per_sequence`: each row's summed token loss, (batch,)). Without `use_cache` (or a
+        engine); tptrain's loss (`per_sequence`: each row's summed token loss, (batch,); `per_token`: each position's,
+        (batch, seq); `temperature`: of the logits the loss reads, as TRL's GRPO scores completions). Without `use_cache` (or a
         cache given in `past_key_values`) no cache is made; with it transformers' own cache (its DynamicCache, each
         rank's KV heads) is returned in `past_key_values`."""
         kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
@@ -328,8 +329,9 @@ class TransformersCausalLM(PreTrainedModel):
         with running(getattr(self, self.base_model_prefix), cp):
             out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **kwargs)
-        loss = None if labels is None else self.loss_function(out.logits, labels, num_items_in_batch,
-                                                              per_sequence=per_sequence)
+        scores = out.logits if temperature == 1.0 else out.logits / temperature
+        loss = None if labels is None else self.loss_function(scores, labels, num_items_in_batch,
+                                                              per_sequence=per_sequence, per_token=per_token)
         return CausalLMOutput(loss=loss, logits=out.logits, past_key_values=getattr(out, "past_key_values", None))
 
     # ------------------------------------------------------------------ saving

@@ -352,33 +352,43 @@ class DecoderForCausalLM(PreTrainedModel):
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False,
                 past_key_values: KVCache | None = None, use_cache: bool = False,
-                logits_to_keep: int = 0, per_sequence: bool = False) -> CausalLMOutput:
+                logits_to_keep: int = 0, per_sequence: bool = False, per_token: bool = False,
+                temperature: float = 1.0) -> CausalLMOutput:
         """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
         `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits,
         of the last `logits_to_keep` positions only if given. With `use_cache` (or a cache given: transformers'
         `past_key_values`) the keys and values of these tokens are appended to the cache (a new KVCache if none),
         returned in `past_key_values`; `attention_mask` then covers the cached positions and these. `per_sequence`:
-        `loss` is each row's summed token loss (batch,), the router aux loss left out of it."""
+        `loss` is each row's summed token loss (batch,), the router aux loss left out of it; `per_token`: each
+        position's loss (batch, seq), likewise. `temperature`: the logits divided by it (after any soft-capping), as
+        TRL's GRPO scores sampled completions."""
         fused = labels is not None and not return_logits and self.fuses_head_loss()
         meeting = HeadGradient() if fused and self._head_gradient_meets_embedding() else None
         cache = past_key_values if past_key_values is not None else KVCache() if use_cache else None
         h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, head_gradient=meeting,
                        cache=cache)
+        transform = self._transform_logits if temperature == 1.0 else _divided(self._transform_logits, temperature)
         if fused:
             logits = None
             weight = self.lm_head.weight if meeting is None else meeting.head_weight(self.lm_head.weight)
-            loss = self.head_loss_function(h, weight, labels, num_items_in_batch, transform=self._transform_logits,
-                                           per_sequence=per_sequence)
+            loss = self.head_loss_function(h, weight, labels, num_items_in_batch, transform=transform,
+                                           per_sequence=per_sequence, per_token=per_token)
         else:
-            logits = self._transform_logits(self.lm_head(h[:, -logits_to_keep:]))  # (batch, seq or kept, vocab)
+            logits = transform(self.lm_head(h[:, -logits_to_keep:]))  # (batch, seq or kept, vocab)
             loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
-                                                                  per_sequence=per_sequence)
+                                                                  per_sequence=per_sequence, per_token=per_token)
         aux_loss = None
         if getattr(self.config, "output_router_logits", False):  # as transformers: the coefficient only in `loss`
             mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:]  # these tokens' own
             aux_loss = self.router_aux_loss_function(self.router_statistics(self._router_logits(), mask))
-            if loss is not None and not per_sequence:
+            if loss is not None and not (per_sequence or per_token):
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.dtype)
             aux_loss = aux_loss.float()  # reported in fp32, as transformers (the loss keeps an fp64 model's fp64)
         return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss, past_key_values=cache)
 
+
+def _divided(transform, temperature: float):
+    """`transform` (the logits' soft-capping, or identity), then a division by `temperature`."""
+    def scaled(z: torch.Tensor) -> torch.Tensor:
+        return transform(z) / temperature
+    return scaled

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["DPOConfig", "DPOTrainer", "NonFiniteStepError", "ParallelismConfig", "Trainer", "TrainOutput",
+__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "NonFiniteStepError", "ParallelismConfig", "Trainer", "TrainOutput",
            "TrainingArguments"]
 _EXPORTS = {"ParallelismConfig": "tptrain.training.args", "TrainingArguments": "tptrain.training.args",
             "Trainer": "tptrain.training.trainer", "TrainOutput": "tptrain.training.trainer",
             "NonFiniteStepError": "tptrain.training.nonfinite",
-            "DPOConfig": "tptrain.training.preference", "DPOTrainer": "tptrain.training.preference"}
+            "DPOConfig": "tptrain.training.preference", "DPOTrainer": "tptrain.training.preference",
+            "GRPOConfig": "tptrain.training.rl", "GRPOTrainer": "tptrain.training.rl"}
 
 
 def __getattr__(name: str):

@@ -50,7 +50,7 @@ class TrainingData:
 
     train: Any  # a PackedDataset, SFTDataset or TextStream
     eval: Any  # the same, or None: no eval set
-    global_batch: int  # sequences per optimizer step over all dp ranks
+    global_batch: int  # sequences (dataset items) per optimizer step over all dp ranks
     max_steps: int  # args.max_steps, or num_train_epochs passes over `train` in whole global batches
 
 
@@ -78,10 +78,11 @@ def check_run(model: nn.Module, distributed_config, args: TrainingArguments, wor
 
 
 def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any, eval_source: Any, *,
-                  build: Callable[[Any], Any]) -> TrainingData:
+                  build: Callable[[Any], Any], rows_per_item: int = 1) -> TrainingData:
     """The training rows (`build(train_source)`), the eval rows (`build(eval_source)`, or args.eval_split of the
     training rows) and the steps they make at `dims`' data parallelism (an epoch: the rows that fill whole global
-    batches). No collective."""
+    batches). `rows_per_item`: the rows each dataset item makes (GRPO's prompts: num_generations completions), so
+    the global batch counts items. No collective."""
     check_streaming(args, train_source, eval_source)
     train = build(train_source)
     check_eval_set(args, eval_source)
@@ -90,7 +91,7 @@ def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any
         train, held = split_dataset(train, args.eval_split, args.seed)
     elif eval_source is not None:
         held = build(eval_source)
-    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dims.dp
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dims.dp // rows_per_item
     max_steps = args.max_steps
     if args.num_train_epochs is not None:
         max_steps = max(1, math.ceil(args.num_train_epochs * (len(train) // max(1, global_batch))))

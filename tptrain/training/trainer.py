@@ -72,6 +72,8 @@ class Trainer:
     step, `checkpoints` (a Checkpointer) the saves and the resume.
     """
 
+    rows_per_item = 1  # the training rows one dataset item makes in a step (GRPO: a prompt's num_generations)
+
     def __init__(self, model: nn.Module, *, args: TrainingArguments, train_dataset: Any, tokenizer: Any = None,
                  eval_dataset: Any = None) -> None:
         if not isinstance(args, TrainingArguments):
@@ -84,7 +86,8 @@ class Trainer:
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config, args=args)  # the rule table: every refusal
         self._check_sequence_length(self.dims)
-        data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset)
+        data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset,
+                             rows_per_item=self.rows_per_item)
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:
             self.args = args = dataclasses.replace(args, max_steps=data.max_steps)

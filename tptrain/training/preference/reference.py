@@ -2,6 +2,7 @@
 
     reference = reference_for(model, args, ref_model=None, ...)      # adapters off / a frozen copy / precomputed / none
     ref = reference.log_probs(batch)                                # (rows,) in the batch's order, no graph; or None
+    ref = reference.token_log_probs(batch, temperature=0.9)         # (rows, seq) per token (GRPO's KL)
 
 - a LoRA run (a PeftModel): the base model, the adapters switched off for one forward (no second copy);
 - a full fine-tune: a frozen copy laid out like the policy (loaded from the policy's checkpoint with its layout, on
@@ -29,6 +30,14 @@ def sequence_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) -> torc
     return -out.loss
 
 
+def token_log_probs(model: nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """(rows, seq) log_softmax(logits / temperature) of each position's next token, 0 where it is not a target (the
+    negated per-token loss: GRPO's per-token log-probabilities)."""
+    out = model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"), per_token=True,
+                temperature=temperature)
+    return -out.loss
+
+
 class ModelReference:
     """A reference that runs a forward per micro-batch: `model` (a frozen copy) or the policy itself inside
     `context()` (a PeftModel's `disable_adapter`: the base). `pipeline`: the reference's pipeline under pp (then
@@ -45,6 +54,12 @@ class ModelReference:
             if self.pipeline is not None:
                 return self.run_pipeline(self.pipeline, batch)
             return sequence_log_probs(self.model, batch)
+
+    def token_log_probs(self, batch: dict[str, torch.Tensor], *, temperature: float = 1.0) -> torch.Tensor:
+        """(rows, seq) the reference's per-token log-probabilities (GRPO's KL term; no pipeline: GRPO generates)."""
+        assert self.pipeline is None, "GRPO runs no pipeline (generation refuses pp)"
+        with torch.no_grad(), self.context(), self.autocast():
+            return token_log_probs(self.model, batch, temperature)
 
 
 class PrecomputedReference:
