@@ -69,22 +69,26 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 data_cache_dir=args.data_cache)
 
 
-def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool) -> None:
+def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool) -> bool:
     """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
-    (records parsed, chat template present when a record is a chat), LoRA's values. Raises the first problem found."""
+    (records parsed, chat template present when a record is a chat), LoRA's values. Raises the first problem found;
+    returns whether the run trains (or evaluates) on packed documents (samples, with --packing)."""
     from tptrain.text import load_chat_template, load_tokenizer
     from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
 
     _check_data_options(args)
     load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
+    packed = False
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is None or (flag == "--data" and args.streaming):
             continue
         if not Path(path).expanduser().is_file():
             read_documents(path)  # raises, naming the path
-        if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
+        chat, samples = scan_data_file(Path(path).expanduser())  # streamed: a 1 GB file is never held in memory
+        if chat:
             load_chat_template(model_dir, args.chat_template)
+        packed |= samples and args.packing
     if args.num_epochs is not None and max_steps_given:
         raise ValueError("pass --max-steps or --num-epochs, not both")
     if args.lora_r < 0:
@@ -95,6 +99,7 @@ def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: boo
         raise ValueError("--lora-target-parameters needs --lora-r (a LoRA run)")
     if args.lora_r:
         lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
+    return packed
 
 
 def _check_data_options(args: argparse.Namespace) -> None:

@@ -117,7 +117,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     from tptrain.io import writable_error
     from tptrain.models import AutoConfig, AutoModelForCausalLM
     from tptrain.training.args import check_seq_len
-    from tptrain.training.setup import check_run
+    from tptrain.training.setup import check_packed_documents, check_run
     from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
     from tptrain.cli import finetune as finetune_cli
 
@@ -135,7 +135,8 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given)  # data, eval, LoRA
+    packed = finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given)  # data, eval, LoRA
+    check_packed_documents(meta, packed)  # the rule table's row on the data: packed documents the model can keep apart
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")

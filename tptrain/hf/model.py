@@ -30,12 +30,13 @@ from transformers.integrations.moe import _default_apply_gate
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tptrain.hf import styles as _styles  # noqa: F401 - registers the ep_dispatch_experts styles
-from tptrain.hf.attention import declare_cp_facts, running, use_tptrain_attention
+from tptrain.hf.attention import declare_cp_facts, per_document_mixers, running, use_tptrain_attention
+from tptrain.hf.documents import Documents, run_per_document
 from tptrain.hf.conversions import checkpoint_sources, hub_sizes, interleaved_parameters, save_groups, to_hub
 from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
                              translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
                              packed_like_stored)
-from tptrain.hf.probe import meta_copy, split_readers
+from tptrain.hf.probe import masks_see_positions, meta_copy, split_readers
 from tptrain.hf.stages import run_stage, stage_parts
 from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss
@@ -144,6 +145,12 @@ class TransformersCausalLM(PreTrainedModel):
         # Context parallelism's facts: `attend` on the attention modules, the base model's `attention_masks`, and the
         # modules of the layers mixing tokens otherwise (hf/attention.py)
         self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), getattr(self, "pp_layers", None))
+        # Packed documents: the token mixers outside attention run on each document as a row of its own
+        # (hf/documents.py), or the model says why it cannot keep them apart (the rule table's packed_documents)
+        mixers, self.packing_refusal = per_document_mixers(self, self.sequence_mixers)
+        self._packed = run_per_document(self, mixers, refusal=self.packing_refusal)
+        if masks_see_positions(self.hf_model) is False:  # transformers' masks would join packed documents: tptrain's
+            use_tptrain_attention(self)  # masks and attention (hf/attention.py), over the forward's position ids
 
     def _declare_stages(self, prefix: str) -> None:
         """The contract's PipelineModel facts (hf/stages.py), or why the model cannot be cut (`pp_refusal`)."""
@@ -162,9 +169,10 @@ class TransformersCausalLM(PreTrainedModel):
         between stages (transformers' router aux loss is not tptrain's loss on this backend)."""
         assert not carried, "the transformers backend's stages carry nothing"
         attention_mask, cp = None, self.parallel.cp
+        documents = self._documents(x.shape[0], position_ids, None, {})
         if cp is not None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
-        with running(getattr(self, self.base_model_prefix), cp):
+        with running(getattr(self, self.base_model_prefix), cp, position_ids), self._packed.running(documents):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=False)
 
@@ -300,7 +308,8 @@ class TransformersCausalLM(PreTrainedModel):
 
     def gradient_checkpointing_enable(self) -> None:
         """transformers' own activation checkpointing of each decoder layer (non-reentrant)."""
-        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": self._packed.checkpoint_contexts})  # a packed batch's documents
 
     def train(self, mode: bool = True) -> "TransformersCausalLM":
         super().train(mode)
@@ -313,15 +322,26 @@ class TransformersCausalLM(PreTrainedModel):
         """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
         kwargs.setdefault("use_cache", False)
         cp = self.parallel.cp
+        documents = self._documents(input_ids.shape[0], position_ids, attention_mask, kwargs)
         if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
-        with running(getattr(self, self.base_model_prefix), cp):
+        with running(getattr(self, self.base_model_prefix), cp, position_ids), self._packed.running(documents):
             logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    **kwargs).logits
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
         return CausalLMOutput(loss=loss, logits=logits)
+
+    def _documents(self, batch: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                   kwargs: dict) -> Documents | None:
+        """The packed documents of a forward's whole batch (`batch` rows; under cp the whole sequence's position ids
+        and padding mask, which the batch split keeps), which the token mixers run on one by one."""
+        cp = self.parallel.cp
+        if cp is not None:
+            position_ids, attention_mask = cp.position_ids, cp.attention_mask
+        cache = bool(kwargs.get("use_cache")) or kwargs.get("past_key_values") is not None
+        return self._packed.documents(batch, position_ids, attention_mask, cache=cache)
 
     # ------------------------------------------------------------------ saving
 

@@ -78,7 +78,11 @@ class TPModel(Protocol):
     cp_whole_sequence: {module name: class name} of token mixers outside attention (a recurrence, a short
         convolution) that context parallelism runs on the whole sequence (`whole_sequence_modules`; absent: {}): a
         module called with (batch, seq, ...) tensors returning (batch, seq, ...) ones (or a tuple led by one), whose
-        every token's output depends on the tokens of its sequence alone; no attention inside.
+        every token's output depends on the tokens of its sequence alone; no attention inside. (The transformers
+        backend also runs them on each packed document as a row of its own: hf/documents.py.)
+    packing_refusal: why the model cannot keep packed documents (samples one after another in a row, position ids
+        restarting) apart, a str (`packing_refusal`; absent: None, it can: its attention masks and token mixers
+        restart at each document): the rule table's `packed_documents` refuses training on packed rows with it.
     router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
@@ -360,6 +364,10 @@ def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
 
 def pipeline_refusal(model: nn.Module) -> str | None:
     return getattr(model, "pp_refusal", None)
+
+
+def packing_refusal(model: nn.Module) -> str | None:
+    return getattr(model, "packing_refusal", None)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:
