@@ -145,7 +145,7 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
     """
     styles = resolve_names(model, plan)
-    heads = config.num_attention_heads
+    heads = contract.attention_heads(config)  # (None: a model without attention heads, e.g. rwkv)
     n_kv = contract.kv_heads(config)
     rope = getattr(config, "qk_rope_head_dim", None)  # MLA: the shared RoPE key at the end of kv_a_proj's output
     facts = {name: STYLES.get(canonical_style(style)) for name, style in styles.items()}  # None: not tptrain's
