@@ -17,8 +17,10 @@ def add_finetune_arguments(sections: dict[str, argparse._ArgumentGroup]) -> None
     """The fine-tuning flags, each in its --help section of `tptrain train` (train_arguments.SECTIONS)."""
     data, evaluation, optimisation = sections["data"], sections["evaluation"], sections["optimisation"]
     data.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
-                      help="instruction data: pack whole samples into --seq-len rows, each attending only to itself "
-                           "(default); --no-packing: one sample per row, padded to the longest in the batch")
+                      help="instruction data: pack whole samples into --seq-len rows, each seeing only itself "
+                           "(default; a hybrid's recurrent and convolution layers run on each sample alone, a model "
+                           "whose token mixing tptrain cannot find is refused); --no-packing: one sample per row, "
+                           "padded to the longest in the batch")
     data.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
                       help="\"messages\" records: train on the assistant turns only (default)")
     data.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records "
