@@ -157,6 +157,24 @@ def test_activation_checkpointing_recomputes_each_document(checkpoints, model_ty
     compare(model.train(), packed_batch(), want, f"{model_type} + activation checkpointing")
 
 
+def test_documents_are_grouped_by_length_and_come_back_in_place():
+    """One long document beside short ones pads none of them to its length (groups whose longest is at most twice
+    their shortest); split then join gives every token back in its place, the padding zeros."""
+    from tptrain.hf.documents import Documents
+
+    lengths = ([2, 3, 27], [4, 28])  # two rows of 32
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    documents = Documents.of(positions, 2)
+    assert documents.shapes == ((1, 2), (2, 4), (2, 28)), documents.shapes
+    x = torch.arange(2 * 32 * 3, dtype=F64).view(2, 32, 3)
+    parts = documents.split(x)
+    assert [tuple(p.shape) for p in parts] == [(1, 2, 3), (2, 4, 3), (2, 28, 3)]
+    assert parts[1][0, 3].abs().sum() == 0 and parts[2][0, 27].abs().sum() == 0  # 3 and 27 long: padded
+    assert torch.equal(parts[2][1, :], x[1, 4:])  # the second row's 28
+    assert torch.equal(documents.join(parts), x)
+    assert Documents.of(torch.arange(32).expand(2, 32), 2) is None  # no row restarts: nothing to regroup
+
+
 # ------------------------------------------------------------------ refused
 
 

@@ -7,8 +7,9 @@ one document into the next. So while a forward of a packed batch runs, each modu
 `cp_whole_sequence` fact (parallel/contract.py: a mixer called with (batch, seq, ...) tensors, returning
 (batch, seq, ...) or a tuple led by one, each token's output depending on the earlier tokens of its row only) runs
 on (documents, longest document, ...) rows instead: every document a row of its own, right-padded with zeros
-(which a causal mixer cannot carry back to earlier positions), its output put back in (batch, seq, ...) order. The
-result is each document run alone, exactly. A batch whose rows do not restart runs as it is (no copy).
+(which a causal mixer cannot carry back to earlier positions), its output put back in (batch, seq, ...) order; the
+documents in groups of similar length (one call of the mixer each), so padding at most doubles its work. The result
+is each document run alone, exactly. A batch whose rows do not restart runs as it is (no copy).
 
 Under context parallelism the mixer already runs on the whole sequence gathered over cp, around this: the gather
 is the engine's pre-hook, the regrouping is inside the module's forward, this rank's rows are the engine's hook.
@@ -28,15 +29,16 @@ import torch
 
 @dataclass(frozen=True)
 class Documents:
-    """The documents of a (batch, seq) batch: `count` of them, the longest `longest` tokens; `rows`
-    (count * longest,): the index into the flattened (batch * seq) tokens of each place of the (count, longest) rows
-    (batch * seq: padding); `places` (batch * seq,): each token's place in the flattened rows."""
+    """The documents of a (batch, seq) batch, in groups of similar length (the longest of a group at most twice its
+    shortest, so its padding at most doubles a mixer's work; one long document beside many short ones pads none of
+    them to its length): `shapes`, (count, longest) of each group's rows; `rows`, per group (count * longest,): the
+    index into the flattened (batch * seq) tokens of each place of its rows (batch * seq: padding); `places`
+    (batch * seq,): each token's place in the groups' rows, flattened one group after another."""
 
     batch: int
     seq: int
-    count: int
-    longest: int
-    rows: torch.Tensor
+    shapes: tuple[tuple[int, int], ...]
+    rows: tuple[torch.Tensor, ...]
     places: torch.Tensor
 
     @classmethod
@@ -52,28 +54,44 @@ class Documents:
         starts = starts.reshape(-1)
         token = torch.arange(batch * seq, device=positions.device)
         document = starts.cumsum(0) - 1  # (batch * seq,) the document of each token
-        first = token[starts]  # (count,) where each document starts
-        lengths = torch.diff(first, append=first.new_tensor([batch * seq]))
-        count, longest = first.numel(), int(lengths.max())
-        places = document * longest + token - first[document]
-        rows = torch.full((count * longest,), batch * seq, dtype=torch.long, device=positions.device)
+        first = token[starts]  # (documents,) where each starts
+        lengths = torch.diff(first, append=first.new_tensor([batch * seq])).tolist()
+        shapes, base = _groups(lengths)
+        places = torch.tensor(base, device=token.device)[document] + token - first[document]
+        rows = torch.full((sum(c * n for c, n in shapes),), batch * seq, dtype=torch.long, device=token.device)
         rows[places] = token
-        return cls(batch, seq, count, longest, rows, places)
+        return cls(batch, seq, tuple(shapes), tuple(rows.split([c * n for c, n in shapes])), places)
 
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch or 1, seq, ...) -> (count, longest, ...): each document a row, right-padded with zeros."""
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """(batch or 1, seq, ...) -> each group's (count, longest, ...): a document a row, right-padded with zeros."""
         flat = x.expand(self.batch, *x.shape[1:]).reshape(self.batch * self.seq, *x.shape[2:])
         padded = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        return padded.index_select(0, self.rows).view(self.count, self.longest, *x.shape[2:])
+        return [padded.index_select(0, rows).view(*shape, *x.shape[2:]) for rows, shape in zip(self.rows, self.shapes)]
 
-    def join(self, y: torch.Tensor) -> torch.Tensor:
-        """(count, longest, ...) -> (batch, seq, ...): the tokens back in their rows (the padding dropped)."""
-        flat = y.reshape(self.count * self.longest, *y.shape[2:])
-        return flat.index_select(0, self.places).view(self.batch, self.seq, *y.shape[2:])
+    def join(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        """Each group's (count, longest, ...) -> (batch, seq, ...): the tokens back in their rows (padding dropped)."""
+        flat = torch.cat([y.reshape(-1, *y.shape[2:]) for y in ys])
+        return flat.index_select(0, self.places).view(self.batch, self.seq, *ys[0].shape[2:])
 
     def holds(self, x: Any) -> bool:
         """Whether `x` is a (batch or 1, seq, ...) tensor of this batch (what `split` takes)."""
         return torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] == self.seq and x.shape[0] in (1, self.batch)
+
+
+def _groups(lengths: list[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Documents of `lengths` grouped by ceil(log2(length)): ((count, longest) of each group, in order of length;
+    each document's first place in the groups' rows flattened one after another)."""
+    members: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        members.setdefault((n - 1).bit_length(), []).append(i)
+    shapes, base, offset = [], [0] * len(lengths), 0
+    for key in sorted(members):
+        longest = max(lengths[i] for i in members[key])
+        for row, i in enumerate(members[key]):
+            base[i] = offset + row * longest
+        shapes.append((len(members[key]), longest))
+        offset += len(members[key]) * longest
+    return shapes, base
 
 
 class PackedForward:
@@ -135,30 +153,32 @@ class PerDocument:
                             f"tensors of the batch ({documents.batch}, {documents.seq}), its first is "
                             f"{None if first is None else tuple(first.shape)}; train without packing "
                             f"(packing=False, --no-packing)")
+        groups = len(documents.shapes)
 
-        def split(x: Any) -> Any:
+        def split(x: Any) -> list[Any]:  # x as each group's
             if isinstance(x, tuple):
-                return tuple(split(y) for y in x)
-            return documents.split(x) if documents.holds(x) else x
+                return [tuple(parts) for parts in zip(*(split(y) for y in x))] if x else [()] * groups
+            return documents.split(x) if documents.holds(x) else [x] * groups
 
-        out = self.forward(*split(args), **{k: split(v) for k, v in kwargs.items()})
-        return _joined(out, documents, self.name)
+        parts, named = split(args), {k: split(v) for k, v in kwargs.items()}
+        outs = [self.forward(*parts[g], **{k: v[g] for k, v in named.items()}) for g in range(groups)]
+        return _joined(outs, documents, self.name)
 
 
-def _joined(out: Any, documents: Documents, name: str) -> Any:
-    """A mixer's (count, longest, ...) output (a tensor or a tuple led by one) back in (batch, seq, ...) rows."""
-    head = out[0] if isinstance(out, tuple) else out
-    rows = (documents.count, documents.longest)
-    if not torch.is_tensor(head) or tuple(head.shape[:2]) != rows:
+def _joined(outs: list[Any], documents: Documents, name: str) -> Any:
+    """A mixer's output for each group's (count, longest, ...) rows (a tensor, or a tuple led by one) back in
+    (batch, seq, ...) rows. What else a tuple holds (a final recurrent state, for a cache packed documents do not
+    use; attention weights) is per document, not per token: None."""
+    tupled = isinstance(outs[0], tuple)
+    columns = list(zip(*outs)) if tupled else [outs]  # each output, over the groups
+    if not all(torch.is_tensor(y) and tuple(y.shape[:2]) == shape for y, shape in zip(columns[0], documents.shapes)):
+        got = [tuple(y.shape) if torch.is_tensor(y) else type(y).__name__ for y in columns[0]]
         raise TypeError(f"{name} mixes the tokens of packed documents and must return a (documents, tokens, ...) "
-                        f"tensor, or a tuple led by one, for its (documents, tokens, ...) inputs {rows}; it returned "
-                        f"{tuple(head.shape) if torch.is_tensor(head) else type(head).__name__}; train without "
-                        f"packing (packing=False, --no-packing)")
-
-    def join(x: Any) -> Any:
-        return documents.join(x) if torch.is_tensor(x) and tuple(x.shape[:2]) == rows else x
-
-    return tuple(join(x) for x in out) if isinstance(out, tuple) else join(out)
+                        f"tensor, or a tuple led by one, for its (documents, tokens, ...) inputs; it returned {got} for "
+                        f"{list(documents.shapes)}; train without packing (packing=False, --no-packing)")
+    joined = [documents.join(list(column)) if all(torch.is_tensor(y) and tuple(y.shape[:2]) == shape for y, shape
+                                                  in zip(column, documents.shapes)) else None for column in columns]
+    return tuple(joined) if tupled else joined[0]
 
 
 def run_per_document(model: torch.nn.Module, names: list[str], *, refusal: str | None = None) -> PackedForward:
