@@ -35,6 +35,16 @@ def add_train_plan_arguments(plan: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank on every linear layer (0: full "
                                                          "fine-tuning)")
     g.add_argument("--optim-in-backward", action="store_true", help="step and free each gradient in backward")
+    g.add_argument("--reference", choices=("copy", "adapters", "precomputed"), default=None,
+                   help="plan a preference run (tptrain dpo; --batch-size counts pairs, two rows each) with this "
+                        "reference: copy (a frozen copy sharded like the model), adapters (LoRA's base) or "
+                        "precomputed")
+    g.add_argument("--images-per-sample", type=int, default=1,
+                   help="a vision-language model's images per sequence (tiles, for families that cut an image into "
+                        "tiles); its tower's activations are counted for each")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="the images' side in pixels (default: the tower's own; needed for towers of any size, such as "
+                        "Qwen2.5-VL's)")
     g.add_argument("--pp-microbatches", type=int, default=None, help="microbatches per batch under pp (default: pp)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planning.md has the schema)")
 
@@ -88,13 +98,17 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
 
     profile = _profile(args)
     dtype = resolve_dtype(args.dtype or torch.float32, config)
-    settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
+    rows = 2 if args.reference else 1  # a preference pair is a chosen and a rejected row
+    settings = TrainSettings(batch_size=rows * args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
                              gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r,
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
-                             expert_parallel=args.expert_parallel)
+                             expert_parallel=args.expert_parallel, images_per_sample=args.images_per_sample,
+                             image_size=args.image_size, reference=args.reference)
     layout = parse_layout(args.layout, args.world) if args.layout else None
     shapes = ModelShapes.of(config, dtype=dtype)
+    if shapes.tower is not None and settings.images_per_sample:
+        shapes.tower.tokens(settings.image_size)  # a tower of any size needs --image-size: bad input (exit 1)
     try:
         plan = plan_training(shapes, world=args.world, settings=settings, profile=profile, layout=layout)
     except ValueError as exc:
@@ -147,11 +161,13 @@ def _train_layout(args: argparse.Namespace) -> str:
     world = nproc * args.nnodes
     args.nproc_per_node = nproc
     dtype = getattr(torch, args.dtype)
-    settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
-                             gradient_checkpointing=args.gradient_checkpointing, lora_r=getattr(args, "lora_r", 0),
-                             optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
-                             pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
-                             expert_parallel=args.expert_parallel)
+    reference = _reference(args)  # tptrain dpo: its reference, two rows a pair
+    settings = TrainSettings(batch_size=(2 if reference else 1) * args.batch_size, seq_len=args.seq_len, dtype=dtype,
+                             bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+                             lora_r=getattr(args, "lora_r", 0), optim_in_backward=args.optim_in_backward,
+                             pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                             sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
+                             reference=reference)
     shapes = ModelShapes.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
     note = ""
     if args.layout != "auto":
@@ -176,3 +192,13 @@ def _train_layout(args: argparse.Namespace) -> str:
     args.tp_size, args.cp_size, args.pp_size = chosen.tp, chosen.cp, chosen.pp
     args.ep_size = chosen.ep if chosen.ep > 1 else None
     return f"tptrain train: --layout {args.layout}: {chosen.spell()} on {world} ranks{note}"
+
+
+def _reference(args: argparse.Namespace) -> str | None:
+    """The reference a `tptrain dpo` run holds (None: `tptrain train`)."""
+    if getattr(args, "workflow", "train") != "dpo":
+        return None
+    reference_free = args.reference_free or set(args.loss_type) <= {"simpo", "orpo"}
+    if args.precompute_ref_log_probs or reference_free:
+        return "precomputed"
+    return "adapters" if args.lora_r else "copy"

@@ -128,7 +128,7 @@ def _matches(glob: str, name: str) -> bool:
     return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
 
 
-def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
+def declare_tp_facts(model: nn.Module, plan: dict[str, str], config, *, config_of=None) -> None:
     """Set, on transformers' modules, what tptrain's plan check and engine read as data:
 
     * `tp_pairs = {consumer: (producers, ...)}` on every module whose children the model's own plan splits
@@ -143,17 +143,19 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
       `tp_routed_experts` (forward(x, expert_ids, weights), what an ep axis splits: `contract.routed_experts`) and
       `tp_top_k`, the config's num_experts_per_tok, which 'ep_dispatch_experts' chooses its dispatch by.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
+    `config_of(module name)`: the config a module's facts come from where it is not `config` (a vision-language
+    model's text decoder and vision tower); the attention modules then carry their counts as `tp_heads`.
     """
     styles = resolve_names(model, plan)
-    heads = contract.attention_heads(config)  # (None: a model without attention heads, e.g. rwkv)
-    n_kv = contract.kv_heads(config)
-    rope = getattr(config, "qk_rope_head_dim", None)  # MLA: the shared RoPE key at the end of kv_a_proj's output
     facts = {name: STYLES.get(canonical_style(style)) for name, style in styles.items()}  # None: not tptrain's
     for name, cls in facts.items():
+        rope = getattr(config_of(name) if config_of else config, "qk_rope_head_dim", None)  # MLA's shared RoPE key
         if cls is not None and cls.replicated_tail == "gradient_summed" and rope:
             model.get_submodule(name).tp_replicated_tail = rope
-    top_k = getattr(config, "num_experts_per_tok", None)
     for owner, module in model.named_modules():
+        own = config_of(owner) if config_of else config
+        heads, n_kv = contract.attention_heads(own), contract.kv_heads(own)
+        top_k = getattr(own, "num_experts_per_tok", None)
         if hasattr(module, "_is_expert_parallel"):
             module.tp_routed_experts, module.tp_top_k = True, top_k if isinstance(top_k, int) else None
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
@@ -162,7 +164,7 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
         if cols and rows:
             module.tp_pairs = {row: cols for row in rows}
         head_dim = getattr(module, "head_dim", None)
-        if cols and head_dim and hasattr(module, "num_key_value_groups"):
+        if cols and head_dim and heads and hasattr(module, "num_key_value_groups"):
             linear = {n: children[n] for n in cols if isinstance(children[n], nn.Linear)}
             # K rows are KV heads x head_dim; V rows may be x v_head_dim (MiMo-V2-Flash's 128 with 192-wide keys).
             # A layer with other KV heads than the config's (MiMo's sliding layers: twice as many) is split plainly.
@@ -173,6 +175,8 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
                 if own_kv == n_kv else ()
             module.tp_query_projection = next((n for n, c in linear.items() if c.out_features == heads * head_dim),
                                               None)
+            if config_of is not None:
+                module.tp_heads = (heads, n_kv)
 
 
 def _splits_columns(cls: type[ParallelStyle] | None) -> bool:
@@ -202,6 +206,8 @@ def unplanned_modules(model: nn.Module, styles: dict[str, str]) -> list[str]:
         if not pairs:
             continue
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}
+        if not any(f"{owner}.{n}" in styles for n in known):  # not split (an optional plan left out): no region
+            continue
         for name, sub in module.named_modules():
             full = f"{owner}.{name}"
             if name and name.split(".")[0] not in known and full not in styles and any(

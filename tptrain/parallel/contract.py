@@ -69,6 +69,13 @@ class TPModel(Protocol):
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
+    layer_list: the dotted name of the decoder layers (an nn.ModuleList; a pipeline stage's nn.ModuleDict), each its
+        own FSDP2 unit and compiled on its own (`layers`; absent: `{base_model_prefix}.layers`; a vision-language
+        model's text decoder's, e.g. "model.language_model.layers").
+    tp_optional_plans: {what: {full-name glob: style}}: rules applied only at a tp size where they split (every
+        width and head count they split divides it, `plan.check_plan`); elsewhere their modules stay whole on every
+        rank, and the resolved plan's `notes` say so (`optional_plans`; absent: {}; a vision-language model's derived
+        plan of its tower and of its projector).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
     sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
@@ -83,6 +90,15 @@ class TPModel(Protocol):
     packing_refusal: why the model cannot keep packed documents (samples one after another in a row, position ids
         restarting) apart, a str (`packing_refusal`; absent: None, it can: its attention masks and token mixers
         restart at each document): the rule table's `packed_documents` refuses training on packed rows with it.
+    cp_sequence_entry: the dotted name of the module the model's token sequence enters to be mixed, where that is not
+        the model's forward (`sequence_entry`; absent: None, the batch is split before the forward): a
+        vision-language model's text decoder, called with keyword arguments `inputs_embeds` (batch, seq, hidden),
+        `position_ids` (batch, seq), (rows, batch, seq) (multimodal RoPE) or None, and `attention_mask` (batch,
+        seq), a dict of built masks, or None. Under context parallelism the forward takes the whole batch, so
+        what runs before this module (the vision tower and projector on every image, the image features placed
+        among the token embeddings, the multimodal position ids) computes on every token, and the sequence is split
+        at this module's entry; only the attention modules inside it are split over cp, and the masks it is given
+        or builds are this rank's rows.
     router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
@@ -122,6 +138,9 @@ class TPAttention(Protocol):
         num_key_value_heads (`kv_projections`; absent: (), and the module is not split by heads; () on an
         attention whose projections are fused: `tp_segments` says which rows are KV heads).
     Optional:
+    tp_heads: (query heads, KV heads) of this module, where they are not the config's (`heads`; absent: the config's
+        num_attention_heads and num_key_value_heads): a vision-language model's text decoder and vision tower, each
+        with its own counts, under one composite config that has neither.
     attend(q, k, v, mask): q (batch, heads, queries, head_dim), k (batch, kv_heads, keys, head_dim) and v (batch,
         kv_heads, keys, v dim: MLA's is narrower) after RoPE, mask (batch or 1, 1, queries, keys) bool or None (plain
         causal) -> (batch, heads, queries, v dim) (`attend`; absent: None, and context parallelism refuses the model,
@@ -237,6 +256,12 @@ def kv_heads(config: Any) -> int | None:
     return getattr(config, "num_key_value_heads", None) or attention_heads(config)
 
 
+def heads(module: nn.Module, config: Any) -> tuple[int | None, int | None]:
+    """(query heads, KV heads) of an attention module: its own `tp_heads`, else the config's."""
+    own = getattr(module, "tp_heads", None)
+    return tuple(own) if own is not None else (attention_heads(config), kv_heads(config))
+
+
 def key_value_head_dims(config: Any) -> tuple[int, int]:
     """(features of one key head, of one value head): the config's `key_value_head_dims` (MLA's differ), else
     head_dim (or hidden_size / heads) for both."""
@@ -251,6 +276,10 @@ def prefix(model: nn.Module) -> str:
     return getattr(model, "base_model_prefix", "model")
 
 
+def layers(model: nn.Module) -> str:
+    return getattr(model, "layer_list", None) or f"{prefix(model)}.layers"
+
+
 def head_plan(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "_tp_plan", None) or {})
 
@@ -259,6 +288,10 @@ def base_plan(model: nn.Module) -> dict[str, str]:
     """The base model's plan: the model's own `tp_base_plan` if it has one, else its config's."""
     plan = getattr(model, "tp_base_plan", None)
     return dict(plan) if plan is not None else config_plan(model.config)
+
+
+def optional_plans(model: nn.Module) -> dict[str, dict[str, str]]:
+    return {what: dict(rules) for what, rules in (getattr(model, "tp_optional_plans", None) or {}).items()}
 
 
 def plan_problems(model: nn.Module, styles: dict[str, str], tp_size: int) -> list[str]:
@@ -310,6 +343,17 @@ def whole_sequence_modules(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "cp_whole_sequence", None) or {})
 
 
+def sequence_entry(model: nn.Module) -> str | None:
+    return getattr(model, "cp_sequence_entry", None)
+
+
+def in_sequence(model: nn.Module, name: str) -> bool:
+    """Whether module `name` runs on the token sequence as context parallelism splits it: inside the model's
+    `sequence_entry` where it declares one (a vision-language model's tower runs before, on the whole batch)."""
+    entry = sequence_entry(model)
+    return entry is None or name == entry or name.startswith(f"{entry}.")
+
+
 def base_model(model: nn.Module) -> nn.Module | None:
     return getattr(model, prefix(model), None)
 
@@ -327,15 +371,22 @@ class PipelineModel(Protocol):
         nn.ModuleDict keyed by their index, so every parameter keeps its whole-model name).
     pp_first: dotted names of the modules only the first stage holds (the embedding); the others hold None there.
     pp_last: dotted names of the modules only the last stage holds (the final norm and the head).
-    pipeline_forward(x, *carried, position_ids=None): the stage's computation on what the module holds: token ids
-        or hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`);
-        or (output, *carried): tensors besides x each stage passes on to the next (the router statistics of the
-        layers so far), `carried` being the stage before's (none on the first). The Pipeline always passes
-        `position_ids` (batch, tokens): the sequence's length and positions come from them, not from `x`, which
-        under sequence parallelism is a tp rank's shard of the hidden states.
+    pipeline_forward(x, *carried, position_ids=None, **inputs): the stage's computation on what the module holds:
+        token ids or hidden states in, hidden states or logits out (the loss is computed from the logits by
+        `loss_function`); or (output, *carried): tensors besides x each stage passes on to the next (the router
+        statistics of the layers so far), `carried` being the stage before's (none on the first). The Pipeline
+        always passes `position_ids` (batch, tokens), or (batch, rows, tokens) where `input_positions` gives
+        multimodal ones: the sequence's length and positions come from them, not from `x`, which under sequence
+        parallelism is a tp rank's shard of the hidden states. `inputs`: the batch's other inputs where it has any
+        (a vision-language model's): those of one row per token on every stage, those of rows per sample (images,
+        patches) on the first stage only, each the microbatch's own.
     Optional:
     pipeline_loss(loss, *carried) -> loss: the last stage's microbatch loss with what was carried (the router aux
         loss; needed when pipeline_forward carries anything).
+    input_positions(input_ids, **inputs) -> (batch, rows, seq) or None: the whole batch's position ids where the
+        model computes them from its inputs (`input_positions`; absent or None: 0..seq-1): multimodal RoPE's rows
+        (time, height, width) from the ids and the image grids, which every stage needs and only the whole rows
+        give.
     A model that is not one may say why (`pp_refusal`, a str; `pipeline_refusal`), which the refusal repeats.
     """
 
@@ -345,6 +396,12 @@ class PipelineModel(Protocol):
 
     def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
                          position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+def input_positions(model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+                    ) -> torch.Tensor | None:
+    compute = getattr(model, "input_positions", None)
+    return compute(input_ids, **inputs) if compute is not None else None
 
 
 def long_context(module: nn.Module):
@@ -368,6 +425,12 @@ def pipeline_refusal(model: nn.Module) -> str | None:
 
 def packing_refusal(model: nn.Module) -> str | None:
     return getattr(model, "packing_refusal", None)
+
+
+def sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why the model's sequence cannot be split over the TP group (`sp_refusal`, a str; absent: None, it can be
+    where its plan allows), which the rule table's `sp_refused` repeats."""
+    return getattr(model, "sp_refusal", None)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:

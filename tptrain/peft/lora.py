@@ -44,10 +44,12 @@ def mix_seed(*parts: int | str) -> int:
 @dataclass
 class LoraRuntime:
     """State shared by the adapter layers of one model: the seed agreed over the TP group and a forward count,
-    advanced by a pre-hook on the model (not on layers, so checkpoint recomputation reuses the same masks)."""
+    advanced by a pre-hook on the model (not on layers, so checkpoint recomputation reuses the same masks); whether
+    the adapters act (`PeftModel.disable_adapter()` runs the base model: a preference objective's reference)."""
 
     seed: int
     step: int = 0
+    enabled: bool = True
 
 
 def factor_specs(style: str | None, base_spec: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
@@ -97,10 +99,13 @@ class LoraLayer(nn.Module):
         self.full_in, self.full_out = full_in, full_out  # unsharded A is (r, full_in), B (full_out, r)
         self.spec_a, self.spec_b = specs
         self.ctx, self.runtime = ctx, runtime
-        self._handle = register_local_output_hook(base, lambda m, x, out: out + self.delta(x).to(out.dtype))
+        self._handle = register_local_output_hook(base, self._add_delta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
+
+    def _add_delta(self, module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out + self.delta(x).to(out.dtype) if self.runtime.enabled else out
 
     @property
     def segment_sizes(self) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from tptrain.distributed import comm
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.sft_data import collate
+from tptrain.training.step import model_inputs
 
 
 def split_dataset(dataset: Any, fraction: float, seed: int) -> tuple["Rows", "Rows"]:
@@ -79,7 +80,7 @@ def evaluate_loss(model: torch.nn.Module, dataset: Any, *, batch_size: int, mesh
             count = int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
             with autocast():
                 loss = model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                             num_items_in_batch=1).loss
+                             num_items_in_batch=1, **model_inputs(batch)).loss
             totals[0] += loss.to(torch.float64) if count else 0.0
             totals[1] += count
     finally:
@@ -105,7 +106,7 @@ def evaluate_pipeline(pipeline: Any, dataset: Any, *, batch_size: int, seq_len: 
             rows = [dataset[i] for i in mine[start:start + batch_size]]
             items = [r if isinstance(r, dict) else {"input_ids": r, "labels": r} for r in rows]
             items += [_ignored(dataset[0])] * (batch_size - len(items))  # every batch of the one shape
-            batch = _pad_to(collate(items, pad_id=pad_id), seq_len, pad_id)
+            batch = _pad_to(collate(items, pad_id=pad_id, length=seq_len, rows=True), seq_len, pad_id)
             totals[1] += int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
             loss = pipeline.step({k: v.to(device) for k, v in batch.items()}, 1, train=False)
             comm.all_reduce(loss, mesh["pp"].get_group(), phase="eval")  # held by the last stage's ranks

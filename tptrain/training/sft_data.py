@@ -32,6 +32,8 @@ from tptrain.training.data import build_dataset, packed_dataset
 from tptrain.training.streaming import StreamingText, TextStream, as_stream
 from tptrain.training.token_cache import Store, open_or_build
 from tptrain.training.token_stream import text_documents
+from tptrain.training.vision_data import TEXT_KEYS, collate_vision
+from tptrain.training.vision_records import has_images
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -74,7 +76,9 @@ def scan_data_file(path: Path) -> tuple[bool, bool]:
             raise ValueError(f"dataset {path} is empty: it has no text to train on")
         return False, False
     chat, samples, count = False, False, 0
-    for count, (_, record) in enumerate(jsonl_records(path, ignore), start=1):
+    for count, (line, record) in enumerate(jsonl_records(path, ignore), start=1):
+        if has_images(record):
+            raise images_error(f"{path} line {line}")
         fmt = record_format(record, count - 1, str(path))
         chat |= fmt == "messages" or isinstance(record.get("prompt"), list)
         samples |= fmt != "text"
@@ -84,7 +88,10 @@ def scan_data_file(path: Path) -> tuple[bool, bool]:
 
 
 def record_format(record: Any, index: int, name: str) -> str:
-    """'messages', 'prompt/completion' or 'text'; ValueError naming the record when none matches."""
+    """'messages', 'prompt/completion' or 'text'; ValueError naming the record when none matches, or when it holds
+    images (a text-only model's data)."""
+    if has_images(record):
+        raise images_error(f"dataset {name} record {index}")
     if isinstance(record, dict):
         if "messages" in record:
             return "messages"
@@ -95,6 +102,13 @@ def record_format(record: Any, index: int, name: str) -> str:
     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
     raise ValueError(f"dataset {name} record {index} ({keys}) matches no format: give each record a \"text\" string, "
                      "\"messages\" (a list of {\"role\", \"content\"}), or \"prompt\" and \"completion\"")
+
+
+def images_error(where: str) -> ValueError:
+    """A record with images, in a text-only model's data."""
+    return ValueError(f"{where} holds images, but the model being trained reads text only (a causal LM: no vision "
+                      "tower, no processor); train a vision-language checkpoint (tptrain.AutoModelForImageTextToText; "
+                      "`tptrain train` picks it from its config.json), or drop the images")
 
 
 @dataclass
@@ -295,15 +309,19 @@ def _pack(lengths: list[int], seq_len: int) -> list[int]:
     return starts + [len(lengths)]
 
 
-def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate(items: list[Any], *, pad_id: int, multiple: int = 1, length: int = 0,
+            rows: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch: (batch, seq) input_ids, labels and (for SFT rows) position_ids. Rows of different
     lengths are right-padded to the longest (rounded up to `multiple`, e.g. the TP degree under sequence
-    parallelism), labels -100 there; positions run on, so padding needs no mask (causal attention never
-    lets a real token see a later pad). Plain blocks (LongTensors) are their own labels."""
+    parallelism; at least `length`: a pipeline's one shape), labels -100 there; positions run on, so padding needs
+    no mask (causal attention never lets a real token see a later pad). Plain blocks (LongTensors) are their own
+    labels. Vision rows: collate_vision (`rows`: their images' rows per sample)."""
     if all(isinstance(item, torch.Tensor) for item in items):
         ids = torch.stack(items)
         return {"input_ids": ids, "labels": ids}
-    length = -(-max(item["input_ids"].numel() for item in items) // multiple) * multiple
+    if set(items[0]) - set(TEXT_KEYS):  # a vision-language model's rows: the processor's inputs besides
+        return collate_vision(items, pad_id=pad_id, multiple=multiple, length=length, rows=rows)
+    length = max(length, -(-max(item["input_ids"].numel() for item in items) // multiple) * multiple)
     batch = {"input_ids": [], "labels": [], "position_ids": []}
     for item in items:
         pad = length - item["input_ids"].numel()
@@ -318,7 +336,7 @@ def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, to
 
 
 def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir: str | Path | None = None,
-                        chat_template: str | Path | None = None, packing: bool = True,
+                        chat_template: str | Path | None = None, packing: bool | None = True,
                         assistant_only_loss: bool = True, truncation: str = "truncate",
                         cache_dir: str | Path | None = None, vocab_size: int | None = None) -> Any:
     """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
@@ -326,7 +344,8 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
     (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is; a StreamingText -> its
     TextStream (training/streaming.py: read while training), a TextStream as it is. A .txt / .jsonl file goes
     through the token cache (training/token_cache.py, under `cache_dir`): tokenized once, then mapped;
-    `vocab_size` (the model's) is checked against the largest id there."""
+    `vocab_size` (the model's) is checked against the largest id there. packing None: True."""
+    packing = packing is not False
     if isinstance(source, SFTDataset):
         return source
     if isinstance(source, (StreamingText, TextStream)):
