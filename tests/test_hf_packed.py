@@ -6,6 +6,7 @@ recompute gets its forward's documents back); afmoe, whose transformers code bui
 ids; at cp 2 on qwen3_next (gated DeltaNet) and jamba (Mamba) against the documents alone on one process. The same
 rows without their position ids differ by O(1), so each comparison can fail. A model whose token mixing tptrain
 cannot find (rwkv) refuses packed documents: its forward, the Trainer and `tptrain train` before any worker.
+Generation with a KV cache infers no documents on a cache's steps (greedy tokens as transformers' generate).
 
     .venv/bin/python -m pytest tests/test_hf_packed.py -q
 """
@@ -173,6 +174,30 @@ def test_documents_are_grouped_by_length_and_come_back_in_place():
     assert torch.equal(parts[2][1, :], x[1, 4:])  # the second row's 28
     assert torch.equal(documents.join(parts), x)
     assert Documents.of(torch.arange(32).expand(2, 32), 2) is None  # no row restarts: nothing to regroup
+
+
+@pytest.mark.parametrize("model_type", ["afmoe", "granitemoehybrid", "qwen3_next", "jamba"])
+def test_generation_with_a_cache_infers_no_documents(checkpoints, model_type):
+    """Generation fills a cache with the prompts, then steps one token per row on it: no packed documents there (a
+    step's position ids continue each row), tptrain's masks (afmoe, granitemoehybrid) give transformers' on a cache's
+    step. Greedy tokens equal transformers' generate, left-padded prompts and plain ones; a prompt of packed
+    documents filling a cache is refused."""
+    import warnings
+
+    from tests.family_utils import transformers_fp64
+
+    model, hf = one_process_of(checkpoints, model_type).eval(), transformers_fp64(checkpoints[model_type])
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    for mask in (None, torch.tensor([[1] * 7, [0, 0] + [1] * 5])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, eos_token_id=None)
+        assert torch.equal(got, want), (model_type, mask, got, want)
+    batch = packed_batch()
+    if model.packing_refusal is None and model._packed.mixers:
+        with pytest.raises(ValueError, match=r"packed documents .* run without a cache; .*use_cache=False"):
+            model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=True)
 
 
 # ------------------------------------------------------------------ refused
