@@ -26,6 +26,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from tptrain.hf.attention import per_document_mixers, use_tptrain_attention
+from tptrain.hf.probe import masks_see_positions
+
 
 @dataclass(frozen=True)
 class Documents:
@@ -122,6 +125,18 @@ class PackedForward:
                              f"cache; call the model with use_cache=False")
         return documents
 
+    def of_forward(self, batch: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                   cp: Any, kwargs: dict) -> Documents | None:
+        """The packed documents of a forward's whole batch (`batch` rows; under context parallelism, `cp` its
+        context, the whole sequence's position ids and padding mask, which the batch split keeps). None on a cache
+        (`past_key_values` in the forward's `kwargs`: generation's steps continue each row, as transformers' masks
+        take them); packed documents filling a new cache (`use_cache`) are refused."""
+        if kwargs.get("past_key_values") is not None:
+            return None
+        if cp is not None:
+            position_ids, attention_mask = cp.position_ids, cp.attention_mask
+        return self.documents(batch, position_ids, attention_mask, cache=bool(kwargs.get("use_cache")))
+
     @contextlib.contextmanager
     def running(self, documents: Documents | None) -> Iterator[None]:
         previous, self.current = self.current, documents
@@ -189,3 +204,14 @@ def run_per_document(model: torch.nn.Module, names: list[str], *, refusal: str |
         module = model.get_submodule(name)
         module.forward = PerDocument(module.forward, packed, f"{name} ({type(module).__name__})")
     return packed
+
+
+def declare_packed_documents(model: torch.nn.Module) -> PackedForward:
+    """A transformers-backend model's packed documents: its token mixers outside attention (its `sequence_mixers`'
+    kin, hf/attention.py) run on each document as a row of its own, or it says why it cannot keep them apart
+    (`packing_refusal`, which the rule table's packed_documents reads); where transformers builds its masks without
+    the position ids (they would join packed documents), tptrain's masks and attention over the forward's."""
+    mixers, model.packing_refusal = per_document_mixers(model, model.sequence_mixers)
+    if masks_see_positions(model.hf_model) is False:
+        use_tptrain_attention(model)
+    return run_per_document(model, mixers, refusal=model.packing_refusal)

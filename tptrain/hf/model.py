@@ -30,13 +30,11 @@ from transformers.integrations.moe import _default_apply_gate
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tptrain.hf import styles as _styles  # noqa: F401 - registers the ep_dispatch_experts styles
-from tptrain.hf.attention import declare_cp_facts, per_document_mixers, running, use_tptrain_attention
-from tptrain.hf.documents import Documents, run_per_document
+from tptrain.hf.attention import declare_cp_facts, running, use_tptrain_attention
+from tptrain.hf.documents import declare_packed_documents
 from tptrain.hf.conversions import checkpoint_sources, hub_sizes, interleaved_parameters, save_groups, to_hub
-from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
-                             translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
-                             packed_like_stored)
-from tptrain.hf.probe import masks_see_positions, meta_copy, split_readers
+from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, rule_unplanned,
+                             translate_plan, unplanned_parameters, vocab_parallel_embedding, packed_like_stored)
 from tptrain.hf.stages import run_stage, stage_parts
 from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss
@@ -139,7 +137,7 @@ class TransformersCausalLM(PreTrainedModel):
         self.tp_ep_plan = module_rules(self, translate_plan(getattr(hf_model.config, "base_model_ep_plan", None)),
                                        prefix)
         self._declare_tp_facts({**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
-        self._whole_readers = self._rule_unplanned(prefix)
+        self._whole_readers = rule_unplanned(self, prefix)
         self._declare_stages(prefix)
         self._declare_cp_facts(prefix)
         self._declare_packed_documents()
@@ -166,12 +164,8 @@ class TransformersCausalLM(PreTrainedModel):
         self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), getattr(self, "pp_layers", None))
 
     def _declare_packed_documents(self) -> None:
-        """Packed documents: the token mixers outside attention run on each document as a row of its own
-        (hf/documents.py), or the model says why it cannot keep them apart (the rule table's packed_documents)."""
-        mixers, self.packing_refusal = per_document_mixers(self, self.sequence_mixers)
-        self._packed = run_per_document(self, mixers, refusal=self.packing_refusal)
-        if masks_see_positions(self.hf_model) is False:  # transformers' masks would join packed documents: tptrain's
-            use_tptrain_attention(self)  # masks and attention (hf/attention.py), over the forward's position ids
+        """Token mixers run per packed document, or why not (`packing_refusal`): hf/documents.py."""
+        self._packed = declare_packed_documents(self)
 
     def _declare_stages(self, prefix: str) -> None:
         """The contract's PipelineModel facts (hf/stages.py), or why the model cannot be cut (`pp_refusal`)."""
@@ -196,27 +190,12 @@ class TransformersCausalLM(PreTrainedModel):
         attention_mask, cp = inputs.pop("attention_mask", None), self.parallel.cp
         if position_ids is not None and position_ids.dim() == 3:  # transformers' (rows, batch, seq)
             position_ids = position_ids.movedim(1, 0)
-        documents = self._documents(x.shape[0], position_ids, attention_mask, {})
+        documents = self._packed.of_forward(x.shape[0], position_ids, attention_mask, cp, {})
         if cp is not None and attention_mask is None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
         with running(getattr(self, self.base_model_prefix), cp, position_ids), self._packed.running(documents):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=False, **inputs)
-
-    def _rule_unplanned(self, prefix: str) -> set[str]:
-        """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
-        (hf/probe.py, on a meta copy): those reading this rank's share of the features get
-        'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
-        activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
-        styles = resolve_names(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
-        candidates = unplanned_modules(self, styles)
-        if not candidates:
-            return set()
-        kinds = split_readers(meta_copy(self.hf_model), styles, candidates) or {}
-        for name, kind in kinds.items():
-            if kind == "per_part" and name.startswith(prefix + "."):
-                self.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
-        return {name for name, kind in kinds.items() if kind == "whole"}
 
     # ------------------------------------------------------------------ building
 
@@ -353,7 +332,7 @@ class TransformersCausalLM(PreTrainedModel):
         rank's KV heads) is returned in `past_key_values`."""
         kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         cp = self.parallel.cp
-        documents = self._documents(input_ids.shape[0], position_ids, attention_mask, kwargs)
+        documents = self._packed.of_forward(input_ids.shape[0], position_ids, attention_mask, cp, kwargs)
         if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
@@ -365,19 +344,6 @@ class TransformersCausalLM(PreTrainedModel):
         loss = None if labels is None else self.loss_function(out.logits, labels, num_items_in_batch,
                                                               per_sequence=per_sequence)
         return CausalLMOutput(loss=loss, logits=out.logits, past_key_values=getattr(out, "past_key_values", None))
-
-    def _documents(self, batch: int, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                   kwargs: dict) -> Documents | None:
-        """The packed documents of a forward's whole batch (`batch` rows; under cp the whole sequence's position ids
-        and padding mask, which the batch split keeps), which the token mixers run on one by one. None on a cache
-        (`past_key_values`: generation's steps continue each row, as transformers' masks take them); packed
-        documents filling a new cache (`use_cache`) are refused."""
-        if kwargs.get("past_key_values") is not None:
-            return None
-        cp = self.parallel.cp
-        if cp is not None:
-            position_ids, attention_mask = cp.position_ids, cp.attention_mask
-        return self._packed.documents(batch, position_ids, attention_mask, cache=bool(kwargs.get("use_cache")))
 
     # ------------------------------------------------------------------ saving
 
