@@ -4,8 +4,8 @@ family the backend runs (gated DeltaNet, KDA, Mamba, Mamba2, lightning attention
 attention beside them), tiny checkpoints written by transformers, fp64; with activation checkpointing (each layer's
 recompute gets its forward's documents back); afmoe, whose transformers code builds its masks without the position
 ids; at cp 2 against the documents alone on one process: qwen3_next (gated DeltaNet) and jamba (Mamba) with
-activation checkpointing, every other family (slow) but those context parallelism refuses (bamba, zamba, inkling_text). The same
-rows without their position ids differ by O(1), so each comparison can fail. A model whose token mixing tptrain
+activation checkpointing, every other family (slow) but those context parallelism refuses (bamba, zamba,
+inkling_text). The same rows without their position ids differ by O(1), so each comparison can fail. A model whose token mixing tptrain
 cannot find (rwkv) refuses packed documents: its forward, the Trainer and `tptrain train` before any worker.
 Generation with a KV cache infers no documents on a cache's steps (greedy tokens as transformers' generate).
 

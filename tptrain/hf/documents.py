@@ -189,8 +189,8 @@ def _joined(outs: list[Any], documents: Documents, name: str) -> Any:
     if not all(torch.is_tensor(y) and tuple(y.shape[:2]) == shape for y, shape in zip(columns[0], documents.shapes)):
         got = [tuple(y.shape) if torch.is_tensor(y) else type(y).__name__ for y in columns[0]]
         raise TypeError(f"{name} mixes the tokens of packed documents and must return a (documents, tokens, ...) "
-                        f"tensor, or a tuple led by one, for its (documents, tokens, ...) inputs; it returned {got} for "
-                        f"{list(documents.shapes)}; train without packing (packing=False, --no-packing)")
+                        f"tensor, or a tuple led by one, for its (documents, tokens, ...) inputs; it returned {got} "
+                        f"for {list(documents.shapes)}; train without packing (packing=False, --no-packing)")
     joined = [documents.join(list(column)) if all(torch.is_tensor(y) and tuple(y.shape[:2]) == shape for y, shape
                                                   in zip(column, documents.shapes)) else None for column in columns]
     return tuple(joined) if tupled else joined[0]

@@ -242,8 +242,8 @@ def _parents(name: str) -> list[str]:
 
 
 def rule_unplanned(model: nn.Module, prefix: str) -> set[str]:
-    """A transformers-backend model's modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
-    (hf/probe.py, on a meta copy): those reading this rank's share of the features get
+    """A transformers-backend model's modules with parameters the plan leaves without a rule inside a split region,
+    sorted by what they read (hf/probe.py, on a meta copy): those reading this rank's share of the features get
     'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
     activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
     styles = resolve_names(model, {**{f"{prefix}.{g}": s for g, s in model.tp_base_plan.items()}, **model._tp_plan})
