@@ -24,6 +24,13 @@ on N gloo ranks, each stage against transformers on one process (fp32; scripts/h
 transformers' base_model_ep_plan), over the types with an ep plan (--peer stays transformers' plain TP: its
 enable_expert_parallel asks for a tp_plan these types' configs do not give it).
 
+--packed replaces the stages by load and packed (scripts/hf_survey_packed.py: two rows of packed documents, position
+ids restarting, against transformers running each document alone) at --tp-size x --cp-size; its default types are
+those that mix tokens outside attention, or whose masks transformers builds without the position ids:
+
+    nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py --tp-size 1 --packed --json packed.json
+    nice -n 10 .venv/bin/python scripts/hf_checkpoint_survey.py --tp-size 1 --cp-size 2 --packed --json packed_cp2.json
+
 --tp-size 1 measures what is not about splitting (conversions, buffers, configs): one rank, loaded without a
 distributed_config (no plan). A stage after a failed one is "-". Prints a markdown table (type x stages), the
 reason for each failure, and the count. One group of ranks runs every type in turn; a type that hangs it (a
@@ -45,6 +52,7 @@ from pathlib import Path
 
 import torch
 from hf_backend_survey import TINY  # the same tiny sizes as the meta-device survey
+from hf_survey_packed import PACKED_STAGES, packed_reference, packed_types, run_packed_stages
 from hf_survey_stages import LAYOUT_STAGES, STAGES, reference, run_layout_stages, run_stages, steps_dtype
 
 # MLA attention (low-rank q/kv, decoupled RoPE): as many KV heads as query heads, consistent head sizes.
@@ -113,8 +121,9 @@ def model_types(expert_parallel: bool = False) -> list[str]:
     return out
 
 
-def _write_checkpoint(model_type: str, directory: Path, ep: bool) -> tuple[torch.Tensor, dict]:
-    """transformers' own random tiny model, saved; (input ids, transformers' single-process reference)."""
+def _write_checkpoint(model_type: str, directory: Path, ep: bool, packed: bool) -> tuple[torch.Tensor, dict]:
+    """transformers' own random tiny model, saved; (input ids, transformers' single-process reference: of the packed
+    column's documents alone with `packed`)."""
     import transformers
 
     config = tiny_config(model_type, ep)
@@ -122,10 +131,14 @@ def _write_checkpoint(model_type: str, directory: Path, ep: bool) -> tuple[torch
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     ids = torch.randint(3, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
-    return ids, reference(model, ids, steps_dtype(directory))
+    dtype = steps_dtype(directory)
+    if packed:
+        return ids, {**packed_reference(model, ids, dtype), "steps_dtype": dtype}
+    return ids, reference(model, ids, dtype)
 
 
-def _survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer: bool, ep: bool) -> dict:
+def _survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer: bool, ep: bool,
+                 packed: bool = False) -> dict:
     from tptrain.distributed import comm
 
     rank = torch.distributed.get_rank()
@@ -133,7 +146,7 @@ def _survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer
     written, error = None, None
     if rank == 0:
         try:
-            written = _write_checkpoint(model_type, directory, ep)
+            written = _write_checkpoint(model_type, directory, ep, packed)
         except Exception as exc:  # noqa: BLE001 - a survey: record and go on
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
     error = comm.all_gather_object(error)[0]
@@ -142,6 +155,8 @@ def _survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer
     ids, dtype = comm.all_gather_object((written[0], written[1]["steps_dtype"]) if written else None)[0]
     tp, cp, pp = layout
     try:
+        if packed:
+            return run_packed_stages(directory, ids, written[1] if written else None, tp=tp, cp=cp, steps_dtype=dtype)
         if cp * pp > 1:
             return run_layout_stages(directory, ids, written[1] if written else None, tp=tp, cp=cp, pp=pp,
                                      steps_dtype=dtype)
@@ -154,7 +169,7 @@ def _survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def worker(types: list[str], out: str, layout: tuple[int, int, int], peer: bool, ep: bool) -> None:
+def worker(types: list[str], out: str, layout: tuple[int, int, int], peer: bool, ep: bool, packed: bool) -> None:
     """One rank (torchrun-style env): every type in turn; rank 0 appends {"type", "result"} lines to `out`."""
     import transformers
 
@@ -170,7 +185,7 @@ def worker(types: list[str], out: str, layout: tuple[int, int, int], peer: bool,
         for model_type in types:
             if rank == 0:
                 _append(out, {"type": model_type, "started": True})
-            result = _survey_type(model_type, Path(tmp), layout, peer, ep)
+            result = _survey_type(model_type, Path(tmp), layout, peer, ep, packed)
             if rank == 0:
                 _append(out, {"type": model_type, "result": result})
 
@@ -188,11 +203,11 @@ def _launch(script: str, nproc: int, types: list[str], out: Path, args: list[str
 
 
 def survey(types: list[str], layout: tuple[int, int, int], type_timeout: float, peer: bool,
-           ep: bool) -> dict[str, dict]:
+           ep: bool, packed: bool = False) -> dict[str, dict]:
     """This script's workers at `layout` over `types` (survey_loop)."""
     tp, cp, pp = layout
     args = ["--tp-size", str(tp), "--cp-size", str(cp), "--pp-size", str(pp), *(["--peer"] if peer else []),
-            *(["--expert-parallel"] if ep else [])]
+            *(["--expert-parallel"] if ep else []), *(["--packed"] if packed else [])]
     return survey_loop(types, __file__, tp * cp * pp, args, type_timeout)
 
 
@@ -223,7 +238,7 @@ def survey_loop(types: list[str], script: str, nproc: int, args: list[str], type
 
 
 def _stages(result: dict) -> tuple[str, ...]:
-    return LAYOUT_STAGES if "train" in result else STAGES
+    return PACKED_STAGES if "packed" in result else LAYOUT_STAGES if "train" in result else STAGES
 
 
 def passed(result: dict) -> bool:
@@ -236,9 +251,9 @@ def spelled(layout: tuple[int, int, int]) -> str:
     return " x ".join(parts) or "tp 1"
 
 
-def table(results: dict[str, dict], layout: tuple[int, int, int], peer: bool) -> str:
+def table(results: dict[str, dict], layout: tuple[int, int, int], peer: bool, packed: bool = False) -> str:
     """The markdown table (type x stages, the peer column) and, below it, the reason for each failure."""
-    stages = LAYOUT_STAGES if layout[1] * layout[2] > 1 else STAGES
+    stages = PACKED_STAGES if packed else LAYOUT_STAGES if layout[1] * layout[2] > 1 else STAGES
     head = ["type", "layout", *stages, *([f"peer (transformers TP {layout[0]})"] if peer else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     reasons = []
@@ -264,7 +279,8 @@ def cell(result: dict | None) -> str:
     error = result.get("error", "")
     if error.startswith("transformers (not tptrain)"):
         return "n/a (transformers fails)"
-    if "cannot run with cp_size" in error or "cannot be cut into pipeline stages" in error:
+    if any(refusal in error for refusal in ("cannot run with cp_size", "cannot be cut into pipeline stages",
+                                            "cannot keep packed documents")):
         return "refused"
     return f"**{error.split(':')[0]}** fails"
 
@@ -291,6 +307,9 @@ def main() -> None:
     parser.add_argument("--expert-parallel", action="store_true",
                         help="enable_expert_parallel (experts split by expert over the TP group, transformers' "
                              "base_model_ep_plan) on both sides; default types: those with an ep plan")
+    parser.add_argument("--packed", action="store_true",
+                        help="the packed column at --tp-size x --cp-size: a packed row against its documents alone "
+                             "(scripts/hf_survey_packed.py); default types: those mixing tokens outside attention")
     parser.add_argument("--json", help="also write the results to this file ({type: {stage: outcome, ...}})")
     parser.add_argument("--combine", nargs="+", metavar="TITLE=FILE",
                         help="print one table of several runs' --json files (a column each) and exit")
@@ -305,19 +324,24 @@ def main() -> None:
     types = [t for t in args.types.split(",") if t]
     layout = (args.tp_size, args.cp_size, args.pp_size)
     if args.worker:
-        return worker(types, args.out, layout, args.peer, args.expert_parallel)
-    if (args.peer or args.expert_parallel) and args.cp_size * args.pp_size > 1:
-        parser.error("--peer and --expert-parallel are for the tp stages (no --cp-size / --pp-size)")
-    results = survey(types or model_types(expert_parallel=args.expert_parallel), layout, args.type_timeout,
-                     args.peer, args.expert_parallel)
+        return worker(types, args.out, layout, args.peer, args.expert_parallel, args.packed)
+    if (args.peer or args.expert_parallel) and (args.cp_size * args.pp_size > 1 or args.packed):
+        parser.error("--peer and --expert-parallel are for the tp stages (no --cp-size / --pp-size / --packed)")
+    if args.packed and args.pp_size > 1:
+        parser.error("--packed runs at --tp-size x --cp-size (no --pp-size)")
+    types = types or model_types(expert_parallel=args.expert_parallel)
+    if args.packed and not args.types:
+        types = packed_types(types, tiny_config)
+    results = survey(types, layout, args.type_timeout, args.peer, args.expert_parallel, args.packed)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results, layout, args.peer), flush=True)
+    print(table(results, layout, args.peer, args.packed), flush=True)
     ok = [t for t, r in results.items() if passed(r)]
     skipped = [t for t, r in results.items() if r.get("error", "").startswith("transformers (not tptrain)")]
     print(f"\n{len(ok)} of {len(results) - len(skipped)} model types (with a base_model_tp_plan and a tiny checkpoint "
           f"transformers itself writes) pass every stage at {spelled(layout)}"
-          f"{' with enable_expert_parallel' if args.expert_parallel else ''}: {', '.join(ok)}")
+          f"{' with enable_expert_parallel' if args.expert_parallel else ''}{' (packed)' if args.packed else ''}: "
+          f"{', '.join(ok)}")
     if args.peer:
         peers = [t for t, r in results.items() if r.get("peer") == "OK"]
         print(f"transformers' own TP at tp {args.tp_size} matches its single-process logits on {len(peers)}: "

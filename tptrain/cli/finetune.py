@@ -17,9 +17,11 @@ def add_finetune_arguments(sections: dict[str, argparse._ArgumentGroup]) -> None
     """The fine-tuning flags, each in its --help section of `tptrain train` (train_arguments.SECTIONS)."""
     data, evaluation, optimisation = sections["data"], sections["evaluation"], sections["optimisation"]
     data.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
-                      help="instruction data: pack whole samples into --seq-len rows, each attending only to itself "
-                           "(the default, but for a vision-language model's image-text rows, which are never "
-                           "packed); --no-packing: one sample per row, padded to the longest in the batch")
+                      help="instruction data: pack whole samples into --seq-len rows, each seeing only itself "
+                           "(the default, but for a vision-language model's image-text rows, which are never packed; "
+                           "a hybrid's recurrent and convolution layers run on each sample alone, a model whose token "
+                           "mixing tptrain cannot find is refused); --no-packing: one sample per row, padded to the "
+                           "longest in the batch")
     data.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
                       help="\"messages\" records: train on the assistant turns only (default)")
     data.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records "
@@ -71,17 +73,19 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool, vision: bool = False,
-              data: bool = True) -> None:
+              data: bool = True) -> bool:
     """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
     (records parsed, chat template present when a record is a chat; a vision-language model's: cli/vision.py; not
-    with `data` False: `tptrain dpo` checks its own), LoRA's values. Raises the first problem found."""
+    with `data` False: `tptrain dpo` checks its own), LoRA's values. Raises the first problem found; returns whether
+    the run trains (or evaluates) on packed documents (text samples with packing; never image-text rows)."""
     from tptrain.cli import vision as vision_cli
 
     _check_data_options(args)
+    packed = False
     if vision:
         vision_cli.preflight(args, model_dir)
     else:
-        _check_text_data(args, model_dir, files=data)
+        packed = _check_text_data(args, model_dir, files=data)
     if args.num_epochs is not None and max_steps_given:
         raise ValueError("pass --max-steps or --num-epochs, not both")
     if args.lora_r < 0:
@@ -92,21 +96,27 @@ def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: boo
         raise ValueError("--lora-target-parameters needs --lora-r (a LoRA run)")
     if args.lora_r:
         lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
+    return packed
 
 
-def _check_text_data(args: argparse.Namespace, model_dir: Path, *, files: bool) -> None:
+def _check_text_data(args: argparse.Namespace, model_dir: Path, *, files: bool) -> bool:
+    """The tokenizer and the data files (not with `files` False); whether they hold samples that are packed."""
     from tptrain.text import load_chat_template, load_tokenizer
     from tptrain.training.data import read_documents
     from tptrain.training.sft_data import scan_data_file
 
     load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
+    packed = False
     for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
         if path is None or (flag == "--data" and args.streaming) or not files:
             continue
         if not Path(path).expanduser().is_file():
             read_documents(path)  # raises, naming the path
-        if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
+        chat, samples = scan_data_file(Path(path).expanduser())  # streamed: a 1 GB file is never held in memory
+        if chat:
             load_chat_template(model_dir, args.chat_template)
+        packed |= samples and args.packing is not False  # (None: packed)
+    return packed
 
 
 def _check_data_options(args: argparse.Namespace) -> None:

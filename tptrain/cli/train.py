@@ -130,7 +130,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     the flags, the data file, the output directory. Raises the first problem found."""
     from tptrain.io import writable_error
     from tptrain.training.args import check_seq_len
-    from tptrain.training.setup import check_run
+    from tptrain.training.setup import check_packed_documents, check_run
     from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
     from tptrain.cli import finetune as finetune_cli
     from tptrain.cli import vision as vision_cli
@@ -153,8 +153,9 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
             raise ValueError(f"--compile: {error}")
     if _workflow(args):  # the preference records / the prompts and reward functions, each bad one named
         _workflow(args).preflight(args, model_dir)
-    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision,
-                           data=not _workflow(args))  # data, eval, LoRA
+    packed = finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision,
+                                    data=not _workflow(args))  # data, eval, LoRA
+    check_packed_documents(meta, packed)  # the rule table's row on the data: packed documents the model can keep apart
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")

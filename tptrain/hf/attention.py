@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.masking_utils import (AttentionMaskInterface, and_masks, find_packed_sequence_indices,
-                                        packed_sequence_compatibility_function, padding_mask_function)
+                                        packed_sequence_compatibility_function, padding_mask_function, sdpa_mask)
 from transformers.modeling_utils import AttentionInterface
+
+from tptrain.parallel import contract
 
 
 NAME = "tptrain"
@@ -41,16 +43,19 @@ NAME = "tptrain"
 # attention's chosen keys) changes the math: refused.
 _UNUSED = {"sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
            "past_key_values", "cache_position"}
-# The base model whose forward is running, and its model's cp context (None without context parallelism): its mask
-# builder is what `build_mask` asks (transformers' mask interface is called with the config only).
-_RUNNING: contextvars.ContextVar[tuple[nn.Module, Any] | None] = contextvars.ContextVar("tptrain_hf_running",
-                                                                                         default=None)
+# The base model whose forward is running, its model's cp context (None without context parallelism) and the
+# forward's position ids: its mask builder is what `build_mask` asks (transformers' mask interface is called with the
+# config only).
+_RUNNING: contextvars.ContextVar[tuple[nn.Module, Any, Any] | None] = contextvars.ContextVar("tptrain_hf_running",
+                                                                                              default=None)
 
 
 @contextlib.contextmanager
-def running(base: nn.Module, cp_context: Any = None):
-    """While transformers' forward of `base` (a base model with `attention_masks`) runs."""
-    token = _RUNNING.set((base, cp_context))
+def running(base: nn.Module, cp_context: Any = None, position_ids: torch.Tensor | None = None):
+    """While transformers' forward of `base` (a base model with `attention_masks`) runs, on `position_ids` (batch or
+    1, seq; None: 0..seq-1), over which the masks are built without context parallelism (under it the engine's
+    wrapper of `attention_masks` gives the whole batch's)."""
+    token = _RUNNING.set((base, cp_context, position_ids))
     try:
         yield
     finally:
@@ -119,6 +124,37 @@ def declare_cp_facts(model: nn.Module, base: nn.Module, layers: str | None, *, w
     return refused
 
 
+def per_document_mixers(model: nn.Module, refused: dict[str, str]) -> tuple[list[str], str | None]:
+    """What keeps packed documents apart outside attention (hf/documents.py): the modules that run on each document
+    as a row of its own (the `cp_whole_sequence` modules, and the mixers context parallelism refuses for want of a
+    decoder-layer list but that hold no attention), and why packed documents cannot be kept apart (None: they can).
+    An indexer or compressor of the keys reads the attention's masks, which keep the documents apart."""
+    interface = [name for name, module in model.named_modules() if calls_attention_interface(module)]
+    mixers, why = list(contract.whole_sequence_modules(model)), []
+    for name, cls in refused.items():
+        if _KEY_SELECTORS.search(cls):
+            continue
+        held = [a for a in interface if a == name or a.startswith(f"{name}.")]
+        if held or not isinstance(_submodule(model, name), nn.Module):
+            why.append(f"{name} ({cls}) mixes tokens outside attention{f' around {held[0]}' if held else ''}, "
+                       f"which tptrain cannot run on each document alone")
+        else:
+            mixers.append(name)
+    if not interface and not mixers:
+        classes = sorted({type(m).__name__ for m in model.modules() if m is not model})
+        why.append(f"tptrain finds neither an attention module nor a token mixer it knows among its modules "
+                   f"({', '.join(classes[:6])}{', ...' if len(classes) > 6 else ''}), so it cannot tell how it mixes "
+                   f"tokens")
+    return mixers, "; ".join(why) or None
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:  # a layer of config.layer_types named by its index only
+        return None
+
+
 def _token_mixers(model: nn.Module, base: nn.Module, layers: str | None) -> dict[str, str]:
     """{module: class} of the modules of the decoder layers mixing tokens outside attention: named so (not the
     decoder layers themselves, nor attention named "linear": their parts are looked at), or holding a convolution;
@@ -170,7 +206,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if is_causal is False and attention_mask is None:
         raise ValueError(f"{type(module).__name__} runs bidirectional attention without a mask; context parallelism "
                          f"splits causal attention only: drop cp_size")
-    cp = (_RUNNING.get() or (None, None))[1]
+    cp = (_RUNNING.get() or (None, None, None))[1]
     if cp is not None and getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = _temperature_by_global_index(module, query, cp.query_index)
     # Kept on the module after the call: context parallelism's backward recomputes this call's attention from them.
@@ -256,14 +292,19 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
                mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                **kwargs: Any) -> torch.Tensor:
     """transformers' mask-interface signature: the mask of `mask_function`, from the running base model's
-    `attention_masks` (which context parallelism wraps: this rank's rows of the whole sequence's mask)."""
-    base = (_RUNNING.get() or (None, None))[0]
+    `attention_masks` (which context parallelism wraps: this rank's rows of the whole sequence's mask); without
+    context parallelism, a step on a cache's keys gets transformers' `sdpa_mask`."""
+    base, cp, positions = _RUNNING.get() or (None, None, None)
     if base is None:
         raise RuntimeError("tptrain's attention masks are built inside TransformersCausalLM's forward")
+    if cp is None and (q_offset or kv_offset or kv_length != q_length):  # a cache's step (generation): no packed
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         **kwargs)  # documents to find, transformers' own mask
     if q_offset or kv_offset:
         raise ValueError("tptrain's attention (context parallelism) runs without a cache: call the model with "
                          "use_cache=False")
-    positions = torch.arange(q_length, device=kwargs.get("device"))[None]
+    if positions is None or positions.shape[-1] != q_length:
+        positions = torch.arange(q_length, device=kwargs.get("device"))[None]
     key = (mask_function, batch_size)
     return base.attention_masks(positions, attention_mask, {key})[key]
 

@@ -33,10 +33,9 @@ from tptrain.hf import styles as _styles  # noqa: F401 - registers the ep_dispat
 from tptrain.hf.attention import declare_cp_facts, running, use_tptrain_attention
 from tptrain.hf.checkpoint import hub_tensors, materialise_buffers
 from tptrain.hf.conversions import checkpoint_sources, interleaved_parameters
-from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
-                             translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
-                             packed_like_stored)
-from tptrain.hf.probe import meta_copy, split_readers
+from tptrain.hf.documents import declare_packed_documents
+from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, rule_unplanned,
+                             translate_plan, unplanned_parameters, vocab_parallel_embedding, packed_like_stored)
 from tptrain.hf.stages import run_stage, stage_parts
 from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss
@@ -138,9 +137,10 @@ class TransformersCausalLM(PreTrainedModel):
         self.tp_ep_plan = module_rules(self, translate_plan(getattr(hf_model.config, "base_model_ep_plan", None)),
                                        prefix)
         self._declare_tp_facts({**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
-        self._whole_readers = self._rule_unplanned(prefix)
+        self._whole_readers = rule_unplanned(self, prefix)
         self._declare_stages(prefix)
         self._declare_cp_facts(prefix)
+        self._declare_packed_documents()
 
     def _declared_plans(self, hf_model: nn.Module, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
         """(the base model's plan, relative to `prefix`; the rules outside it, the head's, in full names), in tptrain's
@@ -163,6 +163,10 @@ class TransformersCausalLM(PreTrainedModel):
         modules of the layers mixing tokens otherwise (hf/attention.py)."""
         self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), getattr(self, "pp_layers", None))
 
+    def _declare_packed_documents(self) -> None:
+        """Token mixers run per packed document, or why not (`packing_refusal`): hf/documents.py."""
+        self._packed = declare_packed_documents(self)
+
     def _declare_stages(self, prefix: str) -> None:
         """The contract's PipelineModel facts (hf/stages.py), or why the model cannot be cut (`pp_refusal`)."""
         self._declare_stage_parts(stage_parts(self, prefix))
@@ -184,28 +188,14 @@ class TransformersCausalLM(PreTrainedModel):
         stage); multimodal position ids come batch first, (batch, rows, seq)."""
         assert not carried, "the transformers backend's stages carry nothing"
         attention_mask, cp = inputs.pop("attention_mask", None), self.parallel.cp
-        if cp is not None and attention_mask is None:  # see forward
-            attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
         if position_ids is not None and position_ids.dim() == 3:  # transformers' (rows, batch, seq)
             position_ids = position_ids.movedim(1, 0)
-        with running(getattr(self, self.base_model_prefix), cp):
+        documents = self._packed.of_forward(x.shape[0], position_ids, attention_mask, cp, {})
+        if cp is not None and attention_mask is None:  # see forward
+            attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        with running(getattr(self, self.base_model_prefix), cp, position_ids), self._packed.running(documents):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=False, **inputs)
-
-    def _rule_unplanned(self, prefix: str) -> set[str]:
-        """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
-        (hf/probe.py, on a meta copy): those reading this rank's share of the features get
-        'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
-        activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
-        styles = resolve_names(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
-        candidates = unplanned_modules(self, styles)
-        if not candidates:
-            return set()
-        kinds = split_readers(meta_copy(self.hf_model), styles, candidates) or {}
-        for name, kind in kinds.items():
-            if kind == "per_part" and name.startswith(prefix + "."):
-                self.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
-        return {name for name, kind in kinds.items() if kind == "whole"}
 
     # ------------------------------------------------------------------ building
 
@@ -304,7 +294,8 @@ class TransformersCausalLM(PreTrainedModel):
 
     def gradient_checkpointing_enable(self) -> None:
         """transformers' own activation checkpointing of each decoder layer (non-reentrant)."""
-        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": self._packed.checkpoint_contexts})  # a packed batch's documents
 
     def train(self, mode: bool = True) -> "TransformersCausalLM":
         super().train(mode)
@@ -322,11 +313,13 @@ class TransformersCausalLM(PreTrainedModel):
         rank's KV heads) is returned in `past_key_values`."""
         kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         cp = self.parallel.cp
+        documents = self._packed.of_forward(input_ids.shape[0], position_ids, attention_mask, cp, kwargs)
         if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
-        with running(getattr(self, self.base_model_prefix), cp):
+        masks_over = None if kwargs["use_cache"] or kwargs.get("past_key_values") is not None else position_ids
+        with running(getattr(self, self.base_model_prefix), cp, masks_over), self._packed.running(documents):
             out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **kwargs)
         scores = out.logits if temperature == 1.0 else out.logits / temperature

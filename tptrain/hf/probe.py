@@ -118,3 +118,29 @@ def meta_forward(model: nn.Module, before: Callable[[], None] = lambda: None, *,
         except Exception:  # noqa: BLE001 - a forward this probe cannot run: the caller's static answer stands
             continue
     return False
+
+
+def masks_see_positions(hf_model: nn.Module) -> bool | None:
+    """Whether transformers' forward of `hf_model` hands its position ids to the attention masks it builds (then a
+    packed row's documents, position ids restarting inside it, attend only to themselves): whether its mask
+    preparation looks for packed documents (`find_packed_sequence_indices`, recorded) in one forward of a meta copy
+    given position ids and no padding mask. None when that forward cannot run on meta."""
+    from transformers import masking_utils
+
+    looked: list[bool] = []
+
+    def recorded(position_ids: torch.Tensor) -> None:
+        looked.append(True)
+        return None  # (on meta there are no values to search; the masks are built as for one document)
+
+    meta = meta_copy(hf_model)
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    search, masking_utils.find_packed_sequence_indices = masking_utils.find_packed_sequence_indices, recorded
+    try:
+        with torch.no_grad():
+            meta(input_ids=ids, position_ids=torch.arange(SEQ, device="meta")[None], use_cache=False)
+    except Exception:  # noqa: BLE001 - a forward this probe cannot run: unknown
+        return None
+    finally:
+        masking_utils.find_packed_sequence_indices = search
+    return bool(looked)

@@ -31,6 +31,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from tptrain.hf.attention import declare_cp_facts
+from tptrain.hf.documents import run_per_document
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
 from tptrain.hf.stages import stage_parts
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
@@ -112,6 +113,11 @@ class TransformersImageTextToText(TransformersCausalLM):
         self.cp_sequence_entry = self._text_decoder
         layers = getattr(self, "pp_layers", None) or f"{self._text_decoder}.layers"
         self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), layers, within=self._text_decoder)
+
+    def _declare_packed_documents(self) -> None:
+        """Image-text rows are never packed (training/vision_data.py `packing_refusal`): the forward runs as
+        transformers' (no token mixer run per document, its own attention and masks)."""
+        self._packed = run_per_document(self, [])
 
     def _set_local_heads(self) -> None:
         """The text decoder's as the causal backend's; each attention outside it split by heads (the tower's) gets

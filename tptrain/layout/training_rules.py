@@ -73,3 +73,15 @@ def _sp_seq_len(c: Case, r: Rule) -> str | None:
         return (f"{c.facts.name}: sequence parallelism splits the sequence over tp_size={tp} ranks, but "
                 f"{c.spelling.seq_len} is not a multiple of {tp}; choose a sequence length divisible by {tp} (pad a "
                 f"batch with labels=-100, attention_mask=0 on the padding) or disable enable_sequence_parallel")
+
+
+@rule(ROWS, "packed_documents", needs=("facts", "features.packing"),
+      when="packed documents (samples one after another in a row, position ids restarting) on a model that cannot "
+           "keep them apart (a token mixer outside attention it cannot restart at each document)",
+      reason="attention's masks keep each document to itself and tptrain runs the recurrences and short convolutions "
+             "it knows on each document alone; any other mixer would carry one document's state into the next",
+      fix="train without packing (packing=False, --no-packing): one sample per row")
+def _packed_documents(c: Case, r: Rule) -> str | None:
+    if c.features.packing and c.facts.packing_refusal:
+        return (f"{c.facts.name} ({c.facts.model_type}) cannot train on packed documents: {c.facts.packing_refusal}; "
+                f"{r.fix}")

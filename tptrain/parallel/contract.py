@@ -86,7 +86,11 @@ class TPModel(Protocol):
     cp_whole_sequence: {module name: class name} of token mixers outside attention (a recurrence, a short
         convolution) that context parallelism runs on the whole sequence (`whole_sequence_modules`; absent: {}): a
         module called with (batch, seq, ...) tensors returning (batch, seq, ...) ones (or a tuple led by one), whose
-        every token's output depends on the tokens of its sequence alone; no attention inside.
+        every token's output depends on the tokens of its sequence alone; no attention inside. (The transformers
+        backend also runs them on each packed document as a row of its own: hf/documents.py.)
+    packing_refusal: why the model cannot keep packed documents (samples one after another in a row, position ids
+        restarting) apart, a str (`packing_refusal`; absent: None, it can: its attention masks and token mixers
+        restart at each document): the rule table's `packed_documents` refuses training on packed rows with it.
     cp_sequence_entry: the dotted name of the module the model's token sequence enters to be mixed, where that is not
         the model's forward (`sequence_entry`; absent: None, the batch is split before the forward): a
         vision-language model's text decoder, called with keyword arguments `inputs_embeds` (batch, seq, hidden),
@@ -372,6 +376,10 @@ def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
     if not hasattr(model, "router_aux_loss_function"):
         return None
     return model.router_statistics, model.router_aux_loss_function
+
+
+def packing_refusal(model: nn.Module) -> str | None:
+    return getattr(model, "packing_refusal", None)
 
 
 def sequence_parallel_refusal(model: nn.Module) -> str | None:

@@ -26,7 +26,8 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
         backend=getattr(model, "backend", "native"), num_layers=_num_layers(model), attention=len(attention),
-        pp_refusal=pipeline_contract.pipeline_refusal(model), sp_refusal=contract.sequence_parallel_refusal(model),
+        pp_refusal=pipeline_contract.pipeline_refusal(model), packing_refusal=contract.packing_refusal(model),
+        sp_refusal=contract.sequence_parallel_refusal(model),
         without_attend=tuple((name, type(m).__name__) for name, m in attention.items() if contract.attend(m) is None),
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",

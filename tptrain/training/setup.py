@@ -30,8 +30,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from tptrain.distributed import ParallelDims, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.io import writable_error
-from tptrain.layout import Spelling
+from tptrain.layout import Case, Features, Spelling
+from tptrain.layout import check as check_rule
 from tptrain.distributed.state import state_of
+from tptrain.parallel.facts import model_facts
 from tptrain.parallel.parallelize import ParallelOptions, check, parallelize
 from tptrain.parallel.pipeline_grads import when_complete
 from tptrain.parallel.pipeline_parallel import Pipeline
@@ -107,6 +109,20 @@ def check_eval_set(args: TrainingArguments, eval_source: Any) -> None:
     if not args.eval_split and eval_source is None and (args.eval_steps or args.save_best):
         raise ValueError("TrainingArguments.eval_steps / save_best need an eval set: pass "
                          "Trainer(eval_dataset=...) or set eval_split (--eval-data / --eval-split)")
+
+
+def check_packed_documents(model: nn.Module, packing: bool) -> None:
+    """The rule table's `packed_documents` on the run's rows: `packing`, rows of packed documents (samples one after
+    another, position ids restarting: instruction data with TrainingArguments.packing) on a model that cannot keep
+    them apart is refused, before any collective (the Trainer: on the rows stage 2 made, `packs_documents`;
+    `tptrain train`: on its data file, before a worker starts)."""
+    check_rule("packed_documents", Case(features=Features(packing=packing), facts=model_facts(model)))
+
+
+def packs_documents(rows: Any) -> bool:
+    """Whether the rows of a dataset stage 2 made are packed documents (an SFTDataset with packing, or a view of one;
+    plain-text blocks carry no position ids: nothing restarts in them)."""
+    return bool(getattr(rows, "packing", False))
 
 
 def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: TrainingData) -> Placement:

@@ -63,25 +63,28 @@ def read_records(source: Any) -> tuple[str, list[dict[str, Any]]] | None:
     return name, records
 
 
-def scan_data_file(path: Path) -> bool:
+def scan_data_file(path: Path) -> tuple[bool, bool]:
     """Read and parse a .txt / .jsonl file piece by piece, without tokenizing, raising what building it would
-    (a bad line, an unknown record, no text); whether a record is a chat (so a chat template is needed)."""
+    (a bad line, an unknown record, no text); (whether a record is a chat, so a chat template is needed; whether the
+    file holds samples, a chat or prompt/completion record: rows of samples, packed ones with packing, not
+    plain-text blocks)."""
     def ignore(nbytes: int) -> None:
         pass
 
     if path.suffix != ".jsonl":
         if next(text_documents(path, ignore), None) is None:
             raise ValueError(f"dataset {path} is empty: it has no text to train on")
-        return False
-    chat, count = False, 0
+        return False, False
+    chat, samples, count = False, False, 0
     for count, (line, record) in enumerate(jsonl_records(path, ignore), start=1):
         if has_images(record):
             raise images_error(f"{path} line {line}")
         fmt = record_format(record, count - 1, str(path))
         chat |= fmt == "messages" or isinstance(record.get("prompt"), list)
+        samples |= fmt != "text"
     if not count:
         raise ValueError(f"dataset {path} is empty: it has no records to train on")
-    return chat
+    return chat, samples
 
 
 def record_format(record: Any, index: int, name: str) -> str:

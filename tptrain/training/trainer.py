@@ -39,8 +39,8 @@ from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.mesh import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
 from tptrain.training.saving import Checkpointer
-from tptrain.training.setup import (apply_training_steps, optimizer_and_schedule, place, report_inputs,
-                                    training_data)
+from tptrain.training.setup import (apply_training_steps, check_packed_documents, optimizer_and_schedule,
+                                    packs_documents, place, report_inputs, training_data)
 from tptrain.training.step import TrainStep
 from tptrain.training.vision_data import VisionDataset, takes_images, vision_rows
 from tptrain.training.watchdog import HangWatchdog
@@ -88,6 +88,7 @@ class Trainer:
         self._check_sequence_length(self.dims)
         data = training_data(args, self.dims, train_dataset, eval_dataset, build=self._dataset,
                              rows_per_item=self.rows_per_item)
+        check_packed_documents(model, any(packs_documents(rows) for rows in (data.train, data.eval)))
         self.dataset, self.eval_dataset, self.global_batch = data.train, data.eval, data.global_batch
         if data.max_steps != args.max_steps:
             self.args = args = dataclasses.replace(args, max_steps=data.max_steps)
