@@ -81,8 +81,7 @@ class Trainer:
         self.args, self.model, self.tokenizer = args, model, tokenizer
         # A PeftModel wraps the TP model: parameter names, layouts and sharding are the inner model's,
         # while forward and the final save (which then writes the adapter) go through the wrapper.
-        self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        model = self.inner
+        self.inner = model = model.get_base_model() if hasattr(model, "get_base_model") else model
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config, args=args)  # the rule table: every refusal
         self._check_sequence_length(self.dims)
