@@ -8,6 +8,9 @@ load, forward, backward, steps, save; no plan stage) through `tptrain.AutoModelF
 transformers on one process, and (--peer) transformers' own TP at tp N on the same checkpoint and batch.
 
     nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 2 --peer [--types qwen2_5_vl,gemma3]
+    nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 1 --cp-size 2   # or --pp-size 2
+
+--cp-size / --pp-size: the layout stages instead (load, train, save: scripts/hf_vlm_layouts.py), on tp x cp x pp ranks.
 
 Prints the markdown table (type x stages, the image column, the peer column), each failure's reason and the count.
 Tens of minutes on 2 CPU cores.
@@ -24,7 +27,8 @@ from pathlib import Path
 import torch
 from hf_backend_survey import TINY
 from hf_checkpoint_survey import TINY_OVERRIDES, _append, spelled, survey_loop
-from hf_survey_stages import reference, run_stages, steps_dtype
+from hf_survey_stages import LAYOUT_STAGES, reference, run_stages, steps_dtype
+from hf_vlm_layouts import cp_batch, run_vlm_layout_stages
 
 AUTO = "AutoModelForImageTextToText"
 STAGES = ("load", "forward", "backward", "steps", "save")
@@ -201,9 +205,9 @@ def _token(config, *names: str) -> int | None:
     return next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
 
 
-def write_checkpoint(model_type: str, directory: Path) -> tuple[dict, dict, bool]:
+def write_checkpoint(model_type: str, directory: Path, cp: int = 1) -> tuple[dict, dict, bool]:
     """transformers' own random tiny model, saved; (its batch, transformers' single-process reference, whether the
-    batch has an image)."""
+    batch has an image); `cp` > 1: the batch's length a multiple of 2 x cp (cp_batch)."""
     import transformers
 
     tried = None
@@ -225,10 +229,11 @@ def write_checkpoint(model_type: str, directory: Path) -> tuple[dict, dict, bool
         raise ValueError(f"transformers builds none of the tiny configs under {MAX_PARAMETERS / 1e6:.0f}M parameters")
     model, inputs, image = (model, inputs, image) if image else tried
     model.save_pretrained(directory)
+    inputs = cp_batch(inputs, cp) if cp > 1 else inputs
     return inputs, reference(model, inputs, steps_dtype(directory)), image
 
 
-def survey_type(model_type: str, root: Path, tp: int, peer: bool) -> dict:
+def survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer: bool) -> dict:
     from tptrain.distributed import comm
 
     rank = torch.distributed.get_rank()
@@ -236,7 +241,7 @@ def survey_type(model_type: str, root: Path, tp: int, peer: bool) -> dict:
     written, error = None, None
     if rank == 0:
         try:
-            written = write_checkpoint(model_type, directory)
+            written = write_checkpoint(model_type, directory, cp=layout[1])
         except Exception as exc:  # noqa: BLE001 - a survey: record and go on
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
     error = comm.all_gather_object(error)[0]
@@ -245,8 +250,7 @@ def survey_type(model_type: str, root: Path, tp: int, peer: bool) -> dict:
     inputs, dtype, image = comm.all_gather_object((written[0], written[1]["steps_dtype"], written[2])
                                                   if written else None)[0]
     try:
-        out = run_stages(directory, saved, inputs, written[1] if written else None, tp, peer, steps_dtype=dtype,
-                         auto=AUTO)
+        out = _run_layout(directory, saved, inputs, written[1] if written else None, layout, peer, dtype)
         return {**out, "image": "yes" if image else "text only"}
     finally:
         comm.all_gather_object(None)  # every rank done with the files
@@ -255,7 +259,16 @@ def survey_type(model_type: str, root: Path, tp: int, peer: bool) -> dict:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def worker(types: list[str], out: str, tp: int, peer: bool) -> None:
+def _run_layout(directory: Path, saved: Path, inputs: dict, ref: dict | None, layout: tuple[int, int, int],
+                peer: bool, dtype: torch.dtype) -> dict:
+    """The tp stages (run_stages) at tp alone, else the layout stages (hf_vlm_layouts.run_vlm_layout_stages)."""
+    tp, cp, pp = layout
+    if cp * pp > 1:
+        return run_vlm_layout_stages(directory, inputs, ref, tp=tp, cp=cp, pp=pp, steps_dtype=dtype)
+    return run_stages(directory, saved, inputs, ref, tp, peer, steps_dtype=dtype, auto=AUTO)
+
+
+def worker(types: list[str], out: str, layout: tuple[int, int, int], peer: bool) -> None:
     """One rank (torchrun-style env): every type in turn; rank 0 appends {"type", "result"} lines to `out`."""
     import transformers
 
@@ -271,21 +284,26 @@ def worker(types: list[str], out: str, tp: int, peer: bool) -> None:
         for model_type in types:
             if rank == 0:
                 _append(out, {"type": model_type, "started": True})
-            result = survey_type(model_type, Path(tmp), tp, peer)
+            result = survey_type(model_type, Path(tmp), layout, peer)
             if rank == 0:
                 _append(out, {"type": model_type, "result": result})
 
 
+def _stages(result: dict) -> tuple[str, ...]:
+    return LAYOUT_STAGES if "train" in result else STAGES
+
+
 def passed(result: dict) -> bool:
-    return all(result.get(stage) == "OK" for stage in STAGES)
+    return all(result.get(stage) == "OK" for stage in _stages(result))
 
 
-def table(results: dict[str, dict], tp: int, peer: bool) -> str:
-    head = ["type", *STAGES, "image", *([f"peer (transformers TP {tp})"] if peer else [])]
+def table(results: dict[str, dict], layout: tuple[int, int, int], peer: bool) -> str:
+    tp, stages = layout[0], LAYOUT_STAGES if layout[1] * layout[2] > 1 else STAGES
+    head = ["type", *stages, "image", *([f"peer (transformers TP {tp})"] if peer else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     reasons = []
     for model_type, r in results.items():
-        cells = [r.get(stage, "-") for stage in STAGES] if any(s in r for s in STAGES) else ["n/a"] * len(STAGES)
+        cells = [r.get(stage, "-") for stage in stages] if any(s in r for s in stages) else ["n/a"] * len(stages)
         peer_cell = r.get("peer", "-")
         peer_cell = "OK" if peer_cell == "OK" else peer_cell.split(" (")[0].split(":")[0]
         lines.append(f"| `{model_type}` | " + " | ".join([*cells, r.get("image", "-"), *([peer_cell] if peer else [])])
@@ -297,9 +315,17 @@ def table(results: dict[str, dict], tp: int, peer: bool) -> str:
     return "\n".join([*lines, "", *reasons])
 
 
+def _launch_args(layout: tuple[int, int, int], peer: bool) -> list[str]:
+    """The workers' layout arguments."""
+    tp, cp, pp = layout
+    return ["--tp-size", str(tp), "--cp-size", str(cp), "--pp-size", str(pp), *(["--peer"] if peer else [])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp-size", type=int, default=2)
+    parser.add_argument("--cp-size", type=int, default=1, help="context parallelism: the layout stages")
+    parser.add_argument("--pp-size", type=int, default=1, help="pipeline parallelism: the layout stages")
     parser.add_argument("--types", default="", help="comma-separated model types (default: every one with a plan)")
     parser.add_argument("--peer", action="store_true", help="also run transformers' own TP at --tp-size")
     parser.add_argument("--json", help="also write the results to this file")
@@ -308,18 +334,21 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     types = [t for t in args.types.split(",") if t] or model_types()
+    layout = (args.tp_size, args.cp_size, args.pp_size)
     if args.worker:
-        return worker(types, args.out, args.tp_size, args.peer)
-    extra = ["--tp-size", str(args.tp_size), *(["--peer"] if args.peer else [])]
-    results = survey_loop(types, __file__, args.tp_size, extra, args.type_timeout)
+        return worker(types, args.out, layout, args.peer)
+    if args.peer and args.cp_size * args.pp_size > 1:
+        parser.error("--peer is for the tp stages (no --cp-size / --pp-size)")
+    results = survey_loop(types, __file__, layout[0] * layout[1] * layout[2], _launch_args(layout, args.peer),
+                          args.type_timeout)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print(table(results, args.tp_size, args.peer), flush=True)
+    print(table(results, layout, args.peer), flush=True)
     ok = [t for t, r in results.items() if passed(r)]
     skipped = [t for t, r in results.items() if r.get("error", "").startswith("transformers (not tptrain)")]
     images = [t for t in ok if results[t].get("image") == "yes"]
     print(f"\n{len(ok)} of {len(results)} image-text-to-text model types with a base_model_tp_plan pass every stage at "
-          f"{spelled((args.tp_size, 1, 1))} ({len(images)} of them with an image in the batch; {len(skipped)} with no "
+          f"{spelled(layout)} ({len(images)} of them with an image in the batch; {len(skipped)} with no "
           f"tiny checkpoint transformers itself runs): {', '.join(ok)}")
     if args.peer:
         peers = [t for t, r in results.items() if r.get("peer") == "OK"]

@@ -59,6 +59,35 @@ def test_masks_are_rows_of_transformers_whole_masks():
             assert torch.equal(got, want[:, :, rows][..., keys]), (function, pad)
 
 
+def test_the_decoder_entry_splits_every_per_token_input():
+    """Where the sequence enters a vision-language model's text decoder (`cp_sequence_entry`): this rank's rows of
+    every (batch, seq, ...) input by name, Gemma 4's per-layer inputs (batch, seq, layers, width) beside the embeddings
+    (its decoder adds them per token: left whole, the cp 2 survey failed with 6 != 12), and its positions; a
+    (batch, seq / cp) tensor already this rank's and the rest as given; Qwen3-VL's deepstack features (cohere_compass:
+    a row per image token, added where `visual_pos_masks` holds) those of this rank's image tokens."""
+    from tptrain.parallel.context_parallel import CPContext, _entering, gathered_index, local_index
+
+    seq, gen = 12, torch.Generator().manual_seed(0)
+    ctx = CPContext("cp", 2, 1, entry=True, query_index=local_index(seq, 2, 1), key_index=gathered_index(seq, 2))
+    whole = dict(inputs_embeds=torch.randn(2, seq, 8, generator=gen), per_layer_inputs=torch.randn(
+        2, seq, 3, 4, generator=gen), attention_mask=torch.ones(2, seq, dtype=torch.long), position_ids=None)
+    mine = torch.randn(2, seq // 2, 8, generator=gen)
+    _, got = _entering(ctx, torch.nn.Identity(), (), {**whole, "hidden": mine, "use_cache": False})
+    rows = ctx.query_index
+    for name in ("inputs_embeds", "per_layer_inputs", "attention_mask"):
+        assert torch.equal(got[name], whole[name][:, rows]), name
+    assert torch.equal(got["position_ids"], rows[None]) and got["hidden"] is mine and got["use_cache"] is False
+    visual = torch.rand(2, seq, generator=gen) < 0.5  # Qwen3-VL's deepstack: a feature row per image token
+    features = torch.randn(int(visual.sum()), 8, generator=gen)
+    _, got = _entering(ctx, torch.nn.Identity(), (), dict(whole, visual_pos_masks=visual,
+                                                          deepstack_visual_embeds=[features, 2 * features]))
+    placed = torch.zeros(2, seq, 8, dtype=features.dtype)
+    placed[visual] = features
+    assert torch.equal(got["visual_pos_masks"], visual[:, rows])
+    assert torch.equal(got["deepstack_visual_embeds"][0], placed[:, rows][visual[:, rows]])
+    assert torch.equal(got["deepstack_visual_embeds"][1], 2 * got["deepstack_visual_embeds"][0])
+
+
 def test_token_mixers_run_on_the_whole_sequence_and_key_indexers_are_refused():
     """qwen3_next's gated DeltaNet (a recurrence) runs on the whole sequence under cp (`cp_whole_sequence`, against
     one process below); DeepSeek-V3.2's indexer picks keys from all of them for its attention: refused before any

@@ -68,6 +68,20 @@ def test_the_cut_and_the_refusals_before_any_process_group():
     check(llama4, DistributedConfig(cp_size=2, tp_size=2), world_size=4)
 
 
+def test_a_tower_goes_to_the_first_stage_when_the_probe_cannot_run():
+    """The cut's fallback where the meta forward of the text probe fails (Step3p7's, Qwen2.5-Omni's thinker's): the
+    tower and projector beside the text decoder go to the first stage with the embedding, not to the last (there a
+    later stage ran transformers' get_image_features on a placeholder tower, failed on that rank alone, and the
+    pp 2 survey hung)."""
+    import transformers
+
+    from tptrain.hf.vlm import TransformersImageTextToText
+
+    for model_type, tower in (("step3p7", "model.vision_model"), ("qwen2_5_omni_thinker", "model.visual")):
+        model = TransformersImageTextToText.from_config(transformers.CONFIG_MAPPING[model_type](), device="meta")
+        assert tower in model.pp_first and tower not in model.pp_last, (model_type, model.pp_first, model.pp_last)
+
+
 def _cp(checkpoints: dict, **layout) -> None:
     """The model's forward at `layout` against transformers: loss, every gradient, 3 AdamW steps."""
     from tptrain import AutoModelForImageTextToText, DistributedConfig

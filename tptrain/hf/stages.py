@@ -66,8 +66,8 @@ def stage_parts(model: nn.Module, prefix: str, decoder: str | None = None) -> St
         return (f"its base model {type(base).__name__} holds no list of its decoder layers (children: "
                 f"{[n for n, _ in base.named_children()]})")
     layers = found[0]
-    weighted = [f"{text}.{n}" for n, c in base.named_children() if n != layers and _weighted(c)] + \
-        _around(hf, text, prefix)
+    around = _around(hf, text, prefix)
+    weighted = [f"{text}.{n}" for n, c in base.named_children() if n != layers and _weighted(c)] + around
     head = [n for n, c in hf.named_children() if n != prefix and _weighted(c)]
     probe = _probe(hf, text, layers, weighted + head)
     if probe.get("fed"):
@@ -81,7 +81,8 @@ def stage_parts(model: nn.Module, prefix: str, decoder: str | None = None) -> St
     embed = next((n for n, m in hf.named_modules() if m is hf.get_input_embeddings()), None)
     first, last = [], []
     for name in weighted:
-        calls = probe["calls"].get(name) if probe else ({"before"} if name == embed else {"after"})
+        # no probe (the meta forward failed): the embedding, and a tower or projector beside the text decoder, before
+        calls = probe["calls"].get(name) if probe else ({"before"} if name == embed or name in around else {"after"})
         if calls is not None and len(calls) > 1:
             return (f"transformers' forward calls {name} ({type(hf.get_submodule(name)).__name__}) both before and "
                     f"after the decoder layers")

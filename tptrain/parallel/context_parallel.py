@@ -296,26 +296,38 @@ def _this_ranks_rows(ctx: CPContext, module: nn.Module, args: tuple, out):
 
 def _entering(ctx: CPContext, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The whole sequence entering the model's text decoder (`contract.sequence_entry`) -> this rank's tokens: of
-    `inputs_embeds` (batch, seq, hidden), `position_ids` (..., seq; None: 0..seq-1) and a padding `attention_mask`
-    (batch, seq), the positions `local_index` of the sequence dim. What is this rank's already (a later pipeline
-    stage's hidden states) stays; a dict of built masks holds this rank's rows already (`_rows_for_this_rank`).
+    `position_ids` (..., seq; None: 0..seq-1) and of every (batch, seq, ...) tensor given by name (`inputs_embeds`, a
+    padding `attention_mask`, Gemma 4's `per_layer_inputs`), the positions `local_index` of the sequence dim; of the
+    features Qwen3-VL's deepstack adds at its image tokens (`deepstack_visual_embeds`, one row per True of
+    `visual_pos_masks`), those of this rank's tokens. What is this rank's already (a later pipeline stage's hidden
+    states) stays; a dict of built masks holds this rank's rows already (`_rows_for_this_rank`).
     Backward scatters each rank's rows of the gradient into the whole sequence, so the tower's and projector's
     gradients are this rank's share, summed over cp with every other."""
     if ctx.query_index is None:
         raise RuntimeError(f"under context parallelism {type(module).__name__} runs inside the model's forward (which "
                            f"starts the split of the sequence); call the model itself, not its text decoder")
     index, seq = ctx.query_index, len(ctx.key_index)
-    kwargs = dict(kwargs)
-    embeds, positions, mask = (kwargs.get(k) for k in ("inputs_embeds", "position_ids", "attention_mask"))
-    if torch.is_tensor(embeds) and embeds.shape[1] == seq:
-        kwargs["inputs_embeds"] = embeds.index_select(1, index)
+    visual, deepstack = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+    if torch.is_tensor(visual) and visual.dim() == 2 and visual.shape[1] == seq and deepstack is not None:
+        rows = _masked_rows(visual.bool(), index)  # Qwen3-VL's deepstack features: this rank's image tokens'
+        kwargs = {**kwargs, "deepstack_visual_embeds": [e.index_select(0, rows) for e in deepstack]}
+    kwargs = {k: v.index_select(1, index) if k != "position_ids" and torch.is_tensor(v) and v.dim() >= 2 and
+              v.shape[1] == seq else v for k, v in kwargs.items()}
+    positions = kwargs.get("position_ids")
     if positions is None:
         kwargs["position_ids"] = index[None]
     elif positions.shape[-1] == seq:
         kwargs["position_ids"] = positions.index_select(positions.dim() - 1, index)
-    if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[1] == seq:
-        kwargs["attention_mask"] = mask.index_select(1, index)
     return args, kwargs
+
+
+def _masked_rows(mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of a (tokens where `mask` (batch, seq) holds, ...) tensor, in the mask's row-major order, that are
+    this rank's (`index`: its positions of the sequence dim), in the order of the mask's rows `index`."""
+    order = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+    order[mask] = torch.arange(int(mask.sum()), device=mask.device)
+    mine = order.index_select(1, index)
+    return mine[mine >= 0]
 
 
 def _rows_for_this_rank(attention_masks, ctx: CPContext):
