@@ -15,6 +15,7 @@ Tens of minutes on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 import tempfile
@@ -25,6 +26,7 @@ import torch
 from hf_backend_survey import TINY
 from hf_checkpoint_survey import TINY_OVERRIDES, _append, spelled, survey_loop
 from hf_survey_stages import reference, run_stages, steps_dtype
+from hf_vlm_types import OVERRIDES, PIXELS
 
 AUTO = "AutoModelForImageTextToText"
 STAGES = ("load", "forward", "backward", "steps", "save")
@@ -33,13 +35,11 @@ TOKEN_ID = 100  # the first of the ids given to a config's special tokens (image
 # the ids around an image's placeholders, where the config has them (Qwen's rope index finds images by the first)
 START_TOKENS = ("vision_start_token_id", "boi_token_index", "boi_token_id", "image_start_token_id")
 END_TOKENS = ("vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_end_token_id")
-# Types on which the generic tiny config makes transformers itself fail: their own keys, still tiny.
-OVERRIDES: dict[str, dict] = {
-    **{t: dict(mm_tokens_per_image=16) for t in ("gemma3", "shieldgemma2")},  # 8 x 8 patches pooled to 4 x 4
-}
 # a tower's widths in the narrow tiny config (16 per head); its output width follows the text's
-VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, num_attention_heads=4, num_heads=4,
-                     out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"])
+VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, mlp_dim=128, num_attention_heads=4, num_heads=4,
+                     num_key_value_heads=4, head_dim=16,
+                     out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"],
+                     adapter_out_dim=TINY["hidden_size"])
 MAX_PARAMETERS = 200_000_000  # a tiny config above it shrank nothing (fp64 steps on 3 processes: GBs each)
 
 
@@ -86,22 +86,30 @@ def tiny_config(model_type: str, *, narrow: bool = True, mrope: bool = False):
     import transformers
 
     config = transformers.CONFIG_MAPPING[model_type]()
+    overrides = dict(OVERRIDES.get(model_type, {}))
     kwargs = {}
-    for key in getattr(config, "sub_configs", {}) or {}:
+    for key, sub_class in (getattr(config, "sub_configs", {}) or {}).items():
         sub = getattr(config, key, None)
+        if sub is None and key in overrides:  # a tower the default leaves out (Gemma 4's): its own defaults
+            sub = (sub_class.config_class if hasattr(sub_class, "config_class") else sub_class)()
         if sub is not None:
-            kwargs[key] = _tiny_text(sub.to_dict(), mrope) if key == "text_config" else \
-                _tiny_tower(sub.to_dict(), narrow)
+            kwargs[key] = {**(_tiny_text(sub.to_dict(), mrope) if key == "text_config" else
+                              _tiny_tower(sub.to_dict(), narrow)), **overrides.pop(key, {})}
     tokens = {k: TOKEN_ID + i for i, k in enumerate(sorted(k for k, v in config.to_dict().items() if isinstance(v, int)
                                                            and (k.endswith("token_id") or k.endswith("token_index"))
                                                            and not k.startswith(("pad", "bos", "eos"))))}
-    return type(config)(**{**kwargs, **tokens, **OVERRIDES.get(model_type, {})})
+    return type(config)(**{**kwargs, **tokens, **overrides})
 
 
 def _tiny_tower(values: dict, narrow: bool) -> dict:
-    """A tower's config values one layer deep; `narrow`: VISION_SHRINK's widths where it has those keys (ints), its
-    output width the text's, and its image 4 x merge patches wide."""
-    values = {**values, **{k: 1 for k in DEPTH_KEYS if isinstance(values.get(k), int)}}
+    """A tower's config values (and its own sub-configs') one layer deep; `narrow`: VISION_SHRINK's widths where it
+    has those keys (ints), its output width the text's, and its image 4 x merge patches wide."""
+    values = {**values, **{k: 1 for k in DEPTH_KEYS if isinstance(values.get(k), int)},
+              **{k: _tiny_tower(v, narrow) for k, v in values.items() if isinstance(v, dict) and "model_type" in v},
+              **{k: v[:1] for k, v in values.items() if k.endswith("layer_types") and isinstance(v, list)},
+              **{k: [0] for k, v in values.items() if k.endswith(("_indexes", "_indices")) and isinstance(v, list)
+                 and v and all(isinstance(i, int) for i in v)},  # the layers picked out: the one left
+              **({"per_layer_config": {}} if isinstance(values.get("per_layer_config"), dict) else {})}
     if not narrow:
         return values
     values.update({k: v for k, v in VISION_SHRINK.items() if isinstance(values.get(k), int)})
@@ -140,7 +148,7 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
 
 def _candidates(config, gen: torch.Generator) -> list[dict]:
     """Pixel layouts a tower may take, for one image per row of 2: (batch, channels, size, size), with one image
-    dimension more, flattened patches with their (t, h, w) grid, each with the image sizes too."""
+    dimension more, each with the image sizes too, flattened patches (of 2 frames, or 1) with their (t, h, w) grid."""
     vision = getattr(config, "vision_config", None)
     patch = getattr(vision, "patch_size", 14)
     patch = patch[0] if isinstance(patch, (list, tuple)) else patch
@@ -151,18 +159,20 @@ def _candidates(config, gen: torch.Generator) -> list[dict]:
     channels = getattr(vision, "num_channels", 3) or 3
     image = torch.randn(2, channels, size, size, generator=gen)
     grid = 2 * merge
-    flat = {"pixel_values": torch.randn(2 * grid * grid, channels * temporal * patch * patch, generator=gen),
-            "image_grid_thw": torch.tensor([[1, grid, grid]] * 2)}
+    flat = [{"pixel_values": torch.randn(2 * grid * grid, channels * t * patch * patch, generator=gen),
+             "image_grid_thw": torch.tensor([[1, grid, grid]] * 2)} for t in (temporal, 1)]
     sizes = {"image_sizes": torch.tensor([[size, size]] * 2)}
     return [{"pixel_values": image}, {"pixel_values": image, **sizes}, {"pixel_values": image[:, None]},
-            {"pixel_values": image[:, None], **sizes}, flat]
+            {"pixel_values": image[:, None], **sizes}, *flat]
 
 
 def _image_features(model, pixels: dict) -> int | None:
     """The placeholders one image needs (transformers' get_image_features of the batch), or None if it fails."""
+    owners = (model, model.base_model, getattr(model.base_model, "encoder", None))  # diffusion_gemma's: its encoder's
+    get = next((o.get_image_features for o in owners if hasattr(o, "get_image_features")), None)
     try:
         with torch.no_grad():
-            features = model.get_image_features(**pixels)
+            features = get(**pixels)
     except Exception:  # noqa: BLE001 - not this layout
         return None
     if not torch.is_tensor(features) and not isinstance(features, (list, tuple)):
@@ -180,14 +190,16 @@ def batch(model, config) -> tuple[dict, bool]:
     image_id = _token(config, "image_token_id", "image_token_index")
     before = [t for t in [_token(config, *START_TOKENS)] if t is not None]
     after = [t for t in [_token(config, *END_TOKENS)] if t is not None]
-    for pixels in _candidates(config, gen) if image_id is not None else []:
+    layouts = [PIXELS[config.model_type](config, gen)] if config.model_type in PIXELS else _candidates(config, gen)
+    for pixels in layouts if image_id is not None else []:
         n = _image_features(model, pixels)
         if not n:
             continue
         ids = torch.cat([torch.tensor([[*before, *[image_id] * n, *after]] * 2), text], dim=1)
         inputs = {"input_ids": ids, **pixels}
-        if "token_type_ids" in model.forward.__code__.co_varnames:
-            inputs["token_type_ids"] = (ids == image_id).long()
+        for name in ("token_type_ids", "mm_token_type_ids"):  # the processor's: 1 on an image's tokens
+            if name in inspect.signature(model.forward).parameters:
+                inputs[name] = (ids == image_id).long()
         try:
             with torch.no_grad():
                 model(**inputs, use_cache=False)

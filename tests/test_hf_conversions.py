@@ -7,6 +7,8 @@ transformers on one process (logits, gradients, 3 AdamW steps at tp 2 and 4), sa
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -195,7 +197,7 @@ def test_merged_experts_read_only_this_ranks_experts_and_rows(moe_checkpoint):
 def test_a_conversion_the_reader_cannot_slice_is_named():
     """An operation tptrain cannot read slice by slice is refused naming the model type, the rule, the op and the
     tensor (raised while checking the checkpoint: before any collective)."""
-    from transformers.core_model_loading import Transpose, WeightConverter
+    from transformers.core_model_loading import Conv3dToLinear, WeightConverter
 
     from tptrain.hf.conversions import _build
 
@@ -203,9 +205,47 @@ def test_a_conversion_the_reader_cannot_slice_is_named():
         def shape(self, key):
             return (4, 8)
 
-    rule = WeightConverter("mlp.w.weight", "mlp.v.weight", operations=[Transpose(0, 1)])
-    with pytest.raises(ValueError, match=r"'toy'.*'model.layers.0.mlp.w.weight'.*Transpose.*MergeModulelist"):
-        _build("toy", rule, "model.layers.0.mlp.v.weight", {"mlp.w.weight": ["model.layers.0.mlp.w.weight"]}, _Shapes())
+    rule = WeightConverter("patch.w.weight", "patch.v.weight", operations=[Conv3dToLinear(3, (2, 2, 2))])
+    toy = torch.nn.Module()
+    toy.config = SimpleNamespace(model_type="toy")
+    with pytest.raises(ValueError, match=r"'toy'.*'model.patch.w.weight'.*Conv3dToLinear.*MergeModulelist"):
+        _build(toy, rule, "model.patch.v.weight", {"patch.w.weight": ["model.patch.w.weight"]}, _Shapes())
+
+
+def test_rope_permuted_and_transposed_tensors_are_read_per_rank(tmp_path):
+    """kimi_k25's tower (one fused `wqkv` cut by Chunk, then q and k rows permuted from interleaved rotary pairs to
+    rotate-half per head: PermuteForRope) and nemotron's experts (Transpose(1, 2)): each tp rank reads only its rows,
+    no byte more, equal to its piece of transformers' own ops on the whole tensors."""
+    from transformers.core_model_loading import Chunk, PermuteForRope, Transpose, WeightConverter
+
+    from tptrain.hf.conversions import _build
+    from tptrain.io import save_checkpoint
+    stored = {"v.wqkv.weight": torch.randn(3 * 16, 4), "v.wqkv.bias": torch.randn(3 * 16),
+              "e.experts.up": torch.randn(2, 8, 6)}
+    save_checkpoint(stored, tmp_path)
+    toy = torch.nn.Module()
+    toy.config = SimpleNamespace(model_type="toy", vision_config=SimpleNamespace(num_attention_heads=2))
+    toy.register_parameter("up", torch.nn.Parameter(torch.empty(2, 6, 8, device="meta")))
+    permute = PermuteForRope(subconfig_key="vision_config", permute_layer_names=["q_proj", "k_proj"])
+    reader = _CountingReader(tmp_path)
+    for key, kind in (("weight", "weight"), ("bias", "bias")):
+        qkv = WeightConverter("wqkv." + kind, [f"{p}_proj.{kind}" for p in "qkv"], operations=[Chunk(0), permute])
+        sources = _build(toy, qkv, f"v.q_proj.{kind}", {qkv.source_patterns[0]: [f"v.wqkv.{key}"]}, reader)
+        chunks = Chunk(0).convert({"w": stored[f"v.wqkv.{key}"]}, ["w"], qkv.target_patterns)
+        full = permute.convert(chunks, ["w"], qkv.target_patterns, config=toy.config)
+        for target, want in full.items():
+            for rank in range(2):
+                reader.reads.clear()
+                got = sources[f"v.{target}"].read(reader, ShardSpec(0), tp_size=2, tp_rank=rank)
+                assert torch.equal(got, ShardSpec(0).local_chunk(want, 2, rank)), (target, rank)
+                assert sum(n for _, n in reader.reads) == got.numel() * got.element_size()
+    assert not torch.equal(full["q_proj.bias"], chunks["q_proj.bias"])  # a permutation that moves rows
+    rule = WeightConverter("experts.up", "up", operations=[Transpose(1, 2)])
+    source = _build(toy, rule, "up", {"experts.up": ["e.experts.up"]}, reader)["up"]
+    for spec in (ShardSpec(1), ShardSpec(2)):
+        for rank in range(2):
+            got = source.read(reader, spec, tp_size=2, tp_rank=rank)
+            assert torch.equal(got, spec.local_chunk(stored["e.experts.up"].transpose(1, 2), 2, rank))
 
 
 @pytest.mark.parametrize("inverse", [False, True])

@@ -6,10 +6,11 @@ operations build one parameter from several tensors (`MergeModulelist`: the hub'
 `Concatenate`: gate and up side by side; `Chunk`: one fused tensor cut into several parameters). The rules are read
 from the installed transformers at run time and matched by its own `rename_source_key`, so a model type gains a rule
 when transformers does. What a rule builds is described here as a small tree over the checkpoint's tensors
-(`Stack`, `Cat`, `Part`, `Interleaved` over `Tensor` leaves), and each rank reads only the box of it that its `ShardSpec` holds: a
-merged expert stack reads only this rank's experts (expert parallel) and only its rows of each (expert TP), a
-concatenation only the ranges it needs of each source. An operation with no such reading (Transpose, a rope
-permutation, ...) is refused before any collective, naming the model type, the rule, the operation and the
+(`Stack`, `Cat`, `Part`, `Transposed` and row permutations, `Interleaved` and `RopePermuted`, over `Tensor` leaves),
+and each rank reads only the box of it that its `ShardSpec` holds: a merged expert stack reads only this rank's
+experts (expert parallel) and only its rows of each (expert TP), a concatenation only the ranges it needs of each
+source, a rope permutation only its heads' rows. An operation with no such reading (a Conv3d reshape, Ernie's
+expert regrouping, ...) is refused before any collective, naming the model type, the rule, the operation and the
 tensor.
 
 Saving runs transformers' own `revert_weight_conversion` on each group of parameters that one reversed rule writes
@@ -25,9 +26,9 @@ from typing import Any, Iterator
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (Chunk, Concatenate, Interleave, MergeModulelist, PrefixChange, WeightConverter,
-                                             WeightRenaming, apply_converters, dot_natural_key, rename_source_key,
-                                             revert_weight_conversion)
+from transformers.core_model_loading import (Chunk, Concatenate, Interleave, MergeModulelist, PermuteForRope, PrefixChange,
+                                             Transpose, WeightConverter, WeightRenaming, apply_converters,
+                                             dot_natural_key, rename_source_key, revert_weight_conversion)
 
 from tptrain.parallel.styles import ShardSpec
 
@@ -140,32 +141,82 @@ class Part:
         yield from self.whole.keys()
 
 
-@dataclass
-class Interleaved:
-    """`Interleave(dim)`: `whole`'s rows along `dim` de-interleaved (its even rows first, then its odd ones;
-    `inverse`: the first half's rows and the second's alternately). A wanted range becomes the rows it comes from."""
-
-    whole: Any
-    dim: int
-    inverse: bool
+class RowPermutation:
+    """A permutation of `whole`'s rows along `dim`: row t of the result is row `source(t)` of `whole`. A wanted range
+    reads the rows it comes from (as few ranges as they make), then puts them in order. Subclasses are dataclasses
+    with `whole` and `dim`."""
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.whole.shape)
 
+    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
+        rows = [self.source(t) for a, b in box.get(self.dim, [(0, self.shape[self.dim])]) for t in range(a, b)]
+        wanted = sorted(set(rows))  # read as runs of consecutive rows
+        ranges = list(zip([r for i, r in enumerate(wanted) if i == 0 or wanted[i - 1] != r - 1],
+                          [r + 1 for i, r in enumerate(wanted) if i + 1 == len(wanted) or wanted[i + 1] != r + 1]))
+        out = self.whole.read(reader, {**box, self.dim: ranges}, **kwargs)
+        if rows == wanted:
+            return out
+        at = {r: i for i, r in enumerate(wanted)}
+        return out.index_select(self.dim, torch.tensor([at[r] for r in rows], device=out.device))
+
+    def keys(self) -> Iterator[str]:
+        yield from self.whole.keys()
+
+
+@dataclass
+class Interleaved(RowPermutation):
+    """`Interleave(dim)`: `whole`'s rows along `dim` de-interleaved (its even rows first, then its odd ones;
+    `inverse`: the first half's rows and the second's alternately)."""
+
+    whole: Any
+    dim: int
+    inverse: bool
+
     def source(self, row: int) -> int:
         half = self.shape[self.dim] // 2
         return (row % 2) * half + row // 2 if self.inverse else (row % half) * 2 + row // half
 
+
+@dataclass
+class RopePermuted(RowPermutation):
+    """`PermuteForRope`: within each of `heads` heads along dim 0, rows in interleaved rotary pairs put in the
+    rotate-half order (each pair's first elements, then its second ones; `inverse`: back)."""
+
+    whole: Any
+    heads: int
+    inverse: bool
+    dim: int = 0
+
+    def source(self, row: int) -> int:
+        size = self.shape[0] // self.heads
+        head, r = divmod(row, size)
+        if self.inverse:
+            i, j = divmod(r, 2)
+            return head * size + j * (size // 2) + i
+        j, i = divmod(r, size // 2)
+        return head * size + 2 * i + j
+
+
+@dataclass
+class Transposed:
+    """`Transpose(dim0, dim1)`: `whole` with two dims swapped."""
+
+    whole: Any
+    dim0: int
+    dim1: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.whole.shape)
+        shape[self.dim0], shape[self.dim1] = shape[self.dim1], shape[self.dim0]
+        return tuple(shape)
+
     def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        rows = [self.source(t) for a, b in box.get(self.dim, [(0, self.shape[self.dim])]) for t in range(a, b)]
-        ranges: list[tuple[int, int]] = []
-        for r in rows:  # consecutive source rows read as one range
-            if ranges and ranges[-1][1] == r:
-                ranges[-1] = (ranges[-1][0], r + 1)
-            else:
-                ranges.append((r, r + 1))
-        return self.whole.read(reader, {**box, self.dim: ranges}, **kwargs)
+        swap = {self.dim0: self.dim1, self.dim1: self.dim0}
+        out = self.whole.read(reader, {swap.get(d, d): r for d, r in box.items()}, **kwargs)
+        return out.transpose(self.dim0, self.dim1).contiguous()
 
     def keys(self) -> Iterator[str]:
         yield from self.whole.keys()
@@ -261,33 +312,47 @@ def checkpoint_sources(hf_model, reader) -> dict[str, str | Converted]:
         else:
             groups.setdefault(target, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
     for first, (converter, keys) in groups.items():
-        out.update(_build(hf_model.config.model_type, converter, first, keys, reader))
+        out.update(_build(hf_model, converter, first, keys, reader))
     hf_model._weight_conversions = [r for r in rules if r.was_used()]
     return out
 
 
-def _build(model_type: str, converter, first: str, keys: dict[str, list[str]], reader) -> dict[str, Converted]:
-    """{target parameter: Converted} for one match of `converter` (its source pattern -> checkpoint keys)."""
+def _build(hf_model, converter, first: str, keys: dict[str, list[str]], reader) -> dict[str, Converted]:
+    """{target parameter: Converted} for one match of `converter` (its source pattern -> checkpoint keys); `hf_model`
+    (on meta) gives the config and the target parameters' shapes."""
     rule = (f"{type(converter).__name__}({converter.source_patterns} -> {converter.target_patterns}, "
             f"operations={converter.operations})")
-    nodes = [[Tensor(k, tuple(reader.shape(k))) for k in keys[p]] for p in converter.source_patterns if p in keys]
+    patterns = [p for p in converter.source_patterns if p in keys]
+    nodes = [[Tensor(k, tuple(reader.shape(k))) for k in keys[p]] for p in patterns]
+    labels = [[p] * len(keys[p]) for p in patterns]  # each node's pattern, as transformers' ops key their inputs
     targets = [first.replace(converter.target_patterns[0], t) for t in converter.target_patterns]
     for op in converter.operations:
-        kind = type(op)
+        kind, single = type(op), len(nodes) == 1 and len(nodes[0]) == 1
         if kind is MergeModulelist:
-            nodes = [[Stack(group, op.dim)] for group in nodes]
+            nodes, labels = [[Stack(group, op.dim)] for group in nodes], [g[:1] for g in labels]
         elif kind is Concatenate and op.num_shards_attribute is None and all(len(g) == 1 for g in nodes):
-            nodes = [[Cat([g[0] for g in nodes], op.dim)]]
-        elif kind is Chunk and op.num_shards_attribute is None and len(nodes) == 1 and len(nodes[0]) == 1:
+            nodes, labels = [[Cat([g[0] for g in nodes], op.dim)]], [converter.target_patterns[:1]]
+        elif kind is Chunk and op.num_shards_attribute is None and single:
             nodes = [[Part(nodes[0][0], op.dim, i, len(targets)) for i in range(len(targets))]]
-        elif kind is Interleave and len(nodes) == 1 and len(nodes[0]) == 1:
+            labels = [list(converter.target_patterns)]
+        elif kind is Interleave and single:
             nodes = [[Interleaved(nodes[0][0], op.dim, op.inverse)]]
+        elif kind is Transpose and single:
+            same = op.check_dims and tuple(nodes[0][0].shape) == tuple(hf_model.get_parameter(first).shape)
+            nodes = nodes if same else [[Transposed(nodes[0][0], op.dim0, op.dim1)]]
+        elif kind is PermuteForRope:
+            config = getattr(hf_model.config, op.subconfig_key, hf_model.config) if op.subconfig_key else \
+                hf_model.config
+            heads = getattr(config, "num_attention_heads", 1)
+            nodes = [[RopePermuted(n, heads, op.inverse) if op.permute_layer_names is None or any(
+                name in label for name in op.permute_layer_names) else n for n, label in zip(group, names)]
+                for group, names in zip(nodes, labels)]
         else:
-            raise ValueError(f"model type {model_type!r}: transformers converts checkpoint tensor "
+            raise ValueError(f"model type {hf_model.config.model_type!r}: transformers converts checkpoint tensor "
                              f"{next(iter(keys.values()))[0]!r} into {first!r} with {rule}, whose operation {op!r} "
-                             f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate, "
-                             f"Chunk and Interleave); load this model with transformers, or use tp_size=1 with a checkpoint saved "
-                             f"by transformers in its converted layout")
+                             f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate, Chunk, "
+                             f"Interleave, Transpose and PermuteForRope); load this model with transformers, or use "
+                             f"tp_size=1 with a checkpoint saved by transformers in its converted layout")
     built = [n for group in nodes for n in group]
     assert len(built) == len(targets), (rule, len(built), targets)
     return {t: Converted(rule, n) for t, n in zip(targets, built)}

@@ -1,0 +1,71 @@
+"""The vision-language survey's per-type table (scripts/hf_vlm_survey.py): where the generic tiny config or batch
+does not fit a model type, what that type needs, each with its reason. Config overrides go over the tiny config (a
+sub-config's keys merged into its tiny values); a pixel builder makes the type's image inputs as its processor
+returns them, for 2 images (one per row)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# {model_type: {config key: value, or sub-config key: {its keys}}}
+OVERRIDES: dict[str, dict] = {
+    **{t: dict(mm_tokens_per_image=16) for t in ("gemma3", "shieldgemma2")},  # 8 x 8 patches pooled to 4 x 4
+    # a vision tower (the default config has none: text only)
+    "gemma4": dict(vision_config={}),
+    # ... its patch embedding alone (no encoder layers), at the text's width
+    "gemma4_unified": dict(vision_config=dict(mm_embed_dim=64, output_proj_dims=64, mm_posemb_size=16, patch_size=4,
+                                              pooling_kernel_size=2)),
+    "diffusion_gemma": dict(text_config=dict(top_k_experts=2)),  # its MoE layers route to none by default
+    "aria": dict(projector_patch_to_query_dict={64: 16}),  # its projector's queries per patch count: 8 x 8 -> 16
+    # its default text config names no layer's MLP kind (transformers' own default does not build)
+    # ... and its SAM encoder's output must be as wide as the encoder reading it (transformers' own test sizes)
+    "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"]), vision_config=dict(
+        sam_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                        patch_size=2, window_size=4, global_attn_indexes=[1], downsample_channels=[32, 64]),
+        encoder_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4))),
+}
+
+
+def square(size: int, *, frames: int | None = None) -> Callable:
+    """Pixels of 2 square images `size` pixels wide: (2, 3, size, size), or with a frames / crops dimension."""
+    def pixels(config, gen: torch.Generator) -> dict:
+        shape = (2, *([frames] if frames else []), 3, size, size)
+        return {"pixel_values": torch.randn(*shape, generator=gen)}
+    return pixels
+
+
+def _side(config) -> int:
+    size = config.image_size
+    return size[0] if isinstance(size, (list, tuple)) else size
+
+
+def _two_resolutions(config, gen: torch.Generator) -> dict:
+    """DeepSeek-VL hybrid's: each image at the low-resolution tower's size and at the high-resolution one's."""
+    return {"pixel_values": torch.randn(2, 3, _side(config.vision_config), _side(config.vision_config), generator=gen),
+            "high_res_pixel_values": torch.randn(2, 3, _side(config.high_res_vision_config),
+                                                 _side(config.high_res_vision_config), generator=gen)}
+
+
+def _positioned_patches(config, gen: torch.Generator) -> dict:
+    """Gemma 4's: each image's patches flattened, their (x, y) positions beside them, padded with patches at
+    (-1, -1) as its image processor pads to max_patches: 2 x 2 pooled tokens (Gemma 4 unified's: 4 x 4 patches of
+    model_patch_size, one token each), then one token's worth of padding."""
+    vision = config.vision_config
+    unified = hasattr(vision, "model_patch_size")
+    pool = 1 if unified else vision.pooling_kernel_size
+    side, patch = (4, vision.model_patch_size) if unified else (2 * pool, vision.patch_size)
+    x, y = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy")
+    positions = torch.cat([torch.stack([x, y], dim=-1).reshape(-1, 2), torch.full((pool * pool, 2), -1)])
+    return {"pixel_values": torch.randn(2, len(positions), 3 * patch * patch, generator=gen),
+            "image_position_ids": positions.expand(2, -1, -1).clone()}
+
+
+# {model_type: pixels(config, generator) -> {input name: tensor}}: the image inputs of 2 images, one per row, where the
+# generic layouts (hf_vlm_survey._candidates) miss the type's
+PIXELS: dict[str, Callable] = {
+    "deepseek_ocr2": square(16),  # its SAM encoder's image size
+    "deepseek_vl_hybrid": _two_resolutions,
+    **{t: _positioned_patches for t in ("gemma4", "gemma4_unified", "diffusion_gemma")},
+}
