@@ -268,3 +268,24 @@ def test_interleaved_rows_are_read_from_where_they_come(tmp_path, inverse):
         want = spec.local_chunk(full, 2, rank)
         assert torch.equal(got, want), rank
         assert sum(n for _, n in reader.reads) == want.numel() * want.element_size()
+
+
+def test_a_prefix_rule_for_another_class_of_the_type_is_not_applied(tmp_path):
+    """shieldgemma2's rule adds the `model.` of ShieldGemma2ForImageClassification (which wraps the Gemma 3 model);
+    AutoModelForImageTextToText builds that Gemma 3 model itself, whose names it would all rename away: the checkpoint
+    transformers saves of it loads into every parameter, each equal to transformers' own."""
+    import transformers
+
+    from tptrain.hf.conversions import checkpoint_sources
+    from tests.vlm_utils import _GEMMA3, _SIGLIP
+    config = transformers.ShieldGemma2Config(text_config=_GEMMA3, vision_config=_SIGLIP, mm_tokens_per_image=4,
+                                             image_token_index=120, boi_token_index=121, eoi_token_index=122)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    sources = checkpoint_sources(model, reader)
+    assert sources and set(sources) | set(reader.keys()) >= set(dict(model.named_parameters()))
+    for name, value in model.named_parameters():  # the tied lm_head: the embedding's
+        key = sources.get(name, name)
+        assert isinstance(key, str) and torch.equal(reader.read(key), value), name
