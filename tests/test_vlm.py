@@ -101,3 +101,32 @@ def test_refusals_before_any_process_group(tmp_path):
                                   ).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="not an image-text-to-text model.*AutoModelForCausalLM"):
         AutoModelForImageTextToText.from_pretrained(tmp_path / "llama")
+
+
+def test_a_tower_output_projection_registered_first_and_grouped_kv_heads():
+    """Exaone 4.5's tower attention registers its output projection `proj` before its fused `qkv`: the derived plan
+    still splits qkv by columns (its q, k and v each alone) and proj by rows; with fewer KV heads than query heads
+    (its real configs: 16 and 8, q, k and v of unequal widths) the attention stays whole (its MLP still splits)."""
+    from tptrain.hf.vlm import TransformersImageTextToText
+    from tptrain.parallel.plan import check_plan
+
+    def plan(kv_heads: int) -> dict:
+        config = _exaone4_5(kv_heads)
+        model = TransformersImageTextToText.from_config(config, device="meta")
+        resolved = check_plan(model, "auto", 2)
+        assert not resolved.problems, resolved.problems
+        return {n: s for n, s in resolved.styles.items() if n.startswith("model.visual.blocks.0.")}
+
+    split = plan(4)
+    assert split["model.visual.blocks.0.attn.proj"] == "rowwise", split
+    assert split["model.visual.blocks.0.attn.qkv"] == "fused_colwise", split
+    grouped = plan(2)
+    assert not any(".attn." in n for n in grouped) and any(".mlp." in n for n in grouped), grouped
+
+
+def _exaone4_5(kv_heads: int):
+    import transformers
+    return transformers.CONFIG_MAPPING["exaone4_5"](
+        text_config=dict(TEXT, model_type="exaone4"), vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=48, num_heads=4, num_key_value_heads=kv_heads,
+            out_hidden_size=32, patch_size=4, spatial_merge_size=2, fullatt_block_indexes=[0]), image_token_id=120)
