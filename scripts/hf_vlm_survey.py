@@ -39,7 +39,7 @@ END_TOKENS = ("vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_e
 VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, mlp_dim=128, num_attention_heads=4, num_heads=4,
                      num_key_value_heads=4, head_dim=16,
                      out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"],
-                     adapter_out_dim=TINY["hidden_size"])
+                     adapter_out_dim=TINY["hidden_size"], projection_dim=TINY["hidden_size"])
 MAX_PARAMETERS = 200_000_000  # a tiny config above it shrank nothing (fp64 steps on 3 processes: GBs each)
 
 
@@ -95,10 +95,13 @@ def tiny_config(model_type: str, *, narrow: bool = True, mrope: bool = False):
         if sub is not None:
             kwargs[key] = {**(_tiny_text(sub.to_dict(), mrope) if key == "text_config" else
                               _tiny_tower(sub.to_dict(), narrow)), **overrides.pop(key, {})}
-    tokens = {k: TOKEN_ID + i for i, k in enumerate(sorted(k for k, v in config.to_dict().items() if isinstance(v, int)
-                                                           and (k.endswith("token_id") or k.endswith("token_index"))
-                                                           and not k.startswith(("pad", "bos", "eos"))))}
-    return type(config)(**{**kwargs, **tokens, **overrides})
+    tokens = {k: TOKEN_ID + i for i, k in enumerate(sorted(
+        k for k, v in config.to_dict().items() if (isinstance(v, int) or v is None and k.startswith("image_token"))
+        and (k.endswith("token_id") or k.endswith("token_index")) and not k.startswith(("pad", "bos", "eos"))))}
+    # the composite config's own copies of the text's sizes (PaliGemma's projection_dim, Ovis 2's vocab_size)
+    top = {k: TINY[t] for k, t in (("hidden_size", "hidden_size"), ("projection_dim", "hidden_size"),
+                                   ("vocab_size", "vocab_size")) if type(getattr(config, k, None)) is int}
+    return type(config)(**{**kwargs, **top, **tokens, **overrides})
 
 
 def _tiny_tower(values: dict, narrow: bool) -> dict:

@@ -17,6 +17,13 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_unified": dict(vision_config=dict(mm_embed_dim=64, output_proj_dims=64, mm_posemb_size=16, patch_size=4,
                                               pooling_kernel_size=2)),
     "diffusion_gemma": dict(text_config=dict(top_k_experts=2)),  # its MoE layers route to none by default
+    # its adapter reads projector_input_dim / pixel_shuffle_ratio ** 2 features of the tower's output width
+    "llama4": dict(vision_config=dict(intermediate_size=256, vision_output_dim=64, projector_input_dim=64,
+                                      projector_output_dim=64)),
+    # one grid pinpoint, the tiny tower's image size: one crop per image
+    **{t: dict(image_grid_pinpoints=[[112, 112]]) for t in ("llava_next", "llava_next_video", "llava_onevision")},
+    # its ViT merger after the one layer left
+    **{t: dict(vision_config=dict(insert_layer_id=0)) for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     "aria": dict(projector_patch_to_query_dict={64: 16}),  # its projector's queries per patch count: 8 x 8 -> 16
     # its default text config names no layer's MLP kind (transformers' own default does not build)
     # ... and its SAM encoder's output must be as wide as the encoder reading it (transformers' own test sizes)
@@ -62,10 +69,35 @@ def _positioned_patches(config, gen: torch.Generator) -> dict:
             "image_position_ids": positions.expand(2, -1, -1).clone()}
 
 
+def _anyres(config, gen: torch.Generator) -> dict:
+    """LLaVA-NeXT's: each image as its base view and one crop at the one grid pinpoint (ANYRES below), its size."""
+    side = _side(config.vision_config)
+    return {"pixel_values": torch.randn(2, 2, 3, side, side, generator=gen),
+            "image_sizes": torch.tensor([[side, side]] * 2)}
+
+
+def _tiles(config, gen: torch.Generator) -> dict:
+    """Granite Docling's: one tile per image, its mask of real tiles."""
+    side = _side(config.vision_config)
+    return {"pixel_values": torch.randn(2, 1, 3, side, side, generator=gen),
+            "pixel_attention_mask": torch.ones(2, 1, dtype=torch.bool)}
+
+
+def _patch_strip(config, gen: torch.Generator) -> dict:
+    """MiniCPM-V's (NaViT): every image's patches side by side in one strip (1, 3, patch, patches * patch), each
+    image's grid in patches (8 x 8: merged twice 2 x 2, 4 tokens)."""
+    patch = config.vision_config.patch_size
+    return {"pixel_values": torch.randn(1, 3, patch, 2 * 64 * patch, generator=gen),
+            "target_sizes": torch.tensor([[8, 8]] * 2, dtype=torch.int32)}
+
+
 # {model_type: pixels(config, generator) -> {input name: tensor}}: the image inputs of 2 images, one per row, where the
 # generic layouts (hf_vlm_survey._candidates) miss the type's
 PIXELS: dict[str, Callable] = {
     "deepseek_ocr2": square(16),  # its SAM encoder's image size
     "deepseek_vl_hybrid": _two_resolutions,
+    **{t: _anyres for t in ("llava_next", "llava_next_video", "llava_onevision")},
+    "granite_docling": _tiles,
+    **{t: _patch_strip for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     **{t: _positioned_patches for t in ("gemma4", "gemma4_unified", "diffusion_gemma")},
 }

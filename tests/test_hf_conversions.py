@@ -289,3 +289,25 @@ def test_a_prefix_rule_for_another_class_of_the_type_is_not_applied(tmp_path):
     for name, value in model.named_parameters():  # the tied lm_head: the embedding's
         key = sources.get(name, name)
         assert isinstance(key, str) and torch.equal(reader.read(key), value), name
+
+
+def test_saving_a_transposed_rule_compares_global_shapes():
+    """qwen3_vl_moe's experts: transformers' reverse `Transpose(check_dims=True)` transposes a tensor whose shape is
+    not the parameter's. On a rank of a split model the parameter is its piece, the tensor saved the whole: still
+    written untransposed (here square, 2 x 32 = 64: a transposed one would reload transposed)."""
+    import transformers
+
+    from tptrain.hf.conversions import to_hub
+    config = transformers.CONFIG_MAPPING["qwen3_vl_moe"](
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2), vision_config=dict(depth=1, hidden_size=32,
+                                                                                   intermediate_size=48, num_heads=4,
+                                                                                   out_hidden_size=64))
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    full = model.get_parameter(name).detach().clone()
+    assert full.shape == (4, 64, 64)
+    experts = model.get_submodule(name.rpartition(".")[0])
+    experts.gate_up_proj = torch.nn.Parameter(full[:, :32].clone())  # this rank's rows, as tp 2 holds them
+    assert torch.equal(to_hub(model, {name: full})[name], full)

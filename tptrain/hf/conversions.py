@@ -165,7 +165,23 @@ def to_hub(hf_model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """One group's full tensors (in-memory names) under the hub's names and layout: transformers' own reverse."""
     if not _saving_rules(hf_model):
         return tensors
-    return revert_weight_conversion(hf_model, tensors)
+    return revert_weight_conversion(_FullShapes(hf_model, tensors), tensors)
+
+
+class _FullShapes:
+    """`hf_model` as transformers' reverse operations see it while saving: its parameters at their global shapes
+    (the group's full tensors), where a split model holds only this rank's piece; `Transpose(check_dims=True)`
+    compares a tensor with the parameter's shape (qwen3_vl_moe's experts: transposed when they differ)."""
+
+    def __init__(self, hf_model, tensors: dict[str, torch.Tensor]) -> None:
+        self._model, self._tensors = hf_model, tensors
+        self._weight_conversions = _saving_rules(hf_model)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def get_parameter(self, name: str):
+        return self._tensors[name] if name in self._tensors else self._model.get_parameter(name)
 
 
 def hub_sizes(hf_model, groups: list[list[str]],
