@@ -101,6 +101,9 @@ def tiny_config(model_type: str, *, narrow: bool = True, mrope: bool = False):
     # the composite config's own copies of the text's sizes (PaliGemma's projection_dim, Ovis 2's vocab_size)
     top = {k: TINY[t] for k, t in (("hidden_size", "hidden_size"), ("projection_dim", "hidden_size"),
                                    ("vocab_size", "vocab_size")) if type(getattr(config, k, None)) is int}
+    # ... and of the tower's width (Kimi K2.5's projector input, Nemotron H Omni's)
+    top.update({k: VISION_SHRINK["hidden_size"] for k in ("vision_hidden_size", "projection_hidden_size")
+                if narrow and type(getattr(config, k, None)) is int})
     return type(config)(**{**kwargs, **top, **tokens, **overrides})
 
 
@@ -169,6 +172,33 @@ def _candidates(config, gen: torch.Generator) -> list[dict]:
             {"pixel_values": image[:, None], **sizes}, *flat]
 
 
+def processor_pixels(config, model, gen: torch.Generator) -> dict | None:
+    """The image inputs the type's own image processor (its defaults, the tiny tower's patch and merge sizes) makes
+    of 2 small random images: for towers whose inputs none of the generic layouts fits (patch grids under the
+    type's own names: image_grid_hw, image_merge_sizes, ...). None without an image processor class."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(config.model_type) or {}
+    cls = getattr(transformers, names.get("torchvision") or names.get("pil") or "", None)
+    if cls is None:
+        return None
+    vision = getattr(config, "vision_config", None)
+    sizes = {k: getattr(vision, v) for k, v in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                                                ("temporal_patch_size", "temporal_patch_size"))
+             if isinstance(getattr(vision, v, None), int)}
+    processor = cls()
+    processor = cls(**{k: v for k, v in sizes.items() if hasattr(processor, k)})
+    pixels = torch.randint(0, 255, (56, 56, 3), generator=gen, dtype=torch.uint8).numpy().astype(np.uint8)
+    out = processor(images=[Image.fromarray(pixels)] * 2, return_tensors="pt")
+    owners = (model, model.base_model)
+    wanted = {n for o in owners if hasattr(o, "get_image_features")
+              for n in inspect.signature(o.get_image_features).parameters}
+    return {k: v for k, v in out.items() if k in wanted and torch.is_tensor(v)}
+
+
 def _image_features(model, pixels: dict) -> int | None:
     """The placeholders one image needs (transformers' get_image_features of the batch), or None if it fails."""
     owners = (model, model.base_model, getattr(model.base_model, "encoder", None))  # diffusion_gemma's: its encoder's
@@ -194,7 +224,7 @@ def batch(model, config) -> tuple[dict, bool]:
     before = [t for t in [_token(config, *START_TOKENS)] if t is not None]
     after = [t for t in [_token(config, *END_TOKENS)] if t is not None]
     layouts = [PIXELS[config.model_type](config, gen)] if config.model_type in PIXELS else _candidates(config, gen)
-    for pixels in layouts if image_id is not None else []:
+    for pixels in _layouts(layouts, config, model, gen) if image_id is not None else []:
         n = _image_features(model, pixels)
         if not n:
             continue
@@ -210,6 +240,17 @@ def batch(model, config) -> tuple[dict, bool]:
         except Exception:  # noqa: BLE001 - not this layout
             continue
     return {"input_ids": text}, False
+
+
+def _layouts(layouts: list[dict], config, model, gen: torch.Generator):
+    """`layouts`, then the type's image processor's (made only if none of them fits)."""
+    yield from layouts
+    try:
+        pixels = processor_pixels(config, model, gen)
+    except Exception:  # noqa: BLE001 - no processor runs from its defaults: text only
+        return
+    if pixels:
+        yield pixels
 
 
 def _token(config, *names: str) -> int | None:

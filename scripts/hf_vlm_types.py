@@ -24,6 +24,7 @@ OVERRIDES: dict[str, dict] = {
     **{t: dict(image_grid_pinpoints=[[112, 112]]) for t in ("llava_next", "llava_next_video", "llava_onevision")},
     # its ViT merger after the one layer left
     **{t: dict(vision_config=dict(insert_layer_id=0)) for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
+    "vipllava": dict(vision_feature_layers=[-2, -1]),  # the tower's last two hidden states (of its one layer)
     "aria": dict(projector_patch_to_query_dict={64: 16}),  # its projector's queries per patch count: 8 x 8 -> 16
     # its default text config names no layer's MLP kind (transformers' own default does not build)
     # ... and its SAM encoder's output must be as wide as the encoder reading it (transformers' own test sizes)
