@@ -39,7 +39,7 @@ END_TOKENS = ("vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_e
 VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, mlp_dim=128, num_attention_heads=4, num_heads=4,
                      num_key_value_heads=4, head_dim=16,
                      out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"],
-                     adapter_out_dim=TINY["hidden_size"], projection_dim=TINY["hidden_size"])
+                     adapter_in_dim=64, adapter_out_dim=TINY["hidden_size"], projection_dim=TINY["hidden_size"])
 MAX_PARAMETERS = 200_000_000  # a tiny config above it shrank nothing (fp64 steps on 3 processes: GBs each)
 
 
@@ -110,7 +110,9 @@ def tiny_config(model_type: str, *, narrow: bool = True, mrope: bool = False):
 def _tiny_tower(values: dict, narrow: bool) -> dict:
     """A tower's config values (and its own sub-configs') one layer deep; `narrow`: VISION_SHRINK's widths where it
     has those keys (ints), its output width the text's, and its image 4 x merge patches wide."""
+    depth = next((values[k] for k in DEPTH_KEYS if isinstance(values.get(k), int)), None)
     values = {**values, **{k: 1 for k in DEPTH_KEYS if isinstance(values.get(k), int)},
+              **{k: v[:1] for k, v in values.items() if isinstance(v, list) and depth and len(v) == depth > 1},
               **{k: _tiny_tower(v, narrow) for k, v in values.items() if isinstance(v, dict) and "model_type" in v},
               **{k: v[:1] for k, v in values.items() if k.endswith("layer_types") and isinstance(v, list)},
               **{k: [0] for k, v in values.items() if k.endswith(("_indexes", "_indices")) and isinstance(v, list)
@@ -132,6 +134,7 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
     """A text config's values at TINY's sizes (and the causal survey's overrides of its type): per-layer lists cut
     to its layers (the first and last kinds), multimodal RoPE sections scaled to the head size."""
     text = {k: v for k, v in TINY.items() if k != "layer_types" or v is not None}
+    depth = values.get("num_hidden_layers")
     values = {**values, **{k: v for k, v in text.items() if k in ("vocab_size", "hidden_size") or k in values and
                            isinstance(values[k], (int, type(None))) and not isinstance(values[k], bool)},
               **TINY_OVERRIDES.get(values.get("model_type"), {})}
@@ -141,6 +144,8 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
     for key, value in list(values.items()):
         if key.endswith("layer_types") and isinstance(value, list) and len(value) != layers:
             values[key] = [value[0]] * (layers - 1) + [value[-1]]
+        elif isinstance(value, list) and len(value) == depth > layers:  # one per layer (Mistral Large 4's sources)
+            values[key] = value[:layers]
     rope = values.get("rope_parameters")
     if mrope and isinstance(rope, dict) and "rope_type" in rope:
         rope.setdefault("mrope_section", [1, 1, 1])  # scaled below
@@ -264,12 +269,12 @@ def write_checkpoint(model_type: str, directory: Path) -> tuple[dict, dict, bool
 
     tried = None
     for config in tiny_configs(model_type):  # the first that builds and takes an image; else the first that builds
-        with torch.device("meta"):
-            size = sum(p.numel() for p in transformers.AutoModelForImageTextToText.from_config(config).parameters())
-        if size > MAX_PARAMETERS:  # a sub-config's sizes the survey does not shrink
-            continue
         torch.manual_seed(0)
         try:
+            with torch.device("meta"):
+                size = sum(p.numel() for p in transformers.AutoModelForImageTextToText.from_config(config).parameters())
+            if size > MAX_PARAMETERS:  # a sub-config's sizes the survey does not shrink
+                continue
             model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
         except Exception:  # noqa: BLE001 - transformers cannot build it: the next
             continue

@@ -25,6 +25,10 @@ OVERRIDES: dict[str, dict] = {
     # its ViT merger after the one layer left
     **{t: dict(vision_config=dict(insert_layer_id=0)) for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     "vipllava": dict(vision_feature_layers=[-2, -1]),  # the tower's last two hidden states (of its one layer)
+    "glm5_next": dict(text_config=dict(num_key_value_heads=4)),  # its attention: as many KV heads as query heads
+    # one 2 x 2 window downsampling, one deepstack injection, its spatial groups into the 2 text layers
+    "granite4_vision": dict(downsample_rate="1/2", deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 0, 1, 1],
+                            image_grid_pinpoints=[[112, 112]], projector_dropout=0.0),
     "aria": dict(projector_patch_to_query_dict={64: 16}),  # its projector's queries per patch count: 8 x 8 -> 16
     # its default text config names no layer's MLP kind (transformers' own default does not build)
     # ... and its SAM encoder's output must be as wide as the encoder reading it (transformers' own test sizes)
@@ -97,7 +101,7 @@ def _patch_strip(config, gen: torch.Generator) -> dict:
 PIXELS: dict[str, Callable] = {
     "deepseek_ocr2": square(16),  # its SAM encoder's image size
     "deepseek_vl_hybrid": _two_resolutions,
-    **{t: _anyres for t in ("llava_next", "llava_next_video", "llava_onevision")},
+    **{t: _anyres for t in ("llava_next", "llava_next_video", "llava_onevision", "granite4_vision")},
     "granite_docling": _tiles,
     **{t: _patch_strip for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     **{t: _positioned_patches for t in ("gemma4", "gemma4_unified", "diffusion_gemma")},

@@ -130,3 +130,24 @@ def _exaone4_5(kv_heads: int):
         text_config=dict(TEXT, model_type="exaone4"), vision_config=dict(
             depth=1, hidden_size=32, intermediate_size=48, num_heads=4, num_key_value_heads=kv_heads,
             out_hidden_size=32, patch_size=4, spatial_merge_size=2, fullatt_block_indexes=[0]), image_token_id=120)
+
+
+def test_per_head_norms_of_a_model_whose_own_forward_does_not_run_on_meta():
+    """Qwen3-Omni's thinker does not run its forward on meta ids; its text decoder does, so the probe finds the
+    decoder's q_norm and k_norm act on this rank's heads ('replicated_with_grad_allreduce') and tp 2 has no problem."""
+    import transformers
+
+    from tptrain.hf.vlm import TransformersImageTextToText
+    from tptrain.parallel.plan import check_plan
+    config = transformers.CONFIG_MAPPING["qwen3_omni_moe_thinker"](
+        text_config=dict(TEXT, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32,
+                           deepstack_visual_indexes=[0]),
+        audio_config=dict(encoder_layers=1, d_model=32, encoder_attention_heads=4, encoder_ffn_dim=48,
+                          output_dim=32))
+    model = TransformersImageTextToText.from_config(config, device="meta")
+    resolved = check_plan(model, "auto", 2)
+    assert not resolved.problems, resolved.problems
+    for norm in ("q_norm", "k_norm"):
+        assert resolved.styles[f"model.language_model.layers.0.self_attn.{norm}"] == "replicated_with_grad_allreduce"
