@@ -151,3 +151,24 @@ def test_per_head_norms_of_a_model_whose_own_forward_does_not_run_on_meta():
     assert not resolved.problems, resolved.problems
     for norm in ("q_norm", "k_norm"):
         assert resolved.styles[f"model.language_model.layers.0.self_attn.{norm}"] == "replicated_with_grad_allreduce"
+
+
+def test_square_projections_the_output_one_by_name():
+    """Kimi K2.5's tower attention: `proj` registered before q_proj, k_proj and v_proj, all 64 x 64 (any could read
+    the others' outputs by shape): the one named as an output projection is split by rows, the rest by columns."""
+    from torch import nn
+
+    from tptrain.hf.towers import derive_plan
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.head_dim = 4, 16
+            self.proj = nn.Linear(64, 64)
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    tower = nn.Module()
+    tower.attn = Attention()
+    plans, heads = derive_plan(tower, ["attn"])
+    assert plans == {"attn": {"attn.proj": "rowwise", **{f"attn.{p}_proj": "colwise" for p in "qkv"}}}
+    assert heads == {"attn": (4, 64)}

@@ -25,6 +25,7 @@ from torch import nn
 from tptrain.hf.plan import resolve_names
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads")  # an attention module's head count, as transformers names it
+OUTPUT_NAMES = ("proj", "o_proj", "out_proj", "c_proj", "dense", "fc2", "wo", "down_proj", "linear_2", "output")
 HEAD_WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "q_dim", "kv_dim")  # ... and its heads' total width, where the module keeps it
 
 
@@ -125,8 +126,9 @@ def _block(module: nn.Module) -> tuple[dict[str, str], tuple[int, int] | None] |
 def _row(linears: list[tuple[str, nn.Linear]]) -> tuple[tuple[str, nn.Linear], list, bool] | None:
     """(the row-parallel linear, the column-parallel ones, whether that one is fused) among a module's direct
     linears: the output projection reads the others' outputs (as wide as each, or a third or half of one fused
-    projection). Usually registered last; where two choices fit, the one that writes the width the others read
-    (Exaone 4.5's tower registers its output projection before its fused qkv)."""
+    projection). Usually registered last; where several choices fit (square projections), the one named as an output
+    projection, else the one that writes the width the others read (Exaone 4.5's and Kimi K2.5's towers register
+    their output `proj` before q, k and v)."""
     fits = []
     for i in [len(linears) - 1, *range(len(linears) - 1)]:
         row, cols = linears[i], linears[:i] + linears[i + 1:]
@@ -136,7 +138,9 @@ def _row(linears: list[tuple[str, nn.Linear]]) -> tuple[tuple[str, nn.Linear], l
         fused = len(cols) == 1 and cols[0][1].out_features in (2 * row[1].in_features, 3 * row[1].in_features)
         if plain or fused:
             fits.append((row, cols, fused and not plain))
-    return next((f for f in fits if f[0][1].out_features == f[1][0][1].in_features), fits[0] if fits else None)
+    # the first fit by: named as transformers names output projections, writes the block's width, registered last
+    return min(fits, key=lambda f: (f[0][0] not in OUTPUT_NAMES, f[0][1].out_features != f[1][0][1].in_features),
+               default=None)
 
 
 def _between(module: nn.Module, linears: set[str], head_dim: int | None) -> dict[str, str] | None:
