@@ -26,7 +26,7 @@ import torch
 from hf_backend_survey import TINY
 from hf_checkpoint_survey import TINY_OVERRIDES, _append, spelled, survey_loop
 from hf_survey_stages import reference, run_stages, steps_dtype
-from hf_vlm_types import OVERRIDES, PIXELS
+from hf_vlm_types import FP32_INSIDE, OVERRIDES, PIXELS
 
 AUTO = "AutoModelForImageTextToText"
 STAGES = ("load", "forward", "backward", "steps", "save")
@@ -39,7 +39,7 @@ END_TOKENS = ("vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_e
 VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, mlp_dim=128, num_attention_heads=4, num_heads=4,
                      num_key_value_heads=4, head_dim=16,
                      out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"],
-                     adapter_in_dim=64, adapter_out_dim=TINY["hidden_size"], projection_dim=TINY["hidden_size"])
+                     adapter_in_dim=64, adapter_input_size=64, adapter_out_dim=TINY["hidden_size"], projection_dim=TINY["hidden_size"])
 MAX_PARAMETERS = 200_000_000  # a tiny config above it shrank nothing (fp64 steps on 3 processes: GBs each)
 
 
@@ -151,7 +151,9 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
         rope.setdefault("mrope_section", [1, 1, 1])  # scaled below
     for params in (rope.values() if isinstance(rope, dict) and "rope_type" not in rope else [rope]):
         if isinstance(params, dict) and params.get("mrope_section"):
-            half, sections = values.get("head_dim", 16) // 2, params["mrope_section"]
+            rotary = values.get("head_dim", 16) * (params.get("partial_rotary_factor")
+                                                   or values.get("partial_rotary_factor") or 1)  # GLM-4.5V's half
+            half, sections = int(rotary) // 2, params["mrope_section"]
             scaled = [max(1, s * half // sum(sections)) for s in sections]
             params["mrope_section"] = [*scaled[:-1], half - sum(scaled[:-1])]
     return values
@@ -303,6 +305,8 @@ def survey_type(model_type: str, root: Path, tp: int, peer: bool) -> dict:
     error = comm.all_gather_object(error)[0]
     if error:
         return {"error": f"transformers (not tptrain) fails: {error}"}
+    if written and model_type in FP32_INSIDE:  # its steps' losses compared at fp32's bound (the reason: the table)
+        written[1]["loss_dtype"] = torch.float32
     inputs, dtype, image = comm.all_gather_object((written[0], written[1]["steps_dtype"], written[2])
                                                   if written else None)[0]
     try:
