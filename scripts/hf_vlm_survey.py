@@ -30,7 +30,7 @@ from hf_vlm_types import FP32_INSIDE, OVERRIDES, PIXELS
 
 AUTO = "AutoModelForImageTextToText"
 STAGES = ("load", "forward", "backward", "steps", "save")
-DEPTH_KEYS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")
+DEPTH_KEYS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers", "n_layers")
 TOKEN_ID = 100  # the first of the ids given to a config's special tokens (image, start/end of image, ...)
 # the ids around an image's placeholders, where the config has them (Qwen's rope index finds images by the first)
 START_TOKENS = ("vision_start_token_id", "boi_token_index", "boi_token_id", "image_start_token_id")
@@ -98,6 +98,8 @@ def tiny_config(model_type: str, *, narrow: bool = True, mrope: bool = False):
     tokens = {k: TOKEN_ID + i for i, k in enumerate(sorted(
         k for k, v in config.to_dict().items() if (isinstance(v, int) or v is None and k.startswith("image_token"))
         and (k.endswith("token_id") or k.endswith("token_index")) and not k.startswith(("pad", "bos", "eos"))))}
+    if "text_config" not in kwargs:  # no sub-configs: the config is the text model's own (Mistral 4's)
+        kwargs.update(_tiny_text(config.to_dict(), mrope))
     # the composite config's own copies of the text's sizes (PaliGemma's projection_dim, Ovis 2's vocab_size)
     top = {k: TINY[t] for k, t in (("hidden_size", "hidden_size"), ("projection_dim", "hidden_size"),
                                    ("vocab_size", "vocab_size")) if type(getattr(config, k, None)) is int}

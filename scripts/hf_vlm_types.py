@@ -29,6 +29,15 @@ OVERRIDES: dict[str, dict] = {
     # one 2 x 2 window downsampling, one deepstack injection, its spatial groups into the 2 text layers
     "granite4_vision": dict(downsample_rate="1/2", deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 0, 1, 1],
                             image_grid_pinpoints=[[112, 112]], projector_dropout=0.0),
+    # its indexed attention's token indexer (the default config leaves it unset): tiny, one key head
+    "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                                       indexer_compress_ratio=2)),
+    # its tower is timm's (TimmWrapper): a Perception Encoder ViT one block deep, 2 x 2 patches
+    "perception_lm": dict(vision_config=dict(
+        architecture="vit_pe_core_large_patch14_336", num_classes=0, global_pool="",
+        model_args=dict(embed_dim=64, depth=1, num_heads=4, img_size=(28, 28), class_token=True,
+                        init_values=0.1, ref_feat_shape=(2, 2))),
+        projector_pooling_ratio=1),
     "aria": dict(projector_patch_to_query_dict={64: 16}),  # its projector's queries per patch count: 8 x 8 -> 16
     # its default text config names no layer's MLP kind (transformers' own default does not build)
     # ... and its SAM encoder's output must be as wide as the encoder reading it (transformers' own test sizes)
@@ -103,6 +112,7 @@ PIXELS: dict[str, Callable] = {
     "deepseek_vl_hybrid": _two_resolutions,
     **{t: _anyres for t in ("llava_next", "llava_next_video", "llava_onevision", "granite4_vision")},
     "granite_docling": _tiles,
+    "perception_lm": square(28, frames=1),  # one tile per image, at its timm tower's size
     **{t: _patch_strip for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     **{t: _positioned_patches for t in ("gemma4", "gemma4_unified", "diffusion_gemma")},
 }

@@ -311,3 +311,34 @@ def test_saving_a_transposed_rule_compares_global_shapes():
     experts = model.get_submodule(name.rpartition(".")[0])
     experts.gate_up_proj = torch.nn.Parameter(full[:, :32].clone())  # this rank's rows, as tp 2 holds them
     assert torch.equal(to_hub(model, {name: full})[name], full)
+
+
+def test_text_and_vision_experts_split_from_one_list_are_read_per_rank(tmp_path):
+    """ernie4_5_vl_moe's experts: one list per projection (gate, up) holding the text experts then the vision ones;
+    transformers cuts each list in two, stacks each half and puts gate beside up (ErnieFuseAndSplitTextVisionExperts).
+    Each (ep rank, tp rank) reads only its experts' rows, equal to its piece of transformers' own result."""
+    from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts, WeightConverter
+
+    from tptrain.hf.conversions import _build
+    from tptrain.io import save_checkpoint
+    stored = {f"mlp.experts.{e}.{p}.weight": torch.randn(6, 4) for e in range(4) for p in ("gate_proj", "up_proj")}
+    save_checkpoint(stored, tmp_path)
+    op = ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)
+    rule = WeightConverter(["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+                           ["text_moe.experts.gate_up_proj", "vision_moe.experts.gate_up_proj"], operations=[op])
+    keys = {p: [f"mlp.experts.{e}.{p.split('.')[2]}.weight" for e in range(4)] for p in rule.source_patterns}
+    toy = torch.nn.Module()
+    toy.config = SimpleNamespace(model_type="toy")
+    sources = _build(toy, rule, "mlp.text_moe.experts.gate_up_proj", keys, _CountingReader(tmp_path))
+    full = op.convert({p: [stored[k] for k in ks] for p, ks in keys.items()}, rule.source_patterns,
+                      rule.target_patterns, config=toy.config)
+    reader = _CountingReader(tmp_path)
+    for target, want in full.items():
+        assert want.shape == (2, 12, 4)
+        for spec, tp, ep in ((ShardSpec(1), 2, 1), (ShardSpec(1, ep_split=True), 1, 2)):
+            for rank in range(max(tp, ep)):
+                reader.reads.clear()
+                got = sources[f"mlp.{target}"].read(reader, spec, tp_size=tp, tp_rank=rank % tp, ep_size=ep,
+                                                    ep_rank=rank % ep)
+                assert torch.equal(got, spec.local_chunk(spec.ep_chunk(want, ep, rank % ep), tp, rank % tp))
+                assert sum(n for _, n in reader.reads) == got.numel() * got.element_size()

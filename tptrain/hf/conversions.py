@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (Chunk, Concatenate, Interleave, MergeModulelist, PermuteForRope, PrefixChange,
-                                             Transpose, WeightConverter, WeightRenaming, apply_converters,
-                                             dot_natural_key, rename_source_key, revert_weight_conversion)
+from transformers.core_model_loading import (Chunk, Concatenate, ErnieFuseAndSplitTextVisionExperts, Interleave,
+                                             MergeModulelist, PermuteForRope, PrefixChange, Transpose, WeightConverter,
+                                             WeightRenaming, apply_converters, dot_natural_key, rename_source_key,
+                                             revert_weight_conversion)
 
 from tptrain.hf.conversion_tree import (Cat, Converted, Interleaved, Part, RopePermuted, Stack, Tensor,
                                           Transposed)
@@ -119,6 +120,9 @@ def _build(hf_model, converter, first: str, keys: dict[str, list[str]], reader) 
         elif kind is Transpose and single:
             same = op.check_dims and tuple(nodes[0][0].shape) == tuple(hf_model.get_parameter(first).shape)
             nodes = nodes if same else [[Transposed(nodes[0][0], op.dim0, op.dim1)]]
+        elif kind is ErnieFuseAndSplitTextVisionExperts:  # each list of experts cut in len(targets), stacked, the
+            per = [_split_stacks(group, len(targets), op.stack_dim) for group in nodes]  # lists side by side
+            nodes = [[Cat([stacks[i] for stacks in per], op.concat_dim) for i in range(len(targets))]]
         elif kind is PermuteForRope:
             config = getattr(hf_model.config, op.subconfig_key, hf_model.config) if op.subconfig_key else \
                 hf_model.config
@@ -130,11 +134,18 @@ def _build(hf_model, converter, first: str, keys: dict[str, list[str]], reader) 
             raise ValueError(f"model type {hf_model.config.model_type!r}: transformers converts checkpoint tensor "
                              f"{next(iter(keys.values()))[0]!r} into {first!r} with {rule}, whose operation {op!r} "
                              f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate, Chunk, "
-                             f"Interleave, Transpose and PermuteForRope); load this model with transformers, or use "
+                             f"Interleave, Transpose, PermuteForRope and ErnieFuseAndSplitTextVisionExperts); load this model with transformers, or use "
                              f"tp_size=1 with a checkpoint saved by transformers in its converted layout")
     built = [n for group in nodes for n in group]
     assert len(built) == len(targets), (rule, len(built), targets)
     return {t: Converted(rule, n) for t, n in zip(targets, built)}
+
+
+def _split_stacks(group: list, chunks: int, dim: int) -> list[Stack]:
+    """ErnieFuseAndSplitTextVisionExperts' cut of one list of experts: `chunks` runs of ceil(len / chunks), each
+    stacked along `dim` (its text experts, then its vision ones)."""
+    size = math.ceil(len(group) / chunks)
+    return [Stack(group[i * size:(i + 1) * size], dim) for i in range(chunks)]
 
 
 # ---------------------------------------------------------------------------------------------------- saving
