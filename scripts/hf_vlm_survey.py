@@ -218,7 +218,9 @@ def _image_features(model, pixels: dict) -> int | None:
     except Exception:  # noqa: BLE001 - not this layout
         return None
     if not torch.is_tensor(features) and not isinstance(features, (list, tuple)):
-        features = features.pooler_output if features.pooler_output is not None else features.last_hidden_state
+        deepstack = getattr(features, "deepstack_features", None)  # Granite 4 Vision's: [(text layer, per-image features)]
+        features = features.pooler_output if features.pooler_output is not None else \
+            features.last_hidden_state if features.last_hidden_state is not None else list(deepstack[0][1])
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
     return features.reshape(-1, features.shape[-1]).shape[0] // 2

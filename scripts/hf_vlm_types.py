@@ -28,7 +28,7 @@ OVERRIDES: dict[str, dict] = {
     "glm5_next": dict(text_config=dict(num_key_value_heads=4)),  # its attention: as many KV heads as query heads
     # one 2 x 2 window downsampling, one deepstack injection, its spatial groups into the 2 text layers
     "granite4_vision": dict(downsample_rate="1/2", deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 0, 1, 1],
-                            image_grid_pinpoints=[[112, 112]], projector_dropout=0.0),
+                            image_grid_pinpoints=[[256, 256]], projector_dropout=0.0),
     # its indexed attention's token indexer (the default config leaves it unset): tiny, one key head
     "qwen4_exp": dict(text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                                        indexer_compress_ratio=2)),
@@ -38,6 +38,7 @@ OVERRIDES: dict[str, dict] = {
         model_args=dict(embed_dim=64, depth=1, num_heads=4, img_size=(28, 28), class_token=True,
                         init_values=0.1, ref_feat_shape=(2, 2))),
         projector_pooling_ratio=1),
+    "muse_spark": dict(out_hidden_size=256, projector_hidden_size=128),  # its tower's output: 2 x 2 merged, 64 wide
     "aria": dict(projector_patch_to_query_dict={64: 16}),  # its projector's queries per patch count: 8 x 8 -> 16
     # its default text config names no layer's MLP kind (transformers' own default does not build)
     # ... and its SAM encoder's output must be as wide as the encoder reading it (transformers' own test sizes)
