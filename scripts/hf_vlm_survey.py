@@ -26,7 +26,7 @@ import torch
 from hf_backend_survey import TINY
 from hf_checkpoint_survey import TINY_OVERRIDES, _append, spelled, survey_loop
 from hf_survey_stages import reference, run_stages, steps_dtype
-from hf_vlm_types import FP32_INSIDE, OVERRIDES, PIXELS
+from hf_vlm_types import FP32_INSIDE, NOT_SURVEYED, OVERRIDES, PIXELS
 
 AUTO = "AutoModelForImageTextToText"
 STAGES = ("load", "forward", "backward", "steps", "save")
@@ -308,7 +308,8 @@ def survey_type(model_type: str, root: Path, tp: int, peer: bool) -> dict:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
     error = comm.all_gather_object(error)[0]
     if error:
-        return {"error": f"transformers (not tptrain) fails: {error}"}
+        why = f" ({NOT_SURVEYED[model_type]})" if model_type in NOT_SURVEYED else ""
+        return {"error": f"transformers (not tptrain) fails: {error}{why}"}
     if written and model_type in FP32_INSIDE:  # its steps' losses compared at fp32's bound (the reason: the table)
         written[1]["loss_dtype"] = torch.float32
     inputs, dtype, image = comm.all_gather_object((written[0], written[1]["steps_dtype"], written[2])

@@ -124,3 +124,12 @@ PIXELS: dict[str, Callable] = {
 FP32_INSIDE: dict[str, str] = {
     "llama4": "its text and vision RoPE in complex64 (view_as_complex(q.float()))",
 }
+
+# {model_type: why}: types the survey cannot build or train as a tiny causal image-text model, said beside the error
+NOT_SURVEYED: dict[str, str] = {
+    "diffusion_gemma": "a diffusion decoder: its logits are not next-token logits of the input ids",
+    "t5gemma2": "an encoder-decoder: no causal loss on the input ids alone",
+    "mistral4": "its config has no vision tower (a text model registered as image-text-to-text), and the tiny one "
+                "the survey derives does not run in transformers (its MLA RoPE widths)",
+    "gemma3n": "its vision tower is timm's MobileNetV5, 294M parameters at every config",
+}

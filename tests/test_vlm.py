@@ -172,3 +172,23 @@ def test_square_projections_the_output_one_by_name():
     plans, heads = derive_plan(tower, ["attn"])
     assert plans == {"attn": {"attn.proj": "rowwise", **{f"attn.{p}_proj": "colwise" for p in "qkv"}}}
     assert heads == {"attn": (4, 64)}
+
+
+def test_a_timm_block_stays_whole():
+    """timm's blocks (Perception LM's and FastVLM's towers, through TimmWrapper) reshape their attention output to
+    their input's width, which a split by heads would halve: no plan is derived for them."""
+    from torch import nn
+
+    from tptrain.hf.towers import derive_plan
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 4
+            self.qkv, self.proj = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    tower = nn.Module()
+    tower.attn = Attention()
+    assert derive_plan(tower, ["attn"])[0] == {"attn": {"attn.qkv": "fused_colwise", "attn.proj": "rowwise"}}
+    Attention.__module__ = "timm.models.eva"
+    assert derive_plan(tower, ["attn"]) == ({}, {})

@@ -104,6 +104,8 @@ def _block(module: nn.Module) -> tuple[dict[str, str], tuple[int, int] | None] |
     linears = [(n, c) for n, c in module.named_children() if type(c) is nn.Linear]
     if len(linears) < 2 or isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # a list: independent projections
         return None
+    if type(module).__module__.startswith("timm."):  # timm's blocks reshape to their input's width (Eva's attention)
+        return None
     heads = next((v for a in HEAD_COUNTS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
     kv = getattr(module, "num_key_value_heads", heads)
     if heads is not None and isinstance(kv, int) and kv != heads:
