@@ -25,7 +25,8 @@ OVERRIDES: dict[str, dict] = {
     # its ViT merger after the one layer left
     **{t: dict(vision_config=dict(insert_layer_id=0)) for t in ("minicpm_ocr", "minicpmv4_6", "minicpmv4_7")},
     "vipllava": dict(vision_feature_layers=[-2, -1]),  # the tower's last two hidden states (of its one layer)
-    "glm5_next": dict(text_config=dict(num_key_value_heads=4)),  # its attention: as many KV heads as query heads
+    # their attention: as many KV heads as query heads
+    **{t: dict(text_config=dict(num_key_value_heads=4)) for t in ("glm5_next", "mistral_large4")},
     # one 2 x 2 window downsampling, one deepstack injection, its spatial groups into the 2 text layers
     "granite4_vision": dict(downsample_rate="1/2", deepstack_layer_map=[[1, 0]], spatial_target_layers=[0, 0, 1, 1],
                             image_grid_pinpoints=[[256, 256]], projector_dropout=0.0),
