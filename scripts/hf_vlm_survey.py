@@ -1,16 +1,17 @@
 """Which vision-language (image-text-to-text) model types of the installed transformers tptrain trains at tp N: every
 type whose config, or its text config, declares base_model_tp_plan. For each, a tiny checkpoint transformers writes
 (the text config at hf_backend_survey's TINY sizes, the vision tower's depth cut to one layer and its image to a few
-patches), a labelled batch with an image (pixel values in the layout the tower takes, and as many placeholder
-tokens as transformers' own `get_image_features` makes features of it; a type whose tower none of the layouts
+patches; a type's own needs from scripts/hf_vlm_types.py), a labelled batch with an image (pixel values in the
+layout the tower takes: a common one, the type's own image processor's, or the type's builder; and as many
+placeholder tokens as transformers' own `get_image_features` makes features of it; a type whose tower none of them
 fits gets a text-only batch, marked so), then the stages of hf_checkpoint_survey.py (scripts/hf_survey_stages.py:
 load, forward, backward, steps, save; no plan stage) through `tptrain.AutoModelForImageTextToText`, against
 transformers on one process, and (--peer) transformers' own TP at tp N on the same checkpoint and batch.
 
-    nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 2 --peer [--types qwen2_5_vl,gemma3]
+    PYTHONPATH=. nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 2 --peer [--types qwen2_5_vl,gemma3]
 
 Prints the markdown table (type x stages, the image column, the peer column), each failure's reason and the count.
-Tens of minutes on 2 CPU cores.
+About 15 minutes on 2 CPU cores at tp 2 (7-8 GB at most); run it in chunks of types on a shared machine.
 """
 from __future__ import annotations
 
