@@ -313,13 +313,14 @@ def _checkpoint(cache: Path, name: str, config: dict) -> Path:
     return path
 
 
-def _launch(spec: dict, tp: int, timeout: float) -> list[dict] | str:
+def _launch(spec: dict, tp: int, timeout: float, script: str = __file__) -> list[dict] | str:
+    """Run `script --worker SPEC` on `tp` fresh ranks (one thread each): each rank's result, or why there is none."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if spec.get("variant") == "no-overlap":
         env["TPTRAIN_OVERLAP"] = "0"
     with tempfile.TemporaryDirectory() as out:
         spec = dict(spec, out=out)
-        cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
+        cmd = [sys.executable, script, "--worker", json.dumps(spec)]
         if tp > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", *cmd[1:]]
         try:

@@ -155,7 +155,6 @@ def _json_object(text: str) -> dict:
 def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.diagnostics.plan_report import plan_report
     from tptrain.layout import Asked, Spelling, check
-    from tptrain.models import AutoConfig
 
     usage = check_train_arguments(args) if args.train else (
         None if args.tp_size is not None else "the following arguments are required: --tp-size (or --train)")
@@ -165,7 +164,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if not args.train:  # the sizes as this command spells them (--tp-size), as `tptrain train` checks them
             check("positive", asked=Asked(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size,
                                           pp_size=args.pp_size), spelling=Spelling(cli=True))
-        config = AutoConfig.from_pretrained(args.model, backend=args.backend)
+        config = _config(args.model, args.backend)
         if args.train:
             return run_train_plan(args, config)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
@@ -176,6 +175,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         return _fail("plan", str(exc))
     print(report.text, end="")
     return 2 if report.problems else 0
+
+
+def _config(model: str, backend: str):
+    """The checkpoint's config: transformers' image-text-to-text one for a vision-language model (a `vision_config`
+    of such a type), else tptrain's AutoConfig's."""
+    from tptrain.models import AutoConfig, AutoModelForImageTextToText
+    from tptrain.models.configuration import load_config_dict
+    from tptrain.models.registry import vision_language
+
+    if vision_language(load_config_dict(model)):
+        return AutoModelForImageTextToText.config(model)
+    return AutoConfig.from_pretrained(model, backend=backend)
 
 
 def _fail(command: str, message: str) -> int:

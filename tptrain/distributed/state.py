@@ -35,6 +35,10 @@ from tptrain.layout import ParallelDims
 
 WHERE = ("model", "step", "stage")
 FIELDS = ("input_ids", "labels", "attention_mask", "position_ids", "num_items_in_batch")
+# A batch's `name + ROWS`: (batch,) how many rows of its input `name` each sample holds, for an input joined along dim 0
+# from its samples (a vision-language model's images, Qwen2-VL's patches): what lets a pipeline give each microbatch
+# its own samples' rows. (No model input is named so: processors' names are identifiers.)
+ROWS = ":rows"
 
 
 @dataclass(frozen=True)

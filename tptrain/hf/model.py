@@ -31,7 +31,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from tptrain.hf import styles as _styles  # noqa: F401 - registers the ep_dispatch_experts styles
 from tptrain.hf.attention import declare_cp_facts, running, use_tptrain_attention
-from tptrain.hf.conversions import checkpoint_sources, hub_sizes, interleaved_parameters, save_groups, to_hub
+from tptrain.hf.checkpoint import hub_tensors, materialise_buffers
+from tptrain.hf.conversions import checkpoint_sources, interleaved_parameters
 from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, resolve_names,
                              translate_plan, unplanned_modules, unplanned_parameters, vocab_parallel_embedding,
                              packed_like_stored)
@@ -43,7 +44,6 @@ from tptrain.meta_init import build_on
 from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import load_config_dict
 from tptrain.parallel import contract
-from tptrain.parallel.saving import gathered_parameters
 
 TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
 
@@ -165,26 +165,32 @@ class TransformersCausalLM(PreTrainedModel):
 
     def _declare_stages(self, prefix: str) -> None:
         """The contract's PipelineModel facts (hf/stages.py), or why the model cannot be cut (`pp_refusal`)."""
-        parts = stage_parts(self, prefix)
+        self._declare_stage_parts(stage_parts(self, prefix))
+
+    def _declare_stage_parts(self, parts) -> None:
         if isinstance(parts, str):
             self.pp_refusal = f"{type(self.hf_model).__name__} ({self.config.model_type}): {parts}"
             return
         self._stage_parts = parts
         self.pp_layers, self.pp_first, self.pp_last = parts.layers, parts.first, parts.last
 
-    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
-                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
+                         **inputs: torch.Tensor) -> torch.Tensor:
         """What this module (a pipeline stage's view, or the whole model) holds of the computation: token ids in if
         it holds the embedding, else the previous stage's hidden states; logits out if it holds the head
         (vocab-sharded under TP for the vocab-parallel loss), else hidden states (hf/stages.py). It carries nothing
-        between stages (transformers' router aux loss is not tptrain's loss on this backend)."""
+        between stages (transformers' router aux loss is not tptrain's loss on this backend). `inputs`: the rest of
+        transformers' inputs (a vision-language model's attention mask and token types; its images on the first
+        stage); multimodal position ids come batch first, (batch, rows, seq)."""
         assert not carried, "the transformers backend's stages carry nothing"
-        attention_mask, cp = None, self.parallel.cp
-        if cp is not None:  # see forward
+        attention_mask, cp = inputs.pop("attention_mask", None), self.parallel.cp
+        if cp is not None and attention_mask is None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        if position_ids is not None and position_ids.dim() == 3:  # transformers' (rows, batch, seq)
+            position_ids = position_ids.movedim(1, 0)
         with running(getattr(self, self.base_model_prefix), cp):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
-                             use_cache=False)
+                             use_cache=False, **inputs)
 
     def _rule_unplanned(self, prefix: str) -> set[str]:
         """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
@@ -243,32 +249,12 @@ class TransformersCausalLM(PreTrainedModel):
         return {last: first for first, last in (plan.tied if params else ()) if last in params and first not in params}
 
     def _checkpoint_tensors(self, names: list[str]):
-        """Parameters gathered group by group and written under the hub's names and layout: transformers' own
-        reverse of its load-time rules (a stacked expert tensor as per-expert tensors, renames undone)."""
-        layout = self.parallel.tp
-        params = dict(self.named_parameters(remove_duplicate=False))
-        # Persistent buffers are in transformers' checkpoints too (a router's e_score_correction_bias); never split.
-        persistent = set(self.hf_model.state_dict(keep_vars=True))
-        buffers = {n: b for n, b in self.named_buffers() if n in persistent}
-        groups = save_groups(self.hf_model, [*names, *buffers])
-        shapes = {n: (layout.global_shapes[n] if layout else tuple(params[n].shape), params[n].dtype)
-                  for n in names}
-        shapes.update({n: (tuple(b.shape), b.dtype) for n, b in buffers.items()})
-        tied = self._tied_copies()  # written under the first stage's name (which that stage writes)
-        sizes = {tied.get(k, k): v for k, v in hub_sizes(self.hf_model, groups, shapes).items()}
-
-        def checkpoint_tensors():
-            gathered = gathered_parameters(self, [n for group in groups for n in group if n not in buffers])
-            for group in groups:
-                tensors = {n: buffers[n].detach().cpu() if n in buffers else next(gathered)[1] for n in group}
-                yield from ((tied.get(k, k), t) for k, t in to_hub(self.hf_model, tensors).items())
-
-        return sizes, checkpoint_tensors
+        return hub_tensors(self, names, self._tied_copies())
 
     def _load(self, reader, device: torch.device, dtype: torch.dtype) -> None:
         super()._load(reader, device, dtype)
         self._load_buffers(reader, device)
-        _materialise_buffers(self, device)
+        materialise_buffers(self, device)
 
     @torch.no_grad()
     def _load_buffers(self, reader, device: torch.device) -> None:
@@ -292,7 +278,7 @@ class TransformersCausalLM(PreTrainedModel):
         super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
         self._set_local_heads()
         if self.parallel.cp is not None:  # masks and attention through hf/attention.py
-            use_tptrain_attention(self)
+            use_tptrain_attention(self, contract.sequence_entry(self) or "")
         return self
 
     def _set_local_heads(self) -> None:
@@ -354,41 +340,3 @@ class TransformersCausalLM(PreTrainedModel):
         config["dtype"] = dtype_name(dtype)
         config["architectures"] = [type(self.hf_model).__name__]
         return json.dumps(self.config._encode_special_floats(config), indent=2, sort_keys=True) + "\n"
-
-
-@torch.no_grad()
-def _materialise_buffers(model: TransformersCausalLM, device: torch.device) -> None:
-    """Buffers still on meta (rotary inv_freq, Gemma's embed_scale: computed at init, not stored) computed by
-    transformers' own `_init_weights` on the real device, as transformers does after loading: the loaded
-    parameters are marked initialised, so its init functions leave them alone."""
-    for name, module in model.named_modules():
-        meta = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-        if not meta:
-            continue
-        for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
-            buf = module._buffers[b]
-            module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
-        params = list(module.parameters())  # its init may write its children's too (SigLIP's position embedding)
-        for p in params:
-            p._is_hf_initialized = True
-        try:
-            _init_owner(model, name)._init_weights(module)
-        finally:
-            for p in params:
-                del p._is_hf_initialized
-        unset = [b for b in meta if module._buffers[b].is_floating_point() and module._buffers[b].isnan().any()]
-        if unset:
-            raise ValueError(f"module {name!r} ({type(module).__name__}) has buffers {unset} that are not in "
-                             f"the checkpoint and that transformers' _init_weights does not compute; tptrain's "
-                             f"transformers backend cannot build them")
-
-def _init_owner(model: TransformersCausalLM, name: str) -> nn.Module:
-    """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
-    PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
-    reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        module = model.get_submodule(".".join(parts[:i]))
-        if isinstance(module, transformers.PreTrainedModel):
-            return module
-    return model.hf_model

@@ -112,6 +112,18 @@ def _cp_masks(c: Case, r: Rule) -> str | None:
                              f"through attention_masks(...) (parallel/contract.py); {r.fix}")
 
 
+@rule(ROWS, "sp_refused", between=("sp",), needs=("facts",),
+      when="enable_sequence_parallel on a model that says why its sequence cannot be split (a vision-language model)",
+      reason="sequence parallelism splits the residual stream's sequence over the TP group from the first decoder "
+             "layer on; a model whose sequence is assembled inside its forward cannot hand its layers a shard",
+      fix="drop enable_sequence_parallel (--sequence-parallel); activation checkpointing (--gradient-checkpointing) "
+          "or a larger tp_size cut activation memory instead")
+def _sp_refused(c: Case, r: Rule) -> str | None:
+    if c.features.sequence_parallel and c.facts.sp_refusal:
+        return (f"{c.facts.name} ({c.facts.model_type}) cannot run with enable_sequence_parallel: "
+                f"{c.facts.sp_refusal}; {r.fix}")
+
+
 @rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
       when="enable_sequence_parallel on the transformers backend",
       reason="transformers' attention and MLP modules take their shapes from their input (the attention output is "

@@ -228,7 +228,7 @@ class DecoderForCausalLM(PreTrainedModel):
 
     config_class = PretrainedConfig
     _tp_plan = {"lm_head": "colwise_gather_output"}
-    # What a pipeline stage is cut from (parallel/contract.py PipelineModel): the layer list, what only the first
+    # What a pipeline stage is cut from (parallel/pipeline_contract.py PipelineModel): the layer list, what only the first
     # stage holds, what only the last one holds.
     pp_layers, pp_first, pp_last = "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")
 

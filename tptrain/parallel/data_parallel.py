@@ -20,8 +20,10 @@ from tptrain.parallel import contract
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
-    base = getattr(model, contract.prefix(model), None)
-    layers = getattr(base, "layers", [])
+    try:
+        layers = model.get_submodule(contract.layers(model))
+    except AttributeError:  # a model without a layer list: one unit
+        return []
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)  # ModuleDict: a pipeline stage's
 
 

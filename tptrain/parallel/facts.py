@@ -8,7 +8,7 @@ from torch import nn
 
 from tptrain.distributed.state import state_of
 from tptrain.layout import ModelFacts
-from tptrain.parallel import contract
+from tptrain.parallel import contract, pipeline_contract
 
 
 def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFacts | None:
@@ -18,13 +18,15 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
     if not isinstance(model, nn.Module):
         return None
     config = getattr(model, "config", None)
-    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
+    # (a vision-language model's tower attends before the sequence is split: context parallelism leaves it alone)
+    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)
+                 and contract.in_sequence(model, name)}
     base = contract.base_model(model)
     experts = None if objects is None else sum(1 for style in objects.values() if style.stacked_experts)
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
         backend=getattr(model, "backend", "native"), num_layers=_num_layers(model), attention=len(attention),
-        pp_refusal=contract.pipeline_refusal(model),
+        pp_refusal=pipeline_contract.pipeline_refusal(model), sp_refusal=contract.sequence_parallel_refusal(model),
         without_attend=tuple((name, type(m).__name__) for name, m in attention.items() if contract.attend(m) is None),
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",
@@ -38,7 +40,7 @@ def _num_layers(model: nn.Module) -> int | None:
     plan = state_of(model).pp
     if plan is not None:
         return sum(len(stage) for stage in plan.stage_layers)
-    parts = contract.pipeline_parts(model)
+    parts = pipeline_contract.pipeline_parts(model)
     return None if parts is None else len(model.get_submodule(parts[0]))
 
 

@@ -133,6 +133,12 @@ def collate_pairs(items: list[dict[str, Any]], *, pad_id: int, multiple: int = 1
     return out
 
 
+def text_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model reads of a collated batch (ids, labels, positions); the rest (pairs, lengths, reference
+    log-probs) is the loss's. A pipeline takes every other key as a model input split by microbatch."""
+    return {k: batch[k] for k in ("input_ids", "labels", "position_ids") if k in batch}
+
+
 def _whole(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A row labelled on every token (ORPO's NLL reads the prompt too)."""
     return {"input_ids": row["input_ids"], "labels": row["input_ids"]}

@@ -20,6 +20,7 @@ from torch import nn
 from tptrain.distributed import ParallelDims, comm
 from tptrain.distributed.state import state_of
 from tptrain.distributed.topology import dp_mesh
+from tptrain.training.preference.data import text_inputs
 from tptrain.parallel.parallelize import ParallelOptions, adopt_mesh, parallelize
 
 
@@ -57,7 +58,7 @@ def reference_forward(pipeline: Any, batch: dict[str, torch.Tensor]) -> torch.Te
     pipeline.loss.objective = _negated
     try:
         rows = batch["lengths"].to(torch.float64).unsqueeze(-1)  # any per-row tensor: only its split is read
-        return pipeline.step(batch, 0, train=False, rows=rows, per_row=True)
+        return pipeline.step(text_inputs(batch), 0, train=False, rows=rows, per_row=True)
     finally:
         pipeline.loss.objective = None
 

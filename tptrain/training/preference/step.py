@@ -21,6 +21,7 @@ from tptrain.distributed import comm
 from tptrain.distributed.state import state_of
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
+from tptrain.training.preference.data import text_inputs
 from tptrain.training.preference.objectives import ObjectiveConfig, Pairs, Totals, objective_loss, rewards
 from tptrain.training.step import TrainStep
 
@@ -141,7 +142,7 @@ class PreferenceStep(TrainStep):
         self.pipeline.loss.objective = microbatch_loss
         try:
             with self.autocast():
-                loss = self.pipeline.step(batch, 0, rows=rows)
+                loss = self.pipeline.step(text_inputs(batch), 0, rows=rows)
         finally:
             self.pipeline.loss.objective = None
         # torch's first training step also runs the loss once for its backward's metadata: the last microbatches count
