@@ -31,7 +31,8 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from tptrain.hf.attention import declare_cp_facts
-from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
+from tptrain.hf.checkpoint import _init_owner
+from tptrain.hf.model import ConfigLoader, TransformersCausalLM
 from tptrain.hf.stages import stage_parts
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
 from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_facts, tower_roots
