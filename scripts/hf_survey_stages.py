@@ -236,12 +236,16 @@ def run_stages(directory: Path, saved: Path, ids, ref: dict | None, tp_size: int
         trained = gather_parameters(model, [n for n, _ in model.named_parameters(remove_duplicate=False)])
         if rank == 0:
             hf_auto = getattr(transformers, auto)
+            # a tensor transformers' reload does not find it initializes at random: the same random on both sides
+            # (shieldgemma2's own save is written under names its reload does not read)
+            torch.manual_seed(0)
             reloaded = hf_auto.from_pretrained(saved, dtype=torch.float32).state_dict()
             # what transformers' own save_pretrained of the same weights reloads as (its reload may change a tensor:
             # youtu's zeroes its padding row)
             own = ref["model"]
             own.load_state_dict(trained, strict=False)
             own.save_pretrained(f"{saved}-transformers")
+            torch.manual_seed(0)
             want = hf_auto.from_pretrained(f"{saved}-transformers", dtype=torch.float32).state_dict()
             bad = [k for k, v in want.items() if k not in reloaded or not torch.equal(reloaded[k], v)]
             if bad or set(reloaded) != set(want):

@@ -1,23 +1,25 @@
 """Which vision-language (image-text-to-text) model types of the installed transformers tptrain trains at tp N: every
 type whose config, or its text config, declares base_model_tp_plan. For each, a tiny checkpoint transformers writes
 (the text config at hf_backend_survey's TINY sizes, the vision tower's depth cut to one layer and its image to a few
-patches), a labelled batch with an image (pixel values in the layout the tower takes, and as many placeholder
-tokens as transformers' own `get_image_features` makes features of it; a type whose tower none of the layouts
+patches; a type's own needs from scripts/hf_vlm_types.py), a labelled batch with an image (pixel values in the
+layout the tower takes: a common one, the type's own image processor's, or the type's builder; and as many
+placeholder tokens as transformers' own `get_image_features` makes features of it; a type whose tower none of them
 fits gets a text-only batch, marked so), then the stages of hf_checkpoint_survey.py (scripts/hf_survey_stages.py:
 load, forward, backward, steps, save; no plan stage) through `tptrain.AutoModelForImageTextToText`, against
 transformers on one process, and (--peer) transformers' own TP at tp N on the same checkpoint and batch.
 
-    nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 2 --peer [--types qwen2_5_vl,gemma3]
-    nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 1 --cp-size 2   # or --pp-size 2
+    PYTHONPATH=. nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 2 --peer [--types qwen2_5_vl,gemma3]
+    PYTHONPATH=. nice -n 10 .venv-vision/bin/python scripts/hf_vlm_survey.py --tp-size 1 --cp-size 2   # or --pp-size 2
 
 --cp-size / --pp-size: the layout stages instead (load, train, save: scripts/hf_vlm_layouts.py), on tp x cp x pp ranks.
 
 Prints the markdown table (type x stages, the image column, the peer column), each failure's reason and the count.
-Tens of minutes on 2 CPU cores.
+About 15 minutes on 2 CPU cores at tp 2 (7-8 GB at most); run it in chunks of types on a shared machine.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import shutil
 import tempfile
@@ -29,21 +31,20 @@ from hf_backend_survey import TINY
 from hf_checkpoint_survey import TINY_OVERRIDES, _append, spelled, survey_loop
 from hf_survey_stages import LAYOUT_STAGES, reference, run_stages, steps_dtype
 from hf_vlm_layouts import cp_batch, run_vlm_layout_stages
+from hf_vlm_types import FP32_INSIDE, NOT_SURVEYED, OVERRIDES, PIXELS
 
 AUTO = "AutoModelForImageTextToText"
 STAGES = ("load", "forward", "backward", "steps", "save")
-DEPTH_KEYS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")
+DEPTH_KEYS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers", "n_layers")
 TOKEN_ID = 100  # the first of the ids given to a config's special tokens (image, start/end of image, ...)
 # the ids around an image's placeholders, where the config has them (Qwen's rope index finds images by the first)
 START_TOKENS = ("vision_start_token_id", "boi_token_index", "boi_token_id", "image_start_token_id")
 END_TOKENS = ("vision_end_token_id", "eoi_token_index", "eoi_token_id", "image_end_token_id")
-# Types on which the generic tiny config makes transformers itself fail: their own keys, still tiny.
-OVERRIDES: dict[str, dict] = {
-    **{t: dict(mm_tokens_per_image=16) for t in ("gemma3", "shieldgemma2")},  # 8 x 8 patches pooled to 4 x 4
-}
 # a tower's widths in the narrow tiny config (16 per head); its output width follows the text's
-VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, num_attention_heads=4, num_heads=4,
-                     out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"])
+VISION_SHRINK = dict(hidden_size=64, embed_dim=64, intermediate_size=128, mlp_dim=128, num_attention_heads=4, num_heads=4,
+                     num_key_value_heads=4, head_dim=16,
+                     out_hidden_size=TINY["hidden_size"], text_hidden_size=TINY["hidden_size"],
+                     adapter_in_dim=64, adapter_input_size=64, adapter_out_dim=TINY["hidden_size"], projection_dim=TINY["hidden_size"])
 MAX_PARAMETERS = 200_000_000  # a tiny config above it shrank nothing (fp64 steps on 3 processes: GBs each)
 
 
@@ -90,22 +91,40 @@ def tiny_config(model_type: str, *, narrow: bool = True, mrope: bool = False):
     import transformers
 
     config = transformers.CONFIG_MAPPING[model_type]()
+    overrides = dict(OVERRIDES.get(model_type, {}))
     kwargs = {}
-    for key in getattr(config, "sub_configs", {}) or {}:
+    for key, sub_class in (getattr(config, "sub_configs", {}) or {}).items():
         sub = getattr(config, key, None)
+        if sub is None and key in overrides:  # a tower the default leaves out (Gemma 4's): its own defaults
+            sub = (sub_class.config_class if hasattr(sub_class, "config_class") else sub_class)()
         if sub is not None:
-            kwargs[key] = _tiny_text(sub.to_dict(), mrope) if key == "text_config" else \
-                _tiny_tower(sub.to_dict(), narrow)
-    tokens = {k: TOKEN_ID + i for i, k in enumerate(sorted(k for k, v in config.to_dict().items() if isinstance(v, int)
-                                                           and (k.endswith("token_id") or k.endswith("token_index"))
-                                                           and not k.startswith(("pad", "bos", "eos"))))}
-    return type(config)(**{**kwargs, **tokens, **OVERRIDES.get(model_type, {})})
+            kwargs[key] = {**(_tiny_text(sub.to_dict(), mrope) if key == "text_config" else
+                              _tiny_tower(sub.to_dict(), narrow)), **overrides.pop(key, {})}
+    tokens = {k: TOKEN_ID + i for i, k in enumerate(sorted(
+        k for k, v in config.to_dict().items() if (isinstance(v, int) or v is None and k.startswith("image_token"))
+        and (k.endswith("token_id") or k.endswith("token_index")) and not k.startswith(("pad", "bos", "eos"))))}
+    if "text_config" not in kwargs:  # no sub-configs: the config is the text model's own (Mistral 4's)
+        kwargs.update(_tiny_text(config.to_dict(), mrope))
+    # the composite config's own copies of the text's sizes (PaliGemma's projection_dim, Ovis 2's vocab_size)
+    top = {k: TINY[t] for k, t in (("hidden_size", "hidden_size"), ("projection_dim", "hidden_size"),
+                                   ("vocab_size", "vocab_size")) if type(getattr(config, k, None)) is int}
+    # ... and of the tower's width (Kimi K2.5's projector input, Nemotron H Omni's)
+    top.update({k: VISION_SHRINK["hidden_size"] for k in ("vision_hidden_size", "projection_hidden_size")
+                if narrow and type(getattr(config, k, None)) is int})
+    return type(config)(**{**kwargs, **top, **tokens, **overrides})
 
 
 def _tiny_tower(values: dict, narrow: bool) -> dict:
-    """A tower's config values one layer deep; `narrow`: VISION_SHRINK's widths where it has those keys (ints), its
-    output width the text's, and its image 4 x merge patches wide."""
-    values = {**values, **{k: 1 for k in DEPTH_KEYS if isinstance(values.get(k), int)}}
+    """A tower's config values (and its own sub-configs') one layer deep; `narrow`: VISION_SHRINK's widths where it
+    has those keys (ints), its output width the text's, and its image 4 x merge patches wide."""
+    depth = next((values[k] for k in DEPTH_KEYS if isinstance(values.get(k), int)), None)
+    values = {**values, **{k: 1 for k in DEPTH_KEYS if isinstance(values.get(k), int)},
+              **{k: v[:1] for k, v in values.items() if isinstance(v, list) and depth and len(v) == depth > 1},
+              **{k: _tiny_tower(v, narrow) for k, v in values.items() if isinstance(v, dict) and "model_type" in v},
+              **{k: v[:1] for k, v in values.items() if k.endswith("layer_types") and isinstance(v, list)},
+              **{k: [0] for k, v in values.items() if k.endswith(("_indexes", "_indices")) and isinstance(v, list)
+                 and v and all(isinstance(i, int) for i in v)},  # the layers picked out: the one left
+              **({"per_layer_config": {}} if isinstance(values.get("per_layer_config"), dict) else {})}
     if not narrow:
         return values
     values.update({k: v for k, v in VISION_SHRINK.items() if isinstance(values.get(k), int)})
@@ -122,6 +141,7 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
     """A text config's values at TINY's sizes (and the causal survey's overrides of its type): per-layer lists cut
     to its layers (the first and last kinds), multimodal RoPE sections scaled to the head size."""
     text = {k: v for k, v in TINY.items() if k != "layer_types" or v is not None}
+    depth = values.get("num_hidden_layers")
     values = {**values, **{k: v for k, v in text.items() if k in ("vocab_size", "hidden_size") or k in values and
                            isinstance(values[k], (int, type(None))) and not isinstance(values[k], bool)},
               **TINY_OVERRIDES.get(values.get("model_type"), {})}
@@ -131,12 +151,16 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
     for key, value in list(values.items()):
         if key.endswith("layer_types") and isinstance(value, list) and len(value) != layers:
             values[key] = [value[0]] * (layers - 1) + [value[-1]]
+        elif isinstance(value, list) and len(value) == depth > layers:  # one per layer (Mistral Large 4's sources)
+            values[key] = value[:layers]
     rope = values.get("rope_parameters")
     if mrope and isinstance(rope, dict) and "rope_type" in rope:
         rope.setdefault("mrope_section", [1, 1, 1])  # scaled below
     for params in (rope.values() if isinstance(rope, dict) and "rope_type" not in rope else [rope]):
         if isinstance(params, dict) and params.get("mrope_section"):
-            half, sections = values.get("head_dim", 16) // 2, params["mrope_section"]
+            rotary = values.get("head_dim", 16) * (params.get("partial_rotary_factor")
+                                                   or values.get("partial_rotary_factor") or 1)  # GLM-4.5V's half
+            half, sections = int(rotary) // 2, params["mrope_section"]
             scaled = [max(1, s * half // sum(sections)) for s in sections]
             params["mrope_section"] = [*scaled[:-1], half - sum(scaled[:-1])]
     return values
@@ -144,7 +168,7 @@ def _tiny_text(values: dict, mrope: bool = False) -> dict:
 
 def _candidates(config, gen: torch.Generator) -> list[dict]:
     """Pixel layouts a tower may take, for one image per row of 2: (batch, channels, size, size), with one image
-    dimension more, flattened patches with their (t, h, w) grid, each with the image sizes too."""
+    dimension more, each with the image sizes too, flattened patches (of 2 frames, or 1) with their (t, h, w) grid."""
     vision = getattr(config, "vision_config", None)
     patch = getattr(vision, "patch_size", 14)
     patch = patch[0] if isinstance(patch, (list, tuple)) else patch
@@ -155,22 +179,53 @@ def _candidates(config, gen: torch.Generator) -> list[dict]:
     channels = getattr(vision, "num_channels", 3) or 3
     image = torch.randn(2, channels, size, size, generator=gen)
     grid = 2 * merge
-    flat = {"pixel_values": torch.randn(2 * grid * grid, channels * temporal * patch * patch, generator=gen),
-            "image_grid_thw": torch.tensor([[1, grid, grid]] * 2)}
+    flat = [{"pixel_values": torch.randn(2 * grid * grid, channels * t * patch * patch, generator=gen),
+             "image_grid_thw": torch.tensor([[1, grid, grid]] * 2)} for t in (temporal, 1)]
     sizes = {"image_sizes": torch.tensor([[size, size]] * 2)}
     return [{"pixel_values": image}, {"pixel_values": image, **sizes}, {"pixel_values": image[:, None]},
-            {"pixel_values": image[:, None], **sizes}, flat]
+            {"pixel_values": image[:, None], **sizes}, *flat]
+
+
+def processor_pixels(config, model, gen: torch.Generator) -> dict | None:
+    """The image inputs the type's own image processor (its defaults, the tiny tower's patch and merge sizes) makes
+    of 2 small random images: for towers whose inputs none of the generic layouts fits (patch grids under the
+    type's own names: image_grid_hw, image_merge_sizes, ...). None without an image processor class."""
+    import numpy as np
+    import transformers
+    from PIL import Image
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(config.model_type) or {}
+    cls = getattr(transformers, names.get("torchvision") or names.get("pil") or "", None)
+    if cls is None:
+        return None
+    vision = getattr(config, "vision_config", None)
+    sizes = {k: getattr(vision, v) for k, v in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                                                ("temporal_patch_size", "temporal_patch_size"))
+             if isinstance(getattr(vision, v, None), int)}
+    processor = cls()
+    processor = cls(**{k: v for k, v in sizes.items() if hasattr(processor, k)})
+    pixels = torch.randint(0, 255, (56, 56, 3), generator=gen, dtype=torch.uint8).numpy().astype(np.uint8)
+    out = processor(images=[Image.fromarray(pixels)] * 2, return_tensors="pt")
+    owners = (model, model.base_model)
+    wanted = {n for o in owners if hasattr(o, "get_image_features")
+              for n in inspect.signature(o.get_image_features).parameters}
+    return {k: v for k, v in out.items() if k in wanted and torch.is_tensor(v)}
 
 
 def _image_features(model, pixels: dict) -> int | None:
     """The placeholders one image needs (transformers' get_image_features of the batch), or None if it fails."""
+    owners = (model, model.base_model, getattr(model.base_model, "encoder", None))  # diffusion_gemma's: its encoder's
+    get = next((o.get_image_features for o in owners if hasattr(o, "get_image_features")), None)
     try:
         with torch.no_grad():
-            features = model.get_image_features(**pixels)
+            features = get(**pixels)
     except Exception:  # noqa: BLE001 - not this layout
         return None
     if not torch.is_tensor(features) and not isinstance(features, (list, tuple)):
-        features = features.pooler_output if features.pooler_output is not None else features.last_hidden_state
+        deepstack = getattr(features, "deepstack_features", None)  # Granite 4 Vision's: [(text layer, per-image features)]
+        features = features.pooler_output if features.pooler_output is not None else \
+            features.last_hidden_state if features.last_hidden_state is not None else list(deepstack[0][1])
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
     return features.reshape(-1, features.shape[-1]).shape[0] // 2
@@ -184,14 +239,16 @@ def batch(model, config) -> tuple[dict, bool]:
     image_id = _token(config, "image_token_id", "image_token_index")
     before = [t for t in [_token(config, *START_TOKENS)] if t is not None]
     after = [t for t in [_token(config, *END_TOKENS)] if t is not None]
-    for pixels in _candidates(config, gen) if image_id is not None else []:
+    layouts = [PIXELS[config.model_type](config, gen)] if config.model_type in PIXELS else _candidates(config, gen)
+    for pixels in _layouts(layouts, config, model, gen) if image_id is not None else []:
         n = _image_features(model, pixels)
         if not n:
             continue
         ids = torch.cat([torch.tensor([[*before, *[image_id] * n, *after]] * 2), text], dim=1)
         inputs = {"input_ids": ids, **pixels}
-        if "token_type_ids" in model.forward.__code__.co_varnames:
-            inputs["token_type_ids"] = (ids == image_id).long()
+        for name in ("token_type_ids", "mm_token_type_ids"):  # the processor's: 1 on an image's tokens
+            if name in inspect.signature(model.forward).parameters:
+                inputs[name] = (ids == image_id).long()
         try:
             with torch.no_grad():
                 model(**inputs, use_cache=False)
@@ -199,6 +256,17 @@ def batch(model, config) -> tuple[dict, bool]:
         except Exception:  # noqa: BLE001 - not this layout
             continue
     return {"input_ids": text}, False
+
+
+def _layouts(layouts: list[dict], config, model, gen: torch.Generator):
+    """`layouts`, then the type's image processor's (made only if none of them fits)."""
+    yield from layouts
+    try:
+        pixels = processor_pixels(config, model, gen)
+    except Exception:  # noqa: BLE001 - no processor runs from its defaults: text only
+        return
+    if pixels:
+        yield pixels
 
 
 def _token(config, *names: str) -> int | None:
@@ -212,12 +280,12 @@ def write_checkpoint(model_type: str, directory: Path, cp: int = 1) -> tuple[dic
 
     tried = None
     for config in tiny_configs(model_type):  # the first that builds and takes an image; else the first that builds
-        with torch.device("meta"):
-            size = sum(p.numel() for p in transformers.AutoModelForImageTextToText.from_config(config).parameters())
-        if size > MAX_PARAMETERS:  # a sub-config's sizes the survey does not shrink
-            continue
         torch.manual_seed(0)
         try:
+            with torch.device("meta"):
+                size = sum(p.numel() for p in transformers.AutoModelForImageTextToText.from_config(config).parameters())
+            if size > MAX_PARAMETERS:  # a sub-config's sizes the survey does not shrink
+                continue
             model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
         except Exception:  # noqa: BLE001 - transformers cannot build it: the next
             continue
@@ -246,7 +314,10 @@ def survey_type(model_type: str, root: Path, layout: tuple[int, int, int], peer:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
     error = comm.all_gather_object(error)[0]
     if error:
-        return {"error": f"transformers (not tptrain) fails: {error}"}
+        why = f" ({NOT_SURVEYED[model_type]})" if model_type in NOT_SURVEYED else ""
+        return {"error": f"transformers (not tptrain) fails: {error}{why}"}
+    if written and model_type in FP32_INSIDE:  # its steps' losses compared at fp32's bound (the reason: the table)
+        written[1]["loss_dtype"] = torch.float32
     inputs, dtype, image = comm.all_gather_object((written[0], written[1]["steps_dtype"], written[2])
                                                   if written else None)[0]
     try:

@@ -7,6 +7,8 @@ transformers on one process (logits, gradients, 3 AdamW steps at tp 2 and 4), sa
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -195,7 +197,7 @@ def test_merged_experts_read_only_this_ranks_experts_and_rows(moe_checkpoint):
 def test_a_conversion_the_reader_cannot_slice_is_named():
     """An operation tptrain cannot read slice by slice is refused naming the model type, the rule, the op and the
     tensor (raised while checking the checkpoint: before any collective)."""
-    from transformers.core_model_loading import Transpose, WeightConverter
+    from transformers.core_model_loading import Conv3dToLinear, WeightConverter
 
     from tptrain.hf.conversions import _build
 
@@ -203,9 +205,47 @@ def test_a_conversion_the_reader_cannot_slice_is_named():
         def shape(self, key):
             return (4, 8)
 
-    rule = WeightConverter("mlp.w.weight", "mlp.v.weight", operations=[Transpose(0, 1)])
-    with pytest.raises(ValueError, match=r"'toy'.*'model.layers.0.mlp.w.weight'.*Transpose.*MergeModulelist"):
-        _build("toy", rule, "model.layers.0.mlp.v.weight", {"mlp.w.weight": ["model.layers.0.mlp.w.weight"]}, _Shapes())
+    rule = WeightConverter("patch.w.weight", "patch.v.weight", operations=[Conv3dToLinear(3, (2, 2, 2))])
+    toy = torch.nn.Module()
+    toy.config = SimpleNamespace(model_type="toy")
+    with pytest.raises(ValueError, match=r"'toy'.*'model.patch.w.weight'.*Conv3dToLinear.*MergeModulelist"):
+        _build(toy, rule, "model.patch.v.weight", {"patch.w.weight": ["model.patch.w.weight"]}, _Shapes())
+
+
+def test_rope_permuted_and_transposed_tensors_are_read_per_rank(tmp_path):
+    """kimi_k25's tower (one fused `wqkv` cut by Chunk, then q and k rows permuted from interleaved rotary pairs to
+    rotate-half per head: PermuteForRope) and nemotron's experts (Transpose(1, 2)): each tp rank reads only its rows,
+    no byte more, equal to its piece of transformers' own ops on the whole tensors."""
+    from transformers.core_model_loading import Chunk, PermuteForRope, Transpose, WeightConverter
+
+    from tptrain.hf.conversions import _build
+    from tptrain.io import save_checkpoint
+    stored = {"v.wqkv.weight": torch.randn(3 * 16, 4), "v.wqkv.bias": torch.randn(3 * 16),
+              "e.experts.up": torch.randn(2, 8, 6)}
+    save_checkpoint(stored, tmp_path)
+    toy = torch.nn.Module()
+    toy.config = SimpleNamespace(model_type="toy", vision_config=SimpleNamespace(num_attention_heads=2))
+    toy.register_parameter("up", torch.nn.Parameter(torch.empty(2, 6, 8, device="meta")))
+    permute = PermuteForRope(subconfig_key="vision_config", permute_layer_names=["q_proj", "k_proj"])
+    reader = _CountingReader(tmp_path)
+    for key, kind in (("weight", "weight"), ("bias", "bias")):
+        qkv = WeightConverter("wqkv." + kind, [f"{p}_proj.{kind}" for p in "qkv"], operations=[Chunk(0), permute])
+        sources = _build(toy, qkv, f"v.q_proj.{kind}", {qkv.source_patterns[0]: [f"v.wqkv.{key}"]}, reader)
+        chunks = Chunk(0).convert({"w": stored[f"v.wqkv.{key}"]}, ["w"], qkv.target_patterns)
+        full = permute.convert(chunks, ["w"], qkv.target_patterns, config=toy.config)
+        for target, want in full.items():
+            for rank in range(2):
+                reader.reads.clear()
+                got = sources[f"v.{target}"].read(reader, ShardSpec(0), tp_size=2, tp_rank=rank)
+                assert torch.equal(got, ShardSpec(0).local_chunk(want, 2, rank)), (target, rank)
+                assert sum(n for _, n in reader.reads) == got.numel() * got.element_size()
+    assert not torch.equal(full["q_proj.bias"], chunks["q_proj.bias"])  # a permutation that moves rows
+    rule = WeightConverter("experts.up", "up", operations=[Transpose(1, 2)])
+    source = _build(toy, rule, "up", {"experts.up": ["e.experts.up"]}, reader)["up"]
+    for spec in (ShardSpec(1), ShardSpec(2)):
+        for rank in range(2):
+            got = source.read(reader, spec, tp_size=2, tp_rank=rank)
+            assert torch.equal(got, spec.local_chunk(stored["e.experts.up"].transpose(1, 2), 2, rank))
 
 
 @pytest.mark.parametrize("inverse", [False, True])
@@ -228,3 +268,77 @@ def test_interleaved_rows_are_read_from_where_they_come(tmp_path, inverse):
         want = spec.local_chunk(full, 2, rank)
         assert torch.equal(got, want), rank
         assert sum(n for _, n in reader.reads) == want.numel() * want.element_size()
+
+
+def test_a_prefix_rule_for_another_class_of_the_type_is_not_applied(tmp_path):
+    """shieldgemma2's rule adds the `model.` of ShieldGemma2ForImageClassification (which wraps the Gemma 3 model);
+    AutoModelForImageTextToText builds that Gemma 3 model itself, whose names it would all rename away: the checkpoint
+    transformers saves of it loads into every parameter, each equal to transformers' own."""
+    import transformers
+
+    from tptrain.hf.conversions import checkpoint_sources
+    from tests.vlm_utils import _GEMMA3, _SIGLIP
+    config = transformers.ShieldGemma2Config(text_config=_GEMMA3, vision_config=_SIGLIP, mm_tokens_per_image=4,
+                                             image_token_index=120, boi_token_index=121, eoi_token_index=122)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    reader = CheckpointReader(tmp_path)
+    sources = checkpoint_sources(model, reader)
+    assert sources and set(sources) | set(reader.keys()) >= set(dict(model.named_parameters()))
+    for name, value in model.named_parameters():  # the tied lm_head: the embedding's
+        key = sources.get(name, name)
+        assert isinstance(key, str) and torch.equal(reader.read(key), value), name
+
+
+def test_saving_a_transposed_rule_compares_global_shapes():
+    """qwen3_vl_moe's experts: transformers' reverse `Transpose(check_dims=True)` transposes a tensor whose shape is
+    not the parameter's. On a rank of a split model the parameter is its piece, the tensor saved the whole: still
+    written untransposed (here square, 2 x 32 = 64: a transposed one would reload transposed)."""
+    import transformers
+
+    from tptrain.hf.conversions import to_hub
+    config = transformers.CONFIG_MAPPING["qwen3_vl_moe"](
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2), vision_config=dict(depth=1, hidden_size=32,
+                                                                                   intermediate_size=48, num_heads=4,
+                                                                                   out_hidden_size=64))
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    full = model.get_parameter(name).detach().clone()
+    assert full.shape == (4, 64, 64)
+    experts = model.get_submodule(name.rpartition(".")[0])
+    experts.gate_up_proj = torch.nn.Parameter(full[:, :32].clone())  # this rank's rows, as tp 2 holds them
+    assert torch.equal(to_hub(model, {name: full})[name], full)
+
+
+def test_text_and_vision_experts_split_from_one_list_are_read_per_rank(tmp_path):
+    """ernie4_5_vl_moe's experts: one list per projection (gate, up) holding the text experts then the vision ones;
+    transformers cuts each list in two, stacks each half and puts gate beside up (ErnieFuseAndSplitTextVisionExperts).
+    Each (ep rank, tp rank) reads only its experts' rows, equal to its piece of transformers' own result."""
+    from transformers.core_model_loading import ErnieFuseAndSplitTextVisionExperts, WeightConverter
+
+    from tptrain.hf.conversions import _build
+    from tptrain.io import save_checkpoint
+    stored = {f"mlp.experts.{e}.{p}.weight": torch.randn(6, 4) for e in range(4) for p in ("gate_proj", "up_proj")}
+    save_checkpoint(stored, tmp_path)
+    op = ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)
+    rule = WeightConverter(["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
+                           ["text_moe.experts.gate_up_proj", "vision_moe.experts.gate_up_proj"], operations=[op])
+    keys = {p: [f"mlp.experts.{e}.{p.split('.')[2]}.weight" for e in range(4)] for p in rule.source_patterns}
+    toy = torch.nn.Module()
+    toy.config = SimpleNamespace(model_type="toy")
+    sources = _build(toy, rule, "mlp.text_moe.experts.gate_up_proj", keys, _CountingReader(tmp_path))
+    full = op.convert({p: [stored[k] for k in ks] for p, ks in keys.items()}, rule.source_patterns,
+                      rule.target_patterns, config=toy.config)
+    reader = _CountingReader(tmp_path)
+    for target, want in full.items():
+        assert want.shape == (2, 12, 4)
+        for spec, tp, ep in ((ShardSpec(1), 2, 1), (ShardSpec(1, ep_split=True), 1, 2)):
+            for rank in range(max(tp, ep)):
+                reader.reads.clear()
+                got = sources[f"mlp.{target}"].read(reader, spec, tp_size=tp, tp_rank=rank % tp, ep_size=ep,
+                                                    ep_rank=rank % ep)
+                assert torch.equal(got, spec.local_chunk(spec.ep_chunk(want, ep, rank % ep), tp, rank % tp))
+                assert sum(n for _, n in reader.reads) == got.numel() * got.element_size()

@@ -93,3 +93,94 @@ def test_a_text_only_checkpoint_is_refused(tmp_path):
                                   ).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="not an image-text-to-text model.*AutoModelForCausalLM"):
         AutoModelForImageTextToText.from_pretrained(tmp_path / "llama")
+
+
+def test_a_tower_output_projection_registered_first_and_grouped_kv_heads():
+    """Exaone 4.5's tower attention registers its output projection `proj` before its fused `qkv`: the derived plan
+    still splits qkv by columns (its q, k and v each alone) and proj by rows; with fewer KV heads than query heads
+    (its real configs: 16 and 8, q, k and v of unequal widths) the attention stays whole (its MLP still splits)."""
+    from tptrain.hf.vlm import TransformersImageTextToText
+    from tptrain.parallel.plan import check_plan
+
+    def plan(kv_heads: int) -> dict:
+        config = _exaone4_5(kv_heads)
+        model = TransformersImageTextToText.from_config(config, device="meta")
+        resolved = check_plan(model, "auto", 2)
+        assert not resolved.problems, resolved.problems
+        return {n: s for n, s in resolved.styles.items() if n.startswith("model.visual.blocks.0.")}
+
+    split = plan(4)
+    assert split["model.visual.blocks.0.attn.proj"] == "rowwise", split
+    assert split["model.visual.blocks.0.attn.qkv"] == "fused_colwise", split
+    grouped = plan(2)
+    assert not any(".attn." in n for n in grouped) and any(".mlp." in n for n in grouped), grouped
+
+
+def _exaone4_5(kv_heads: int):
+    import transformers
+    return transformers.CONFIG_MAPPING["exaone4_5"](
+        text_config=dict(TEXT, model_type="exaone4"), vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=48, num_heads=4, num_key_value_heads=kv_heads,
+            out_hidden_size=32, patch_size=4, spatial_merge_size=2, fullatt_block_indexes=[0]), image_token_id=120)
+
+
+def test_per_head_norms_of_a_model_whose_own_forward_does_not_run_on_meta():
+    """Qwen3-Omni's thinker does not run its forward on meta ids; its text decoder does, so the probe finds the
+    decoder's q_norm and k_norm act on this rank's heads ('replicated_with_grad_allreduce') and tp 2 has no problem."""
+    import transformers
+
+    from tptrain.hf.vlm import TransformersImageTextToText
+    from tptrain.parallel.plan import check_plan
+    config = transformers.CONFIG_MAPPING["qwen3_omni_moe_thinker"](
+        text_config=dict(TEXT, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32,
+                           deepstack_visual_indexes=[0]),
+        audio_config=dict(encoder_layers=1, d_model=32, encoder_attention_heads=4, encoder_ffn_dim=48,
+                          output_dim=32))
+    model = TransformersImageTextToText.from_config(config, device="meta")
+    resolved = check_plan(model, "auto", 2)
+    assert not resolved.problems, resolved.problems
+    for norm in ("q_norm", "k_norm"):
+        assert resolved.styles[f"model.language_model.layers.0.self_attn.{norm}"] == "replicated_with_grad_allreduce"
+
+
+def test_square_projections_the_output_one_by_name():
+    """Kimi K2.5's tower attention: `proj` registered before q_proj, k_proj and v_proj, all 64 x 64 (any could read
+    the others' outputs by shape): the one named as an output projection is split by rows, the rest by columns."""
+    from torch import nn
+
+    from tptrain.hf.towers import derive_plan
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads, self.head_dim = 4, 16
+            self.proj = nn.Linear(64, 64)
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    tower = nn.Module()
+    tower.attn = Attention()
+    plans, heads = derive_plan(tower, ["attn"])
+    assert plans == {"attn": {"attn.proj": "rowwise", **{f"attn.{p}_proj": "colwise" for p in "qkv"}}}
+    assert heads == {"attn": (4, 64)}
+
+
+def test_a_timm_block_stays_whole():
+    """timm's blocks (Perception LM's and FastVLM's towers, through TimmWrapper) reshape their attention output to
+    their input's width, which a split by heads would halve: no plan is derived for them."""
+    from torch import nn
+
+    from tptrain.hf.towers import derive_plan
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_heads = 4
+            self.qkv, self.proj = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    tower = nn.Module()
+    tower.attn = Attention()
+    assert derive_plan(tower, ["attn"])[0] == {"attn": {"attn.qkv": "fused_colwise", "attn.proj": "rowwise"}}
+    Attention.__module__ = "timm.models.eva"
+    assert derive_plan(tower, ["attn"]) == ({}, {})

@@ -27,7 +27,7 @@ def materialise_buffers(model: nn.Module, device: torch.device) -> None:
         for p in params:
             p._is_hf_initialized = True
         try:
-            _init_owner(model, name)._init_weights(module)
+            init_owner(model, name)._init_weights(module)
         finally:
             for p in params:
                 del p._is_hf_initialized
@@ -63,7 +63,7 @@ def hub_tensors(model: nn.Module, names: list[str], tied: dict[str, str]):
     return sizes, checkpoint_tensors
 
 
-def _init_owner(model: nn.Module, name: str) -> nn.Module:
+def init_owner(model: nn.Module, name: str) -> nn.Module:
     """The model whose `_init_weights` transformers applies to module `name`: the innermost transformers
     PreTrainedModel holding it (itself included), as its `initialize_weights` dispatches (Gemma 3n's text model
     reads its own `hidden_size`, which the causal LM around it lacks); else the causal LM."""

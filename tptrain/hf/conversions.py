@@ -6,10 +6,11 @@ operations build one parameter from several tensors (`MergeModulelist`: the hub'
 `Concatenate`: gate and up side by side; `Chunk`: one fused tensor cut into several parameters). The rules are read
 from the installed transformers at run time and matched by its own `rename_source_key`, so a model type gains a rule
 when transformers does. What a rule builds is described here as a small tree over the checkpoint's tensors
-(`Stack`, `Cat`, `Part`, `Interleaved` over `Tensor` leaves), and each rank reads only the box of it that its `ShardSpec` holds: a
-merged expert stack reads only this rank's experts (expert parallel) and only its rows of each (expert TP), a
-concatenation only the ranges it needs of each source. An operation with no such reading (Transpose, a rope
-permutation, ...) is refused before any collective, naming the model type, the rule, the operation and the
+(`Stack`, `Cat`, `Part`, `Transposed` and row permutations, `Interleaved` and `RopePermuted`, over `Tensor` leaves:
+conversion_tree.py), and each rank reads only the box of it that its `ShardSpec` holds: a merged expert stack reads only this rank's
+experts (expert parallel) and only its rows of each (expert TP), a concatenation only the ranges it needs of each
+source, a rope permutation only its heads' rows. An operation with no such reading (a Conv3d reshape, Ernie's
+expert regrouping, ...) is refused before any collective, naming the model type, the rule, the operation and the
 tensor.
 
 Saving runs transformers' own `revert_weight_conversion` on each group of parameters that one reversed rule writes
@@ -20,205 +21,35 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (Chunk, Concatenate, Interleave, MergeModulelist, PrefixChange, WeightConverter,
+from transformers.core_model_loading import (Chunk, Concatenate, ErnieFuseAndSplitTextVisionExperts, Interleave,
+                                             MergeModulelist, PermuteForRope, PrefixChange, Transpose, WeightConverter,
                                              WeightRenaming, apply_converters, dot_natural_key, rename_source_key,
                                              revert_weight_conversion)
 
-from tptrain.parallel.styles import ShardSpec
-
-Box = dict[int, list[tuple[int, int]]]  # dim -> the [start, stop) ranges wanted along it, in order (absent: all)
-
-
-@dataclass
-class Tensor:
-    """A checkpoint tensor as stored."""
-
-    key: str
-    shape: tuple[int, ...]
-
-    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        if not box:
-            return reader.read(self.key, **kwargs)
-        (dim, ranges), *rest = sorted(box.items())
-        out = reader.read_ranges(self.key, dim=dim, ranges=ranges, **kwargs)
-        for dim, ranges in rest:  # no plan splits a stored tensor along two dims; correct all the same
-            out = torch.cat([out.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
-        return out
-
-    def keys(self) -> Iterator[str]:
-        yield self.key
-
-
-@dataclass
-class Stack:
-    """`MergeModulelist(dim)`: the parts (one per expert) stacked along a new `dim`."""
-
-    parts: list[Any]
-    dim: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        inner = self.parts[0].shape
-        return (*inner[:self.dim], len(self.parts), *inner[self.dim:])
-
-    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        ranges = box.get(self.dim, [(0, len(self.parts))])
-        inner = {d - (d > self.dim): r for d, r in box.items() if d != self.dim}
-        picked = [self.parts[i] for a, b in ranges for i in range(a, b)]  # only these experts are read
-        out = None
-        for i, part in enumerate(picked):  # into the stack as read: the peak is the stack plus one expert's slice
-            t = part.read(reader, inner, **kwargs)
-            out = t.new_empty((*t.shape[:self.dim], len(picked), *t.shape[self.dim:])) if out is None else out
-            out.select(self.dim, i).copy_(t)
-        return out
-
-    def keys(self) -> Iterator[str]:
-        for p in self.parts:
-            yield from p.keys()
-
-
-@dataclass
-class Cat:
-    """`Concatenate(dim)`: the parts side by side along `dim`."""
-
-    parts: list[Any]
-    dim: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        shape = list(self.parts[0].shape)
-        shape[self.dim] = sum(p.shape[self.dim] for p in self.parts)
-        return tuple(shape)
-
-    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        bounds, start = [], 0
-        for part in self.parts:
-            bounds.append((start, start + part.shape[self.dim]))
-            start += part.shape[self.dim]
-        out, offset = None, 0
-        for a, b in box.get(self.dim, [(0, start)]):  # each wanted range, in order, cut at the parts' borders
-            for part, (lo, hi) in zip(self.parts, bounds):
-                if max(a, lo) < min(b, hi):
-                    t = part.read(reader, {**box, self.dim: [(max(a, lo) - lo, min(b, hi) - lo)]}, **kwargs)
-                    out = t.new_empty(_box_shape(self.shape, box)) if out is None else out
-                    out.narrow(self.dim, offset, t.shape[self.dim]).copy_(t)  # peak: the result plus one piece
-                    offset += t.shape[self.dim]
-        return out
-
-    def keys(self) -> Iterator[str]:
-        for p in self.parts:
-            yield from p.keys()
-
-
-@dataclass
-class Part:
-    """`Chunk(dim)`: chunk `index` of `count` equal chunks of `whole` along `dim`."""
-
-    whole: Any
-    dim: int
-    index: int
-    count: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        shape = list(self.whole.shape)
-        shape[self.dim] //= self.count
-        return tuple(shape)
-
-    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        size = self.shape[self.dim]
-        offset = self.index * size
-        ranges = [(a + offset, b + offset) for a, b in box.get(self.dim, [(0, size)])]
-        return self.whole.read(reader, {**box, self.dim: ranges}, **kwargs)
-
-    def keys(self) -> Iterator[str]:
-        yield from self.whole.keys()
-
-
-@dataclass
-class Interleaved:
-    """`Interleave(dim)`: `whole`'s rows along `dim` de-interleaved (its even rows first, then its odd ones;
-    `inverse`: the first half's rows and the second's alternately). A wanted range becomes the rows it comes from."""
-
-    whole: Any
-    dim: int
-    inverse: bool
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.whole.shape)
-
-    def source(self, row: int) -> int:
-        half = self.shape[self.dim] // 2
-        return (row % 2) * half + row // 2 if self.inverse else (row % half) * 2 + row // half
-
-    def read(self, reader, box: Box, **kwargs) -> torch.Tensor:
-        rows = [self.source(t) for a, b in box.get(self.dim, [(0, self.shape[self.dim])]) for t in range(a, b)]
-        ranges: list[tuple[int, int]] = []
-        for r in rows:  # consecutive source rows read as one range
-            if ranges and ranges[-1][1] == r:
-                ranges[-1] = (ranges[-1][0], r + 1)
-            else:
-                ranges.append((r, r + 1))
-        return self.whole.read(reader, {**box, self.dim: ranges}, **kwargs)
-
-    def keys(self) -> Iterator[str]:
-        yield from self.whole.keys()
-
-
-@dataclass
-class Converted:
-    """A parameter that a transformers rule builds from checkpoint tensors: `node`'s tree, read slice by slice."""
-
-    rule: str
-    node: Any
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.node.shape)
-
-    def keys(self) -> list[str]:
-        """The checkpoint tensors it is built from."""
-        return list(self.node.keys())
-
-    def read(self, reader, spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1, ep_rank: int = 0,
-             dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
-        """This rank's piece (its experts over ep, then its TP chunk), reading only its bytes."""
-        return self.node.read(reader, local_box(spec, self.shape, tp_size, tp_rank, ep_size, ep_rank),
-                              dtype=dtype, device=device)
-
-
-def _box_shape(shape: tuple[int, ...], box: Box) -> tuple[int, ...]:
-    return tuple(sum(b - a for a, b in box[d]) if d in box else n for d, n in enumerate(shape))
-
-
-def local_box(spec: ShardSpec, shape: tuple[int, ...], tp_size: int, tp_rank: int, ep_size: int,
-              ep_rank: int) -> Box:
-    """The global ranges, per dim, of the piece of a tensor of `shape` that `spec` gives this rank (in local order)."""
-    box: Box = {}
-    offset = 0
-    if spec.ep_split:
-        per_rank = shape[0] // ep_size
-        offset = ep_rank * per_rank
-        shape = (per_rank, *shape[1:])
-        box[0] = [(offset, offset + per_rank)]
-    if spec.dim is not None and tp_size > 1:
-        ranges = spec.local_ranges(shape, tp_size, tp_rank)
-        box[spec.dim] = [(a + offset, b + offset) for a, b in ranges] if spec.dim == 0 else ranges
-    return box
-
+from tptrain.hf.conversion_tree import (Cat, Converted, Interleaved, Part, RopePermuted, Stack, Tensor,
+                                          Transposed)
 
 # ---------------------------------------------------------------------------------------------------- loading
 
 
 def conversion_rules(hf_model) -> list:
-    """transformers' rules for this model, as its from_pretrained collects them."""
-    return get_model_conversion_mapping(hf_model)
+    """transformers' rules for this model, as its from_pretrained collects them, less a `PrefixChange` adding a
+    prefix none of its parameter names has: a rule written for another class of the same model type (shieldgemma2's
+    adds the `model.` of ShieldGemma2ForImageClassification, which wraps the Gemma 3 model that
+    AutoModelForImageTextToText builds; applied to that model it would rename every tensor away)."""
+    names = [n for n, _ in hf_model.named_parameters()]
+    return [r for r in get_model_conversion_mapping(hf_model) if not _foreign_prefix(r, names)]
+
+
+def _foreign_prefix(rule, names: list[str]) -> bool:
+    if not isinstance(rule, PrefixChange) or rule.prefix_to_add is None:
+        return False
+    prefix = ".".join(p for p in (rule.model_prefix, rule.prefix_to_add) if p) + "."
+    return not any(n.startswith(prefix) for n in names)
 
 
 def interleaved_parameters(hf_model) -> dict[str, int]:
@@ -261,36 +92,60 @@ def checkpoint_sources(hf_model, reader) -> dict[str, str | Converted]:
         else:
             groups.setdefault(target, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
     for first, (converter, keys) in groups.items():
-        out.update(_build(hf_model.config.model_type, converter, first, keys, reader))
+        out.update(_build(hf_model, converter, first, keys, reader))
     hf_model._weight_conversions = [r for r in rules if r.was_used()]
     return out
 
 
-def _build(model_type: str, converter, first: str, keys: dict[str, list[str]], reader) -> dict[str, Converted]:
-    """{target parameter: Converted} for one match of `converter` (its source pattern -> checkpoint keys)."""
+def _build(hf_model, converter, first: str, keys: dict[str, list[str]], reader) -> dict[str, Converted]:
+    """{target parameter: Converted} for one match of `converter` (its source pattern -> checkpoint keys); `hf_model`
+    (on meta) gives the config and the target parameters' shapes."""
     rule = (f"{type(converter).__name__}({converter.source_patterns} -> {converter.target_patterns}, "
             f"operations={converter.operations})")
-    nodes = [[Tensor(k, tuple(reader.shape(k))) for k in keys[p]] for p in converter.source_patterns if p in keys]
+    patterns = [p for p in converter.source_patterns if p in keys]
+    nodes = [[Tensor(k, tuple(reader.shape(k))) for k in keys[p]] for p in patterns]
+    labels = [[p] * len(keys[p]) for p in patterns]  # each node's pattern, as transformers' ops key their inputs
     targets = [first.replace(converter.target_patterns[0], t) for t in converter.target_patterns]
     for op in converter.operations:
-        kind = type(op)
+        kind, single = type(op), len(nodes) == 1 and len(nodes[0]) == 1
         if kind is MergeModulelist:
-            nodes = [[Stack(group, op.dim)] for group in nodes]
+            nodes, labels = [[Stack(group, op.dim)] for group in nodes], [g[:1] for g in labels]
         elif kind is Concatenate and op.num_shards_attribute is None and all(len(g) == 1 for g in nodes):
-            nodes = [[Cat([g[0] for g in nodes], op.dim)]]
-        elif kind is Chunk and op.num_shards_attribute is None and len(nodes) == 1 and len(nodes[0]) == 1:
+            nodes, labels = [[Cat([g[0] for g in nodes], op.dim)]], [converter.target_patterns[:1]]
+        elif kind is Chunk and op.num_shards_attribute is None and single:
             nodes = [[Part(nodes[0][0], op.dim, i, len(targets)) for i in range(len(targets))]]
-        elif kind is Interleave and len(nodes) == 1 and len(nodes[0]) == 1:
+            labels = [list(converter.target_patterns)]
+        elif kind is Interleave and single:
             nodes = [[Interleaved(nodes[0][0], op.dim, op.inverse)]]
+        elif kind is Transpose and single:
+            same = op.check_dims and tuple(nodes[0][0].shape) == tuple(hf_model.get_parameter(first).shape)
+            nodes = nodes if same else [[Transposed(nodes[0][0], op.dim0, op.dim1)]]
+        elif kind is ErnieFuseAndSplitTextVisionExperts:  # each list of experts cut in len(targets), stacked, the
+            per = [_split_stacks(group, len(targets), op.stack_dim) for group in nodes]  # lists side by side
+            nodes = [[Cat([stacks[i] for stacks in per], op.concat_dim) for i in range(len(targets))]]
+        elif kind is PermuteForRope:
+            config = getattr(hf_model.config, op.subconfig_key, hf_model.config) if op.subconfig_key else \
+                hf_model.config
+            heads = getattr(config, "num_attention_heads", 1)
+            nodes = [[RopePermuted(n, heads, op.inverse) if op.permute_layer_names is None or any(
+                name in label for name in op.permute_layer_names) else n for n, label in zip(group, names)]
+                for group, names in zip(nodes, labels)]
         else:
-            raise ValueError(f"model type {model_type!r}: transformers converts checkpoint tensor "
+            raise ValueError(f"model type {hf_model.config.model_type!r}: transformers converts checkpoint tensor "
                              f"{next(iter(keys.values()))[0]!r} into {first!r} with {rule}, whose operation {op!r} "
-                             f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate, "
-                             f"Chunk and Interleave); load this model with transformers, or use tp_size=1 with a checkpoint saved "
-                             f"by transformers in its converted layout")
+                             f"tptrain's sliced reader cannot apply (it reads MergeModulelist, Concatenate, Chunk, "
+                             f"Interleave, Transpose, PermuteForRope and ErnieFuseAndSplitTextVisionExperts); load this model with transformers, or use "
+                             f"tp_size=1 with a checkpoint saved by transformers in its converted layout")
     built = [n for group in nodes for n in group]
     assert len(built) == len(targets), (rule, len(built), targets)
     return {t: Converted(rule, n) for t, n in zip(targets, built)}
+
+
+def _split_stacks(group: list, chunks: int, dim: int) -> list[Stack]:
+    """ErnieFuseAndSplitTextVisionExperts' cut of one list of experts: `chunks` runs of ceil(len / chunks), each
+    stacked along `dim` (its text experts, then its vision ones)."""
+    size = math.ceil(len(group) / chunks)
+    return [Stack(group[i * size:(i + 1) * size], dim) for i in range(chunks)]
 
 
 # ---------------------------------------------------------------------------------------------------- saving
@@ -321,7 +176,23 @@ def to_hub(hf_model, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """One group's full tensors (in-memory names) under the hub's names and layout: transformers' own reverse."""
     if not _saving_rules(hf_model):
         return tensors
-    return revert_weight_conversion(hf_model, tensors)
+    return revert_weight_conversion(_FullShapes(hf_model, tensors), tensors)
+
+
+class _FullShapes:
+    """`hf_model` as transformers' reverse operations see it while saving: its parameters at their global shapes
+    (the group's full tensors), where a split model holds only this rank's piece; `Transpose(check_dims=True)`
+    compares a tensor with the parameter's shape (qwen3_vl_moe's experts: transposed when they differ)."""
+
+    def __init__(self, hf_model, tensors: dict[str, torch.Tensor]) -> None:
+        self._model, self._tensors = hf_model, tensors
+        self._weight_conversions = _saving_rules(hf_model)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def get_parameter(self, name: str):
+        return self._tensors[name] if name in self._tensors else self._model.get_parameter(name)
 
 
 def hub_sizes(hf_model, groups: list[list[str]],

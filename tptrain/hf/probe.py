@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tptrain.hf.towers import decoder_name
 from tptrain.parallel.styles import STYLES, canonical_style
 
 SEQ = 4
@@ -29,7 +30,8 @@ def split_readers(model: nn.Module, styles: dict[str, str], candidates: list[str
     """{candidate module: "whole" (reads only whole activations), "per_part" (reads a split activation; its
     parameters do not span the split features) or "spanning" (a parameter spans the split features)}, from a forward
     of `model` (a throwaway meta-device transformers *ForCausalLM: its experts' forwards are replaced; module names
-    as in `styles`). None when the forward cannot run on meta (the caller then keeps its static check)."""
+    as in `styles`). A model whose forward cannot run on meta (Qwen3-Omni's thinker, on meta ids) is probed by its text decoder's, for the candidates inside it. None when neither runs (the caller then
+    keeps its static check)."""
     modules = dict(model.named_modules())
     marks: dict[torch.autograd.graph.Node, tuple[bool, int]] = {}  # output node -> (split, global width)
     seen: dict[str, str] = {}
@@ -42,9 +44,12 @@ def split_readers(model: nn.Module, styles: dict[str, str], candidates: list[str
         modules[name].register_forward_hook(_marker(marks, cls.splits_output))
     for name in candidates:
         modules[name].register_forward_pre_hook(_reader(name, modules[name], marks, seen))
-    if not meta_forward(model, seen.clear):
-        return None
-    return {name: seen.get(name, "whole") for name in candidates}
+    if meta_forward(model, seen.clear):
+        return {name: seen.get(name, "whole") for name in candidates}
+    decoder = decoder_name(model)  # a vision-language model whose own forward cannot run on meta: its text decoder's
+    if decoder and meta_forward(model.get_submodule(decoder), seen.clear):
+        return {name: seen.get(name, "whole") for name in candidates if name.startswith(decoder + ".")}
+    return None
 
 
 def _marker(marks, splits: bool):

@@ -25,7 +25,8 @@ from torch import nn
 from tptrain.hf.plan import resolve_names
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads")  # an attention module's head count, as transformers names it
-HEAD_WIDTHS = ("embed_dim", "all_head_size", "inner_dim")  # ... and its heads' total width, where the module keeps it
+OUTPUT_NAMES = ("proj", "o_proj", "out_proj", "c_proj", "dense", "fc2", "wo", "down_proj", "linear_2", "output")
+HEAD_WIDTHS = ("embed_dim", "all_head_size", "inner_dim", "q_dim", "kv_dim")  # ... and its heads' total width, where the module keeps it
 
 
 def tower_roots(hf_model: nn.Module, plan: dict[str, str]) -> list[str]:
@@ -103,14 +104,16 @@ def _block(module: nn.Module) -> tuple[dict[str, str], tuple[int, int] | None] |
     linears = [(n, c) for n, c in module.named_children() if type(c) is nn.Linear]
     if len(linears) < 2 or isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # a list: independent projections
         return None
-    (row_name, row), cols = linears[-1], linears[:-1]
-    if len({c.in_features for _, c in cols}) != 1:
-        return None
-    plain = all(c.out_features == row.in_features for _, c in cols)
-    fused = len(cols) == 1 and cols[0][1].out_features in (2 * row.in_features, 3 * row.in_features)
-    if not (plain or fused):
+    if type(module).__module__.startswith("timm."):  # timm's blocks reshape to their input's width (Eva's attention)
         return None
     heads = next((v for a in HEAD_COUNTS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+    kv = getattr(module, "num_key_value_heads", heads)
+    if heads is not None and isinstance(kv, int) and kv != heads:
+        return None  # grouped KV heads in a tower (Exaone 4.5's): fused q, k, v of unequal widths, kept whole
+    found = _row(linears)
+    if found is None:
+        return None
+    (row_name, row), cols, fused = found
     by_heads = heads is not None and row.in_features % heads == 0
     between = _between(module, {n for n, _ in linears}, row.in_features // heads if by_heads else None)
     if between is None:
@@ -120,6 +123,26 @@ def _block(module: nn.Module) -> tuple[dict[str, str], tuple[int, int] | None] |
         parts = cols[0][1].out_features // row.in_features
         cols[0][1].tp_segments = tuple((row.in_features, False) for _ in range(parts))
     return {**rules, **between, row_name: "rowwise"}, (heads, row.in_features) if by_heads else None
+
+
+def _row(linears: list[tuple[str, nn.Linear]]) -> tuple[tuple[str, nn.Linear], list, bool] | None:
+    """(the row-parallel linear, the column-parallel ones, whether that one is fused) among a module's direct
+    linears: the output projection reads the others' outputs (as wide as each, or a third or half of one fused
+    projection). Usually registered last; where several choices fit (square projections), the one named as an output
+    projection, else the one that writes the width the others read (Exaone 4.5's and Kimi K2.5's towers register
+    their output `proj` before q, k and v)."""
+    fits = []
+    for i in [len(linears) - 1, *range(len(linears) - 1)]:
+        row, cols = linears[i], linears[:i] + linears[i + 1:]
+        if len({c.in_features for _, c in cols}) != 1:
+            continue
+        plain = all(c.out_features == row[1].in_features for _, c in cols)
+        fused = len(cols) == 1 and cols[0][1].out_features in (2 * row[1].in_features, 3 * row[1].in_features)
+        if plain or fused:
+            fits.append((row, cols, fused and not plain))
+    # the first fit by: named as transformers names output projections, writes the block's width, registered last
+    return min(fits, key=lambda f: (f[0][0] not in OUTPUT_NAMES, f[0][1].out_features != f[1][0][1].in_features),
+               default=None)
 
 
 def _between(module: nn.Module, linears: set[str], head_dim: int | None) -> dict[str, str] | None:

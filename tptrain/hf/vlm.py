@@ -31,8 +31,9 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 from tptrain.hf.attention import declare_cp_facts
+from tptrain.hf.checkpoint import init_owner
 from tptrain.hf.documents import run_per_document
-from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
+from tptrain.hf.model import ConfigLoader, TransformersCausalLM
 from tptrain.hf.stages import stage_parts
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
 from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_facts, tower_roots
@@ -77,7 +78,7 @@ class TransformersImageTextToText(TransformersCausalLM):
         the derived tower attention split by its own head count, no KV heads to replicate; why its sequence cannot
         be split (`sp_refusal`, the rule table's `sp_refused`)."""
         optional = {glob: style for rules in self.tp_optional_plans.values() for glob, style in rules.items()}
-        declare_tp_facts(self, {**plan, **optional}, self.config, config_of=lambda name: _init_owner(self, name).config)
+        declare_tp_facts(self, {**plan, **optional}, self.config, config_of=lambda name: init_owner(self, name).config)
         for name, (heads, _) in self._tower_attention.items():
             module = self.get_submodule(name)
             module.tp_heads, module.tp_kv_projections = (heads, heads), ()
