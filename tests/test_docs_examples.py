@@ -251,7 +251,7 @@ class Checkpoints:
         return directory
 
     def _instruct(self, directory: Path) -> Path:
-        from tests.sft_utils import QWEN3, chat_checkpoint
+        from tests.helpers.chat import QWEN3, chat_checkpoint
 
         chat_checkpoint(directory / "template", QWEN3)
         return self._save(json.loads((directory / "template" / "config.json").read_text()), directory / "model",
@@ -259,7 +259,7 @@ class Checkpoints:
 
 
 def _chats(n: int, offset: int = 0) -> str:
-    from tests.sft_utils import CHATS
+    from tests.helpers.chat import CHATS
 
     lines = []
     for i in range(offset, offset + n):

@@ -15,11 +15,10 @@ import warnings
 import pytest
 import torch
 
-from tests.deepseek_utils import DEEPSEEK_TINY
-from tests.family_utils import randomize, save_byte_tokenizer
-from tests.dist_utils import run_distributed
-from tests.helpers import (GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE, OLMO3_TINY, PHI3_TINY,
-                           SIMPLE_FAMILIES, SIMPLE_TINY)
+from tests.helpers.checkpoints import randomize, save_byte_tokenizer
+from tests.helpers.configs import (DEEPSEEK_TINY, GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE,
+                                   OLMO3_TINY, PHI3_TINY, SIMPLE_FAMILIES, SIMPLE_TINY)
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoModelForCausalLM
 from tptrain.models import MODEL_REGISTRY
 from tptrain.training.reporting import read_metrics

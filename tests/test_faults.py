@@ -27,8 +27,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.helpers import ROOT, finish, metrics, tiny_dataset, tiny_model, training_args
+from tests.helpers.launch import ROOT, finish, metrics
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import comm, init_distributed
 from tptrain.training.args import ParallelismConfig, TrainingArguments
