@@ -1,5 +1,5 @@
 """Context parallelism (cp_size) against one process, in fp64: the loss and every gradient of a bare model on a
-packed batch longer than the sliding windows, for every family of tests/cp_utils.py, at cp 2, cp 4 and cp 2 x tp 2
+packed batch longer than the sliding windows, for every family of helpers/configs.py, at cp 2, cp 4 and cp 2 x tp 2
 (DeepSeek-V3's latent attention, whose values are narrower than its keys, also 3 AdamW steps at cp 2 and cp 2 x tp 2);
 the bytes each rank keeps for backward, at most 1/cp of one process's; and the errors a user can get."""
 from __future__ import annotations
