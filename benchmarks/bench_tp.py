@@ -226,7 +226,7 @@ def _optimizer(impl: str, model, variant: str):
                              optim_in_backward=variant == "optim-in-bwd")
     if variant != "optim-in-bwd":
         return build_optimizer(model, args)
-    layout = getattr(model, "tp_layout", None)
+    layout = model.parallel.tp
     held = set(layout.partial_grad_specs()) if layout is not None else set()
     return OptimizerInBackward(model, args, held_back=held)
 

@@ -14,7 +14,7 @@ from tptrain import DistributedConfig
 from tptrain.distributed import comm
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.data_parallel import apply_compile
-from tptrain.training.parallelize import compile_error
+from tptrain.training.mesh import compile_error
 
 
 def _tptrain(run, *, parallel: bool):
@@ -146,7 +146,7 @@ def _watch_blocks(model) -> list[bool]:
         seen.append(out.grad_fn is not None and out.grad_fn.name() == "_ArrivalBackward")  # colwise_block.take
 
     for m in model.modules():
-        if id(m) in model.tp_layout.ctx.blocks:
+        if id(m) in model.parallel.tp.ctx.blocks:
             m.register_forward_hook(hook)
     return seen
 
@@ -163,7 +163,7 @@ def _engaged(seen: list[bool], overlap: bool) -> dict:
 def _variant(run, model, seen: list[bool], batch, case: str, extra: dict, overlap: bool, ref: dict | None) -> dict:
     """One row of the fused part: its loss and gradients against `ref` (None: they become it), then timed. Returns
     the reference."""
-    model.tp_layout.ctx.overlap = overlap
+    model.parallel.tp.ctx.overlap = overlap
     seen.clear()
     got = _grads(model, *batch, extra)
     if ref is None:  # the default path: the reference, off the GPU (not in the next rows' peak memory)

@@ -143,7 +143,7 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
     import transformers
 
     from tptrain import AutoModelForCausalLM, DistributedConfig
-    from tptrain.modeling import gather_parameters
+    from tptrain.parallel.saving import gather_parameters
     from tptrain.parallel.tensor_parallel import gather_full
 
     rank = torch.distributed.get_rank()
@@ -170,7 +170,7 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         model = state["model"]
         loss = model(ids, labels=ids).loss
         loss.backward()
-        layout = getattr(model, "tp_layout", None)
+        layout = model.parallel.tp
         bad, count = [], 0
         largest = max(g.abs().max().item() for g in ref["grads"].values()) if rank == 0 else 0.0
         for name, p in model.named_parameters():
@@ -247,7 +247,7 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         if report.bytes_per_rank != held:
             raise AssertionError(f"`tptrain plan` says {report.bytes_per_rank} parameter bytes per rank, a loaded "
                                  f"rank holds {held}")
-        if tp_size > 1 and getattr(model, "tp_layout", None) and "split" not in report.text:
+        if tp_size > 1 and model.parallel.tp and "split" not in report.text:
             raise AssertionError("`tptrain plan` lists no split parameter")
 
     for name, fn in zip(STAGES, (load, forward, backward, steps, save, plan)):

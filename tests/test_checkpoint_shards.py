@@ -69,7 +69,7 @@ def _aliasing(tmp: str) -> None:
         moments = trainer.optimizer.state[p]
         for view, own in ((state["model"][name], p), (state["optim"][name]["exp_avg"], moments["exp_avg"]),
                           (state["optim"][name]["exp_avg_sq"], moments["exp_avg_sq"])):
-            assert view.shape == model.tp_layout.global_shapes[name], (name, view.shape)
+            assert view.shape == model.parallel.tp.global_shapes[name], (name, view.shape)
             assert view.to_local().data_ptr() == own.to_local().data_ptr(), f"{name} was copied"
     # The dp shard of the TP shard, at its global place (the TP rank's rows, then FSDP's half of them).
     view = state["model"]["model.layers.0.self_attn.q_proj.weight"]

@@ -64,7 +64,7 @@ def _compare(fused_model, whole_model, ids, labels, what: str, steps: int = 3) -
 
 def _assert_same(model, other, get, what: str) -> None:
     """Gradients (or values) equal: shard by shard when both have the same layout, else gathered."""
-    if model.tp_layout is not None and other.tp_layout is None:
+    if model.parallel.tp is not None and other.parallel.tp is None:
         (assert_grads_match(model, other, what=what) if "grads" in what else assert_params_match(model, other, what))
         return
     theirs = dict(other.named_parameters())

@@ -125,7 +125,7 @@ def _ep_report_worker() -> None:
         mine += sum(((i >= lo) & (i < hi)).sum() for i in every)
     with comm.CommTracker() as tracker:
         model(ids, labels=labels)
-    assert tracker.noted("rows_received", model.tp_layout.ctx.ep_group_name) == int(mine)
+    assert tracker.noted("rows_received", model.parallel.tp.ctx.ep_group_name) == int(mine)
     with pytest.raises(ValueError, match="pass the CommTracker that recorded the step"):
         megatron_minimum(model, *ids.shape)
 

@@ -20,7 +20,7 @@ from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.training.args import ParallelismConfig, TrainingArguments
-from tptrain.training.parallelize import compile_error
+from tptrain.training.mesh import compile_error
 from tptrain.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

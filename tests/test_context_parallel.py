@@ -17,7 +17,7 @@ from tptrain import DistributedConfig
 from tptrain.distributed import ParallelDims
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig
-from tptrain.training.parallelize import resolve_parallelism
+from tptrain.training.mesh import resolve_parallelism
 
 
 # {model_type: directory} of a seeded fp64 checkpoint of every family (tptrain's save_pretrained, HF format)
@@ -54,7 +54,7 @@ def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
                     torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}")
             with torch.no_grad():  # eval logits (not fused): this rank's tokens, gathered over TP's vocabulary
                 logits, ref_logits = model.eval()(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits
-            cp_rank = model.cp_context.rank
+            cp_rank = model.parallel.cp.rank
             index = local_index(SEQ, kwargs["cp_size"], cp_rank)
             torch.testing.assert_close(logits, ref_logits[:, index], **TOL, msg=lambda m: f"{what} logits: {m}")
             gathers = [r for r in tracker.records if r.op == "all_gather" and r.phase == "forward"]
@@ -264,7 +264,7 @@ def _trainer_worker(tmp: str) -> None:
     from tests.helpers.references import reference_losses
     from tests.helpers.trainer import tiny_dataset, tiny_model
     from tptrain.distributed import comm, init_distributed
-    from tptrain.modeling import gather_parameters
+    from tptrain.parallel.saving import gather_parameters
 
     init_distributed()
     close = dict(rtol=1e-9, atol=1e-9)

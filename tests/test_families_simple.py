@@ -128,7 +128,7 @@ def _tp4_worker(checkpoints, out) -> None:
     for name, (path, expected) in checkpoints.items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(tp_size=4))
-        assert model.tp_layout.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 2
+        assert model.parallel.tp.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 2
         errors[name] = _check(model, expected, f"{name} tp=4 (KV heads replicated)")
     if torch.distributed.get_rank() == 0:
         (out / "tp4_errors.json").write_text(json.dumps(errors))

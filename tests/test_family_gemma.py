@@ -220,7 +220,7 @@ def _tp4_worker(checkpoints, out) -> None:
     for name, (path, expected) in checkpoints.items():
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
-        assert model.tp_layout.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 2
+        assert model.parallel.tp.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 2
         errors[name] = _check_against_hf(model, expected, f"{name} tp=4 (KV heads replicated)")
         _equivalence(model, ref, f"{name} tp=4")
     if torch.distributed.get_rank() == 0:

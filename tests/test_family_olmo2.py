@@ -148,7 +148,7 @@ def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
 def _tp4_worker(path, expected, out) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
-    specs = model.tp_layout.specs
+    specs = model.parallel.tp.specs
     assert specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2  # 2 KV heads over 4 ranks
     assert model.model.layers[0].self_attn.k_norm.weight.shape == (16,)
     diff = check_against_olmo_hf(model, expected, "tp=4 (KV replicated)")

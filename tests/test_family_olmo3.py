@@ -90,7 +90,7 @@ def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
 def _tp4_worker(path, expected, out) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
-    assert model.tp_layout.specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2
+    assert model.parallel.tp.specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2
     diff = check_against_olmo_hf(model, expected, "tp=4 (KV replicated)")
     vs_tp1 = trains_like_on_batch(model, ref)
     if torch.distributed.get_rank() == 0:

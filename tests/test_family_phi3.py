@@ -231,7 +231,7 @@ def _lora_crossing(path, tp, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=config),
                                       peft_dir, is_trainable=True)
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=F64), peft_dir, is_trainable=True)
-    layout = model.get_base_model().tp_layout
+    layout = model.get_base_model().parallel.tp
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     train_ids, labels = _batch(seed=4)
     for step in range(2):

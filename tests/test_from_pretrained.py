@@ -79,7 +79,7 @@ def _tp2_worker(checkpoints, save_root) -> None:
         _check(model, expected, f"{name} tp=2")
         ids, labels = _batch()
         local = model(ids, labels=labels, return_logits=True).logits  # with labels the logits stay vocab-sharded
-        rank = model.tp_layout.ctx.rank
+        rank = model.parallel.tp.ctx.rank
         torch.testing.assert_close(local, expected["logits"].chunk(2, dim=-1)[rank], **TOL)
         model.save_pretrained(save_root / name)
         if name == "qwen3":
@@ -137,7 +137,7 @@ def _tp4_worker(checkpoints) -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, distributed_config=config)
         assert model.tp_size == 4 and model.device_mesh["tp"].size() == 4
         n_kv = FAMILIES[name]["num_key_value_heads"]
-        assert model.tp_layout.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 4 // n_kv
+        assert model.parallel.tp.specs["model.layers.0.self_attn.k_proj.weight"].replicas == 4 // n_kv
         _check(model, expected, f"{name} tp=4 ({n_kv} KV heads)")
 
 

@@ -126,7 +126,7 @@ def _tp_worker(tp: int, checkpoints: dict, llama, save_root, out) -> None:
         # Local heads: 4 query heads over tp ranks; 2 KV heads, each on tp // 2 ranks at tp 4.
         assert attn.q_proj.weight.shape[0] == 64 // tp and attn.k_proj.weight.shape[0] == 32 // min(tp, 2)
         assert attn.num_key_value_groups == (4 // tp) // max(2 // tp, 1)
-        assert model.tp_layout.specs["model.layers.0.self_attn.k_proj.weight"].replicas == max(tp // 2, 1)
+        assert model.parallel.tp.specs["model.layers.0.self_attn.k_proj.weight"].replicas == max(tp // 2, 1)
         with torch.no_grad():
             torch.testing.assert_close(model(batch()[0]).logits, ref(batch()[0]).logits, **TOL)
         diff = check_against_hf(model, expected, f"{model_type} tp={tp}", HF_TOL)

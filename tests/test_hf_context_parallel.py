@@ -110,7 +110,7 @@ def _compare(paths: dict[str, str], types, **layout) -> None:
             for name, p in ref.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m: f"{what} grad {name}: {m}")
             with torch.no_grad():
-                index = local_index(SEQ, layout["cp_size"], model.cp_context.rank)
+                index = local_index(SEQ, layout["cp_size"], model.parallel.cp.rank)
                 logits, want = model.eval()(batch["input_ids"]).logits, ref.eval()(batch["input_ids"]).logits
                 model.train(), ref.train()
             torch.testing.assert_close(logits, want[:, index], **tol, msg=lambda m: f"{what} logits: {m}")

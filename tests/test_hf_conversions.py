@@ -63,7 +63,7 @@ def _train_like(model, ref, steps: int = 3) -> None:
         ref_loss.backward(), loss.backward()
         if step == 0:
             grads = {n: p.grad for n, p in ref.named_parameters()}
-            layout = model.tp_layout
+            layout = model.parallel.tp
             for n, p in model.named_parameters():
                 torch.testing.assert_close(gather_full(p.grad, layout.specs[n], layout.ctx), grads[n], **TOL,
                                            msg=lambda m: f"grad of {n}: {m}")

@@ -56,7 +56,7 @@ def _trains_like(model, ref, what: str, dp=None) -> None:
     own batch (seed 10 + rank), `ref` the concatenation, every loss normalised by the global token count; the dense
     gradients are summed over dp as data parallelism does (the experts' are whole on their owners)."""
     batches = dp_batches(dp)
-    specs = model.tp_layout.specs
+    specs = model.parallel.tp.specs
     # eps 1e-4: the router's softmax is fp32 in an fp64 model, and AdamW would turn its rounding (~1e-7 of gradients
     # that are ~0 for an expert few tokens reach) into whole steps of lr; a layout bug still moves every step by ~lr.
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (ref, model)]

@@ -75,7 +75,7 @@ def test_adapters_cross_between_peft_and_the_backend(checkpoints, model_type, tm
 
 def _lora(model, what: str) -> dict[str, torch.Tensor]:
     base = model.get_base_model()
-    layout = getattr(base, "tp_layout", None)
+    layout = base.parallel.tp
     return {n: getattr(p, what) if layout is None else gather_full(getattr(p, what), layout.spec(n), layout.ctx)
             for n, p in base.named_parameters() if ".lora_" in n}
 
@@ -91,7 +91,7 @@ def _trains_like(model, ref, what: str, dp=None) -> None:
         torch.testing.assert_close(model(ids).logits, want, **TOL, msg=lambda m: f"{what}: {m}")
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, model)]
     for step in range(3):
-        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not base.tp_layout.spec(
+        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not base.parallel.tp.spec(
             n.removeprefix("base_model.model.")).ep_split)
         torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{what} loss {step}: {m}")
         if step == 0:

@@ -65,8 +65,8 @@ def _worker(tp: int, checkpoints: dict, out) -> None:
         assert model.backend == "transformers" and model.tp_plan[module] == style, (what, model.tp_plan.get(module))
         if model_type in SPLIT:
             name, dim = SPLIT[model_type]
-            assert model.tp_layout.specs[name].dim == dim, (what, model.tp_layout.specs[name])
-            assert dict(model.named_parameters())[name].shape[dim] * tp == model.tp_layout.global_shapes[name][dim]
+            assert model.parallel.tp.specs[name].dim == dim, (what, model.parallel.tp.specs[name])
+            assert dict(model.named_parameters())[name].shape[dim] * tp == model.parallel.tp.global_shapes[name][dim]
         diffs[model_type] = check_against_hf(model, expected, what, TOL)
         if tp == 2 and model_type in AT_MINIMUM:
             _at_minimum(model, what)

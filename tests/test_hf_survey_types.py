@@ -53,7 +53,7 @@ def _check_layout(model, facts: dict[str, str], what: str) -> None:
             owner, _, leaf = name.rpartition(".")
             assert len(model.get_submodule(owner).tp_param_specs[leaf].segments) == 2, (what, name)
         elif fact == "replicated":  # a KV chunk on tp / num_key_value_heads ranks
-            assert model.tp_layout.specs[name].replicas == 2, (what, name, model.tp_layout.specs[name])
+            assert model.parallel.tp.specs[name].replicas == 2, (what, name, model.parallel.tp.specs[name])
         else:
             assert model.tp_plan[name] == fact, (what, name, model.tp_plan.get(name))
 

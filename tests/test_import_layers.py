@@ -4,6 +4,8 @@ import is how a cycle hides)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tptrain"
@@ -171,3 +173,35 @@ def test_the_model_base_class_imports_no_axis():
                                                     "pipeline_checkpoint", "sequence_parallel", "data_parallel",
                                                     "expert_parallel")}
     assert "tptrain.parallel.parallelize" in parallel and not parallel & axes, sorted(parallel)
+
+
+ENGINE = ("tptrain.parallel", "tptrain.training", "tptrain.hf", "torch.distributed.fsdp", "torch.distributed.pipelining")
+
+
+def test_importing_the_models_loads_no_engine_transitively():
+    """Every module of tptrain.models imported in a fresh interpreter: nothing of the engine (tptrain.parallel and what
+    it builds on: FSDP, pipelining), the training code or the transformers backend is in sys.modules afterwards. The
+    model base class reaches the engine only when a model is laid out, loaded or saved (at call time)."""
+    names = sorted(mod for mod in _modules() if mod == "tptrain.models" or mod.startswith("tptrain.models."))
+    script = ("import importlib, sys\n"
+              f"for name in {names!r}:\n    importlib.import_module(name)\n"
+              f"print(sorted(m for m in sys.modules if m.startswith({ENGINE!r})))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", f"importing tptrain.models loads {proc.stdout.strip()}"
+    assert "tptrain.models.decoder" in names and "tptrain.models.auto" in names  # the survey covers the classes
+
+
+# Each parallel axis's own module; none imports another's (what spans axes is the orchestrator's: parallelize.py,
+# and the state's: tptrain/distributed/state.py).
+AXES = ("tensor_parallel", "sequence_parallel", "context_parallel", "pipeline_parallel", "expert_parallel",
+        "data_parallel")
+
+
+def test_no_axis_imports_another():
+    modules = _modules()
+    crossing = [f"{axis} imports {dep}" for axis in AXES for dep in sorted(_imports(modules[f"tptrain.parallel.{axis}"],
+                                                                                    modules))
+                if dep.rpartition(".")[2] in AXES and dep != f"tptrain.parallel.{axis}"]
+    assert not crossing, "\n".join(crossing)
+    assert "tptrain.parallel.tensor_parallel" in _imports(modules["tptrain.parallel.parallelize"], modules)

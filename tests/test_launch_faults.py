@@ -29,7 +29,7 @@ from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.cli import main
 from tptrain.cli import train as train_cli
 from tptrain.training.args import ParallelismConfig, TrainingArguments
-from tptrain.training.parallelize import resolve_parallelism
+from tptrain.training.mesh import resolve_parallelism
 from tptrain.training.reporting import read_metrics
 from tptrain.training.trainer import Trainer
 

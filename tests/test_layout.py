@@ -126,15 +126,16 @@ def _entry_points(tmp_path, monkeypatch):
         return str(info.value)
 
     def trainer(path, world, *, pp, schedule, cp=1, **args):
-        """A meta model as `from_pretrained(DistributedConfig(pp_size=pp, cp_size=cp, ...))` lays it out (its pp_plan,
-        its cp_context)."""
+        """A meta model as `from_pretrained(DistributedConfig(pp_size=pp, cp_size=cp, ...))` lays it out (its state's
+        sizes, pipeline plan and CP context)."""
+        from tptrain.distributed.state import ParallelState
         from tptrain.parallel.context_parallel import CPContext
 
         monkeypatch.setattr(tptrain.distributed, "env_world_size", lambda: world)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
-        model.pp_plan = pipeline_parallel.plan_pipeline(model, pp=pp, pp_rank=0, schedule=schedule)
-        if cp > 1:
-            model.cp_context = CPContext("unused", cp, 0)
+        model.parallel = ParallelState(dims=ParallelDims(pp=pp, cp=cp),
+                                       pp=pipeline_parallel.plan_pipeline(model, pp=pp, pp_rank=0, schedule=schedule),
+                                       cp=CPContext("unused", cp, 0) if cp > 1 else None)
         config = ParallelismConfig(pp_size=pp, pp_schedule=schedule, pp_microbatches=args.pop("microbatches", None),
                                    **args.pop("parallelism", {}))
         with pytest.raises(ValueError) as info:

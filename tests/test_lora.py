@@ -144,14 +144,14 @@ def test_model_errors(tmp_path, saved):
 
 def _adapter_grads(peft: PeftModel) -> dict[str, torch.Tensor]:
     model = peft.get_base_model()
-    layout = model.tp_layout
+    layout = model.parallel.tp
     return {n: p.grad if layout is None else gather_full(p.grad, layout.specs[n], layout.ctx)
             for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _adapter_params(peft: PeftModel) -> dict[str, torch.Tensor]:
     model = peft.get_base_model()
-    layout = model.tp_layout
+    layout = model.parallel.tp
     return {n: p.detach() if layout is None else gather_full(p.detach(), layout.specs[n], layout.ctx)
             for n, p in model.named_parameters() if ".lora_" in n}
 
@@ -177,7 +177,7 @@ def _train_and_compare(ref: PeftModel, model: PeftModel, steps: int = 3) -> None
 
 
 def _replicated_factors_agree(peft: PeftModel) -> None:
-    layout = peft.get_base_model().tp_layout
+    layout = peft.get_base_model().parallel.tp
     for n, p in peft.get_base_model().named_parameters():
         if ".lora_" in n and layout.specs[n].dim is None:
             every = all_gather(p.detach()[None], layout.ctx.group, dim=0)
@@ -218,7 +218,7 @@ def _equivalence_worker(tp: int, base_dir, adapter_dir, out_dir) -> None:
     ids, _ = batch(seed=2)
     expected = ref(ids).logits
     merged = model.merge_and_unload()
-    assert not any("lora" in n or "base_layer" in n for n in merged.tp_layout.specs)
+    assert not any("lora" in n or "base_layer" in n for n in merged.parallel.tp.specs)
     torch.testing.assert_close(merged(ids).logits, expected, **TOL)
     merged.save_pretrained(out_dir / f"merged_tp{tp}")
 
@@ -237,7 +237,7 @@ def _equivalence_worker(tp: int, base_dir, adapter_dir, out_dir) -> None:
 
     # 4. The per-optimizer-step sync mode (the Trainer's) holds when adapters change what requires grad:
     #    nothing is recorded per backward (it would never be summed), and one sync sums the accumulation.
-    sync = model.get_base_model().tp_layout.grad_sync
+    sync = model.get_base_model().parallel.grad_sync
     sync.set_mode("step")
     model.set_trainable(True)
     ids, labels = batch()

@@ -105,14 +105,14 @@ def test_key_nesting_follows_peft(checkpoints, targets, tmp_path):
 def _lora_grads(model) -> dict[str, torch.Tensor]:
     """{name: full gradient} of every LoRA factor (gathered from this rank's shard under TP)."""
     base = model.get_base_model()
-    layout = getattr(base, "tp_layout", None)
+    layout = base.parallel.tp
     return {n: (p.grad if layout is None else gather_full(p.grad, layout.spec(n), layout.ctx))
             for n, p in base.named_parameters() if ".lora_" in n}
 
 
 def _lora_params(model) -> dict[str, torch.Tensor]:
     base = model.get_base_model()
-    layout = getattr(base, "tp_layout", None)
+    layout = base.parallel.tp
     return {n: (p.detach() if layout is None else gather_full(p.detach(), layout.spec(n), layout.ctx))
             for n, p in base.named_parameters() if ".lora_" in n}
 
@@ -305,7 +305,7 @@ def _ep_axis_worker(base_dir, adapter_dir, out) -> None:
     batches = dp_batches(dp)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, model)]
     for step in range(3):
-        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not base.tp_layout.spec(
+        loss, ref_loss = step_both(ref, model, batches, dp, summed=lambda n: not base.parallel.tp.spec(
             n.removeprefix("base_model.model.")).ep_split)
         torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"ep 2 loss {step}: {m}")
         if step == 0:

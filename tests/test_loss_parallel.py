@@ -64,7 +64,7 @@ def _loss_worker(tp: int) -> None:
             torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
             if whole:  # the head's output stays this rank's vocab shard
                 assert out.logits.shape == (*ids.shape, config.vocab_size // tp)
-                local = ref_out.logits.chunk(tp, dim=-1)[model.tp_layout.ctx.rank]
+                local = ref_out.logits.chunk(tp, dim=-1)[model.parallel.tp.ctx.rank]
                 torch.testing.assert_close(out.logits, local, **TOL)
             # Nothing of vocab width is communicated.
             assert "all_gather" not in t.counts()

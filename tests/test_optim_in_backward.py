@@ -114,7 +114,7 @@ def _equal_to_ordinary_worker(tmp: str, tp: int, shard: int | None) -> None:
     other = _trainer(f"{tmp}/mixed", tp, shard).train(resume_from_checkpoint=ckpt)
     torch.testing.assert_close(torch.tensor(other.losses), torch.tensor(out.losses[2:]), **EXACT)
     # Freed in backward: only the TP partial gradients (Qwen3's q/k norms), held back for the TP sum, remain.
-    held = set(in_bwd.inner.tp_layout.partial_grad_specs())
+    held = set(in_bwd.inner.parallel.tp.partial_grad_specs())
     assert held and {n.rsplit(".", 2)[-2] for n in held} == {"q_norm", "k_norm"}, held
     assert _grads_after_backward(in_bwd) == held
     assert _grads_after_backward(ordinary) == {n for n, p in ordinary.inner.named_parameters()}

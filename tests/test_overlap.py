@@ -26,7 +26,7 @@ def _pair(base, tp: int, sp: bool) -> dict[bool, torch.nn.Module]:
     out = {}
     for on in (True, False):
         model = copy.deepcopy(base).parallelize(DistributedConfig(tp_size=tp, enable_sequence_parallel=sp))
-        model.tp_layout.ctx.overlap = on
+        model.parallel.tp.ctx.overlap = on
         out[on] = model
     return out
 
@@ -40,7 +40,7 @@ def _watch(model) -> None:
     def hook(module, args, out):
         module._fused_out = out.grad_fn is not None and out.grad_fn.name() == "_ArrivalBackward"
 
-    for name, style in model.tp_layout.plan.items():
+    for name, style in model.parallel.tp.plan.items():
         if style in ("colwise", "fused_colwise"):
             model.get_submodule(name).register_forward_hook(hook)
 
@@ -148,7 +148,7 @@ def _transformers_worker(path: str, tp: int) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float64, distributed_config=DistributedConfig(tp_size=tp, backend="transformers"))
         assert model.backend == "transformers"
-        model.tp_layout.ctx.overlap = on
+        model.parallel.tp.ctx.overlap = on
         _watch(model)
         models[on] = model
     ids, labels = batch(128)

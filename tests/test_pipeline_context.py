@@ -83,7 +83,7 @@ def _train_case(root: str, family: str, schedule: str, *, cp: int = 1, tp: int =
             stage.submod.register_forward_hook(lambda module, args, out: sent.append(tuple(out.shape)))
     keeping = []  # under SP: whether each layer's forward runs with SP's shard-keeping saved-tensor hooks on
     for layer in model.model.layers.values() if sp else ():
-        layer.register_forward_pre_hook(lambda module, args: keeping.append(model.sp_saver.active()))
+        layer.register_forward_pre_hook(lambda module, args: keeping.append(model.parallel.tp.ctx.keeps_shards()))
     losses = trainer.train().losses
     assert not sp or all(keeping) and len(keeping) >= 3 * len(model.model.layers), (what, keeping)
     if not all(stage.is_last for stage in trainer.pipeline.stages):

@@ -80,13 +80,16 @@ def test_refusals_with_data_and_expert_parallelism(tmp_path, monkeypatch):
     """Before any process group: a V schedule with tied embeddings and data parallelism is a layout (its rank 0's last
     stage module holds its own copy of the head, tests below); sequence and context parallelism with pp compose
     (tests/test_pipeline_context.py)."""
+    from tptrain.distributed.state import ParallelState
+    from tptrain.layout import ParallelDims
     from tptrain.parallel import pipeline_parallel as pp
     from tptrain.training.args import ParallelismConfig
-    from tptrain.training.parallelize import resolve_parallelism
+    from tptrain.training.mesh import resolve_parallelism
 
     path = save_family("qwen3_tied", tmp_path)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), device="meta")
-    model.pp_plan = pp.plan_pipeline(model, pp=2, pp_rank=0, schedule="ZBVZeroBubble")
+    model.parallel = ParallelState(dims=ParallelDims(pp=2),
+                                   pp=pp.plan_pipeline(model, pp=2, pp_rank=0, schedule="ZBVZeroBubble"))
     config = ParallelismConfig(pp_size=2, pp_schedule="ZBVZeroBubble", tp_size=1)
     assert resolve_parallelism(model, config, world_size=4).dp == 2
     assert resolve_parallelism(model, config, world_size=2).dp == 1

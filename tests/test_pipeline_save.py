@@ -157,7 +157,7 @@ def _lora_case(root: str, family: str, schedule: str, tp: int) -> None:
         tp_size=tp, pp_size=2, pp_schedule=schedule, pp_microbatches=4))
     data = tiny_dataset()
     losses = Trainer(model, args=args, train_dataset=data).train().losses
-    stages = len(model.pp_plan.stages)
+    stages = len(model.parallel.pp.stages)
     # a dropout mask per stage forward (and one per stage for the schedule's shape inference, on meta)
     assert 3 * 4 * stages <= model.runtime.step <= 3 * 4 * stages + stages, model.runtime.step
     expected = reference_losses(ref.train(), data, args, global_batch=4)
@@ -195,7 +195,7 @@ def _zbv_pp4(root: str) -> None:
     path = os.path.join(root, "llama8")
     config = DistributedConfig(pp_size=4, pp_schedule="ZBVZeroBubble")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=config)
-    assert model.pp_plan.stages == (model.device_mesh["pp"].get_local_rank(), 7 - model.device_mesh["pp"].get_local_rank())
+    assert model.parallel.pp.stages == (model.device_mesh["pp"].get_local_rank(), 7 - model.device_mesh["pp"].get_local_rank())
     args = training_args(os.path.join(root, "zbv"), max_steps=3, per_device_train_batch_size=8, parallelism_config=
                          ParallelismConfig(pp_size=4, pp_schedule="ZBVZeroBubble", pp_microbatches=8))
     data = tiny_dataset()
@@ -219,7 +219,7 @@ def _lora_on_stages(root: str) -> None:
     with pytest.raises(ValueError, match=r"modules_to_save entries \['nrm'\] match no module of any pipeline stage"):
         get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["nrm"]))
     adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["embed_tokens"]))  # on stage 0 only
-    assert list(adapted.lora_layers) == (["model.embed_tokens"] if model.pp_plan.holds(0) else [])
+    assert list(adapted.lora_layers) == (["model.embed_tokens"] if model.parallel.pp.holds(0) else [])
     adapted.unload()
     adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["embed_tokens"]))
     args = training_args(os.path.join(root, "refused"), max_steps=1, parallelism_config=ParallelismConfig(

@@ -95,16 +95,16 @@ def _check_accumulation(config, ref, model) -> None:
     model.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
     micro = [batch(config.vocab_size, seed=seed) for seed in (3, 4)]
     items = sum(int((labels[..., 1:] != -100).sum()) for _, labels in micro)
-    model.tp_layout.grad_sync.set_mode("step")
+    model.parallel.grad_sync.set_mode("step")
     with CommTracker() as t:
         for ids, labels in micro:
             model(ids, labels=labels, num_items_in_batch=items).loss.backward()
             ref(ids, labels=labels, num_items_in_batch=items).loss.backward()
         assert t.counts("grad_sync") == {}
-        model.tp_layout.grad_sync.sync_grads(model)
+        model.parallel.grad_sync.sync_grads(model)
     assert t.counts("grad_sync") == {"all_reduce": 1}
     assert_grads_match(model, ref, what="accumulated grad")
-    model.tp_layout.grad_sync.set_mode("backward", model)
+    model.parallel.grad_sync.set_mode("backward", model)
 
 
 def _sp_worker(name: str, tp: int) -> None:

@@ -87,7 +87,7 @@ def _worker() -> None:
     assert sp_bytes <= 1.1 * single_bytes / TP, (sp_bytes, single_bytes, TP)
     # The recompute in backward gathers again outside the model's forward; the SP saver must not keep
     # those shards (nothing packs them) alive past the backward: 2 per layer, until the next forward.
-    saver = sp_model.tp_layout.ctx.on_gather.__self__
+    saver = sp_model.parallel.tp.ctx.on_gather.__self__
     assert not saver._gathered, f"{len(saver._gathered)} recomputed SP shards kept after backward"
 
 

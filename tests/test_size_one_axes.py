@@ -56,7 +56,7 @@ def _tp1_is_single_device(tmp: str, name: str, make) -> None:
     make().save_pretrained(f"{tmp}/{name}")
     plain = AutoModelForCausalLM.from_pretrained(f"{tmp}/{name}")
     model = AutoModelForCausalLM.from_pretrained(f"{tmp}/{name}", distributed_config=DistributedConfig(tp_size=1))
-    assert model.tp_layout is not None and model.tp_plan  # the layout is recorded (saving, DCP, LoRA read it)
+    assert model.parallel.tp is not None and model.tp_plan  # the layout is recorded (saving, DCP, LoRA read it)
     assert installed(model) == [], installed(model)
     assert model.loss_function is causal_lm_loss and model.head_loss_function is chunked_causal_lm_loss
     ids = tiny_dataset()[0][None].repeat(2, 1)

@@ -113,7 +113,7 @@ def _topology_worker(tmp: str) -> None:
     trainer = Trainer(model=model, args=training_args(f"{tmp}/b", parallelism_config=ParallelismConfig(
         2, dp_shard_size=1, dp_replicate_size=2)), train_dataset=tiny_dataset())
     assert trainer.mesh is model.device_mesh and trainer.mesh["dp_replicate"].size() == 2
-    assert model.tp_layout.ctx.group_name == trainer.mesh["tp"].get_group().group_name
+    assert model.parallel.tp.ctx.group_name == trainer.mesh["tp"].get_group().group_name
 
 
 @pytest.mark.distributed

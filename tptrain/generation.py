@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tptrain.distributed.state import state_of
 from tptrain.parallel.context_parallel import gather_sequence
 from tptrain.text import Tokenizer
 
@@ -44,10 +45,10 @@ def _last_logits(model: nn.Module, context: torch.Tensor) -> torch.Tensor:
     """The logits after the last token of `context` (1, seq). Under sequence or context parallelism the context is
     right-padded to a length that splits as the Trainer's batches do (causal: no real token sees a pad); under context
     parallelism every rank's tokens are then gathered."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    cp, layout = getattr(inner, "cp_context", None), getattr(inner, "tp_layout", None)
-    sp = layout.ctx.size if layout is not None and layout.ctx.sequence_parallel else 1
-    cp_size = cp.size if cp is not None else 1
+    state = state_of(model)
+    cp = state.cp
+    sp = state.dims.tp if state.sequence_parallel else 1
+    cp_size = state.dims.cp
     length = context.shape[1]
     multiple = math.lcm(sp * cp_size, 2 * cp_size if cp is not None else 1)
     logits = model(F.pad(context, (0, -length % multiple))).logits  # (1, padded [/ cp], vocab)

@@ -1,9 +1,12 @@
 """PreTrainedModel: the Hugging Face-style entry points of every model: loading and saving.
 
-`from_pretrained` builds the model on the meta device, lays it out with the one parallelize (tptrain/parallel/
-parallelize.py: every axis, applied from outside the model), which fills each parameter with only this rank's slice,
-read straight from the safetensors files. `save_pretrained` gathers the shards and writes one consolidated HF
-checkpoint, once, atomically. This module applies no axis itself.
+The base keeps what a single-device model needs: its config, its weights by name (`checkpoint_keys`: the hub's names
+of stacked or converted tensors) and the tensors `save_pretrained` writes. It imports no parallel axis: laying a model
+out (`from_pretrained(distributed_config=)`, `model.parallelize`: the one parallelize of tptrain/parallel, which fills
+each parameter with only this rank's slice, read straight from the safetensors files), loading into shards
+(parallel/shards.py), gathering them and the save protocol (parallel/saving.py) are the engine's, reached at call
+time; the process group is started by tptrain.distributed. What the engine made of a model is `model.parallel` (a
+ParallelState; the one-process state until then).
 """
 from __future__ import annotations
 
@@ -16,20 +19,14 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from tptrain.io import (CheckpointReader, check_tensor_shape, resolve_checkpoint,
-                                writable_error)
-from tptrain.io import INDEX_FILE, SINGLE_FILE, save_streamed
+from tptrain.io import CheckpointReader, check_tensor_shape, resolve_checkpoint
+from tptrain.io import INDEX_FILE, SINGLE_FILE
 from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
-from tptrain.parallel import parallelize as axes
+from tptrain.distributed.state import ParallelState
 from tptrain.dtypes import resolve_dtype
 from tptrain.meta_init import build_on
-from tptrain.parallel.plan import ResolvedPlan
-from tptrain.parallel.shards import gather_full, read_shard
-from tptrain.parallel.styles import ShardSpec
 
 
 class PreTrainedModel(nn.Module):
@@ -43,11 +40,21 @@ class PreTrainedModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.tp_size = 1
-        self.tp_plan: dict[str, str] = {}
-        self.device_mesh = None
-        self.tp_layout = None  # tptrain.parallel.tensor_parallel.TPLayout once parallelised
-        self.cp_context = None  # tptrain.parallel.context_parallel.CPContext under context parallelism
+        self.parallel = ParallelState()  # what the one parallelize makes of the model (distributed/state.py)
+
+    # transformers' names for what a loaded model was laid out as, read from its state
+    @property
+    def tp_size(self) -> int:
+        return self.parallel.dims.tp
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        """{module name: style name} as applied (empty: never laid out)."""
+        return self.parallel.tp.plan if self.parallel.tp is not None else {}
+
+    @property
+    def device_mesh(self):
+        return self.parallel.mesh
 
     @classmethod
     def from_config(cls, config: Any, *, dtype: torch.dtype | None = None,
@@ -90,7 +97,7 @@ class PreTrainedModel(nn.Module):
         if distributed_config is None:
             model, reader, dtype = cls._open_checkpoint(pretrained, revision, dtype)
             target = torch.device(device or (device_map if isinstance(device_map, (str, torch.device)) else "cpu"))
-            model._load(reader, target, dtype, rank=0)
+            model._load(reader, target, dtype)
             return model.eval()
         distributed_config.sizes()  # a bad layout is the same error on every rank: raised before the rendezvous
         error = None
@@ -128,23 +135,24 @@ class PreTrainedModel(nn.Module):
         resolved = self._check_plan(distributed_config)  # before the mesh's collectives, identically on every rank
         return self._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
 
-    def _apply_plan(self, resolved: ResolvedPlan, distributed_config: DistributedConfig, *, reader=None,
+    def _apply_plan(self, resolved: Any, distributed_config: DistributedConfig, *, reader=None,
                     dtype: torch.dtype | None = None) -> "PreTrainedModel":
+        """The one parallelize's structural steps with `resolved` (a ResolvedPlan of `_check_plan`) on the mesh of
+        `distributed_config`; the load step reads only this rank's stages and slices."""
+        from tptrain.parallel.parallelize import ParallelOptions, parallelize  # the engine, at call time
+
         mesh, device = distributed_config.device_mesh()
-
-        def load(model: "PreTrainedModel") -> None:  # once laid out: only this rank's stages and slices are read
-            ctx = model.tp_layout.ctx
-            model._load(reader, device, dtype, rank=ctx.rank, ep_rank=ctx.ep_rank)
-
-        options = axes.ParallelOptions(plan=resolved, pp_schedule=distributed_config.pp_schedule,
-                                       pp_layers=distributed_config.pp_layers,
-                                       load=load if reader is not None else None)
-        axes.parallelize(self, mesh, options, device=device)
+        options = ParallelOptions(plan=resolved, pp_schedule=distributed_config.pp_schedule,
+                                  pp_layers=distributed_config.pp_layers,
+                                  load=(lambda model: model._load(reader, device, dtype)) if reader is not None else None)
+        parallelize(self, mesh, options, device=device)
         return self
 
-    def _check_plan(self, distributed_config: DistributedConfig) -> ResolvedPlan:
+    def _check_plan(self, distributed_config: DistributedConfig) -> Any:
         """The plan resolved at this layout, after the rule table; every refusal raised (no process group needed)."""
-        return axes.check(self, distributed_config)
+        from tptrain.parallel.parallelize import check
+
+        return check(self, distributed_config)
 
     def checkpoint_keys(self) -> dict[str, Any]:
         """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor, or a converted
@@ -175,34 +183,20 @@ class PreTrainedModel(nn.Module):
         for name, shape in wanted.items():  # every shape checked before any byte is read
             check_tensor_shape(name, shape, tuple(reader.shape(name)), reader.file_of(name))
 
-    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
-        """Fill every (meta) parameter with this rank's slice of the (checked) checkpoint tensor (`rank`: its tp
-        rank; `ep_rank`: its rank on the ep axis, which picks its experts)."""
-        layout = self.tp_layout
-        keys = self.checkpoint_keys()
-        loaded: dict[int, nn.Parameter] = {}
-        for name, p in self.named_parameters():  # tied aliases dedup'd: lm_head reads embed_tokens
-            spec = layout.spec(name) if layout else ShardSpec()
-            key = keys.get(name, name)
-            if isinstance(key, list):
-                t = _read_stacked(reader, key, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
-                                  ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
-            elif not isinstance(key, str):
-                t = key.read(reader, spec, tp_size=self.tp_size, tp_rank=rank, ep_rank=ep_rank,
-                             ep_size=layout.ctx.ep_size if layout else 1, dtype=dtype, device=device)
-            else:
-                t = read_shard(reader, key, spec, tp_size=self.tp_size, tp_rank=rank,
-                               dtype=_load_dtype(self, name, dtype), device=device)
-            loaded[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-        for name, p in list(self.named_parameters(remove_duplicate=False)):
-            mod_name, _, pname = name.rpartition(".")
-            setattr(self.get_submodule(mod_name), pname, loaded[id(p)])
+    def _load(self, reader, device: torch.device, dtype: torch.dtype) -> None:
+        """Fill every (meta) parameter with this rank's slice of the (checked) checkpoint tensor, as the model is laid
+        out (whole tensors for one process): parallel/shards.py `load_parameters`."""
+        from tptrain.parallel.shards import load_parameters
+
+        load_parameters(self, reader, device, dtype)
 
     # ---------------------------------------------------------------- saving
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every parameter gathered to its full shape, on CPU; tied aliases dropped (HF convention).
         Collective over the TP group; returns the dict on TP rank 0 and None elsewhere."""
+        from tptrain.parallel.saving import gather_parameters
+
         return gather_parameters(self, [name for name, _ in self.named_parameters()])
 
     def config_json(self, dtype: torch.dtype) -> str:
@@ -222,20 +216,18 @@ class PreTrainedModel(nn.Module):
         pipeline stages, each stage writes its own shard files and rank 0 the one index
         (parallel/pipeline_checkpoint.py).
         """
+        from tptrain.parallel.saving import save_model  # the engine: gathers, the save protocol
+
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
         config_json = self.config_json(next(iter(params.values())).dtype)
-        if axes.save_stages(self, sizes, checkpoint_tensors, save_directory, max_shard_size=max_shard_size,
-                            extra_files={"config.json": config_json}):  # cut into stages: each writes its own files
-            return
-        save_once(save_directory, collective=is_sharded(self), gather=checkpoint_tensors,
-                  write=lambda tensors: save_streamed(sizes, tensors, save_directory, max_shard_size=max_shard_size,
-                                                      extra_files={"config.json": config_json}))
+        save_model(self, sizes, checkpoint_tensors, save_directory, max_shard_size=max_shard_size,
+                   extra_files={"config.json": config_json})
 
     def _checkpoint_tensors(self, names: list[str]) -> tuple[dict[str, int], Callable[[], Iterator]]:
         """({checkpoint tensor name: bytes} in writing order, a function returning the iterator that gathers the
         parameters `names` and yields them under those names): stacked experts as the hub's per-expert tensors."""
-        layout = getattr(self, "tp_layout", None)
+        layout = self.parallel.tp
         params = dict(self.named_parameters(remove_duplicate=False))
         keys = self.checkpoint_keys()
         sizes = {}
@@ -246,40 +238,12 @@ class PreTrainedModel(nn.Module):
             sizes.update({k: nbytes // len(key) for k in key} if isinstance(key, list) else {key: nbytes})
 
         def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            from tptrain.parallel.saving import gathered_parameters
+
             for name, t in gathered_parameters(self, names):
                 yield from checkpoint_items(name, t, keys)
 
         return sizes, checkpoint_tensors
-
-
-def _load_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype parameter `name` is loaded in: `dtype`, or at least fp32 for those its module lists in
-    `keep_in_float32` (transformers' `_keep_in_fp32_modules_strict`: DeepSeek's router bias)."""
-    module, _, pname = name.rpartition(".")
-    keep = pname in getattr(model.get_submodule(module), "keep_in_float32", ())
-    return torch.promote_types(dtype, torch.float32) if keep else dtype
-
-
-def _read_stacked(reader, keys: list[str], spec: ShardSpec, *, tp_size: int, tp_rank: int, ep_size: int = 1,
-                  ep_rank: int = 0, **kwargs) -> torch.Tensor:
-    """This rank's piece of a stacked (experts, ...) tensor stored as one checkpoint tensor per expert: split along
-    dim 0, only its experts are read; split along another dim, that dim's slice of every expert (of its own
-    experts only, when they are also split over the ep axis)."""
-    if spec.ep_split:
-        per_rank = len(keys) // ep_size
-        keys = keys[ep_rank * per_rank:(ep_rank + 1) * per_rank]
-    if spec.dim == 0:
-        per_rank = len(keys) // spec.num_chunks(tp_size)
-        first = spec.chunk_index(tp_rank) * per_rank
-        keys, inner = keys[first:first + per_rank], ShardSpec()
-    else:
-        inner = ShardSpec() if spec.dim is None else ShardSpec(spec.dim - 1, spec.replicas)
-    out = None
-    for i, key in enumerate(keys):  # one expert at a time: the peak is the stack plus one expert's slice
-        t = read_shard(reader, key, inner, tp_size=tp_size, tp_rank=tp_rank, **kwargs)
-        out = t.new_empty((len(keys), *t.shape)) if out is None else out
-        out[i] = t
-    return out
 
 
 def checkpoint_items(name: str, t: torch.Tensor,
@@ -310,52 +274,3 @@ def _check_has_weights(directory: Path) -> None:
             f"{INDEX_FILE}); to start from random weights use AutoModelForCausalLM.from_config("
             f"AutoConfig.from_pretrained({str(directory)!r})) (what `tptrain train --model {directory}` does)"
             f"{adapter}")
-
-
-def gathered_parameters(model: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, the parameter at full shape on the CPU) for each of `names`, gathered when the caller asks for
-    it: FSDP2 shards first, then TP shards. Collective (each step) over the TP group and FSDP's; the
-    tensors are complete on TP rank 0."""
-    layout = getattr(model, "tp_layout", None)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name in names:
-        t = params[name].detach()
-        if isinstance(t, DTensor):  # FSDP2-sharded over data parallelism: gather this rank's TP shard
-            t = t.full_tensor()
-        yield name, (t if layout is None else gather_full(t, layout.specs[name], layout.ctx)).cpu()
-
-
-def gather_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor] | None:
-    """The parameters `names` of `model` at full shape, on the CPU, all at once (`gathered_parameters`).
-    Collective over the TP group (and FSDP's); returns the dict on TP rank 0 and None elsewhere."""
-    layout = getattr(model, "tp_layout", None)
-    out = dict(gathered_parameters(model, names))
-    return out if layout is None or layout.ctx.rank == 0 else None
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Sharded over TP, or over data parallelism by FSDP2 (DTensor parameters): saving is then collective."""
-    return dist.is_initialized() and (getattr(model, "tp_layout", None) is not None
-                                      or any(isinstance(p, DTensor) for p in model.parameters()))
-
-
-def save_once(target: str | os.PathLike, *, collective: bool, gather: Callable[[], Any],
-              write: Callable[[Any], None]) -> None:
-    """The save protocol: global rank 0 checks `target`, every rank takes part in `gather()`, rank 0
-    calls `write(gathered)`. Any failure is raised on every rank, so none waits in a later collective.
-    `gather()` may return an iterator that gathers as it is consumed (streaming): every rank then runs
-    it to the end after `write` (the writer too, should its write fail half-way)."""
-    # Global rank 0 writes even for an unsharded model that every rank saves: one writer per directory.
-    writer = not dist.is_initialized() or dist.get_rank() == 0
-    raise_on_any_rank(writable_error(Path(target)) if writer else None, collective=collective)
-    gathered = gather()
-    error = None
-    if writer:
-        try:
-            write(gathered)
-        except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-            error = f"saving to {target} failed: {type(exc).__name__}: {exc}"
-    if isinstance(gathered, Iterator):
-        for _ in gathered:  # the gathers the writer did not consume: every rank takes part in each
-            pass
-    raise_on_any_rank(error, collective=collective)

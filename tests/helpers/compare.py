@@ -13,13 +13,13 @@ TOL = dict(rtol=1e-10, atol=1e-10)  # fp64: a layout bug is an O(1) error
 
 def full_grads(model) -> dict[str, torch.Tensor]:
     """Every trained parameter's gradient, gathered (frozen ones, DeepSeek's e_score_correction_bias, have none)."""
-    layout = model.tp_layout
+    layout = model.parallel.tp
     return {n: gather_full(p.grad, layout.specs[n], layout.ctx) for n, p in model.named_parameters()
             if p.requires_grad}
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    layout = model.tp_layout
+    layout = model.parallel.tp
     return {n: gather_full(p.detach(), layout.specs[n], layout.ctx) for n, p in model.named_parameters()}
 
 

@@ -51,7 +51,7 @@ def train_case(root: str, family: str, schedule: str, *, dp_shard: int = 1, dp_r
     left = left_for_the_step(trainer) if trainer.args.optim_in_backward else None
     losses = trainer.train().losses
     if left is not None:  # stepped in backward but the gradients summed after it (tied copies, TP partials)
-        held = trainer.pipeline.ties.summed_after() | set(trainer.inner.tp_layout.partial_grad_specs())
+        held = trainer.pipeline.ties.summed_after() | set(trainer.inner.parallel.tp.partial_grad_specs())
         assert len(left) == 3 and all(names <= held for names in left), (what, left, held)
     ref = AutoModelForCausalLM.from_pretrained(os.path.join(root, family), dtype=torch.float64).train()
     expected = reference_losses(ref, tiny_dataset(), trainer.args,

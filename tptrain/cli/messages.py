@@ -17,7 +17,7 @@ def announce(args: argparse.Namespace, inputs, model, threads: int) -> None:
     an elastic restart, a line before it saying so. `inputs`: what the rank read (train._Inputs)."""
     import torch
 
-    params = sum(math.prod(model.tp_layout.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
+    params = sum(math.prod(model.parallel.tp.global_shapes[n]) for n, _ in model.named_parameters())  # tied once
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
         print(f"tptrain train: restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a "

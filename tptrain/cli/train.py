@@ -130,7 +130,7 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     check_seq_len(args.seq_len, config, what="--seq-len")
     if args.compile:
         from tptrain.distributed import local_device
-        from tptrain.training.parallelize import compile_error
+        from tptrain.training.mesh import compile_error
 
         error = compile_error("inductor", local_device())
         if error:

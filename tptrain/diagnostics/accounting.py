@@ -54,6 +54,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tptrain.distributed.state import state_of
 from tptrain.distributed.comm import CommTracker
 from tptrain.losses import chunk_tokens
 from tptrain.parallel import contract
@@ -191,7 +192,7 @@ def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: i
     saw noted over the TP group (every router's choice, the group-limited one's too)."""
     hidden, k = model.config.hidden_size, model.config.num_experts_per_tok
     share = tokens // tp
-    received = _rows_received(tracker, model.tp_layout.ctx.group_name)
+    received = _rows_received(tracker, model.parallel.tp.ctx.group_name)
     rows_out, row, n = share * k, hidden * act_size, len(blocks)
     experts = sum(model.get_submodule(name).experts.num_experts for name in blocks)
     add(("forward", "all_to_all"), 3 * n, experts * 8 + (n * rows_out + received) * row)
@@ -211,7 +212,7 @@ def _add_router_aux(add, model: nn.Module, dtype: torch.dtype) -> None:
     if not getattr(model.config, "output_router_logits", False) or contract.router_aux(model) is None:
         return
     wide = torch.promote_types(dtype, torch.float32).itemsize
-    ctx, cp = model.tp_layout.ctx, getattr(model, "cp_context", None)
+    ctx, cp = model.parallel.tp.ctx, model.parallel.cp
     for over in ((ctx.size > 1 and ctx.sequence_parallel), cp is not None):
         if over:
             add(("router_aux", "all_reduce"), 1, (model.config.num_experts + 1) * wide)
@@ -238,7 +239,7 @@ def _add_ep_dispatch(add, model: nn.Module, plan: dict[str, str], tokens: int, a
     blocks = [name for name in plan if getattr(model.get_submodule(name), "ep_dispatch", None) == "all_to_all"]
     if not blocks:
         return
-    received = _rows_received(tracker, model.tp_layout.ctx.ep_group_name)
+    received = _rows_received(tracker, model.parallel.tp.ctx.ep_group_name)
     rows = (len(blocks) * tokens * k + received) * hidden * act_size
     counts = sum(_global_experts(model, name) for name in blocks) * 8  # one int64 per expert of the group
     add(("forward", "all_to_all"), 3 * len(blocks), counts + rows)
@@ -249,7 +250,7 @@ def _global_experts(model: nn.Module, name: str) -> int:
     """How many experts the stacked-experts module `name` holds over all ranks (its stacks' global dim 0; a module's
     own `num_experts` may count only its share)."""
     first = next(n for n, _ in model.get_submodule(name).named_parameters(recurse=False))
-    return model.tp_layout.global_shapes[f"{name}.{first}"][0]
+    return model.parallel.tp.global_shapes[f"{name}.{first}"][0]
 
 
 def _fused_loss_chunks(model: nn.Module, tokens: int, return_logits: bool) -> int:
@@ -261,10 +262,10 @@ def _fused_loss_chunks(model: nn.Module, tokens: int, return_logits: bool) -> in
 
 def _add_context_parallel(add, model: nn.Module, batch: int, seq: int, dtype: torch.dtype) -> int:
     """`add` the cp group's collectives (see the module doc); returns the tokens per row this rank computes."""
-    ctx = getattr(model, "cp_context", None)
+    ctx = model.parallel.cp
     if ctx is None:
         return seq
-    config, tp = model.config, model.tp_layout.ctx.size
+    config, tp = model.config, model.parallel.tp.ctx.size
     layers = sum(isinstance(m, contract.TPAttention) for m in model.modules())
     heads = max(1, contract.kv_heads(config) // tp)  # K and V side by side, per token
     kv = batch * heads * sum(contract.key_value_head_dims(config)) * dtype.itemsize
@@ -273,8 +274,8 @@ def _add_context_parallel(add, model: nn.Module, batch: int, seq: int, dtype: to
     add(("backward", "reduce_scatter"), layers, layers * kv * seq)
     wide = torch.promote_types(dtype, torch.float32).itemsize
     add(("forward", "all_reduce"), 1, wide)  # the loss
-    if model.tp_layout.grad_sync.mode == "backward":  # not the experts split over ep (whole on their owners)
-        specs = model.tp_layout.specs
+    if model.parallel.grad_sync.mode == "backward":  # not the experts split over ep (whole on their owners)
+        specs = model.parallel.tp.specs
         trained = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad
                       and not (n in specs and specs[n].ep_split))
         add(("grad_sync", "all_reduce"), 1, trained * wide)
@@ -286,7 +287,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
     """{(phase, collective): (count, bytes)} one rank must send for one forward + backward with labels
     (`model(ids, labels=labels, return_logits=return_logits)` in the model's current mode). Experts dispatched
     over an ep axis need the `tracker` that recorded that step (the rows the routing sent here)."""
-    layout = model.tp_layout
+    layout = state_of(model).tp
     if layout is None:
         return {}
     dtype = next(model.parameters()).dtype
@@ -389,4 +390,4 @@ def comm_report(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
     # Activations end in hidden_size; a last dim of vocab (or this rank's vocab shard) is logits.
     logit_dims = ({vocab, vocab // tp} if vocab else set()) - {model.config.hidden_size}
     full_logits = sum(len(r.shape) > 1 and r.shape[-1] in logit_dims for r in tracker.records)
-    return CommReport(tp, bool(model.tp_layout and model.tp_layout.ctx.sequence_parallel), rows, saved, full_logits)
+    return CommReport(tp, state_of(model).sequence_parallel, rows, saved, full_logits)

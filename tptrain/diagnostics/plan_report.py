@@ -19,7 +19,7 @@ from tptrain.distributed import DistributedConfig
 from tptrain.dtypes import dtype_name, resolve_dtype
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel import contract, pipeline_parallel
-from tptrain.parallel import parallelize as axes
+from tptrain.parallel.parallelize import check
 from tptrain.parallel.expert_parallel import all_to_all_wins
 from tptrain.parallel.plan import kv_replicas, working_tp_sizes
 from tptrain.parallel.styles import ShardSpec
@@ -53,7 +53,7 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     world = math.prod(sizes) if all(isinstance(s, int) and s > 0 for s in sizes) else 1  # the least: dp_shard = ep
     dtype = resolve_dtype(dtype, config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
-    resolved = axes.check(model, layout, world_size=world, plan_problems=False)
+    resolved = check(model, layout, world_size=world, plan_problems=False)
     problems = resolved.problems
     rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize, ep_size)
     name = type(getattr(model, "hf_model", model)).__name__
@@ -88,9 +88,7 @@ def _pipeline_lines(config: Any, resolved, dtype: torch.dtype, tp_size: int, ep_
              f"(the table above is the whole model; each rank holds its stages' part of it)"]
     for pp_rank in range(pp_size):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
-        plan = pipeline_parallel.plan_pipeline(model, pp=pp_size, pp_rank=pp_rank, schedule=schedule)
-        pipeline_parallel.cut_model(model, plan)
-        stage = pipeline_parallel.stage_plan(resolved, model)
+        plan, stage = pipeline_parallel.cut_for_rank(model, resolved, pp=pp_size, pp_rank=pp_rank, schedule=schedule)
         _, per_rank, _ = _rows(model, stage.styles, stage.specs, tp_size, dtype.itemsize, ep_size)
         stages = "; ".join(f"stage {s}: " + ("embedding, " if s == 0 else "")
                            + (f"layers {_ranges(list(plan.stage_layers[s]))}" if plan.stage_layers[s] else "no layer")

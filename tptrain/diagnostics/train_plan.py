@@ -23,7 +23,7 @@ from tptrain.diagnostics.model_facts import ModelFacts
 from tptrain.diagnostics.step_time import StepTime, step_time
 from tptrain.distributed import DistributedConfig
 from tptrain.layout.case import Spelling
-from tptrain.parallel import parallelize as axes
+from tptrain.parallel.parallelize import check
 
 
 def _divisors(n: int) -> list[int]:
@@ -54,7 +54,7 @@ def layout_problem(facts: ModelFacts, layout: ParallelDims, settings: TrainSetti
     training = dict(batch_size=settings.batch_size, seq_len=settings.seq_len,
                     pp_microbatches=settings.microbatches(layout.pp) if layout.pp > 1 else None)
     try:
-        resolved = axes.check(facts.model, config, world_size=layout.world_size, training=training, plan_problems=False,
+        resolved = check(facts.model, config, world_size=layout.world_size, training=training, plan_problems=False,
                               spelling=Spelling(described=layout.spell(), seq_len="--seq-len"))
     except ValueError as exc:
         return str(exc)

@@ -40,9 +40,10 @@ from tptrain.hf.stages import run_stage, stage_parts
 from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss
 from tptrain.meta_init import build_on
-from tptrain.modeling import PreTrainedModel, gathered_parameters
+from tptrain.modeling import PreTrainedModel
 from tptrain.models.configuration import load_config_dict
 from tptrain.parallel import contract
+from tptrain.parallel.saving import gathered_parameters
 
 TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
 
@@ -160,10 +161,10 @@ class TransformersCausalLM(PreTrainedModel):
         (vocab-sharded under TP for the vocab-parallel loss), else hidden states (hf/stages.py). It carries nothing
         between stages (transformers' router aux loss is not tptrain's loss on this backend)."""
         assert not carried, "the transformers backend's stages carry nothing"
-        attention_mask = None
-        if getattr(self, "cp_context", None) is not None:  # see forward
+        attention_mask, cp = None, self.parallel.cp
+        if cp is not None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
-        with running(getattr(self, self.base_model_prefix), getattr(self, "cp_context", None)):
+        with running(getattr(self, self.base_model_prefix), cp):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
                              use_cache=False)
 
@@ -219,14 +220,14 @@ class TransformersCausalLM(PreTrainedModel):
 
     def _tied_copies(self) -> dict[str, str]:
         """{last stage's name: first stage's name} of the tied weights this rank holds without the first stage."""
-        plan = getattr(self, "pp_plan", None)
+        plan = self.parallel.pp
         params = dict(self.named_parameters()) if plan is not None and plan.tied else {}
         return {last: first for first, last in (plan.tied if params else ()) if last in params and first not in params}
 
     def _checkpoint_tensors(self, names: list[str]):
         """Parameters gathered group by group and written under the hub's names and layout: transformers' own
         reverse of its load-time rules (a stacked expert tensor as per-expert tensors, renames undone)."""
-        layout = self.tp_layout
+        layout = self.parallel.tp
         params = dict(self.named_parameters(remove_duplicate=False))
         # Persistent buffers are in transformers' checkpoints too (a router's e_score_correction_bias); never split.
         persistent = set(self.hf_model.state_dict(keep_vars=True))
@@ -246,8 +247,8 @@ class TransformersCausalLM(PreTrainedModel):
 
         return sizes, checkpoint_tensors
 
-    def _load(self, reader, device: torch.device, dtype: torch.dtype, *, rank: int, ep_rank: int = 0) -> None:
-        super()._load(reader, device, dtype, rank=rank, ep_rank=ep_rank)
+    def _load(self, reader, device: torch.device, dtype: torch.dtype) -> None:
+        super()._load(reader, device, dtype)
         self._load_buffers(reader, device)
         _materialise_buffers(self, device)
 
@@ -272,7 +273,7 @@ class TransformersCausalLM(PreTrainedModel):
     def _apply_plan(self, resolved, distributed_config, *, reader=None, dtype=None):
         super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
         self._set_local_heads()
-        if getattr(self, "cp_context", None) is not None:  # masks and attention through hf/attention.py
+        if self.parallel.cp is not None:  # masks and attention through hf/attention.py
             use_tptrain_attention(self)
         return self
 
@@ -311,11 +312,12 @@ class TransformersCausalLM(PreTrainedModel):
                 num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
         """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
         kwargs.setdefault("use_cache", False)
-        if getattr(self, "cp_context", None) is not None and attention_mask is None:
+        cp = self.parallel.cp
+        if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
-        with running(getattr(self, self.base_model_prefix), getattr(self, "cp_context", None)):
+        with running(getattr(self, self.base_model_prefix), cp):
             logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    **kwargs).logits
         loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)

@@ -27,15 +27,15 @@ at the end of backward (bare model), or FSDP2's reduce-scatter over dp_shard x c
 `out.logits` holds this rank's tokens only: (batch, seq / cp, vocab), chunks i and 2cp-1-i in that order
 (`local_index`).
 
-Under pipeline parallelism the schedule never runs the model's forward: the same pieces (`CPContext.split`, `begin`,
-`end`) run where a batch enters the pipeline (parallel/pipeline_parallel.py). The whole batch is split before the
-schedule cuts it into microbatches, every stage's forward begins with its microbatch's global position ids, each
+`CPContext` is context parallelism's part of the forward scope (tptrain/distributed/state.py), which every path
+through the model runs: its begin splits a whole batch (the model's forward; a pipeline step, before the schedule cuts
+it into microbatches) and starts the masks' rows from the global position ids of what the modules run on (the model's
+forward; each pipeline stage's forward, on its microbatch); its end sums a whole batch's loss over cp. Each pipeline
 microbatch's loss is its token sum over the step's global count, and the step's loss is summed over cp and pp.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -44,11 +44,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tptrain.distributed import comm
+from tptrain.distributed.state import Batch
 from tptrain.distributed.topology import cp_mesh
 from tptrain.layout import Case, Features, ParallelDims, Spelling, check
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel import contract
-from tptrain.parallel.expert_parallel import router_aux_over_cp
 
 
 @dataclass
@@ -57,9 +57,10 @@ class CPContext:
     position ids (batch or 1, seq) and padding mask (batch, seq) or None, this rank's token indices (seq / cp,),
     and every rank's in gathered order (seq,).
 
-    The one mechanism of both ways a batch enters a model: the CausalLM's forward (its pre-hook calls `split` and
-    `begin`) and a pipeline (the Pipeline calls `split` on the whole batch before torch's schedule cuts it into
-    microbatches; each stage's forward calls `begin` with its microbatch's global position ids)."""
+    Context parallelism's part of the forward scope: `begin(batch)` splits a whole batch (`split`: the model's forward,
+    a pipeline step before torch's schedule cuts it into microbatches) and, where modules run on it (the model's
+    forward, each stage's forward on its microbatch), starts the rows of the masks from its global position ids
+    (`start`); `end` stops them and sums a whole batch's loss over cp."""
 
     group_name: str
     size: int
@@ -82,11 +83,11 @@ class CPContext:
                        None if attention_mask is None else attention_mask[:, index],
                        None if target is None else (target != IGNORE_INDEX).sum())
 
-    def begin(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, *, seq: int,
+    def start(self, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, *, seq: int,
               device: torch.device) -> torch.Tensor:
         """Start a forward on this rank's tokens of sequences of `seq` tokens: the whole batch's `position_ids`
         (batch or 1, seq; None: 0..seq-1) and padding mask kept for the rows of the masks; returns this rank's
-        positions (batch or 1, seq / cp), the global ones (RoPE). `end` clears them."""
+        positions (batch or 1, seq / cp), the global ones (RoPE). `stop` clears them."""
         if position_ids is None:
             position_ids = torch.arange(seq, device=device)[None]
         self.position_ids, self.attention_mask = position_ids, attention_mask
@@ -94,8 +95,53 @@ class CPContext:
         self.key_index = gathered_index(seq, self.size, device)
         return position_ids[:, self.query_index]
 
-    def end(self) -> None:
+    def stop(self) -> None:
         self.position_ids = self.attention_mask = self.query_index = self.key_index = None
+
+    def begin(self, batch: Batch) -> Batch:
+        """A whole batch -> this rank's tokens (`split`; when no count is given and labels are, the whole batch's
+        real-token count as `num_items_in_batch`, so the loss is a share of one process's); where modules run on it,
+        its global positions started (`start`) and this rank's given as `position_ids`. A pipeline stage's batch is
+        this rank's already: its whole sequences' position ids start the masks."""
+        mask = batch.attention_mask
+        if batch.whole:
+            shard = self.split(batch.input_ids, batch.labels, mask)
+            changes = dict(input_ids=shard.input_ids)
+            if mask is not None:
+                changes["attention_mask"] = shard.attention_mask
+            if shard.labels is not None:
+                changes["labels"] = shard.labels
+                if batch.num_items_in_batch is None:
+                    changes["num_items_in_batch"] = shard.num_items
+            seq, device = batch.input_ids.shape[1], batch.input_ids.device
+        else:
+            seq, device = batch.position_ids.shape[1], batch.position_ids.device
+            changes = {}
+        if batch.runs:
+            changes["position_ids"] = self.start(batch.position_ids, mask if batch.whole else None, seq=seq,
+                                                 device=device)
+        return batch.replace(**changes)
+
+    def end(self, batch: Batch, output):
+        """Positions stopped; a whole batch's loss (the model's `out.loss` and router `aux_loss`, each rank's share:
+        all-reduce fwd / identity bwd; a pipeline step's total, a value) summed over cp."""
+        if batch.runs:
+            self.stop()
+        if not batch.whole or output is None:
+            return output
+        if not batch.runs:  # a pipeline step's loss: fp64, no graph
+            return comm.all_reduce(output, comm.resolve_group(self.group_name), phase="loss")
+        if getattr(output, "loss", None) is not None:
+            output.loss = comm.sum_over_cp(output.loss, self.group_name)
+        if getattr(output, "aux_loss", None) is not None:  # each rank's share of the router aux loss
+            output.aux_loss = comm.sum_over_cp(output.aux_loss, self.group_name)
+        return output
+
+    def adopt(self, mesh: DeviceMesh) -> None:
+        """Move onto `mesh` (the Trainer's): its cp group holds the same ranks, only its name changes."""
+        old, new = comm.resolve_group(self.group_name), cp_mesh(mesh).get_group()
+        assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
+        self.group_name = comm.group_name(new)
 
 
 @dataclass(frozen=True)
@@ -131,16 +177,14 @@ def gathered_index(seq: int, cp_size: int, device: torch.device | str | None = N
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | None:
-    """Make `model` (refused by no row of the rule table, already TP-sharded, its `tp_layout` recorded) split its
-    sequences over the cp axis of `mesh`; returns its CPContext (None: no cp axis, nothing installed; a pipeline's
-    stages read it as `model.cp_context`). Installed: the batch split before
-    forward, the loss sum after it, the K/V gather around every attention's `attend`, the rows of the masks, the loss
-    functions on pre-shifted labels, and the grad sync's sum over cp."""
+    """Make `model` (refused by no row of the rule table, already TP-sharded) split its sequences over the cp axis of
+    `mesh`; returns its CPContext, which joins the forward scope (None: no cp axis, nothing installed). Installed:
+    the K/V gather around every attention's `attend`, the whole sequence for the token mixers outside attention, the
+    rows of the masks, and the loss functions on pre-shifted labels."""
     if cp_mesh(mesh) is None:
         return None
     cp_group = cp_mesh(mesh).get_group()
     ctx = CPContext(comm.group_name(cp_group), dist.get_world_size(cp_group), dist.get_rank(cp_group))
-    model.tp_layout.grad_sync.cp_group_name = ctx.group_name
     for module in model.modules():
         if isinstance(module, contract.TPAttention):
             module.attend = _gathering(contract.attend(module), ctx)
@@ -152,51 +196,10 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | No
         module.register_forward_hook(functools.partial(_this_ranks_rows, ctx))  # recurrences, short convolutions
     base = contract.base_model(model)
     base.attention_masks = _rows_for_this_rank(contract.mask_builder(model), ctx)
-    router_aux_over_cp(model, ctx)  # the router aux loss's token counts: every cp rank's tokens
     model.loss_function = _on_shifted(model.loss_function)
     if contract.has_head_loss(model):
         model.head_loss_function = _on_shifted(model.head_loss_function)
-    signature = inspect.signature(model.forward)
-    model.register_forward_pre_hook(lambda module, args, kwargs: _split_batch(ctx, signature, args, kwargs),
-                                    with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: _sum_loss(ctx, out))
     return ctx
-
-
-def adopt_cp_mesh(model: nn.Module, mesh: DeviceMesh) -> None:
-    """`model` moves onto `mesh` (the Trainer's): its cp group holds the same ranks, only its name changes."""
-    if getattr(model, "cp_context", None) is None:
-        return
-    old, new = comm.resolve_group(model.cp_context.group_name), cp_mesh(mesh).get_group()
-    assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
-    model.cp_context.group_name = model.tp_layout.grad_sync.cp_group_name = comm.group_name(new)
-
-
-def _split_batch(ctx: CPContext, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The whole batch -> this rank's tokens (`CPContext.split`, `begin`); when no count is given, the whole batch's
-    real-token count as `num_items_in_batch` (so the loss is a share of one process's)."""
-    bound = signature.bind(*args, **kwargs)
-    given = bound.arguments
-    ids, mask = given["input_ids"], given.get("attention_mask")  # (batch, seq)
-    shard = ctx.split(ids, given.get("labels"), mask)
-    given["position_ids"] = ctx.begin(given.get("position_ids"), mask, seq=ids.shape[1], device=ids.device)
-    given["input_ids"] = shard.input_ids
-    if mask is not None:
-        given["attention_mask"] = shard.attention_mask
-    if shard.labels is not None:
-        given["labels"] = shard.labels
-        if given.get("num_items_in_batch") is None:
-            given["num_items_in_batch"] = shard.num_items
-    return bound.args, bound.kwargs
-
-
-def _sum_loss(ctx: CPContext, out):
-    ctx.end()
-    if getattr(out, "loss", None) is not None:
-        out.loss = comm.sum_over_cp(out.loss, ctx.group_name)
-    if getattr(out, "aux_loss", None) is not None:  # each rank's share of the router aux loss
-        out.aux_loss = comm.sum_over_cp(out.aux_loss, ctx.group_name)
-    return out
 
 
 def _gathering(attend, ctx: CPContext):

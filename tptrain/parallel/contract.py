@@ -83,7 +83,7 @@ class TPModel(Protocol):
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
         this rank's share when the engine sums the counts over the ranks holding the batch's other tokens (context
-        and sequence parallelism wrap both: parallel/expert_parallel.py `router_aux_over_*`).
+        and sequence parallelism: parallel/expert_parallel.py `router_aux_over_token_shards` wraps both).
     The base model's (`mask_builder`; absent: None, and context parallelism refuses the model)
     attention_masks(position_ids, attention_mask, windows, *, query_index=None, key_index=None) -> {window: mask}:
         the masks its attention modules get, over the sequence of `position_ids`; `query_index` / `key_index` pick

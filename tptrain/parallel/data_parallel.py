@@ -6,6 +6,7 @@ TP parameters are plain local tensors, so FSDP shards each rank's TP shard as an
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -23,16 +24,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)  # ModuleDict: a pipeline stage's
 
 
-def ep_split_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules whose parameters the layout splits over the ep axis (the stacked experts), as the layout says."""
-    layout = getattr(model, "tp_layout", None)
-    if layout is None:
-        return []
-    names = dict.fromkeys(name.rpartition(".")[0] for name, spec in layout.specs.items() if spec.ep_split)
-    return [model.get_submodule(name) for name in names]
-
-
-def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipeline=None) -> bool:
+def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipeline=None,
+                        ep_split: Sequence[nn.Module] = ()) -> bool:
     """FSDP2 over dp_shard; HSDP over (dp_replicate, dp_shard) when dp_replicate > 1 (plain replicated
     DP when dp_shard is 1). Returns whether the model was wrapped (False when both dp degrees are 1).
 
@@ -40,7 +33,7 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipel
     real-token count of the global batch, so FSDP's default 1/dp would count each token dp times too
     little.
 
-    With an ep axis, the experts split over it are wrapped first, on their own, over the ranks holding the same
+    With an ep axis, the experts split over it (`ep_split`) are wrapped first, on their own, over the ranks holding the same
     experts (`expert_dp_mesh`: dp_shard_mod_ep, HSDP with dp_replicate), so their gradients are summed only there;
     everything else is sharded over dp_shard (ep included) as without it.
 
@@ -63,7 +56,7 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipel
     reshard = pipeline is None  # each unit's reshard_after_forward
     roots = pipeline.modules if pipeline is not None else [model]
     with pipeline.ties.own_copy() if pipeline is not None else contextlib.nullcontext():
-        for experts in ep_split_modules(model):
+        for experts in ep_split:
             fully_shard(experts, mesh=expert_dp_mesh(mesh), mp_policy=mp_policy, reshard_after_forward=reshard)
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
@@ -77,15 +70,14 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipel
     return True
 
 
-def apply_compile(model: nn.Module, *, backend: str) -> None:
+def apply_compile(model: nn.Module, *, backend: str, before_layer: Callable[[], None] | None = None) -> None:
     """torch.compile each decoder layer on its own (torchtitan's per-block compile): the layers share one code, so
     compiling one block is compiling them all, and the TP styles' hooks and collectives inside a block are traced
     with it (comm.py's collectives are custom ops). The layer's `forward` is replaced in place, so parameter names,
     the layout table and checkpoints are unchanged, and hooks on the layer itself (FSDP2's, applied after this)
-    run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer."""
-    layout = getattr(model, "tp_layout", None)
+    run around the compiled call. Applied after activation checkpointing, which calls each (compiled) layer.
+    `before_layer`: called before each layer's (compiled) call, in eager."""
     for layer in decoder_layers(model):
-        if layout is not None and layout.ctx.size > 1:  # a block never reuses the last block's shared TP boundary: starting each without
-            # it (in eager, before the compiled call) spares dynamo a second graph guarded on it being set
-            layer.register_forward_pre_hook(lambda module, args: layout.ctx.reset())
+        if before_layer is not None:
+            layer.register_forward_pre_hook(lambda module, args: before_layer())
         layer.forward = torch.compile(layer.forward, backend=backend)

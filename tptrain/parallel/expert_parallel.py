@@ -183,43 +183,32 @@ class ExpertParallel(ExpertParallelAllToAll):
             ExpertParallelAllReduce.install(self, module, ctx)
 
 
-def router_aux_over_cp(model: nn.Module, ctx) -> None:
-    """Context parallelism's part of the router aux loss (`contract.router_aux`): each cp rank routes its own tokens,
-    so the token counts are summed over the cp group (one all-reduce of num_experts + 1 floats) and each rank's loss
-    is its share (its own router probabilities), summed over cp with the rest of the loss. `ctx`: the model's
-    CPContext (its group read at each call: the Trainer may move the model onto a mesh of its own)."""
-    if contract.router_aux(model) is not None:
-        model.router_aux_loss_function = _counts_summed(model.router_aux_loss_function, ctx)
-
-
-def router_aux_over_sp(model: nn.Module, ctx: TPContext) -> None:
-    """Sequence parallelism's part of the router aux loss: each tp rank routes its sequence shard (the padding mask's
-    columns of that shard), its counts are summed over the tp group and its share too (all-reduce fwd / identity
-    bwd: every tp rank's loss is then the whole, each share's gradient its own)."""
-    if contract.router_aux(model) is None:
+def router_aux_over_token_shards(model: nn.Module, state) -> None:
+    """The router aux loss (`contract.router_aux`) when one batch's tokens are sharded over ranks (`state`'s
+    `token_shard_groups`: tp under sequence parallelism, then cp; read at each call, as the Trainer may move the model
+    onto a mesh of its own): each rank routes its own tokens, so the token counts are summed over those groups (one
+    all-reduce of num_experts + 1 floats each) and each rank's loss is its share (its own router probabilities).
+    Under SP the padding mask's columns are this rank's shard, and the share is summed over the tp group in the loss
+    (all-reduce fwd / identity bwd: every tp rank's loss is the whole, each share's gradient its own); under cp it is
+    summed with the rest of the loss (CPContext.end)."""
+    if contract.router_aux(model) is None or not state.token_shard_groups():
         return
     statistics, loss_function = contract.router_aux(model)
-    summed = _counts_summed(loss_function, ctx)
+    ctx = state.tp.ctx if state.sequence_parallel else None
 
     def router_statistics(router_logits, attention_mask):
-        if attention_mask is not None:  # (batch, seq) -> this rank's (batch, seq / tp), as SP splits the sequence
+        if ctx is not None and attention_mask is not None:  # (batch, seq) -> (batch, seq / tp), as SP splits it
             attention_mask = attention_mask.chunk(ctx.size, dim=1)[ctx.rank]
         return statistics(router_logits, attention_mask)
 
     def router_aux_loss_function(stats, *, total=None):
-        return comm.reduce_from_tp(summed(stats, total=total), ctx.group_name)
-
-    model.router_statistics, model.router_aux_loss_function = router_statistics, router_aux_loss_function
-
-
-def _counts_summed(loss_function, ctx):
-    """`loss_function(stats, *, total=)` with the counts (and any `total` it is given) summed over `ctx`'s group (a
-    TPContext or CPContext: its `group_name` as it is at the call) too."""
-    def router_aux_loss_function(stats, *, total=None):
         def summed(t):
-            t = comm.all_reduce(t.clone(), comm.resolve_group(ctx.group_name), phase="router_aux")
+            t = t.clone()
+            for group_name in state.token_shard_groups():
+                comm.all_reduce(t, comm.resolve_group(group_name), phase="router_aux")
             return t if total is None else total(t)
 
-        return loss_function(stats, total=summed)
+        share = loss_function(stats, total=summed)
+        return share if ctx is None else comm.reduce_from_tp(share, ctx.group_name)
 
-    return router_aux_loss_function
+    model.router_statistics, model.router_aux_loss_function = router_statistics, router_aux_loss_function

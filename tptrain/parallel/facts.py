@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from tptrain.distributed.state import state_of
 from tptrain.layout import ModelFacts
 from tptrain.parallel import contract
 
@@ -34,7 +35,7 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
 
 def _num_layers(model: nn.Module) -> int | None:
     """The decoder layers of a model a pipeline can cut (of its whole model when it is cut already), or None."""
-    plan = getattr(model, "pp_plan", None)
+    plan = state_of(model).pp
     if plan is not None:
         return sum(len(stage) for stage in plan.stage_layers)
     parts = contract.pipeline_parts(model)
@@ -44,10 +45,7 @@ def _num_layers(model: nn.Module) -> int | None:
 def laid_out(model: Any) -> dict[str, Any]:
     """The axes `model` was laid out on when it was loaded ({tp_size, ep_size, cp_size, pp_size, pp_schedule,
     sequence_parallel}): what a Trainer of it trains at. A model never laid out: every axis 1."""
-    layout = getattr(model, "tp_layout", None)
-    context = getattr(model, "cp_context", None)
-    plan = getattr(model, "pp_plan", None)
-    return {"tp_size": getattr(model, "tp_size", 1), "ep_size": layout.ctx.ep_size if layout is not None else 1,
-            "cp_size": context.size if context is not None else 1, "pp_size": plan.pp if plan is not None else 1,
-            "pp_schedule": plan.schedule if plan is not None else "1F1B",
-            "sequence_parallel": bool(layout is not None and layout.ctx.sequence_parallel)}
+    state = state_of(model)
+    return {"tp_size": state.dims.tp, "ep_size": state.dims.ep, "cp_size": state.dims.cp, "pp_size": state.dims.pp,
+            "pp_schedule": state.pp.schedule if state.pp is not None else "1F1B",
+            "sequence_parallel": state.sequence_parallel}

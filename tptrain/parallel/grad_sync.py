@@ -1,4 +1,5 @@
-"""Summing partial parameter gradients over the TP axis, bucketed into one all-reduce.
+"""Summing the gradients that are per-rank shares: TP's partial ones, bucketed into one all-reduce, and under context
+parallelism every one over the cp group.
 
 Some parameters receive only a per-rank share of their gradient: replicated weights applied to
 sharded activations (Qwen3's q/k norms, norms under sequence parallelism) and KV projections that
@@ -7,7 +8,7 @@ holding the same chunk. All of them travel in ONE flat all-reduce: a KV projecti
 laid out chunk by chunk, each rank writing its own chunk's slot, so summing the whole buffer sums
 exactly the ranks that share a chunk.
 
-Under context parallelism (`cp_group_name` set) EVERY gradient is a per-rank share (each cp rank's tokens): in
+Under context parallelism (the state's `cp`) EVERY gradient is a per-rank share (each cp rank's tokens): in
 "backward" mode every parameter is recorded and, after the TP sum, summed over the cp group in one more flat
 all-reduce. In "step" mode (the Trainer) FSDP2's reduce-scatter over dp_shard x cp sums them instead. Experts
 split over an ep axis are not: their ep group holds the cp ranks (each rank's owner got every cp rank's tokens
@@ -25,8 +26,10 @@ from tptrain.distributed import comm
 from tptrain.parallel.styles import ShardSpec, TPContext
 
 
-class PartialGradSync:
-    """Sums the partial gradients of one model's layout; one mode, set by whoever owns the training loop.
+class GradSync:
+    """Sums the per-rank gradient shares of one laid-out model (its ParallelState: the TP layout's table says which
+    gradients are partial over tp; under cp every one is a share over cp); one mode, set by whoever owns the training
+    loop. It belongs to no axis: it reads the TP layout and the CP context as they are at each sum.
 
     mode "backward" (the default): a tensor hook records each incoming local share and the sum is done
     once at the end of every backward, so a plain `loss.backward()` leaves correct gradients.
@@ -37,18 +40,26 @@ class PartialGradSync:
 
     MODES = ("backward", "step")
 
-    def __init__(self, layout) -> None:
-        self.layout = layout  # a TPLayout: its table says which gradients are partial
+    def __init__(self, state) -> None:
+        self.state = state  # a ParallelState (tptrain/distributed/state.py) with its TP layout
         self.mode = "backward"
         self._pending: dict[str, torch.Tensor] = {}
         self._queued = False
         self._params: dict[str, nn.Parameter] = {}
         self._handles: list = []
-        self.cp_group_name: str | None = None  # context parallelism: every gradient is also summed over this group
+
+    @property
+    def layout(self):
+        return self.state.tp  # a TPLayout: its table says which gradients are partial
 
     @property
     def ctx(self) -> TPContext:
         return self.layout.ctx
+
+    @property
+    def cp_group_name(self) -> str | None:
+        """Context parallelism's group (every gradient is also summed over it), as it is now; None without cp."""
+        return self.state.cp.group_name if self.state.cp is not None else None
 
     def set_mode(self, mode: str, model: nn.Module | None = None) -> None:
         """Switch to `mode`; in "backward" mode the hooks are (re)attached to `model`'s parameters."""

@@ -5,36 +5,44 @@
     parallelize(model, mesh, ParallelOptions(train=True, bf16=True), device=device)     # the Trainer
 
 The steps, in order (STEPS): pipeline cut -> tensor parallel (+ sequence parallel, + expert parallel: the plan's
-expert styles, over tp or over the ep axis) -> context parallel -> load (this rank's slices) -> activation
-checkpointing -> compile -> pipeline schedule -> FSDP2 / HSDP / DDP. This is torchtitan's parallelize_llama (TP ->
-CP -> AC -> compile -> FSDP) with the pipeline cut first, as its pipeline_llama cuts the model before it
-parallelizes each stage: on the meta model, so the TP plan, its layout table and the load see only this rank's stages,
-and a rank reads only its stages' tensors. The first four steps fix the model's structure (they run where a
-`plan` is given: `from_pretrained`, `model.parallelize`); the last four are the training run's (`train`: the
-Trainer, on the model as it was loaded). Every step is a no-op when its options ask nothing of it.
+expert styles, over tp or over the ep axis) -> context parallel -> the router aux loss over the token shards -> the
+forward scope -> load (this rank's slices) -> activation checkpointing -> compile -> pipeline schedule -> FSDP2 /
+HSDP / DDP. This is torchtitan's parallelize_llama (TP -> CP -> AC -> compile -> FSDP) with the pipeline cut first, as
+its pipeline_llama cuts the model before it parallelizes each stage: on the meta model, so the TP plan, its layout
+table and the load see only this rank's stages, and a rank reads only its stages' tensors. The structural steps, up
+to the load, run where a `plan` is given (`from_pretrained`, `model.parallelize`); the last four are the training
+run's (`train`: the Trainer, on the model as it was loaded). Every step is a no-op when its options ask nothing of it.
 
-A new axis is one step here plus the rows of the rule table (tptrain/layout) that say what it composes with.
+What the steps make is one `ParallelState` on the model (`model.parallel`, tptrain/distributed/state.py): the sizes
+and mesh, each axis's own object (the TP layout, the CP context, the pipeline plan), the gradient sync, and the forward
+scope: each axis acting around a forward adds its begin / end to it in its step, and every path through the model
+(its forward, through the hooks the scope step installs; a pipeline stage's forward and a pipeline step) runs it.
+
+A new axis is one step here (its module, its begin / end in the scope), the rows of the rule table (tptrain/layout)
+that say what it composes with, and its term in the planner (tptrain/diagnostics).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tptrain.distributed import comm
-from tptrain.layout import LIBRARY, Case, Spelling, validate
-from tptrain.parallel import pipeline_checkpoint, pipeline_parallel
-from tptrain.parallel.context_parallel import adopt_cp_mesh, apply_context_parallel
+from tptrain.distributed.state import Batch, ForwardScope, ParallelState, state_of
+from tptrain.layout import LIBRARY, Case, ParallelDims, Spelling, validate
+from tptrain.parallel import pipeline_parallel
+from tptrain.parallel.context_parallel import apply_context_parallel
 from tptrain.parallel.data_parallel import apply_compile, apply_data_parallel
+from tptrain.parallel.expert_parallel import router_aux_over_token_shards
 from tptrain.parallel.facts import laid_out, model_facts
+from tptrain.parallel.grad_sync import GradSync
 from tptrain.parallel.plan import ResolvedPlan, check_plan
-from tptrain.parallel.tensor_parallel import apply_tensor_parallel
+from tptrain.parallel.sequence_parallel import SequenceParallelSaver
+from tptrain.parallel.tensor_parallel import TPForward, apply_tensor_parallel
 
-__all__ = ["STEPS", "ParallelOptions", "Parallelized", "adopt_mesh", "check", "laid_out", "model_facts", "parallelize",
-           "save_stages"]
+__all__ = ["STEPS", "ParallelOptions", "Parallelized", "adopt_mesh", "check", "laid_out", "model_facts", "parallelize"]
 
 
 @dataclass(frozen=True)
@@ -58,48 +66,78 @@ class ParallelOptions:
 
 @dataclass
 class Parallelized:
-    """What the steps made: the plan as applied (restricted to this rank's stages), whether FSDP2 wraps the model,
-    and the pipeline (this rank's stages and torch's schedule; None without pp)."""
+    """What the steps made: the model's ParallelState (the one-process state of a model never laid out, which the
+    training steps only read), the plan as applied (restricted to this rank's stages), whether FSDP2 wraps the
+    model, and the pipeline (this rank's stages and torch's schedule; None without pp)."""
 
+    state: ParallelState = field(default_factory=ParallelState)
     plan: ResolvedPlan | None = None
     fsdp: bool = False
     pipeline: pipeline_parallel.Pipeline | None = None
 
 
 def cut_pipeline(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
-    """Keep only this rank's stages of the (meta) model; the plan restricted to them."""
-    if options.plan is not None and "pp" in mesh.mesh_dim_names:
+    """Keep only this rank's stages of the (meta) model (`state.pp`); the plan restricted to them."""
+    state = done.state
+    if options.plan is not None and state.dims.pp > 1:
         pp = mesh["pp"]
-        done.plan = pipeline_parallel.cut_for_rank(model, options.plan, pp=pp.size(), pp_rank=pp.get_local_rank(),
-                                                   schedule=options.pp_schedule, layers=options.pp_layers)
+        state.pp, done.plan = pipeline_parallel.cut_for_rank(model, options.plan, pp=pp.size(),
+                                                             pp_rank=pp.get_local_rank(), schedule=options.pp_schedule,
+                                                             layers=options.pp_layers)
 
 
 def tensor_parallel(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
     """The plan's styles over the tp axis (sequence parallelism is part of the plan; the expert styles split the
-    experts over tp, or by expert over the ep axis); the model records its layout table."""
+    experts over tp, or by expert over the ep axis): `state.tp`, the layout table; TP's and SP's begin / end in the
+    forward scope (over one tp rank nothing acts around a forward)."""
+    state = done.state
     if options.plan is None:
         return
     plan = done.plan
     ep_group = mesh["ep"].get_group() if plan.ep_size > 1 else None
-    layout = apply_tensor_parallel(model, plan, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
-    model.tp_size, model.tp_plan, model.device_mesh, model.tp_layout = plan.tp_size, layout.plan, mesh, layout
+    state.tp = apply_tensor_parallel(model, plan, tp_group=mesh["tp"].get_group(), ep_group=ep_group)
+    state.grad_sync = GradSync(state)
+    if plan.tp_size > 1:
+        state.scope.add(TPForward(state.tp))
+        if plan.sequence_parallel:
+            state.scope.add(SequenceParallelSaver(state.tp.ctx, type(model).__name__))
 
 
 def context_parallel(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
-    """Each sequence split over the cp axis (after TP: it wraps the loss functions TP installed)."""
+    """Each sequence split over the cp axis (after TP: it wraps the loss functions TP installed); `state.cp`, which
+    joins the forward scope."""
+    state = done.state
     if options.plan is not None:
-        model.cp_context = apply_context_parallel(model, mesh)
+        state.cp = apply_context_parallel(model, mesh)
+        if state.cp is not None:
+            state.scope.add(state.cp)
+
+
+def router_aux(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
+    """The router aux loss's token counts summed over the axes holding one batch's tokens (tp under SP, cp)."""
+    state = done.state
+    if options.plan is not None:
+        router_aux_over_token_shards(model, state)
+
+
+def forward_scope(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
+    """The model's forward runs the scope: a pre-hook begins it on the forward's arguments (what the axes change, a
+    cp rank's tokens say, written back), a hook (always called) ends it on the output."""
+    state = done.state
+    if options.plan is not None and state.scope.axes:
+        _run_scope_around_forward(model, state.scope)
 
 
 def load(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
-    """This rank's slice of each of its parameters (`options.load`), or the model moved to `device`; the TP
-    gradient sync attached to the parameters as they now are."""
+    """This rank's slice of each of its parameters (`options.load`), or the model moved to `device`; the gradient
+    sync attached to the parameters as they now are."""
+    state = done.state
     if options.load is not None:
         options.load(model)
     elif any(p.device != device for p in model.parameters()):  # a model built or loaded elsewhere
         model.to(device)
     if options.plan is not None:
-        model.tp_layout.grad_sync.attach(model)
+        state.grad_sync.attach(model)
 
 
 def activation_checkpointing(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
@@ -108,42 +146,79 @@ def activation_checkpointing(model: nn.Module, mesh, options: ParallelOptions, d
 
 
 def compile_layers(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
+    """Each decoder layer compiled; over tp > 1 each starts without the last one's shared TP boundary (in eager,
+    before the compiled call: it spares dynamo a second graph guarded on it being set)."""
+    state = done.state
     if options.train and options.compile_backend is not None:
-        apply_compile(model, backend=options.compile_backend)
+        reset = state.tp.ctx.reset if state.tp is not None and state.dims.tp > 1 else None
+        apply_compile(model, backend=options.compile_backend, before_layer=reset)
 
 
 def pipeline_schedule(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
     """Torch's stages and schedule over this rank's stage modules (views of the model as it is now: after AC and
-    compile, before FSDP2, which wraps each stage module)."""
-    if options.train and getattr(model, "pp_plan", None) is not None:
-        n_microbatches = options.pp_microbatches or model.pp_plan.pp
-        done.pipeline = pipeline_parallel.Pipeline(model, mesh, n_microbatches=n_microbatches, device=device,
-                                                   on_forward=options.on_forward)
+    compile, before FSDP2, which wraps each stage module). The schedules run backward in pieces (zero-bubble: input
+    and weight gradients apart): the gradient sync sums once per step, by whoever owns the loop; under cp every
+    gradient is a cp rank's share, summed by FSDP2's reduce-scatter over dp_shard x cp (the Trainer always wraps
+    the stages then)."""
+    state = done.state
+    if options.train and state.pp is not None:
+        if state.grad_sync is not None:
+            state.grad_sync.set_mode("step")
+        n_microbatches = options.pp_microbatches or state.pp.pp
+        done.pipeline = pipeline_parallel.Pipeline(model, mesh, n_microbatches=n_microbatches,
+                                                   device=device, on_forward=options.on_forward)
 
 
 def data_parallel(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
-    """FSDP2 / HSDP / DDP over the data-parallel axes (each stage module under pp). The TP partial-gradient sum
-    switches to once per optimizer step first (its hooks would sit on the parameter objects FSDP2 replaces): the
-    Trainer calls it after the last micro-batch."""
+    """FSDP2 / HSDP / DDP over the data-parallel axes (each stage module under pp; the experts split over an ep
+    axis on their own). The gradient sync switches to once per optimizer step first (its hooks would sit on the
+    parameter objects FSDP2 replaces): the Trainer calls it after the last micro-batch."""
+    state = done.state
     if not options.train:
         return
-    layout = getattr(model, "tp_layout", None)
-    assert getattr(model, "tp_size", 1) == mesh["tp"].size(), (getattr(model, "tp_size", 1), mesh)
-    if layout is not None:
-        layout.grad_sync.set_mode("step")
-    done.fsdp = apply_data_parallel(model, mesh, bf16=options.bf16, pipeline=done.pipeline)
+    assert state.dims.tp == mesh["tp"].size(), (state.dims, mesh)
+    if state.grad_sync is not None:
+        state.grad_sync.set_mode("step")
+    experts = [] if state.tp is None else state.tp.ep_split_modules(model)
+    done.fsdp = apply_data_parallel(model, mesh, bf16=options.bf16, pipeline=done.pipeline,
+                                    ep_split=experts)
 
 
-STEPS = (cut_pipeline, tensor_parallel, context_parallel, load, activation_checkpointing, compile_layers,
-         pipeline_schedule, data_parallel)
+STEPS = (cut_pipeline, tensor_parallel, context_parallel, router_aux, forward_scope, load, activation_checkpointing,
+         compile_layers, pipeline_schedule, data_parallel)
 
 
 def parallelize(model: nn.Module, mesh, options: ParallelOptions, *, device: torch.device) -> Parallelized:
-    """Apply every step of STEPS to `model` on `mesh` (this rank's device `device`), in order."""
-    done = Parallelized(plan=options.plan)
+    """Apply every step of STEPS to `model` on `mesh` (this rank's device `device`), in order. With a `plan` (the
+    structure) the model gets its ParallelState first (`model.parallel`); the training steps read the one it has."""
+    if options.plan is not None:
+        model.parallel = ParallelState(dims=ParallelDims.of(mesh), mesh=mesh)
+    done = Parallelized(state=state_of(model), plan=options.plan)
     for step in STEPS:
         step(model, mesh, options, device, done)
     return done
+
+
+def _run_scope_around_forward(model: nn.Module, scope: ForwardScope) -> None:
+    signature = inspect.signature(model.forward)
+    began: list[bool] = []  # per call in flight: whether its begin completed (the hook is always called)
+
+    def begin(module, args, kwargs):
+        bound = signature.bind(*args, **kwargs)
+        try:
+            batch = scope.begin(Batch.of_arguments(bound.arguments))
+        except BaseException:
+            began.append(False)
+            raise
+        began.append(True)
+        batch.write_to(bound.arguments, signature.parameters)
+        return bound.args, bound.kwargs
+
+    def end(module, args, output):
+        return scope.end(output) if began.pop() else output
+
+    model.register_forward_pre_hook(begin, with_kwargs=True)
+    model.register_forward_hook(end, always_call=True)
 
 
 def check(model: nn.Module, config, *, world_size: int | None = None, device_map: bool = False,
@@ -164,24 +239,9 @@ def check(model: nn.Module, config, *, world_size: int | None = None, device_map
 def adopt_mesh(model: nn.Module, mesh) -> None:
     """Make `mesh` (same tp, ep and cp sizes; TP innermost) `model`'s mesh: its TP, ep and cp groups hold the same
     ranks as those it was laid out over, so only the mesh and the groups' names change (the Trainer's mesh, of other
-    data-parallel sizes)."""
-    old, new = model.device_mesh["tp"].get_group(), mesh["tp"].get_group()
-    assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
-    model.device_mesh = mesh
-    model.tp_layout.ctx.group_name = comm.group_name(new)
-    if model.tp_layout.ctx.ep_size > 1:
-        ep = mesh["ep"].get_group()
-        old_ep = comm.resolve_group(model.tp_layout.ctx.ep_group_name)
-        assert dist.get_process_group_ranks(old_ep) == dist.get_process_group_ranks(ep), (old_ep, ep)
-        model.tp_layout.ctx.ep_group_name = comm.group_name(ep)
-    adopt_cp_mesh(model, mesh)
-
-
-def save_stages(model: nn.Module, *args, **kwargs) -> bool:
-    """save_pretrained of a model cut into pipeline stages (each stage writes its own shard files, rank 0 the index
-    last: parallel/pipeline_checkpoint.py). Returns False, having done nothing, for a model that is not cut."""
-    if getattr(model, "pp_plan", None) is None:
-        return False
-    pipeline_checkpoint.save_stages(model, *args, **kwargs)
-    return True
-
+    data-parallel sizes). Each axis adopts it on its own."""
+    state = model.parallel
+    state.tp.adopt(mesh)
+    if state.cp is not None:
+        state.cp.adopt(mesh)
+    state.mesh, state.dims = mesh, ParallelDims.of(mesh)

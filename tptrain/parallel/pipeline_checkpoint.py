@@ -34,7 +34,8 @@ def save_stages(model: nn.Module, sizes: dict[str, int], tensors: Callable[[], I
     """Write the whole model's checkpoint from every stage (module docstring). `sizes`: this rank's {checkpoint
     name: bytes}, in the order `tensors()` gathers and yields them. Collective over every rank of the mesh; any
     failure is raised on every rank, and the staging directory is removed."""
-    group = model.device_mesh["pp"].get_group()
+    pp = model.parallel.mesh["pp"]
+    group = pp.get_group()
     writer = dist.get_process_group_ranks(group)[0] == 0  # this pp column writes: it holds global rank 0
     first = dist.get_rank() == 0
     tmp, error = None, None
@@ -50,7 +51,7 @@ def save_stages(model: nn.Module, sizes: dict[str, int], tensors: Callable[[], I
         tmp = Path(per_rank[0][1]) if writer else None
         parts = _owned([items for items, _ in per_rank])
         files = plan_files(parts, max_shard_size)
-        me = model.device_mesh["pp"].get_local_rank()
+        me = pp.get_local_rank()
         mine = (item for item in tensors() if item[0] in parts[me])  # every rank gathers; writers keep their own
         error = _write_part(tmp, files[me], mine, directory) if writer else None
         for _ in mine:  # the gathers a failed writer did not consume: every rank of its TP group takes part
@@ -97,7 +98,7 @@ def gather_stages(model: nn.Module, state: dict[str, torch.Tensor] | None) -> di
     """Every stage's `state` (a LoRA adapter's tensors, on its TP rank 0; None elsewhere) merged, in stage rank
     order, a name two stages hold (a tied weight) from the first; on the pp ranks of global rank 0 (the writer's),
     None elsewhere. Collective over the pp group."""
-    group = model.device_mesh["pp"].get_group()
+    group = model.parallel.mesh["pp"].get_group()
     parts = comm.all_gather_object(state, group)
     if dist.get_process_group_ranks(group)[0] != 0:
         return None

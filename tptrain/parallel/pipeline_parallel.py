@@ -1,7 +1,7 @@
 """Pipeline parallelism on torch.distributed.pipelining: the model cut into stages, one schedule of torch's.
 
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(pp_size=2, tp_size=2))
-    # this rank holds only its stage(s): model.pp_plan says which layers; the Trainer runs the schedule
+    # this rank holds only its stage(s): model.parallel.pp says which layers; the Trainer runs the schedule
 
 The decoder layers are split into `pp x stages_per_rank` stages, evenly counting the embedding and the head as one
 layer each (torchtitan's rule), or as `pp_layers` says. A rank's model keeps only its stages' modules, the layers
@@ -10,12 +10,14 @@ tensors; DCP and save_pretrained see global names). Each of its stages is a `Sta
 model holding only that stage's modules (the same parameter objects). The model says what to cut through
 `contract.PipelineModel`; nothing here names a model's module.
 
-Context and sequence parallelism compose: under cp the Pipeline splits each whole batch over the cp group before the
-schedule cuts it into microbatches (the model's own `CPContext.split`), and every stage's forward begins that
-microbatch's rows of the masks from its global position ids (`CPContext.begin`); under SP the residual stream
-between layers is a sequence shard, so the stages exchange each tp rank's (batch, seq / cp / tp, hidden) with the
-same tp rank of the next stage (the first stage's embedding scatters it, the last stage's head gathers it), and each
-stage's forward begins SP's saved-tensor hooks.
+The other axes compose through the model's one forward scope (tptrain/distributed/state.py), which a pipeline runs
+where the model's forward would: `Pipeline.step` runs it around the whole batch ("step": under cp the batch is split
+over the cp group before the schedule cuts it into microbatches, and the step's loss summed over cp), each stage's
+forward around its microbatch ("stage": TP's fresh boundary and vocab-sharded logits, SP's saved-tensor hooks, the
+rows of CP's masks from the microbatch's global position ids). Nothing here names another axis. Under SP the
+residual stream between layers is a sequence shard, so the stages exchange each tp rank's (batch, seq / cp / tp,
+hidden) with the same tp rank of the next stage (the first stage's embedding scatters it, the last stage's head
+gathers it).
 
 Tied embeddings: the first stage's embedding and the last stage's head are one weight. When two ranks hold them,
 each keeps a copy and `Pipeline.ties` (parallel/pipeline_grads.py) sums their gradients over a group of those two
@@ -24,7 +26,6 @@ FSDP2 the last stage module holds its own copy).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -34,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tptrain.distributed import comm
+from tptrain.distributed.state import Batch, ForwardScope, state_of
 from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
@@ -160,18 +161,17 @@ def keep_stage(model: nn.Module, layers: list[int], *, first: bool, last: bool, 
 
 def cut_model(model: nn.Module, plan: PipelinePlan) -> None:
     """Keep only this rank's stages of `model` (before its parameters are materialised: then only their tensors
-    are read); `model.pp_plan` records the plan."""
+    are read)."""
     keep_stage(model, plan.layers(), first=plan.holds(0), last=plan.holds(plan.n_stages - 1))
-    model.pp_plan = plan
 
 
-def stage_plan(resolved: ResolvedPlan, model: nn.Module) -> ResolvedPlan:
-    """A TP plan resolved on the whole model, restricted to the modules and parameters a stage holds. A tied
-    head on a stage without the embedding takes the embedding's spec (both split the vocab rows)."""
+def stage_plan(resolved: ResolvedPlan, model: nn.Module, plan: PipelinePlan) -> ResolvedPlan:
+    """A TP plan resolved on the whole model, restricted to the modules and parameters a stage (of `plan`) holds. A
+    tied head on a stage without the embedding takes the embedding's spec (both split the vocab rows)."""
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     specs = {n: s for n, s in resolved.specs.items() if n in params}
-    for first, last in getattr(model, "pp_plan").tied:
+    for first, last in plan.tied:
         if last in params and first in resolved.specs:
             specs[last] = resolved.specs[first]
     return dataclasses.replace(resolved, styles={k: v for k, v in resolved.styles.items() if k in modules},
@@ -186,9 +186,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.view = _shallow(model)
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
-        self._layout = getattr(model, "tp_layout", None)
-        self._saver = getattr(model, "sp_saver", None)
-        self._cp = getattr(model, "cp_context", None)
+        self.scope: ForwardScope = state_of(model).scope  # the model's forward scope (empty for one process)
 
     def own_parameter(self, name: str) -> None:
         """Give this view its own copy of the model's parameter `name` (the module holding it, and that module's
@@ -203,23 +201,11 @@ class StageModule(nn.Module):
         """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
         the stage before sent (batch, seq / cp (/ tp under SP), hidden); carried: what else it sent (the router
         statistics, `contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq), which
-        RoPE and the masks read (a stage's input may be a shard of the sequence)."""
-        with contextlib.ExitStack() as scope:
-            # What the axes' hooks on the model's forward do around a whole forward with labels: TP's fresh shared
-            # boundary and logits left vocab-sharded for its vocab-parallel loss (MicrobatchLoss calls it), SP's
-            # saved-tensor hooks, CP's rows of the masks and this rank's positions.
-            ctx = self._layout.ctx if self._layout is not None and self._layout.ctx.size > 1 else None
-            if ctx is not None:
-                ctx.reset()
-                ctx.keep_logits_sharded = self._layout.vocab_parallel_loss
-                scope.callback(ctx.reset)
-            if self._saver is not None:
-                self._saver.begin()
-                scope.callback(self._saver.end)
-            if self._cp is not None:
-                position_ids = self._cp.begin(position_ids, None, seq=position_ids.shape[1], device=x.device)
-                scope.callback(self._cp.end)
-            return self.view.pipeline_forward(x, *carried, position_ids=position_ids)
+        RoPE and the masks read (a stage's input may be a shard of the sequence). Inside the model's forward scope,
+        as the model's own forward would be (a loss follows: MicrobatchLoss computes it from the last stage's
+        logits)."""
+        batch = Batch("stage", position_ids=position_ids, loss=True)
+        return self.scope.run(batch, lambda b: self.view.pipeline_forward(x, *carried, position_ids=b.position_ids))
 
 
 class MicrobatchLoss:
@@ -246,14 +232,9 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
-        plan = self.plan = model.pp_plan
-        self.model, self.loss = model, MicrobatchLoss(model)
-        if getattr(model, "tp_layout", None) is not None:
-            # The schedules run backward in pieces (zero-bubble: input and weight gradients apart): partial TP
-            # gradients are summed once per step by whoever owns the loop (`grad_sync.sync_grads`), not per backward;
-            # under cp every gradient is a cp rank's share, summed by FSDP2's reduce-scatter over dp_shard x cp (the
-            # Trainer always wraps the stages then).
-            model.tp_layout.grad_sync.set_mode("step")
+        state = state_of(model)
+        plan = self.plan = state.pp
+        self.model, self.loss, self.scope = model, MicrobatchLoss(model), state.scope
         last = plan.n_stages - 1
         self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),
                                      s, plan.n_stages, device, group=mesh["pp"].get_group()) for s in plan.stages]
@@ -269,40 +250,34 @@ class Pipeline:
         """This rank's stage modules, what FSDP2 wraps under data parallelism (torch's stages then see it)."""
         return [stage.submod for stage in self.stages]
 
-    def _inputs(self, batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor | None, dict]:
-        """(args of the first stage, target of the last, kwargs of every stage): each rank gives what its stages
-        take; the schedule splits them into microbatches along the batch dim. Under cp the whole batch is split
-        first, as the model's forward splits it (`CPContext.split`: this rank's tokens, the labels shifted before
-        the split); every stage takes the whole sequences' position ids (RoPE, the masks)."""
-        plan, cp = self.plan, getattr(self.model, "cp_context", None)
-        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        if cp is not None:
-            shard = cp.split(ids, labels)
-            ids, labels = shard.input_ids, shard.labels
-        args = (ids,) if plan.holds(0) else ()
-        return args, labels if plan.holds(plan.n_stages - 1) else None, {"position_ids": positions}
-
     def step(self, batch: dict[str, torch.Tensor], num_items: int, *, train: bool = True) -> torch.Tensor:
-        """Forward (and with `train` backward) of one batch through the pipeline. Returns this rank's sum of the
-        microbatch losses (fp64; 0 on a rank without the last stage: the caller sums over pp), summed over cp (each
-        cp rank's loss is the token sum of its tokens)."""
+        """Forward (and with `train` backward) of one batch through the pipeline, inside the model's forward scope
+        ("step": under cp the whole batch is split before the schedule cuts it into microbatches, and the loss summed
+        over cp). Returns this rank's sum of the microbatch losses (fp64; 0 on a rank without the last stage: the
+        caller sums over pp)."""
         self.loss.num_items = num_items
         self.ties.refresh()
-        args, target, kwargs = self._inputs(batch)
+        ids, positions = batch["input_ids"], batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        whole = Batch("step", input_ids=ids, labels=batch["labels"], position_ids=positions,
+                      num_items_in_batch=num_items, loss=True)
+        return self.scope.run(whole, functools.partial(self._run, train=train))
+
+    def _run(self, batch: Batch, *, train: bool) -> torch.Tensor:
+        """torch's schedule on this rank's part of `batch`: the first stage takes the ids, the last the labels, every
+        stage the whole sequences' position ids (RoPE, the masks); the schedule splits each along the batch dim."""
+        plan = self.plan
+        args = (batch.input_ids,) if plan.holds(0) else ()
+        target = batch.labels if plan.holds(plan.n_stages - 1) else None
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else functools.partial(forward_only, self.schedule)
         # return_outputs=False: the last stage drops each microbatch's logits after its backward instead of keeping
         # them all to the end of the step and concatenating them (nothing reads them: the losses are the output).
-        run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        device = batch["input_ids"].device
-        total = sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
-                                                                                       device=device))
-        cp = getattr(self.model, "cp_context", None)
-        if cp is not None:
-            comm.all_reduce(total, comm.resolve_group(cp.group_name), phase="loss")
-        return total
+        run(*args, target=target, losses=losses, return_outputs=False, position_ids=batch.position_ids)
+        device = batch.position_ids.device
+        return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
+                                                                                     device=device))
 
 
 _FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType values (a str Enum)
@@ -329,7 +304,7 @@ def forward_only(schedule, *args, **kwargs) -> None:
 def held_elsewhere(model: nn.Module, name: str) -> bool:
     """Whether parameter `name` (its whole-model name) belongs to a stage this rank of a cut `model` does not hold
     (a file of the whole model's tensors, a LoRA adapter's, names it: this rank skips it)."""
-    plan = getattr(model, "pp_plan", None)
+    plan = state_of(model).pp
     if plan is None:
         return False
     layers, first, last = contract.pipeline_parts(model)
@@ -340,9 +315,10 @@ def held_elsewhere(model: nn.Module, name: str) -> bool:
 
 
 def cut_for_rank(model: nn.Module, resolved: ResolvedPlan, *, pp: int, pp_rank: int, schedule: str,
-                 layers: list[list[int]] | None = None) -> ResolvedPlan:
-    """Cut `model` (whole, on meta) to pp rank `pp_rank`'s stages; returns the TP plan restricted to them."""
+                 layers: list[list[int]] | None = None) -> tuple[PipelinePlan, ResolvedPlan]:
+    """Cut `model` (whole, on meta) to pp rank `pp_rank`'s stages; returns the plan and the TP plan restricted to
+    them."""
     plan = plan_pipeline(model, pp=pp, pp_rank=pp_rank, schedule=schedule, layers=layers)
     cut_model(model, plan)
-    return stage_plan(resolved, model)
+    return plan, stage_plan(resolved, model, plan)
 

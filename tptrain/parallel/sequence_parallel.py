@@ -11,20 +11,19 @@ tensor, so they share ONE re-gather, cached until the last of them has run its b
     model.parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
     model(input_ids, labels=labels).loss.backward()   # seq len must be a multiple of tp_size
 
-Under pipeline parallelism the stages exchange the residual stream as it is between layers, each tp rank's shard
-going to the same tp rank of the next stage, and each stage's forward begins and ends the saver
-(`model.sp_saver`) as the model's forward hooks do (parallel/pipeline_parallel.py).
+The saver is sequence parallelism's part of the forward scope (tptrain/distributed/state.py): every forward through
+the model (its own, a pipeline stage's) begins and ends it. Under pipeline parallelism the stages exchange the residual
+stream as it is between layers, each tp rank's shard going to the same tp rank of the next stage.
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.distributed.state import Batch
 from tptrain.layout import Case, Features, ModelFacts, ParallelDims, Spelling, check
 from tptrain.parallel.styles import TPContext
 
@@ -73,12 +72,15 @@ class _Packed:
 
 
 class SequenceParallelSaver:
-    """The saved-tensor hooks of one SP model, active only while that model runs forward."""
+    """The saved-tensor hooks of one SP model, active only while that model runs forward: sequence parallelism's part
+    of the forward scope. Its begin checks a whole batch's sequence length first (the same on every rank: all raise,
+    none is left in a collective; a pipeline's batches were checked by the Trainer before it built the pipeline)."""
 
-    def __init__(self, ctx: TPContext) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: TPContext, model_name: str) -> None:
+        self.ctx, self.model_name = ctx, model_name
         self._gathered: dict[int, _Gathered] = {}  # storage address -> gather, for this forward only
         self._hooks: list = []
+        ctx.on_gather, ctx.keeps_shards = self.on_gather, self.active
 
     def on_gather(self, local: torch.Tensor, full: torch.Tensor, dim: int) -> None:
         if torch.compiler.is_compiling():  # a compiled layer: its compiler, not autograd's hooks, picks what it saves
@@ -111,41 +113,27 @@ class SequenceParallelSaver:
         # The re-gathered tensor has the forward's contiguous layout, so the saved view maps onto it.
         return packed.source.regather().as_strided(packed.shape, packed.stride, packed.offset)
 
-    def begin(self) -> None:
+    def begin(self, batch: Batch) -> Batch:
+        if not batch.runs:
+            return batch
+        if batch.whole and batch.input_ids is not None:
+            check_sequence_length(self.model_name, batch.input_ids.shape[1], self.ctx.size)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._hooks.append(hooks)
+        return batch
 
-    def end(self) -> None:
-        self._gathered.clear()  # packed views keep what they need; the rest may be freed
-        if self._hooks:
+    def end(self, batch: Batch, output):
+        if batch.runs:
+            self._gathered.clear()  # packed views keep what they need; the rest may be freed
             self._hooks.pop().__exit__(None, None, None)
+        return output
 
 
-def check_sequence_length(model: nn.Module, seq_len: int, tp_size: int, *, what: str | None = None) -> None:
+def check_sequence_length(model_name: str, seq_len: int, tp_size: int, *, what: str | None = None) -> None:
     """ValueError unless `seq_len` splits over the TP ranks (the rule table's `sp_seq_len`); `what` names where the
     length comes from."""
     case = Case(dims=ParallelDims(1, 1, tp_size), features=Features(sequence_parallel=True, seq_len=seq_len),
-                facts=ModelFacts(type(model).__name__, ""),
+                facts=ModelFacts(model_name, ""),
                 spelling=Spelling(seq_len=what or f"the input's sequence length {seq_len}"))
     check("sp_seq_len", case)
-
-
-def install_sequence_parallel(model: nn.Module, ctx: TPContext) -> SequenceParallelSaver:
-    """Check the sequence length before any collective and keep only shards for backward, around the model's
-    forward; `model.sp_saver` is the saver, which a pipeline stage's forward begins and ends itself (the schedule
-    never runs the model's forward; the Trainer checks the sequence length before it builds the pipeline)."""
-    saver = SequenceParallelSaver(ctx)
-    ctx.on_gather, ctx.keeps_shards = saver.on_gather, saver.active
-    model.sp_saver = saver
-    sig = inspect.signature(model.forward)
-
-    def before(module, args, kwargs):
-        ids = sig.bind_partial(*args, **kwargs).arguments.get("input_ids")
-        if ids is not None:  # identical on every rank: all raise, none is left in a collective
-            check_sequence_length(module, ids.shape[1], ctx.size)
-        saver.begin()
-
-    model.register_forward_pre_hook(before, with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: saver.end(), always_call=True)
-    return saver

@@ -6,27 +6,25 @@ checkpoint) and on a materialised model (each full parameter is sliced in memory
     resolved = check_plan(model, "auto", tp_size)      # pure: no process group
     resolved.raise_problems(model)                     # identical on every rank
     layout = apply_tensor_parallel(model, resolved, tp_group=mesh["tp"].get_group())
+    scope.add(TPForward(layout))                       # TP's begin / end around every forward (parallelize does it)
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch.distributed as dist
 from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.distributed.state import Batch
 from tptrain.parallel import contract
-from tptrain.parallel.expert_parallel import router_aux_over_sp
-from tptrain.parallel.grad_sync import PartialGradSync
 from tptrain.parallel.loss import make_vocab_parallel_causal_lm_loss, make_vocab_parallel_head_loss
 from tptrain.parallel.plan import ResolvedPlan, check_plan
-from tptrain.parallel.sequence_parallel import install_sequence_parallel
 from tptrain.parallel.shards import gather_full, read_shard
 from tptrain.parallel.styles import ColwiseParallel, ShardSpec, TPContext
 
-__all__ = ["ParamLayout", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full", "read_shard"]
+__all__ = ["ParamLayout", "TPForward", "TPLayout", "apply_tensor_parallel", "check_plan", "gather_full", "read_shard"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +55,7 @@ class TPLayout:
     One table, parameter name (every alias of a tied weight) -> ParamLayout, changed only through
     `add`, `rename` and `drop` (adapters add their factors and move the base weights under
     `base_layer`). `specs` and `global_shapes` are read-only views of it; the parameters whose
-    gradients are per-rank shares, and so the gradient sync, are derived from it.
+    gradients are per-rank shares (what the gradient sync sums) are derived from it.
     """
 
     def __init__(self, plan: dict[str, str], params: dict[str, ParamLayout], ctx: TPContext, *,
@@ -68,7 +66,6 @@ class TPLayout:
         self._params = dict(params)
         self.specs: Mapping[str, ShardSpec] = _Column(self._params, "spec")
         self.global_shapes: Mapping[str, tuple[int, ...]] = _Column(self._params, "global_shape")
-        self.grad_sync = PartialGradSync(self)
 
     def spec(self, name: str) -> ShardSpec:
         return self._params[name].spec if name in self._params else ShardSpec()
@@ -91,6 +88,43 @@ class TPLayout:
     def drop(self, prefix: str) -> None:
         for key in [k for k in self._params if k.startswith(prefix)]:
             del self._params[key]
+
+    def ep_split_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of `model` whose parameters this layout splits over the ep axis (the stacked experts)."""
+        names = dict.fromkeys(name.rpartition(".")[0] for name, spec in self.specs.items() if spec.ep_split)
+        return [model.get_submodule(name) for name in names]
+
+    def adopt(self, mesh) -> None:
+        """Move onto `mesh` (the Trainer's, of other data-parallel sizes): its tp and ep groups hold the same ranks as
+        those the model was laid out over, so only the groups' names change."""
+        self.ctx.group_name = _same_ranks(self.ctx.group, mesh["tp"].get_group())
+        if self.ctx.ep_size > 1:
+            self.ctx.ep_group_name = _same_ranks(self.ctx.ep_group, mesh["ep"].get_group())
+
+
+def _same_ranks(old, new) -> str:
+    assert dist.get_process_group_ranks(old) == dist.get_process_group_ranks(new), (old, new)
+    return comm.group_name(new)
+
+
+class TPForward:
+    """TP's part of the forward scope (tptrain/distributed/state.py): each forward starts without the last one's
+    shared boundary, and the head keeps its logits vocab-sharded when a loss follows (the vocab-parallel loss reads
+    them: a model's forward with labels, a pipeline stage's, whose schedule computes the loss)."""
+
+    def __init__(self, layout: TPLayout) -> None:
+        self.ctx, self.vocab_parallel_loss = layout.ctx, layout.vocab_parallel_loss
+
+    def begin(self, batch: Batch) -> Batch:
+        if batch.runs:
+            self.ctx.reset()
+            self.ctx.keep_logits_sharded = self.vocab_parallel_loss and batch.loss
+        return batch
+
+    def end(self, batch: Batch, output):
+        if batch.runs:
+            self.ctx.reset()
+        return output
 
 
 def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPContext) -> dict[str, ParamLayout]:
@@ -122,15 +156,6 @@ def _shard_parameters(model: nn.Module, specs: dict[str, ShardSpec], ctx: TPCont
     return out
 
 
-def _labels_given(forward) -> Callable[[tuple, dict], bool]:
-    sig = inspect.signature(forward)
-
-    def given(args, kwargs) -> bool:
-        return sig.bind_partial(*args, **kwargs).arguments.get("labels") is not None
-
-    return given
-
-
 def colwise_blocks(model: nn.Module, resolved: ResolvedPlan) -> dict[int, tuple[nn.Module, ...]]:
     """id(colwise module) -> its colwise siblings (same parent, itself included): the linears that read one input
     (q/k/v, gate/up) and so may run as one fused block. A sibling first called on another input starts a block
@@ -150,7 +175,8 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group,
 
     Over one TP rank the layout is recorded (the specs as resolved, each one chunk: saving, DCP and LoRA read it as
     at any size) but nothing is installed: no style, hook, boundary or TP loss, so the model computes as on one
-    device; only experts split over an ep axis get their style (their exchange over ep)."""
+    device; only experts split over an ep axis get their style (their exchange over ep). What acts around the
+    model's forward (`TPForward`, sequence parallelism's saver) joins the forward scope in parallelize."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     assert not resolved.problems and resolved.tp_size == tp_size, (resolved.problems, resolved.tp_size, tp_size)
     ep = {}
@@ -167,27 +193,8 @@ def apply_tensor_parallel(model: nn.Module, resolved: ResolvedPlan, *, tp_group,
     for name, style in resolved.objects.items():
         style.install(model.get_submodule(name), ctx)
     ctx.blocks = colwise_blocks(model, resolved)
-    _install_model_hooks(model, resolved, ctx)
-    return layout
-
-
-def _install_model_hooks(model: nn.Module, resolved: ResolvedPlan, ctx: TPContext) -> None:
-    """What spans the whole model: the vocab-parallel loss, the per-forward reset of the shared boundary, SP."""
-    if resolved.vocab_parallel_loss:
-        # Logits stay vocab-sharded whenever a loss is computed: the loss is vocab-parallel.
+    if resolved.vocab_parallel_loss:  # logits stay vocab-sharded whenever a loss is computed (TPForward)
         model.loss_function = make_vocab_parallel_causal_lm_loss(ctx)
         if contract.has_head_loss(model):
             model.head_loss_function = make_vocab_parallel_head_loss(ctx)
-        labels_given = _labels_given(model.forward)
-
-        def before(module, args, kwargs):
-            ctx.reset()
-            ctx.keep_logits_sharded = labels_given(args, kwargs)
-
-        model.register_forward_pre_hook(before, with_kwargs=True)
-    else:
-        model.register_forward_pre_hook(lambda module, args: ctx.reset())
-    model.register_forward_hook(lambda module, args, out: ctx.reset())
-    if resolved.sequence_parallel:
-        install_sequence_parallel(model, ctx)
-        router_aux_over_sp(model, ctx)
+    return layout

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tptrain.distributed import comm, raise_on_any_rank
-from tptrain.modeling import gather_parameters, is_sharded, save_once
+from tptrain.distributed.state import state_of
+from tptrain.parallel.saving import gather_parameters, is_sharded, save_once
 from tptrain.parallel.pipeline_checkpoint import gather_stages
 from tptrain.parallel.pipeline_parallel import held_elsewhere
 from tptrain.parallel.styles import ShardSpec
@@ -48,7 +49,7 @@ class LoraModel(nn.Module):
 
 class PeftModel(nn.Module):
     """LoRA adapters injected into `model` (in place). Attribute lookups fall through to the base model
-    (`config`, `tp_layout`, `tp_size`, `gradient_checkpointing_enable`, ...)."""
+    (`config`, `parallel`, `tp_size`, `gradient_checkpointing_enable`, ...)."""
 
     def __init__(self, model: nn.Module, config: LoraConfig, *, trainable: bool = True,
                  seed: int | None = None) -> None:
@@ -57,12 +58,12 @@ class PeftModel(nn.Module):
             raise TypeError("the model already has LoRA adapters (it is a PeftModel); merge_and_unload() it first, "
                             "or load the adapter onto the plain base model")
         # Pure checks first: identical errors on every rank (a pipeline stage's agreed with the others' first).
-        resolve = _resolve_stage if getattr(model, "pp_plan", None) is not None else _resolve
+        resolve = _resolve_stage if state_of(model).pp is not None else _resolve
         config, targets, experts, weights, full_modules, factors = resolve(model, config)
         targets = {**targets, **weights}  # an nn.Linear's weight as a parameter target: peft's LoRA on it is Linear's
         if config.base_model_name_or_path is None:
             config = dataclasses.replace(config, base_model_name_or_path=getattr(model, "name_or_path", None))
-        layout = getattr(model, "tp_layout", None)
+        layout = state_of(model).tp
 
         self.base_model = LoraModel(model)
         self.peft_config = {"default": config}
@@ -105,13 +106,13 @@ class PeftModel(nn.Module):
         params = dict(self.get_base_model().named_parameters(remove_duplicate=False))
         for name in self._saved:
             params[name].requires_grad_(trainable)
-        layout = getattr(self.get_base_model(), "tp_layout", None)
-        if layout is not None:
-            layout.grad_sync.attach(self.get_base_model())
+        state = state_of(self.get_base_model())
+        if state.grad_sync is not None:
+            state.grad_sync.attach(self.get_base_model())
 
     def print_trainable_parameters(self) -> None:
         model = self.get_base_model()
-        layout = getattr(model, "tp_layout", None)
+        layout = state_of(model).tp
         numel = {n: math.prod(layout.global_shapes[n] if layout else p.shape) for n, p in model.named_parameters()}
         trainable = sum(numel[n] for n, p in model.named_parameters() if p.requires_grad)
         total = sum(numel.values())
@@ -131,7 +132,7 @@ class PeftModel(nn.Module):
                 full = {n[len(name) + 1:]: state.pop(n) for n in list(state) if n.startswith(f"{name}.lora_")}
                 out.update({f"{io.PREFIX}{name}.{key}": t for key, t in layer.to_disk(full).items()})
             state = {**{io.disk_key(name): t for name, t in state.items()}, **out}
-        if getattr(model, "pp_plan", None) is not None:
+        if state_of(model).pp is not None:
             state = gather_stages(model, state)
         return state
 
@@ -140,9 +141,9 @@ class PeftModel(nn.Module):
         Collective: every rank calls it; global rank 0 writes atomically; a failure is raised on every rank."""
         model = self.get_base_model()
         config = self.peft_config["default"]
-        if getattr(model, "pp_plan", None) is not None and isinstance(config.target_modules, list):
+        if state_of(model).pp is not None and isinstance(config.target_modules, list):
             # "all-linear" became this stage's module names: the file's config names every stage's
-            names = comm.all_gather_object(config.target_modules, model.device_mesh["pp"].get_group())
+            names = comm.all_gather_object(config.target_modules, state_of(model).mesh["pp"].get_group())
             if any(n != config.target_modules for n in names):
                 config = dataclasses.replace(config, target_modules=sorted(set().union(*names)))
         save_once(save_directory, collective=is_sharded(model), gather=self.adapter_state_dict,
@@ -162,7 +163,7 @@ class PeftModel(nn.Module):
         except Exception:
             peft.unload()
             raise
-        layout = getattr(model, "tp_layout", None)
+        layout = state_of(model).tp
         peft.runtime.seed = _agree_seed(model, layout)  # for dropout masks when training on
         if not is_trainable:
             peft.eval()
@@ -172,7 +173,7 @@ class PeftModel(nn.Module):
         """Overwrite this adapter's tensors (and saved base tensors) with a saved adapter's, sliced per layout.
         Every check happens before any tensor is read, identically on every rank."""
         model = self.get_base_model()
-        layout = getattr(model, "tp_layout", None)
+        layout = state_of(model).tp
         params = dict(model.named_parameters(remove_duplicate=False))
         shapes = layout.global_shapes if layout else {n: tuple(p.shape) for n, p in params.items()}
         experts = self._expert_layers()
@@ -212,7 +213,8 @@ class PeftModel(nn.Module):
 
     def _unload(self, *, merge: bool) -> nn.Module:
         model = self.get_base_model()
-        layout = getattr(model, "tp_layout", None)
+        state = state_of(model)
+        layout = state.tp
         for name, layer in self.lora_layers.items():
             base = layer.merge() if merge else layer.unhook()
             parent, _, child = name.rpartition(".")
@@ -224,8 +226,8 @@ class PeftModel(nn.Module):
         self._step_hook.remove()
         for p, flag in self._requires_grad:
             p.requires_grad_(flag)
-        if layout is not None:
-            layout.grad_sync.attach(model)
+        if state.grad_sync is not None:
+            state.grad_sync.attach(model)
         return model
 
 
@@ -251,7 +253,8 @@ def _resolve(model: nn.Module, config: LoraConfig, *, part: bool = False):
                          "name it in one of them")
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         config = dataclasses.replace(config, target_modules=sorted(targets))  # as peft saves it
-    layout, plan = getattr(model, "tp_layout", None), getattr(model, "tp_plan", None) or {}
+    layout = state_of(model).tp
+    plan = layout.plan if layout is not None else {}
     factors = {n: factor_specs(plan.get(n), _spec(layout, f"{n}.weight"), n) for n in {**targets, **weights}}
     for name, fused in experts.items():
         if is_fused_experts(model.get_submodule(name)):

@@ -5,7 +5,7 @@
     data = training_data(args, dims, train, eval, build=...)           # 2. rows, global batch,   no collective
                                                                        #    max_steps
     placement = place(model, args, dims, data)                         # 3. the mesh: the first collective
-    fsdp, pipe = parallelize(model, args, placement)                   # 4. agreements, then the one parallelize's
+    fsdp, pipe = apply_training_steps(model, args, placement)          # 4. agreements, then the one parallelize's
                                                                        #    training steps: activation checkpointing
                                                                        #    -> compile -> (pp: the schedule) -> FSDP2
     optimizer, scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=pipe)    # 5.
@@ -31,7 +31,8 @@ from tptrain.distributed import ParallelDims, raise_on_any_rank
 from tptrain.distributed.topology import dp_mesh
 from tptrain.io import writable_error
 from tptrain.layout import Spelling
-from tptrain.parallel import parallelize as axes
+from tptrain.distributed.state import state_of
+from tptrain.parallel.parallelize import ParallelOptions, check, parallelize
 from tptrain.parallel.pipeline_grads import when_complete
 from tptrain.parallel.pipeline_parallel import Pipeline
 from tptrain.training.args import TrainingArguments
@@ -39,7 +40,7 @@ from tptrain.training.data import DataOrder
 from tptrain.training.evaluation import split_dataset
 from tptrain.training.optim import build_optimizer, build_scheduler
 from tptrain.training.optim_in_backward import OptimizerInBackward
-from tptrain.training.parallelize import compile_error, training_mesh
+from tptrain.training.mesh import compile_error, training_mesh
 from tptrain.training.streaming import StreamOrder, TextStream, check_streaming
 
 
@@ -72,8 +73,8 @@ def check_run(model: nn.Module, distributed_config, args: TrainingArguments, wor
     config = args.parallelism_config
     training = dict(batch_size=args.per_device_train_batch_size, seq_len=args.seq_len,
                     pp_microbatches=config.pp_microbatches if config is not None else None)
-    axes.check(model, distributed_config, world_size=world_size, training=training,
-               spelling=Spelling(seq_len=seq_len_name), plan_problems=False)
+    check(model, distributed_config, world_size=world_size, training=training,
+          spelling=Spelling(seq_len=seq_len_name), plan_problems=False)
 
 
 def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any, eval_source: Any, *,
@@ -117,8 +118,8 @@ def place(model: nn.Module, args: TrainingArguments, dims: ParallelDims, data: T
     return Placement(mesh, device, dist.get_rank(), order)
 
 
-def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement, *, on_forward=None
-                ) -> tuple[bool, Pipeline | None]:
+def apply_training_steps(model: nn.Module, args: TrainingArguments, placement: Placement, *, on_forward=None
+                         ) -> tuple[bool, Pipeline | None]:
     """What every rank must agree on first (final/ writable on rank 0, the compiler on every rank), then the one
     parallelize's training steps (the structural ones were applied when the model was loaded): the model on this
     rank's device -> activation checkpointing -> compile -> (a cut model: its pipeline's schedule) -> FSDP2 (of each
@@ -130,11 +131,11 @@ def parallelize(model: nn.Module, args: TrainingArguments, placement: Placement,
         raise_on_any_rank(compile_error(args.torch_compile_backend, placement.device), exc_type=ValueError)
     torch.manual_seed(args.seed)
     config = args.parallelism_config
-    options = axes.ParallelOptions(train=True, gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16,
-                                   compile_backend=args.torch_compile_backend if args.torch_compile else None,
-                                   pp_microbatches=config.pp_microbatches if config is not None else None,
-                                   on_forward=on_forward)
-    done = axes.parallelize(model, placement.mesh, options, device=placement.device)
+    options = ParallelOptions(train=True, gradient_checkpointing=args.gradient_checkpointing, bf16=args.bf16,
+                              compile_backend=args.torch_compile_backend if args.torch_compile else None,
+                              pp_microbatches=config.pp_microbatches if config is not None else None,
+                              on_forward=on_forward)
+    done = parallelize(model, placement.mesh, options, device=placement.device)
     return done.fsdp, done.pipeline
 
 
@@ -146,7 +147,7 @@ def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps:
     stage's backward of the step is over; TP partial gradients and a pipeline's tied weight are held back for the
     Trainer to sum and step after backward."""
     if args.optim_in_backward:
-        layout = getattr(model, "tp_layout", None)
+        layout = state_of(model).tp
         held = set(layout.partial_grad_specs() if layout else ()) | (pipeline.ties.summed_after() if pipeline else set())
         optimizer = OptimizerInBackward(model, args, held_back=held, hooks=pipeline is None)
         if pipeline is not None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
+from tptrain.distributed.state import state_of
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.args import TrainingArguments
@@ -32,9 +33,9 @@ class TrainStep:
         self.model, self.args, self.mesh, self.device = model, args, mesh, device
         self.pipeline, self.fsdp = pipeline, fsdp
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        layout = getattr(self.inner, "tp_layout", None)
-        self.specs = layout.specs if layout else {}
-        self.grad_sync = layout.grad_sync if layout else None
+        state = state_of(self.inner)
+        self.specs = state.tp.specs if state.laid_out else {}
+        self.grad_sync = state.grad_sync
 
     def __call__(self, micro: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
                  scheduler: Any) -> tuple[float, float | None]:

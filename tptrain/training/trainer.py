@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed import ParallelDims
+from tptrain.distributed.state import state_of
 from tptrain.parallel.context_parallel import check_sequence_length as check_cp_sequence_length
 from tptrain.parallel.sequence_parallel import check_sequence_length
 from tptrain.training.checkpoint import dirs as dirs
@@ -34,10 +35,10 @@ from tptrain.text import load_tokenizer
 from tptrain.training.data import PackedDataset
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
-from tptrain.training.parallelize import resolve_parallelism
+from tptrain.training.mesh import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
 from tptrain.training.saving import Checkpointer
-from tptrain.training.setup import (optimizer_and_schedule, parallelize, place,
+from tptrain.training.setup import (apply_training_steps, optimizer_and_schedule, place,
                                     training_data)
 from tptrain.training.step import TrainStep
 
@@ -86,8 +87,8 @@ class Trainer:
         placement = place(model, args, self.dims, data)  # the first collective
         self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
-        self.fsdp, self.pipeline = parallelize(model, args, placement,
-                                               on_forward=getattr(self.model, "count_forward", None))
+        self.fsdp, self.pipeline = apply_training_steps(model, args, placement,
+                                                        on_forward=getattr(self.model, "count_forward", None))
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=self.pipeline)
         self.step = TrainStep(self.model, args=args, mesh=self.mesh, device=self.device, pipeline=self.pipeline,
                               fsdp=self.fsdp)
@@ -126,9 +127,8 @@ class Trainer:
 
     def _check_sequence_length(self, dims: ParallelDims) -> None:
         check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
-        layout = getattr(self.inner, "tp_layout", None)
-        if layout is not None and layout.ctx.sequence_parallel:  # SP splits each cp rank's seq_len / cp tokens
-            check_sequence_length(self.inner, self.args.seq_len // dims.cp, dims.tp,
+        if state_of(self.inner).sequence_parallel:  # SP splits each cp rank's seq_len / cp tokens
+            check_sequence_length(type(self.inner).__name__, self.args.seq_len // dims.cp, dims.tp,
                                   what=f"TrainingArguments.seq_len={self.args.seq_len}"
                                        + (f" / cp_size {dims.cp}" if dims.cp > 1 else ""))
         if dims.cp > 1:  # rows of other lengths are padded to a multiple of 2 x cp (`_padding`)
@@ -223,8 +223,7 @@ class Trainer:
         """How `collate` pads a micro-batch: with eos, to a multiple of tp_size under sequence parallelism and of
         2 x cp_size under context parallelism (its load balancing's chunks; both: each cp rank's share splits over
         tp)."""
-        layout = getattr(self.inner, "tp_layout", None)
-        sp = self.dims.tp if layout is not None and layout.ctx.sequence_parallel else 1
+        sp = self.dims.tp if state_of(self.inner).sequence_parallel else 1
         return {"pad_id": getattr(self.tokenizer, "eos_token_id", 0),
                 "multiple": math.lcm(sp * self.dims.cp, 2 * self.dims.cp if self.dims.cp > 1 else 1)}
 

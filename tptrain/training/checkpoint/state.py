@@ -41,6 +41,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import ParallelDims, raise_on_any_rank
 from tptrain.distributed.topology import dp_placements, rank_grid, stage_mesh
+from tptrain.distributed.state import state_of
 from tptrain.training.checkpoint.dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
                                               read_trainer_state, run_id_of, write_manifest)
 from tptrain.parallel.styles import ShardSpec
@@ -61,11 +62,12 @@ class StateConverter:
     the spec's KV replicas, so ranks that share a KV chunk are Replicate there and DCP writes it once."""
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh | None = None) -> None:
-        layout = getattr(model, "tp_layout", None)
+        state = state_of(model)
+        layout = state.tp
         self.specs: dict[str, ShardSpec] = layout.specs if layout else {}
         self.global_shapes = layout.global_shapes if layout else {}
         self.ctx = layout.ctx if layout else None
-        self.mesh = mesh if mesh is not None else getattr(model, "device_mesh", None)
+        self.mesh = mesh if mesh is not None else state.mesh
         self._meshes: dict[int, DeviceMesh] = {}  # KV replicas -> view mesh
 
     def _spec(self, name: str) -> ShardSpec:
@@ -169,7 +171,7 @@ def _dcp_names(model: nn.Module) -> dict[str, str]:
     """{parameter name: its name in the checkpoint} where they differ: a pipeline's last stage holds its own copy of
     a tied weight, saved and loaded under the name one process gives it (the first stage's), so DCP writes it once
     and reshards it to any pp size."""
-    plan = getattr(model, "pp_plan", None)
+    plan = state_of(model).pp
     return {last: first for first, last in plan.tied} if plan is not None else {}
 
 

@@ -1,10 +1,10 @@
-"""The training run's layout and mesh: the model's axes (fixed when it was loaded) with the data-parallel sizes of
-the run, checked by the rule table (tptrain/layout); whether inductor can run here.
+"""The training run's layout and its one mesh: the model's axes (fixed when it was loaded) with the data-parallel
+sizes of the run, checked by the rule table (tptrain/layout); whether inductor can run here.
 
 The parallelisms themselves are applied by the one parallelize (tptrain/parallel/parallelize.py): its structural
 steps when the model is loaded (`from_pretrained(distributed_config=...)` or `model.parallelize(...)`), its training
 steps (activation checkpointing -> compile -> the pipeline's schedule -> FSDP2/HSDP/DDP) by the Trainer's set-up
-(training/setup.py).
+(training/setup.py `apply_training_steps`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tptrain.distributed import ParallelDims, init_distributed
 from tptrain.layout import Case, Features, schedules, validate
-from tptrain.parallel import parallelize as axes
+from tptrain.distributed.state import state_of
+from tptrain.parallel.parallelize import adopt_mesh, laid_out, model_facts
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 
 
@@ -27,7 +28,7 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None, worl
     the rule table, with what `args` brings (the batch, its microbatches). A size `config` gives
     that is not the model's is the table's `model_layout` rule. Raises the same ValueError on every rank (no
     collective is involved)."""
-    fixed = axes.laid_out(model)
+    fixed = laid_out(model)
     tp_note = " (the model's)" if config is None or config.tp_size is None else ""
     config = config or ParallelismConfig()
     asked = (("tp_size", config.tp_size), ("ep_size", config.ep_size), ("cp_size", config.cp_size),
@@ -40,7 +41,7 @@ def resolve_parallelism(model: nn.Module, config: ParallelismConfig | None, worl
     training = {} if args is None else dict(batch_size=args.per_device_train_batch_size)
     features = Features(sequence_parallel=fixed["sequence_parallel"], pp_schedule=fixed["pp_schedule"],
                         pp_microbatches=config.pp_microbatches, **training)
-    validate(Case(dims=dims, features=features, facts=axes.model_facts(model)))
+    validate(Case(dims=dims, features=features, facts=model_facts(model)))
     return dims
 
 
@@ -53,13 +54,13 @@ def training_mesh(model: nn.Module, dims: ParallelDims) -> tuple[DeviceMesh, tor
     """The run's one mesh: the model's own when its sizes are `dims`. Otherwise (a model loaded with other
     data-parallel sizes, or not sharded at all) a mesh of `dims` is built and a TP model moves onto it, so
     no second mesh lives beside the model's. TP is innermost in both, so its TP group holds the same ranks."""
-    mesh = getattr(model, "device_mesh", None)
+    state = state_of(model)
     device = init_distributed()
-    if mesh is not None and ParallelDims.of(mesh) == dims:
-        return mesh, device
+    if state.mesh is not None and ParallelDims.of(state.mesh) == dims:
+        return state.mesh, device
     mesh = dims.build_mesh(device.type)
-    if getattr(model, "tp_layout", None) is not None:
-        axes.adopt_mesh(model, mesh)
+    if state.laid_out:
+        adopt_mesh(model, mesh)
     return mesh, device
 
 
