@@ -136,17 +136,17 @@ def _layout(sizes: dict):
 
 def predict(table: dict, name: str, profile) -> tuple[int, float]:
     """(the planner's peak_bytes_per_rank, its step time on `profile`) for layout `name`."""
-    from tptrain.diagnostics.layout import TrainSettings
-    from tptrain.diagnostics.model_facts import ModelFacts
+    from tptrain.diagnostics.train_settings import TrainSettings
+    from tptrain.diagnostics.model_shapes import ModelShapes
     from tptrain.diagnostics.train_plan import estimate, layout_problem
 
     model_spec, sizes, run = table[name]
-    facts = ModelFacts.of(_config(model_spec), dtype=torch.float32)
+    shapes = ModelShapes.of(_config(model_spec), dtype=torch.float32)
     settings = TrainSettings(batch_size=BATCH, seq_len=SEQ, **run)
     layout = _layout(sizes)
-    problem = layout_problem(facts, layout, settings)
+    problem = layout_problem(shapes, layout, settings)
     assert problem is None, f"{name}: the rules refuse {layout.spell()}: {problem}"
-    plan = estimate(facts, layout, settings, profile)
+    plan = estimate(shapes, layout, settings, profile)
     return plan.peak, plan.time.seconds
 
 

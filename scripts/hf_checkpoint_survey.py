@@ -180,24 +180,30 @@ def _append(path: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _launch(types: list[str], out: Path, layout: tuple[int, int, int], peer: bool, ep: bool) -> subprocess.Popen:
-    tp, cp, pp = layout
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * cp * pp}",
-           __file__, "--worker", "--out", str(out), "--tp-size", str(tp), "--cp-size", str(cp), "--pp-size", str(pp),
-           "--types", ",".join(types),
-           *(["--peer"] if peer else []), *(["--expert-parallel"] if ep else [])]
+def _launch(script: str, nproc: int, types: list[str], out: Path, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script,
+           "--worker", "--out", str(out), "--types", ",".join(types), *args]
     log = open(out.with_suffix(".log"), "ab")  # the workers' output, for a crash's cause
     return subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
 
 
 def survey(types: list[str], layout: tuple[int, int, int], type_timeout: float, peer: bool,
            ep: bool) -> dict[str, dict]:
-    """Run the workers; a group that stops making progress is killed, its current type recorded as a hang."""
+    """This script's workers at `layout` over `types` (survey_loop)."""
+    tp, cp, pp = layout
+    args = ["--tp-size", str(tp), "--cp-size", str(cp), "--pp-size", str(pp), *(["--peer"] if peer else []),
+            *(["--expert-parallel"] if ep else [])]
+    return survey_loop(types, __file__, tp * cp * pp, args, type_timeout)
+
+
+def survey_loop(types: list[str], script: str, nproc: int, args: list[str], type_timeout: float) -> dict[str, dict]:
+    """Run `script`'s workers (`--worker`, on `nproc` ranks, with `args`); a group that stops making progress is
+    killed, its current type recorded as a hang, and the rest go on in a fresh group."""
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     results: dict[str, dict] = {}
     while len(results) < len(types):
         todo = [t for t in types if t not in results]
-        proc, last, seen = _launch(todo, out, layout, peer, ep), time.monotonic(), 0
+        proc, last, seen = _launch(script, nproc, todo, out, args), time.monotonic(), 0
         while proc.poll() is None:
             time.sleep(2)
             lines = out.read_text().splitlines() if out.exists() else []

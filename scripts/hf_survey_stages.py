@@ -73,6 +73,18 @@ def relative_error(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> 
     return (got - ref).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def _run(model, ids, **kwargs):
+    """`model`'s forward on `ids`: token ids, or a dict of inputs under transformers' names (a vision-language model's
+    pixels too), its floating inputs in the model's dtype."""
+    inputs = ids if isinstance(ids, dict) else {"input_ids": ids}
+    dtype = next(model.parameters()).dtype
+    return model(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}, **kwargs)
+
+
+def _token_ids(ids) -> torch.Tensor:
+    return ids["input_ids"] if isinstance(ids, dict) else ids
+
+
 def _ce(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """transformers' causal-LM loss without its model-specific extras (aux losses): shifted token mean, in fp32 at
     least."""
@@ -87,15 +99,15 @@ def eager_experts(model) -> None:
         model.set_experts_implementation("batched_mm")
 
 
-def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
+def reference(model, ids, dtype: torch.dtype) -> dict:
     """transformers on one process (eval mode: no dropout on either side): logits and the first backward's
     gradients in fp32; the losses of STEPS AdamW steps and the one after, on a copy of `model` in `dtype` (fp32
     where transformers itself fails in fp64). "steps_dtype": the dtype trained in; "loss_dtype": the logits'
     (transformers may compute them in fp32 in an fp64 model: beam's softcapping), which sets the tolerance."""
     with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits
+        logits = _run(model, ids, use_cache=False).logits
     train = copy.deepcopy(model).eval()
-    _ce(train(input_ids=ids, use_cache=False).logits, ids).backward()
+    _ce(_run(train, ids, use_cache=False).logits, _token_ids(ids)).backward()
     grads = {n: p.grad for n, p in train.named_parameters() if p.grad is not None}
     del train  # one copy at a time (phi4_multimodal's is 3.3 GB)
     try:
@@ -109,15 +121,16 @@ def reference(model, ids: torch.Tensor, dtype: torch.dtype) -> dict:
                 trained=trained)
 
 
-def _trajectory(model, ids: torch.Tensor, dtype: torch.dtype) -> tuple[list[float], torch.dtype, object]:
+def _trajectory(model, ids, dtype: torch.dtype) -> tuple[list[float], torch.dtype, object]:
     """(the losses of STEPS AdamW steps and the one after, the logits' dtype, the model trained)."""
     same = dtype == next(model.parameters()).dtype  # trains `model` itself: the save stage reloads its weights
     train = model if same else copy.deepcopy(model).to(dtype).eval()
     eager_experts(train)
     with fp64_throughout():
         with torch.no_grad():
-            loss_dtype = train(input_ids=ids, use_cache=False).logits.dtype
-        return train_losses(train, lambda m: _ce(m(input_ids=ids, use_cache=False).logits, ids)), loss_dtype, train
+            loss_dtype = _run(train, ids, use_cache=False).logits.dtype
+        return (train_losses(train, lambda m: _ce(_run(m, ids, use_cache=False).logits, _token_ids(ids))), loss_dtype,
+                train)
 
 
 def train_losses(model, loss) -> list[float]:
@@ -135,40 +148,44 @@ def train_losses(model, loss) -> list[float]:
     return losses
 
 
-def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None, tp_size: int, peer: bool, *,
-               steps_dtype: torch.dtype, expert_parallel: bool = False) -> dict:
+def run_stages(directory: Path, saved: Path, ids, ref: dict | None, tp_size: int, peer: bool, *,
+               steps_dtype: torch.dtype, expert_parallel: bool = False, auto: str = "AutoModelForCausalLM") -> dict:
     """{stage: "OK" / "FAIL" / "-"} plus "error" (the first failure's reason) and "peer"; the same on every rank.
     `ref` is rank 0's (None elsewhere); `steps_dtype` its, on every rank. `expert_parallel`: tptrain's experts split
-    by expert over the TP group (enable_expert_parallel); the peer stays transformers' plain TP."""
+    by expert over the TP group (enable_expert_parallel); the peer stays transformers' plain TP. `ids`: token ids, or
+    a dict of inputs; `auto`: the Auto class (tptrain's and transformers' alike) that loads the checkpoint (with
+    AutoModelForImageTextToText, no plan stage: `tptrain plan` reads causal LMs)."""
     import transformers
 
-    from tptrain import AutoModelForCausalLM, DistributedConfig
+    import tptrain
+    from tptrain import DistributedConfig
     from tptrain.parallel.saving import gather_parameters
     from tptrain.parallel.tensor_parallel import gather_full
 
     rank = torch.distributed.get_rank()
     state: dict = {}
     out: dict = {}
+    causal = auto == "AutoModelForCausalLM"
 
     def loaded(dtype):
         # the transformers backend, also for the types tptrain implements natively (tp 1: one device, no plan)
         layout = dict(distributed_config=DistributedConfig(tp_size=tp_size, backend="transformers",
                                                            enable_expert_parallel=expert_parallel)) \
-            if tp_size > 1 else dict(backend="transformers")
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **layout).eval()
+            if tp_size > 1 else dict(backend="transformers") if causal else {}
+        return getattr(tptrain, auto).from_pretrained(directory, dtype=dtype, **layout).eval()
 
     def load():
         state["model"] = loaded(torch.float32)
 
     def forward():
         with torch.no_grad():
-            logits = state["model"](ids).logits
+            logits = _run(state["model"], ids).logits
         if rank == 0 and (err := relative_error(logits, ref["logits"])) > FORWARD_RTOL:
             raise AssertionError(f"logits differ from transformers': relative error {err:.2e} > {FORWARD_RTOL:.0e}")
 
     def backward():
         model = state["model"]
-        loss = model(ids, labels=ids).loss
+        loss = _run(model, ids, labels=_token_ids(ids)).loss
         loss.backward()
         layout = model.parallel.tp
         bad, count = [], 0
@@ -204,7 +221,7 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
             model = loaded(dtype)
         eager_experts(getattr(model, "hf_model", model))
         with fp64_throughout():
-            losses = train_losses(model, lambda m: m(ids, labels=ids).loss)
+            losses = train_losses(model, lambda m: _run(m, ids, labels=_token_ids(ids)).loss)
         del model
         if rank == 0:
             got, want = torch.tensor(losses, dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
@@ -218,14 +235,14 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         model.save_pretrained(saved)
         trained = gather_parameters(model, [n for n, _ in model.named_parameters(remove_duplicate=False)])
         if rank == 0:
-            auto = transformers.AutoModelForCausalLM
-            reloaded = auto.from_pretrained(saved, dtype=torch.float32).state_dict()
+            hf_auto = getattr(transformers, auto)
+            reloaded = hf_auto.from_pretrained(saved, dtype=torch.float32).state_dict()
             # what transformers' own save_pretrained of the same weights reloads as (its reload may change a tensor:
             # youtu's zeroes its padding row)
             own = ref["model"]
             own.load_state_dict(trained, strict=False)
             own.save_pretrained(f"{saved}-transformers")
-            want = auto.from_pretrained(f"{saved}-transformers", dtype=torch.float32).state_dict()
+            want = hf_auto.from_pretrained(f"{saved}-transformers", dtype=torch.float32).state_dict()
             bad = [k for k, v in want.items() if k not in reloaded or not torch.equal(reloaded[k], v)]
             if bad or set(reloaded) != set(want):
                 raise AssertionError(f"{len(bad)} of {len(want)} tensors differ between transformers' reload "
@@ -250,10 +267,10 @@ def run_stages(directory: Path, saved: Path, ids: torch.Tensor, ref: dict | None
         if tp_size > 1 and model.parallel.tp and "split" not in report.text:
             raise AssertionError("`tptrain plan` lists no split parameter")
 
-    for name, fn in zip(STAGES, (load, forward, backward, steps, save, plan)):
+    for name, fn in zip(STAGES if causal else STAGES[:-1], (load, forward, backward, steps, save, plan)):
         out[name] = _stage(name, fn, out)
     if peer:
-        out["peer"] = _peer(directory, ids, ref, tp_size)
+        out["peer"] = _peer(directory, ids, ref, tp_size, auto)
     state.clear()
     return out
 
@@ -378,7 +395,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(lines[:2])[:300]}"
 
 
-def _peer(directory: Path, ids: torch.Tensor, ref: dict | None, tp_size: int) -> str:
+def _peer(directory: Path, ids, ref: dict | None, tp_size: int, auto: str = "AutoModelForCausalLM") -> str:
     """transformers' own TP (`DistributedConfig(tp_size=N)`) on the same ranks: does its forward equal transformers
     on one process? "OK", "differs (relative error ...)" or "fails: <error>"."""
     import transformers
@@ -390,10 +407,10 @@ def _peer(directory: Path, ids: torch.Tensor, ref: dict | None, tp_size: int) ->
     if size > PEER_MAX_BYTES:  # transformers' TP loading of it takes several times that on each rank
         return f"not run (a {size / 2**30:.1f} GiB checkpoint: full-size sub-models)"
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
+        model = getattr(transformers, auto).from_pretrained(
             directory, dtype=torch.float32, distributed_config=transformers.DistributedConfig(tp_size=tp_size)).eval()
         with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = _run(model, ids, use_cache=False).logits
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
         if torch.distributed.get_rank() == 0 and (err := relative_error(logits, ref["logits"])) > FORWARD_RTOL:
             error = f"differs (relative error {err:.1e})"

@@ -8,7 +8,14 @@
 #   3. pip install -e ".[test,hf,dev]" (dev: the pinned ruff .ci/run lints with), with the torch just settled
 #      pinned as a constraint, so that resolving transformers or peft can never swap it for another (multi-GB CUDA)
 #      build.
-# A stamp in .venv holds a checksum of pyproject.toml, this file and the CPU/GPU choice; while it matches,
+#
+# With --vision (or _tptrain_setup_vision after sourcing it, as test.sh does), also .venv-vision, the environment
+# of the vision-language models (their processors need torchvision, which does not import beside the CPU build of
+# torch 2.13.0): the same steps, with torch 2.14.1 and torchvision 0.29.1 on a CPU machine (a CUDA build from the
+# default index, several GB, which runs on the CPU), or on a GPU machine the installed torch kept and a matching
+# torchvision installed only if missing, then tptrain[test,hf,dev,vision] with both pinned as constraints. The text-only path (.venv, run.sh)
+# never imports torchvision.
+# A stamp in each venv holds a checksum of pyproject.toml, this file and the CPU/GPU choice; while it matches,
 # nothing is run, so sourcing this costs milliseconds. Progress goes to stderr.
 
 _tptrain_log() { echo "setup.sh: $*" >&2; }
@@ -55,10 +62,35 @@ _tptrain_install_torch() {
     return 1
 }
 
-_tptrain_setup() {
-    local root venv py mode stamp key constraints
+# torch and torchvision that import together, for .venv-vision: on a CPU machine torch 2.14.1 and torchvision
+# 0.29.1 (the default index's builds); on a GPU machine the installed torch (else the default one) and, only if
+# none imports, the torchvision pip resolves against that torch.
+_tptrain_install_vision_torch() {
+    local py="$1" mode="$2" torch_version=2.14.1 vision_version=0.29.1 constraints
+    if [[ $mode == gpu ]]; then
+        _tptrain_install_torch "$py" gpu || return 1
+        "$py" -c 'import torchvision' 2>/dev/null && return 0
+        constraints="$(mktemp)" || return 1
+        "$py" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$constraints"
+        _tptrain_log "installing the torchvision matching $(cat "$constraints")"
+        "$py" -m pip install -q -c "$constraints" torchvision >&2
+        local rc=$?
+        rm -f "$constraints"
+        return $rc
+    fi
+    "$py" -W ignore -c "import sys, torch, torchvision
+sys.exit(torch.__version__.split('+')[0] != '$torch_version' or torchvision.__version__.split('+')[0] != '$vision_version')" \
+        2>/dev/null && return 0
+    "$py" -m pip uninstall -q -y torch torchvision >/dev/null 2>&1
+    _tptrain_log "installing torch==$torch_version torchvision==$vision_version (several GB; they run on the CPU)"
+    "$py" -m pip install -q "torch==$torch_version" "torchvision==$vision_version" >&2
+}
+
+# Build one venv: _tptrain_setup_venv NAME EXTRAS TORCH_INSTALLER
+_tptrain_setup_venv() {
+    local name="$1" extras="$2" install_torch="$3" root venv py mode stamp key constraints
     root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)" || return 1
-    venv="$root/.venv"
+    venv="$root/$name"
     py="$venv/bin/python"
     mode=gpu
     if [[ ${TPTRAIN_CPU:-0} == 1 ]] || ! command -v nvidia-smi >/dev/null 2>&1; then mode=cpu; fi
@@ -74,17 +106,38 @@ _tptrain_setup() {
         _tptrain_log "creating $venv"
         python3 -m venv "$venv" || return 1
     fi
-    _tptrain_install_torch "$py" "$mode" || return 1
+    "$install_torch" "$py" "$mode" || return 1
     constraints="$venv/.tptrain-torch-constraint.txt"
-    "$py" -c 'from importlib.metadata import version; print("torch==" + version("torch"))' >"$constraints" || return 1
-    _tptrain_log "installing tptrain[test,hf,dev] (editable) with $(cat "$constraints")"
-    "$py" -m pip install -q -c "$constraints" -e "$root[test,hf,dev]" >&2 || return 1
+    "$py" - >"$constraints" <<'EOF' || return 1
+from importlib.metadata import PackageNotFoundError, version
+for name in ("torch", "torchvision"):  # torchvision: .venv-vision's only
+    try:
+        print(f"{name}=={version(name)}")
+    except PackageNotFoundError:
+        pass
+EOF
+    _tptrain_log "installing tptrain[$extras] (editable) into $name with $(tr '\n' ' ' <"$constraints")"
+    "$py" -m pip install -q -c "$constraints" -e "$root[$extras]" >&2 || return 1
     echo "$key" >"$stamp"
-    _tptrain_log "ready ($mode)"
+    _tptrain_log "$name ready ($mode)"
 }
 
+_tptrain_setup() {
+    _tptrain_setup_venv .venv test,hf,dev _tptrain_install_torch
+}
+
+_tptrain_setup_vision() {
+    _tptrain_setup_venv .venv-vision test,hf,dev,vision _tptrain_install_vision_torch
+}
+
+# Sourced, the caller's arguments are its own (run.sh's flags): only .venv is built, and a caller that wants
+# .venv-vision calls _tptrain_setup_vision (test.sh). Run, `bash scripts/setup.sh --vision` builds both.
 if (return 0 2>/dev/null); then
     _tptrain_setup || return 1
+elif [[ $# -gt 1 || $# -eq 1 && $1 != --vision ]]; then
+    _tptrain_log "usage: bash scripts/setup.sh [--vision] (--vision: also build .venv-vision)"
+    exit 2
 else
     _tptrain_setup || exit 1
+    if [[ $# -eq 1 ]]; then _tptrain_setup_vision || exit 1; fi
 fi

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -159,6 +161,87 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     _assert_all_intact(tmp_path)
     resumed = _trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=True)
     assert resumed.global_step == 2 and len(resumed.losses) == 1
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """(a directory on a 16 MiB tmpfs of its own, leave_free(n): fill it up to n free bytes). Mounting needs root:
+    skipped where it is refused."""
+    path = tmp_path / "fs"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+
+    def leave_free(n: int) -> None:
+        ballast = path / "ballast"
+        ballast.unlink(missing_ok=True)
+        ballast.write_bytes(bytes(max(0, shutil.disk_usage(path).free - n)))
+
+    yield path, leave_free
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_full_device_refuses_a_checkpoint_before_writing_and_names_a_full_one_while_writing(small_fs, monkeypatch):
+    fs, leave_free = small_fs
+    out = fs / "run"
+    trainer = _trainer(out, max_steps=1)
+    trainer.train()  # checkpoint-1 and final/
+    size = _size(out / "checkpoint-1")
+    trainer.global_step = 2
+    leave_free(size // 2)  # known before writing: refused, nothing written
+    with pytest.raises(OSError, match=rf"^cannot write checkpoint {re.escape(str(out))}/checkpoint-2: not enough space "
+                                      r"on the device for checkpoint .*checkpoint-2: it needs (\d+\.\d) KiB and the "
+                                      rf"filesystem holding {re.escape(str(out))} has .* free; nothing was written and "
+                                      r"what is already there is intact; free some space, lower save_total_limit"):
+        trainer.save_checkpoint()
+    assert not (out / ".checkpoint-2.tmp").exists() and _steps(out) == [1]
+    # The size unknown beforehand (or another writer filling the device meanwhile): the device fills while DCP writes.
+    monkeypatch.setattr(ckpt, "space_error", lambda *args, **kw: None)
+    leave_free(size // 3)
+    with pytest.raises(OSError, match=rf"^cannot write checkpoint {re.escape(str(out))}/checkpoint-2: the device "
+                                      rf"holding {re.escape(str(out))} is full \(.* free\) while writing checkpoint "
+                                      r".*checkpoint-2, which needs .* in all: the partial copy is removed and what "
+                                      r"was there before is intact; free some space or write elsewhere \(the write "
+                                      r"failed with "):
+        trainer.save_checkpoint()
+    assert not (out / ".checkpoint-2.tmp").exists() and _steps(out) == [1]
+    _assert_all_intact(out)
+    leave_free(1 << 30)
+    resumed = _trainer(out, max_steps=2).train(resume_from_checkpoint=True)
+    assert resumed.global_step == 2 and _steps(out) == [1, 2]
+
+
+def test_a_full_device_keeps_the_previous_final_model(small_fs, monkeypatch):
+    from tptrain.io import writer
+    from tptrain.models import AutoModelForCausalLM
+
+    fs, leave_free = small_fs
+    out = fs / "run"
+    trainer = _trainer(out, max_steps=1, save_steps=0)
+    trainer.train()
+    final = out / "final"
+    weights = (final / "model.safetensors").read_bytes()
+    trainer.model.train()
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1.0)  # what a second save would write: different weights
+    leave_free(len(weights) // 2)
+    with pytest.raises(OSError, match=rf"saving to {re.escape(str(final))} failed: OSError: \[Errno 28\] not enough "
+                                      rf"space on the device for checkpoint {re.escape(str(final))}: it needs "):
+        trainer.save_model()
+    monkeypatch.setattr(writer, "space_error", lambda *args, **kw: None)  # the device fills while it writes
+    with pytest.raises(OSError, match=rf"saving to {re.escape(str(final))} failed: OSError: \[Errno 28\] the device "
+                                      rf"holding {re.escape(str(out))} is full \(.* free\) while writing checkpoint "
+                                      rf"{re.escape(str(final))}, which needs .* in all: the partial copy is removed"):
+        trainer.save_model()
+    assert (final / "model.safetensors").read_bytes() == weights  # the previous final/, intact and loadable
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    AutoModelForCausalLM.from_pretrained(final)
 
 
 def test_dcp_failure_on_load_is_an_oserror_naming_the_checkpoint(tmp_path):

@@ -50,3 +50,27 @@ def test_the_checker_sees_each_limit(tmp_path):
     assert any("lines (limit 400)" in f for f in found), found
     assert any("class Big has 251 lines" in f for f in found), found
     assert any("function long has 251 lines" in f for f in found), found
+
+
+
+def _shared_class_names(root: Path) -> list[str]:
+    """"Name: where, where" for every class name defined more than once under `root` (nested classes too)."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names.setdefault(node.name, []).append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}")
+    return [f"{name}: {', '.join(where)}" for name, where in names.items() if len(where) > 1]
+
+
+def test_no_two_classes_share_a_name():
+    # One meaning per name (issue 42): a class's name says which one is meant, wherever it is imported.
+    shared = _shared_class_names(PACKAGE)
+    assert not shared, "give each its own name:\n" + "\n".join(shared)
+
+
+def test_the_checker_sees_a_shared_class_name(tmp_path):
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("class Facts:\n    pass\n")
+    (tmp_path / "pkg" / "sub" / "b.py").write_text("def f():\n    class Facts:\n        pass\n")
+    assert _shared_class_names(tmp_path / "pkg") == ["Facts: pkg/a.py:1, pkg/sub/b.py:2"]

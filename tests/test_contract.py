@@ -16,7 +16,7 @@ from torch import nn
 from tptrain.models.auto import MODEL_REGISTRY, AutoConfig, AutoModelForCausalLM
 from tptrain.models.moe import Experts
 from tptrain.parallel import contract
-from tptrain.parallel.expert_parallel import _ExpertStyle
+from tptrain.parallel.expert_parallel import TPExpertsStyle
 from tptrain.parallel.plan import check_plan
 from tptrain.parallel.styles import make_style
 
@@ -53,7 +53,7 @@ def _check_model(model: nn.Module, tp: int = 2) -> None:
                                                                   for _, is_kv in contract.segments(m)))
     for name, style in resolved.objects.items():
         module, (parent, _, leaf) = model.get_submodule(name), name.rpartition(".")
-        if isinstance(style, _ExpertStyle):
+        if isinstance(style, TPExpertsStyle):
             assert isinstance(module, contract.TPExperts), (name, contract.missing(module, contract.TPExperts))
         if style.fused:
             assert isinstance(module, contract.FusedProjection) and contract.segments(module), name

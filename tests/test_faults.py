@@ -9,7 +9,10 @@ rank), a hung rank (collectives time out), a dead rank (the elastic agent restar
 * a stop that outlives the grace exits 1 saying so; bad grace values are refused;
 * a rank that hangs makes the others' collective fail after TPTRAIN_PG_TIMEOUT, not torch's 30 minutes;
 * `tptrain train --max-restarts 1`: kill -9 one rank at a random step; the group restarts, resumes from the
-  latest checkpoint, and metrics.jsonl equals the uninterrupted run's, bit for bit.
+  latest checkpoint, and metrics.jsonl equals the uninterrupted run's, bit for bit;
+* the hang watchdog (--hang-timeout): kill -STOP one rank of `tptrain train`; the live rank names it and prints its
+  stack within seconds, the group restarts and reproduces the uninterrupted run; a rank alive but elsewhere (asleep
+  in a step) is named as such, with both ranks' stacks; the limit and the report on their own.
 
     PYTHONPATH=. .venv/bin/python -m pytest tests/test_faults.py -q
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -270,9 +274,151 @@ def test_bad_fault_and_node_flags_are_refused_before_any_worker_starts(tmp_path,
         (["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-endpoint", "h:1"],
          "--nproc-per-node 1 x --nnodes 3 = 3 processes is not a multiple of --tp-size 2"),
         (["--pg-timeout", "-5"], "TPTRAIN_PG_TIMEOUT='-5.0' must be a positive number of seconds"),
+        (["--hang-timeout", "-1"], "--hang-timeout must be a number of seconds (0: off), got -1.0"),
+        (["--max-nonfinite-skips", "0"], "--max-nonfinite-skips must be a positive integer, got 0"),
+        (["--on-nonfinite", "skip", "--optim-in-backward", "--max-grad-norm", "0"],
+         "(--on-nonfinite skip) cannot skip a step with optim_in_backward=True (--optim-in-backward)"),
     ]
     for flags, expected in cases:
         monkeypatch.setenv(comm.PG_TIMEOUT_ENV, "600")  # restored at the end: --pg-timeout sets it for the workers
         code = main(["train", "--smoke-test", "--output-dir", str(tmp_path / "run"), *flags])
         err = capsys.readouterr().err
         assert code == 2 and expected in err and err.startswith("tptrain train: error: "), (flags, code, err)
+
+
+# ------------------------------------------------------------------ the hang watchdog (training/watchdog.py)
+
+HANG_TIMEOUT = 5  # seconds: --hang-timeout of the stalled-rank tests (a smoke step takes well under 1 s)
+
+
+@pytest.mark.distributed
+def test_a_stopped_rank_is_named_with_the_live_ranks_stack_and_the_group_restarts(tmp_path, uninterrupted):
+    import psutil
+
+    out = tmp_path / "run"
+    proc = _start(out, "--hang-timeout", str(HANG_TIMEOUT), "--max-restarts", "1")
+    wait_for_step(proc, out, 13)  # past checkpoint-10 and the watchdog's warm-up
+    victim = random.choice(workers(proc))
+    victim.suspend()  # kill -STOP: alive, holding its connections, running nothing
+    stopped = time.monotonic()
+    try:
+        gone = _gone_within(victim, 150)  # named by the live rank, which exits; the agent then kills the stopped one
+        code, stdout, stderr = finish(proc)
+    finally:
+        if psutil.pid_exists(victim.pid):
+            victim.kill()
+    assert code == 0, (stdout[-3000:], stderr[-6000:])
+    named = re.search(r"Rank (\d) never reached the collective the others wait in: no heartbeat for \d+ s .*; "
+                      rf"rank \d's last \(pid {victim.pid} on ", stderr)
+    assert named, stderr[-6000:]
+    stalled = int(named.group(1))
+    assert f"tptrain: rank {1 - stalled}'s Python stack (most recent call first):" in stderr, stderr[-6000:]
+    assert 'tptrain/training/trainer.py", line' in stderr  # faulthandler's stack of the live rank's main thread
+    assert f"tptrain: rank {stalled}'s Python stack" not in stderr  # a stopped process prints nothing
+    # the watchdog ends the live rank within seconds; the agent then kills the stopped process (SIGTERM, 30 s,
+    # SIGKILL) and restarts the group: the stall is over within 2 minutes
+    assert gone is not None and gone - stopped < 90, (gone, stopped)
+    assert "restart 1 of 1 after a worker failure" in stdout, stdout
+    assert metrics(out) == uninterrupted  # resumed from checkpoint-10 and reproduced the run, bit for bit
+
+
+def _gone_within(process, seconds: float) -> float | None:
+    """When `process` (a psutil.Process) ended (or is a zombie), or None if it still runs after `seconds`."""
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return time.monotonic()
+        except psutil.NoSuchProcess:
+            return time.monotonic()
+        time.sleep(0.1)
+    return None
+
+
+ASLEEP_IN_A_STEP = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from tests.helpers import tiny_dataset, tiny_model, training_args
+from tptrain import DistributedConfig
+from tptrain.training.args import ParallelismConfig
+from tptrain.training.trainer import Trainer
+
+model = tiny_model().parallelize(DistributedConfig(tp_size=2))
+args = training_args({out!r}, max_steps=40, hang_timeout=2, parallelism_config=ParallelismConfig(2))
+trainer = Trainer(model=model, args=args, train_dataset=tiny_dataset())
+step = trainer.training_step
+
+def asleep_in_step_6(indices):
+    if trainer.global_step + 1 == 6 and os.environ["RANK"] == "1":
+        time.sleep(120)  # alive (its threads run) but never reaching the step's collectives
+    return step(indices)
+
+trainer.training_step = asleep_in_step_6
+trainer.train()
+"""
+
+
+@pytest.mark.distributed
+def test_a_rank_alive_elsewhere_is_named_and_every_rank_prints_its_stack(tmp_path):
+    script = tmp_path / "asleep.py"
+    script.write_text(ASLEEP_IN_A_STEP.format(root=str(ROOT), out=str(tmp_path / "run")))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                         cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0 and time.monotonic() - start < 100, (run.returncode, run.stderr[-4000:])
+    assert "past the hang timeout of 2 s (--hang-timeout / TrainingArguments.hang_timeout)" in run.stderr, run.stderr
+    assert "Every rank is alive; rank 1 not where the others are (never reached their collective)." in run.stderr
+    line = script.read_text().splitlines().index("        time.sleep(120)  # alive (its threads run) but never "
+                                                 "reaching the step's collectives") + 1
+    # where each is: rank 0 in a collective, rank 1 in the test's sleep (inside the Trainer's loop)
+    assert "live: rank 1 in step 6, at tptrain/training/trainer.py:" in run.stderr, run.stderr[-4000:]
+    assert f"asleep.py:{line} asleep_in_step_6)" in run.stderr
+    assert "live: rank 0 in step 6, at tptrain/distributed/comm/" in run.stderr
+    for rank in (0, 1):  # both alive: both print their stacks
+        assert f"tptrain: rank {rank}'s Python stack (most recent call first):" in run.stderr, run.stderr[-4000:]
+    assert f'asleep.py", line {line} in asleep_in_step_6' in run.stderr  # faulthandler's, of rank 1
+
+
+def test_the_hang_limit_waits_for_the_warmup_then_follows_the_steps():
+    from tptrain.training.watchdog import AUTO_FLOOR, WARMUP_STEPS, HangWatchdog
+
+    auto, fixed = HangWatchdog("auto"), HangWatchdog(3.5)
+    for n in range(1, WARMUP_STEPS + 1):
+        assert auto.limit() is None and fixed.limit() is None  # compilation, first allocations: not judged
+        for watchdog in (auto, fixed):
+            with watchdog.step(n):
+                pass
+    assert fixed.limit() == 3.5 and auto.limit() == AUTO_FLOOR  # 10 x a ~0 s median: the floor
+    auto.durations.extend([30.0] * 10)
+    assert auto.limit() == 300.0 and "10 x the median step time 30 s, at least 60 s" in auto.describe_limit()
+
+
+def test_the_hang_report_names_the_stalled_or_misplaced_ranks():
+    from tptrain.training.watchdog import hang_report
+
+    beats = {r: {"beat": 7, "step": 12, "running": True, "where": "tptrain/distributed/comm/handles.py:32 wait",
+                 "pid": 100 + r, "host": "node0"} for r in range(4)}
+    report = hang_report("step 12 has run 70 s on rank 0, past the hang timeout of 60 s", [2], beats, 8.0)
+    assert report.startswith("tptrain: error: step 12 has run 70 s on rank 0, past the hang timeout of 60 s.\n")
+    assert ("Rank 2 never reached the collective the others wait in: no heartbeat for 8 s (a stopped process: "
+            "SIGSTOP, a debugger; stuck in native code; or a dead host); rank 2's last (pid 102 on node0) was in step 12, at "
+            "tptrain/distributed/comm/handles.py:32 wait.") in report
+    assert "  live: ranks 0, 1, 3 in step 12, at tptrain/distributed/comm/handles.py:32 wait" in report
+    beats[3].update(where="tptrain/training/trainer.py:160 _train", running=False, step=11)
+    report = hang_report("step 12 has run 70 s on rank 0", [], beats, 8.0)
+    assert "Every rank is alive; rank 3 not where the others are (never reached their collective)." in report
+    assert "  live: rank 3 after step 11, at tptrain/training/trainer.py:160 _train" in report
+    beats[3].update(where=beats[0]["where"], running=True, step=12)
+    assert "Every rank is alive and at the same place" in hang_report("step 12 ...", [], beats, 8.0)
+
+
+def test_the_launcher_says_which_rank_the_watchdog_ended(tmp_path, capsys):
+    from tptrain.cli.launcher import _print_worker_errors
+    from tptrain.training.watchdog import HANG_EXIT_CODE
+
+    _print_worker_errors(tmp_path, {0: HANG_EXIT_CODE})
+    assert capsys.readouterr().err == ("tptrain train: error: rank 0 was ended by the hang watchdog: a step ran past "
+                                       "the hang timeout (--hang-timeout); its report and Python stack are above\n")

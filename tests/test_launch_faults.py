@@ -28,6 +28,8 @@ from tests.helpers.ranks import reserved_port
 from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.cli import main
 from tptrain.cli import train as train_cli
+from tptrain.distributed.state import ParallelState
+from tptrain.layout import ParallelDims
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.mesh import resolve_parallelism
 from tptrain.training.reporting import read_metrics
@@ -93,7 +95,7 @@ def test_seq_len_beyond_max_positions_is_refused_by_the_trainer(tmp_path):
 
 
 def test_layout_errors_state_the_sizes_and_the_world_size():
-    tp2_model = types.SimpleNamespace(tp_size=2)
+    tp2_model = types.SimpleNamespace(parallel=ParallelState(dims=ParallelDims(tp=2)))  # laid out at tp 2
     with pytest.raises(ValueError) as info:
         resolve_parallelism(tp2_model, ParallelismConfig(dp_shard_size=2), world_size=2)
     assert str(info.value).startswith("ParallelismConfig(tp_size=2 (the model's), dp_shard_size=2, "

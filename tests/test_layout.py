@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tptrain.layout import RULES, Case, Features, ModelFacts, ParallelDims, Spelling, check, refusals, resolve, validate
+from tptrain.layout import (RULES, Case, Features, ModelFacts, ParallelDims, Spelling, case_of, check, refusals, resolve,
+                            validate)
 from tptrain.layout import schedules, table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +79,22 @@ def test_the_table_decides_each_composition_once():
     with pytest.raises(ValueError, match=r"--seq-len is 30, not a multiple of 4"):
         check("cp_seq_len", seq)
     check("pp_stages", seq)  # another row: passes
+
+
+def test_one_row_is_asked_of_the_values_it_reads():
+    # The Case is built by the layout (case_of): the same message as the Case the caller would build.
+    assert case_of(cp=2, seq_len=30, spelling=Spelling(seq_len="--seq-len")) == Case(
+        dims=ParallelDims(cp=2), features=Features(seq_len=30), spelling=Spelling(seq_len="--seq-len"))
+    with pytest.raises(ValueError, match=r"--seq-len is 30, not a multiple of 4"):
+        check("cp_seq_len", cp=2, seq_len=30, spelling=Spelling(seq_len="--seq-len"))
+    with pytest.raises(ValueError, match=r"ep_size=2 \(--ep-size\), but Qwen3ForCausalLM \('qwen3'\) has no experts"):
+        check("ep_dense", ep=2, name="Qwen3ForCausalLM", model_type="qwen3", experts=0)
+    check("pp_stages", pp=4, num_layers=4)  # passes
+    assert case_of(pp=2).facts is None and case_of(seq_len=8).dims is None  # none given: not known
+    with pytest.raises(AssertionError, match="not an input of the rule table"):
+        case_of(tp_size=2)
+    with pytest.raises(AssertionError, match="reads"):  # a row asked without what it reads would pass unseen
+        check("ep_dense", ep=2)
 
 
 def test_a_parallelism_config_that_contradicts_the_model_is_one_rule():

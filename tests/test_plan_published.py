@@ -15,9 +15,9 @@ import torch
 
 from tptrain.cli import main
 from tptrain.diagnostics.device_profiles import GiB, device_profile, with_memory
-from tptrain.diagnostics.layout import TrainSettings
+from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
-from tptrain.diagnostics.model_facts import ModelFacts
+from tptrain.diagnostics.model_shapes import ModelShapes
 from tptrain.diagnostics.train_plan import estimate, layout_problem
 from tptrain.models import AutoConfig
 
@@ -34,9 +34,9 @@ LLAMA_405B = {**LLAMA_3_1, "hidden_size": 16384, "intermediate_size": 53248, "nu
 H100 = device_profile("h100")  # 80 GB
 
 
-def _facts(tmp_path, config: dict) -> ModelFacts:
+def _shapes(tmp_path, config: dict) -> ModelShapes:
     (tmp_path / "config.json").write_text(json.dumps(config))
-    return ModelFacts.of(AutoConfig.from_pretrained(tmp_path), dtype=torch.float32)
+    return ModelShapes.of(AutoConfig.from_pretrained(tmp_path), dtype=torch.float32)
 
 
 def test_llama_8b_262k_tokens_fsdp1_cp8(tmp_path):
@@ -45,16 +45,16 @@ def test_llama_8b_262k_tokens_fsdp1_cp8(tmp_path):
     tensor peak is at the loss's backward: the fp32 log-softmax of 32768 tokens x 128256 and its two fp32 gradients
     (47 GiB), 32 checkpointed layer inputs (8 GiB), 1/8 of the fp32 parameters and AdamW's states (11.2 GiB), the
     gathered embedding and head."""
-    facts = _facts(tmp_path, LLAMA_8B)
+    shapes = _shapes(tmp_path, LLAMA_8B)
     settings = TrainSettings(batch_size=1, seq_len=262144, bf16=True, gradient_checkpointing=True, loss="logits")
     layout = ParallelDims(cp=8)
-    assert layout_problem(facts, layout, settings) is None  # tptrain runs this layout too
-    plan = estimate(facts, layout, settings, H100)
+    assert layout_problem(shapes, layout, settings) is None  # tptrain runs this layout too
+    plan = estimate(shapes, layout, settings, H100)
     assert plan.worst.phase == "loss backward"
     ratio = plan.peak / (84.5 * GiB)
     assert 0.80 < ratio < 1.0, plan.peak / GiB  # 71 GiB of tensors; the rest is the allocator's (module doc)
     assert plan.fits  # on an 80 GB H100 too (the table's cards had 96 GB)
-    fused = estimate(facts, layout, TrainSettings(batch_size=1, seq_len=262144, bf16=True,
+    fused = estimate(shapes, layout, TrainSettings(batch_size=1, seq_len=262144, bf16=True,
                                                   gradient_checkpointing=True), H100)
     assert fused.peak < 0.6 * plan.peak  # tptrain's own loss, fused with the head in chunks, never holds the logits
 
@@ -68,15 +68,15 @@ def test_llama_405b_tp8_pp8_fsdp8(tmp_path, schedule, published, band):
     planner: under a pipeline FSDP2 keeps the stage gathered (12 GiB in bf16) and its gradients unsharded in fp32 (24
     GiB) until the last microbatch; the activations in flight are the checkpointed inputs of 16 layers per microbatch.
     tptrain runs this layout too (pipeline x sequence parallelism composes)."""
-    facts = _facts(tmp_path, LLAMA_405B)
+    shapes = _shapes(tmp_path, LLAMA_405B)
     settings = TrainSettings(batch_size=32, seq_len=8192, bf16=True, gradient_checkpointing=True, pp_schedule=schedule,
                              pp_microbatches=8, sequence_parallel=True, loss="logits")
-    assert layout_problem(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings) is None
-    plan = estimate(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings, H100)
+    assert layout_problem(shapes, ParallelDims(tp=8, pp=8, dp_shard=8), settings) is None
+    plan = estimate(shapes, ParallelDims(tp=8, pp=8, dp_shard=8), settings, H100)
     ratio = plan.peak / (published * GiB)
     assert band[0] < ratio < band[1], plan.peak / GiB
     assert plan.fits, plan.peak / GiB
-    assert estimate(facts, ParallelDims(tp=8, pp=8, dp_shard=8), settings, with_memory(H100, 96 * 10**9)).fits
+    assert estimate(shapes, ParallelDims(tp=8, pp=8, dp_shard=8), settings, with_memory(H100, 96 * 10**9)).fits
 
 
 def test_cli_on_llama_8b(tmp_path, capsys):

@@ -15,10 +15,10 @@ from tptrain.cli import main
 from tptrain.diagnostics import activations as A
 from tptrain.diagnostics.accounting import SavedTensorMeter
 from tptrain.diagnostics.device_profiles import device_profile
-from tptrain.diagnostics.layout import TrainSettings
+from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
 from tptrain.diagnostics.memory_plan import TERMS, in_flight, rank_memory
-from tptrain.diagnostics.model_facts import ModelFacts
+from tptrain.diagnostics.model_shapes import ModelShapes
 from tptrain.diagnostics.step_time import comm_bytes
 from tptrain.diagnostics.train_plan import layout_problem, plan_training
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -31,16 +31,16 @@ MOE = dict(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24
 H100 = device_profile("h100")
 
 
-def _facts(model_type: str = "llama", **overrides) -> ModelFacts:
+def _shapes(model_type: str = "llama", **overrides) -> ModelShapes:
     fields = {**(MOE if model_type == "qwen3_moe" else SMALL), **overrides}
-    return ModelFacts.of(AutoConfig.for_model(model_type, **fields), dtype=torch.float32)
+    return ModelShapes.of(AutoConfig.for_model(model_type, **fields), dtype=torch.float32)
 
 
 def test_layer_activations_by_hand():
     """One Llama layer in fp32, T tokens: each norm keeps its input, rsqrt and normalised input (2H + 1 floats) and its
     output is the projections' input (H); SDPA keeps q (4 heads), K and V (their 2 heads: SDPA's own GQA, no expanded
     copy), the output (4 x 16) and one fp32 log-sum-exp per head; SwiGLU keeps gate, silu, up, product (4 x I)."""
-    shape = _facts().layers[0]
+    shape = _shapes().layers[0]
     work = A.Work(batch=2, seq=8, tp=1, cp=1, sp=False, precision=A.precision(4, bf16=False, fsdp=False))
     t, q_width = 16, HEADS * D
     assert A.layer_activations(shape, work) == {
@@ -65,11 +65,11 @@ def test_activations_are_what_a_forward_saves(model_type, bf16):
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with SavedTensorMeter(model.parameters()) as meter, autocast:
         model(ids, labels=ids)
-    facts = ModelFacts.of(config, dtype=torch.float32)
+    shapes = ModelShapes.of(config, dtype=torch.float32)
     work = A.Work(2, 8, 1, 1, False, A.precision(4, bf16=bf16, fsdp=False), device="cpu")
-    predicted = sum(sum(A.layer_activations(layer, work).values()) for layer in facts.layers)
+    predicted = sum(sum(A.layer_activations(layer, work).values()) for layer in shapes.layers)
     predicted += sum(A.model_activations(H, work, first=True, last=True, rotary=D).values())
-    copies = sum(p.numel for p in facts.params(1, 1) if isinstance(p.unit, int) and (p.linear or p.expert))
+    copies = sum(p.numel for p in shapes.params(1, 1) if isinstance(p.unit, int) and (p.linear or p.expert))
     predicted += 2 * copies if bf16 else 0
     ends = 4 * 4 * 2 if model_type == "qwen3_moe" else 0  # the grouped matmul's int32 offsets, 4 experts x 2 layers
     assert predicted + ends == meter.bytes
@@ -78,16 +78,16 @@ def test_activations_are_what_a_forward_saves(model_type, bf16):
 def test_states_by_hand():
     """Parameters, AdamW's two states (and one fp32 step each) and the gradients: whole at dp 1; under FSDP2 over 2
     ranks each tensor's dim 0 split, padded to a multiple of 2 (the vocabulary's 101 rows: 51 per rank)."""
-    facts = _facts()
+    shapes = _shapes()
     settings = TrainSettings(batch_size=2, seq_len=8, gradient_checkpointing=True)
-    numel = sum(p.numel for p in facts.params(1, 1))
-    tensors = len(facts.params(1, 1))
-    single = rank_memory(facts, ParallelDims(), settings)[0]
+    numel = sum(p.numel for p in shapes.params(1, 1))
+    tensors = len(shapes.params(1, 1))
+    single = rank_memory(shapes, ParallelDims(), settings)[0]
     assert single.phase == "optimizer step"
     assert single.terms["parameters"] == 4 * numel and single.terms["gradients"] == 4 * numel
     assert single.terms["optimizer_states"] == 2 * 4 * numel + 4 * tensors
-    sharded = sum(math.ceil(p.shape[0] / 2) * (p.numel // p.shape[0]) for p in facts.params(1, 1))
-    fsdp = rank_memory(facts, ParallelDims(dp_shard=2), settings)[0]
+    sharded = sum(math.ceil(p.shape[0] / 2) * (p.numel // p.shape[0]) for p in shapes.params(1, 1))
+    fsdp = rank_memory(shapes, ParallelDims(dp_shard=2), settings)[0]
     assert fsdp.terms["parameters"] == 4 * sharded and fsdp.terms["optimizer_states"] == 8 * sharded + 4 * tensors
 
 
@@ -107,39 +107,39 @@ def test_pipeline_in_flight_and_peak_rank():
     assert [in_flight("1F1B", 4, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert [in_flight("GPipe", 4, 8, r) for r in range(4)] == [8] * 4
     assert in_flight("1F1B", 4, 2, 0) == 2  # never more than the microbatches
-    facts = _facts(num_hidden_layers=4)
-    ranks = rank_memory(facts, ParallelDims(pp=2), TrainSettings(batch_size=4, seq_len=8, pp_microbatches=4))
+    shapes = _shapes(num_hidden_layers=4)
+    ranks = rank_memory(shapes, ParallelDims(pp=2), TrainSettings(batch_size=4, seq_len=8, pp_microbatches=4))
     assert [r.in_flight for r in ranks] == [2, 1] and all(r.peak == sum(r.terms.values()) for r in ranks)
 
 
 def test_tp_bytes_per_step_by_hand():
     """TP: two all-reduces of (tokens, hidden) per layer in forward and two in backward, the embedding's sum and the
     head's boundary: (4 x layers + 2) x tokens x hidden x bytes."""
-    facts = _facts()
-    sent, _ = comm_bytes(facts, ParallelDims(tp=2), TrainSettings(batch_size=2, seq_len=8), gathered=0, grads=0)
+    shapes = _shapes()
+    sent, _ = comm_bytes(shapes, ParallelDims(tp=2), TrainSettings(batch_size=2, seq_len=8), gathered=0, grads=0)
     assert sent == {"tp": (4 * 2 + 2) * 16 * H * 4}
 
 
 def test_only_the_rules_layouts_appear():
     """4 heads: tp 3 and 6 cannot split them; no pipeline x context-parallel layout of 6 ranks fits the shape (cp 3
     does not split 16 tokens into 6 chunks, 3 stages do not split 2 rows into microbatches)."""
-    facts = _facts("qwen3", num_hidden_layers=4)
+    shapes = _shapes("qwen3", num_hidden_layers=4)
     settings = TrainSettings(batch_size=2, seq_len=16)
-    plan = plan_training(facts, world=6, settings=settings, profile=H100)
+    plan = plan_training(shapes, world=6, settings=settings, profile=H100)
     listed = [p.layout for p in plan.layouts]
-    assert listed and all(layout_problem(facts, lay, settings) is None for lay in listed)
+    assert listed and all(layout_problem(shapes, lay, settings) is None for lay in listed)
     assert not any(lay.tp in (3, 6) for lay in listed) and any(lay.tp == 3 for lay in plan.refused)
     assert not any(lay.pp > 1 and lay.cp > 1 for lay in listed)
     assert "num_attention_heads=4 is not divisible by tp_size=3" in plan.refused[ParallelDims(tp=3, dp_shard=2)]
     with pytest.raises(ValueError, match="--layout tp=3,dp_shard=2 is refused"):
-        plan_training(facts, world=6, settings=settings, profile=H100, layout=ParallelDims(tp=3, dp_shard=2))
+        plan_training(shapes, world=6, settings=settings, profile=H100, layout=ParallelDims(tp=3, dp_shard=2))
 
 
 def test_ranking_is_deterministic_and_fitting_first():
-    facts = _facts("qwen3_moe", num_hidden_layers=4)
+    shapes = _shapes("qwen3_moe", num_hidden_layers=4)
     settings = TrainSettings(batch_size=4, seq_len=64)
     small = device_profile("a10g")
-    runs = [plan_training(facts, world=8, settings=settings, profile=small) for _ in range(2)]
+    runs = [plan_training(shapes, world=8, settings=settings, profile=small) for _ in range(2)]
     assert [p.layout for p in runs[0].layouts] == [p.layout for p in runs[1].layouts]
     fits = [p.fits for p in runs[0].layouts]
     assert fits == sorted(fits, reverse=True) and runs[0].best == 0
@@ -195,15 +195,15 @@ def test_bad_input(llama_dir, capsys, argv, code, message):
 
 def test_nothing_fits_says_what_would(capsys):
     """A budget the model does not fit at 2 ranks: the smallest world where it does (and the run's switches)."""
-    facts = _facts(num_hidden_layers=4)
+    shapes = _shapes(num_hidden_layers=4)
     settings = TrainSettings(batch_size=2, seq_len=16)
     from tptrain.diagnostics.device_profiles import with_memory
     from tptrain.diagnostics.train_plan import what_would_fit
 
-    need = min(p.peak for p in plan_training(facts, world=2, settings=settings, profile=H100).layouts)
+    need = min(p.peak for p in plan_training(shapes, world=2, settings=settings, profile=H100).layouts)
     tight = with_memory(H100, H100.runtime_bytes + int(need * 0.9))
-    assert plan_training(facts, world=2, settings=settings, profile=tight).best is None
-    hints = what_would_fit(facts, 2, settings, tight)
+    assert plan_training(shapes, world=2, settings=settings, profile=tight).best is None
+    hints = what_would_fit(shapes, 2, settings, tight)
     assert any(h.startswith("--world ") for h in hints), hints
 
 
@@ -266,8 +266,9 @@ def test_measured_peak_of_a_single_device_step(run):
                                                          for t in s.values() if isinstance(t, torch.Tensor))]
     with LiveTensorBytes(existing) as meter:
         trainer.training_step(trainer.data_order.next_batch())
-    facts = ModelFacts.of(config, dtype=torch.float32)
-    predicted = rank_memory(facts, ParallelDims(), TrainSettings(batch_size=2, seq_len=64, **run), device="cpu")[0].peak
+    shapes = ModelShapes.of(config, dtype=torch.float32)
+    settings = TrainSettings(batch_size=2, seq_len=64, **run)
+    predicted = rank_memory(shapes, ParallelDims(), settings, device="cpu")[0].peak
     assert abs(predicted / meter.peak - 1) < 0.05, (predicted, meter.peak)
 
 
@@ -345,11 +346,11 @@ def test_every_native_family_within_six_percent():
         ids = torch.randint(0, config.vocab_size, (2, 200))
         with SavedTensorMeter(model.parameters()) as meter:
             model(ids, labels=ids)
-        facts = ModelFacts.of(config, dtype=torch.float32)
+        shapes = ModelShapes.of(config, dtype=torch.float32)
         work = A.Work(2, 200, 1, 1, False, A.precision(4, bf16=False, fsdp=False), device="cpu")
-        predicted = sum(sum(A.layer_activations(layer, work).values()) for layer in facts.layers)
-        predicted += sum(A.model_activations(facts.hidden, work, first=True, last=True,
-                                             rotary=facts.layers[0].q_dim).values())
+        predicted = sum(sum(A.layer_activations(layer, work).values()) for layer in shapes.layers)
+        predicted += sum(A.model_activations(shapes.hidden, work, first=True, last=True,
+                                             rotary=shapes.layers[0].q_dim).values())
         errors[name] = predicted / meter.bytes - 1
     assert all(abs(e) < 0.06 for e in errors.values()), errors
     assert sum(abs(e) < 0.001 for e in errors.values()) >= 8, errors  # the Llama-shaped ones to the byte

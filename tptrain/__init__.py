@@ -5,13 +5,15 @@ import importlib
 import re
 from pathlib import Path
 
-__all__ = ["AutoConfig", "AutoModelForCausalLM", "DistributedConfig", "ParallelismConfig", "Trainer",
-           "TrainingArguments"]
+__all__ = ["AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText", "DPOConfig", "DPOTrainer",
+           "DistributedConfig", "ParallelismConfig", "Trainer", "TrainingArguments"]
 # Each name's module is imported on first use: `import tptrain` (and so the `tptrain` command) stays free of torch
 # until then, so `tptrain --version` and the CLI's checks of a config answer in a fraction of a second.
 _EXPORTS = {"AutoConfig": "tptrain.models", "AutoModelForCausalLM": "tptrain.models",
+            "AutoModelForImageTextToText": "tptrain.models",
             "DistributedConfig": "tptrain.distributed", "ParallelismConfig": "tptrain.training",
-            "Trainer": "tptrain.training", "TrainingArguments": "tptrain.training"}
+            "Trainer": "tptrain.training", "TrainingArguments": "tptrain.training",
+            "DPOConfig": "tptrain.training", "DPOTrainer": "tptrain.training"}
 
 
 def __getattr__(name: str):

@@ -23,33 +23,51 @@ def greedy_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new
     """The `max_new_tokens` most likely next tokens after `prompt`, decoded (prompt not included);
     stops early at eos. Collective under TP: call it on every rank."""
     ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id]  # an empty prompt starts a new document
+    return tokenizer.decode(greedy_ids(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id))
+
+
+@torch.no_grad()
+def greedy_ids(model: nn.Module, ids: list[int], max_new_tokens: int, *, eos_token_id: int,
+               inputs: dict[str, torch.Tensor] | None = None) -> list[int]:
+    """The ids of `greedy_generate`'s continuation of `ids`. inputs: a vision-language model's other inputs for
+    `ids` (its processor's, batch of one): each per-token one, (1, len(ids)), continued with its last value (the
+    prompt ends in text), the image ones passed as they are; the context is then never cut."""
     max_context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or len(ids) + max_new_tokens
     device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in (inputs or {}).items()}
     was_training = model.training
     model.eval()
     new: list[int] = []
     try:
         for _ in range(max_new_tokens):
-            context = torch.tensor([(ids + new)[-max_context:]], device=device)  # (1, seq)
-            logits = _last_logits(model, context)  # (vocab,)
+            context = torch.tensor([(ids + new)[-max_context:] if not inputs else ids + new], device=device)
+            logits = _last_logits(model, context, _continued(inputs, len(ids), len(new)))  # (vocab,)
             token = int(logits.float().argmax())
-            if token == tokenizer.eos_token_id:
+            if token == eos_token_id:
                 break
             new.append(token)
     finally:
         model.train(was_training)
-    return tokenizer.decode(new)
+    return new
 
 
-def _last_logits(model: nn.Module, context: torch.Tensor) -> torch.Tensor:
+def _continued(inputs: dict[str, torch.Tensor], length: int, more: int) -> dict[str, torch.Tensor]:
+    """`inputs` for `length` + `more` tokens: the per-token ones, (1, length), continued with their last value."""
+    return {k: torch.cat([v, v[:, -1:].expand(1, more)], dim=1) if v.dim() == 2 and v.shape == (1, length) else v
+            for k, v in inputs.items()}
+
+
+def _last_logits(model: nn.Module, context: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The logits after the last token of `context` (1, seq). Under sequence or context parallelism the context is
-    right-padded to a length that splits as the Trainer's batches do (causal: no real token sees a pad); under context
-    parallelism every rank's tokens are then gathered."""
+    right-padded to a length that splits as the Trainer's batches do (causal: no real token sees a pad; per-token
+    `inputs` padded with zeros); under context parallelism every rank's tokens are then gathered."""
     state = state_of(model)
     cp = state.cp
     sp = state.dims.tp if state.sequence_parallel else 1
     cp_size = state.dims.cp
     length = context.shape[1]
     multiple = math.lcm(sp * cp_size, 2 * cp_size if cp is not None else 1)
-    logits = model(F.pad(context, (0, -length % multiple))).logits  # (1, padded [/ cp], vocab)
+    inputs = {k: F.pad(v, (0, -length % multiple)) if v.dim() == 2 and v.shape == context.shape else v
+              for k, v in inputs.items()}
+    logits = model(F.pad(context, (0, -length % multiple)), **inputs).logits  # (1, padded [/ cp], vocab)
     return (gather_sequence(logits, cp) if cp is not None else logits)[0, length - 1]

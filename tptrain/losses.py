@@ -16,7 +16,7 @@ IGNORE_INDEX = -100
 
 @dataclasses.dataclass
 class CausalLMOutput:
-    loss: torch.Tensor | None  # scalar, None without labels
+    loss: torch.Tensor | None  # scalar (each row's summed token loss, (batch,), with per_sequence), None without labels
     logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
 
@@ -28,17 +28,23 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
-                   num_items_in_batch: int | torch.Tensor | None = None, *, shifted: bool = False) -> torch.Tensor:
+                   num_items_in_batch: int | torch.Tensor | None = None, *, shifted: bool = False,
+                   per_sequence: bool = False) -> torch.Tensor:
     """Next-token cross-entropy in fp32. Labels are shifted here; IGNORE_INDEX positions don't count.
 
     With `num_items_in_batch` (real tokens over all micro-batches of a step) the loss is
     sum / num_items_in_batch, so gradient accumulation matches one large batch; else a token mean.
     `shifted`: `labels` are already each position's target (context parallelism shifts before it splits the
     sequence, so a shard's last token keeps its target); every loss function of this contract takes it.
+    `per_sequence`: (batch,) each row's summed token loss instead (its targets' negative log-likelihood, what
+    preference objectives read; `num_items_in_batch` unused); every loss function of this contract takes it too.
     """
     labels = labels if shifted else shift_labels(labels)
     # Upcast half precision to fp32 (as transformers does); fp32/fp64 stay as they are.
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
+    if per_sequence:
+        return F.cross_entropy(logits, labels.reshape(-1).to(logits.device), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(labels.shape).sum(dim=-1)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = F.cross_entropy(logits, labels.reshape(-1).to(logits.device),
                            ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -209,8 +215,82 @@ def fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: to
 
 def chunked_causal_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                            num_items_in_batch: int | torch.Tensor | None = None, *, transform,
-                           chunk: int | None = None, shifted: bool = False) -> torch.Tensor:
-    """`causal_lm_loss(transform(h @ weight.T), labels, num_items_in_batch, shifted=)` without the whole logits."""
-    target = (labels if shifted else shift_labels(labels)).reshape(-1).to(h.device)
+                           chunk: int | None = None, shifted: bool = False, per_sequence: bool = False) -> torch.Tensor:
+    """`causal_lm_loss(transform(h @ weight.T), labels, num_items_in_batch, shifted=, per_sequence=)` without the
+    whole logits."""
+    labels = labels if shifted else shift_labels(labels)
+    target = labels.reshape(-1).to(h.device)
+    if per_sequence:
+        return chunked_token_losses(h.reshape(-1, h.shape[-1]), weight, target, transform=transform,
+                                    chunk=chunk).view(labels.shape).sum(dim=-1)
     return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, target,
                                       loss_denominator(target, num_items_in_batch), transform=transform, chunk=chunk)
+
+
+class _ChunkedTokenLosses(torch.autograd.Function):
+    """Each token's cross-entropy of `transform(h @ weight.T)` against `target` (tokens,), 0 where ignored, computed
+    at most `chunk` tokens at a time: the head of `_FusedLinearCrossEntropy`, for a loss that is not a weighted sum
+    of token losses (a preference objective of per-sequence sums), whose weights forward cannot know. So the
+    gradients are not made in forward: each chunk's logits are computed again in backward from the saved `h`, with
+    the log-sum-exp forward found (tokens,), and turned into their gradient in place. One more head matmul than the
+    fused loss, and still no whole logits. Over a vocab-sharded `weight` (rows from `vocab_start`) forward combines
+    each chunk's statistics over the shards (`reduce_max`, then `reduce_sum` of [target logit, sum-exp]); backward
+    needs no collective (each shard's softmax is its exp(z - lse)), and `grad_h` is this shard's part of the input
+    gradient, summed over the shards by the caller's boundary."""
+
+    @staticmethod
+    def forward(ctx, h, weight, target, transform, chunk, vocab_start, reduce_max, reduce_sum):
+        dtype = _matmul_dtype(h, weight)
+        w = weight.to(dtype)
+        ignored = target == IGNORE_INDEX
+        local_target = target.masked_fill(ignored, 0) - vocab_start
+        inside = (local_target >= 0) & (local_target < weight.shape[0])
+        local_target = local_target.clamp(0, weight.shape[0] - 1)
+        per_token = torch.zeros(h.shape[0], dtype=torch.promote_types(dtype, torch.float32), device=h.device)
+        lse = torch.zeros_like(per_token)
+        for start, stop in chunk_bounds(h.shape[0], chunk):
+            rows = slice(start, stop)
+            z = _transformed(torch.mm(h[rows].to(dtype), w.t()), transform)  # (chunk, local vocab) fp32 or fp64
+            max_logit = reduce_max(z.amax(dim=-1))
+            target_logit = z.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1).masked_fill(~inside[rows], 0.0)
+            sum_exp = z.sub_(max_logit.unsqueeze(-1)).exp_().sum(dim=-1)
+            target_logit, sum_exp = reduce_sum(torch.cat([target_logit, sum_exp])).chunk(2)
+            lse[rows] = sum_exp.log() + max_logit
+            per_token[rows] = lse[rows] - target_logit
+        ctx.save_for_backward(h, weight, local_target, inside, ignored, lse)
+        ctx.transform, ctx.chunk, ctx.dtype = transform, chunk, dtype  # backward recomputes in forward's dtype
+        return per_token.masked_fill_(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, local_target, inside, ignored, lse = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[:2]
+        dtype = ctx.dtype
+        w = weight.to(dtype)
+        scale = grad.to(lse.dtype).masked_fill(ignored, 0.0)  # d loss / d each token's loss
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_w else None
+        for start, stop in chunk_bounds(h.shape[0], ctx.chunk):
+            rows = slice(start, stop)
+            x = h[rows].to(dtype)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                raw = torch.mm(x, w.t()).requires_grad_(True)
+                z = _transformed(raw, ctx.transform)
+            # (softmax - onehot(target)) times each token's d loss / d its loss
+            g = z.detach().sub(lse[rows].unsqueeze(-1)).exp_().mul_(scale[rows].unsqueeze(-1))
+            g[torch.arange(g.shape[0], device=g.device), local_target[rows]] -= scale[rows] * inside[rows].to(g.dtype)
+            g = g.to(raw.dtype) if z is raw else torch.autograd.grad(z, raw, g)[0]
+            if grad_h is not None:
+                grad_h[rows] = torch.mm(g, w).to(h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), x)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None)
+
+
+def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, transform,
+                         chunk: int | None = None, vocab_start: int = 0, reduce_max=_same,
+                         reduce_sum=_same) -> torch.Tensor:
+    """(tokens,) each token's cross-entropy of the head `weight` on hidden states `h` (tokens, hidden) against
+    `target` (tokens,), 0 where IGNORE_INDEX; differentiable, never holding the whole logits (_ChunkedTokenLosses)."""
+    chunk = chunk or chunk_tokens(weight.shape[0])
+    return _ChunkedTokenLosses.apply(h, weight, target, transform, chunk, vocab_start, reduce_max, reduce_sum)

@@ -142,10 +142,14 @@ class PreTrainedModel(nn.Module):
         from tptrain.parallel.parallelize import ParallelOptions, parallelize  # the engine, at call time
 
         mesh, device = distributed_config.device_mesh()
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            for note in resolved.notes:  # an optional plan left out at this tp size (a tower kept whole)
+                warnings.warn(note, stacklevel=3)
         options = ParallelOptions(plan=resolved, pp_schedule=distributed_config.pp_schedule,
                                   pp_layers=distributed_config.pp_layers,
                                   load=(lambda model: model._load(reader, device, dtype)) if reader is not None else None)
         parallelize(self, mesh, options, device=device)
+        self.parallel.config = distributed_config
         return self
 
     def _check_plan(self, distributed_config: DistributedConfig) -> Any:
@@ -220,9 +224,13 @@ class PreTrainedModel(nn.Module):
 
         params = dict(self.named_parameters())  # tied aliases dropped (HF convention)
         sizes, checkpoint_tensors = self._checkpoint_tensors(list(params))
-        config_json = self.config_json(next(iter(params.values())).dtype)
-        save_model(self, sizes, checkpoint_tensors, save_directory, max_shard_size=max_shard_size,
-                   extra_files={"config.json": config_json})
+        extra = {"config.json": self.config_json(next(iter(params.values())).dtype), **self.extra_files()}
+        save_model(self, sizes, checkpoint_tensors, save_directory, max_shard_size=max_shard_size, extra_files=extra)
+
+    def extra_files(self) -> dict[str, bytes | str]:
+        """Files written beside the weights and config.json ({name: content}): none, but a vision-language model's
+        processor files."""
+        return {}
 
     def _checkpoint_tensors(self, names: list[str]) -> tuple[dict[str, int], Callable[[], Iterator]]:
         """({checkpoint tensor name: bytes} in writing order, a function returning the iterator that gathers the

@@ -33,11 +33,11 @@ from tptrain.cli.plan_train import add_train_plan_arguments, check_train_argumen
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     train = None
-    if argv[:1] == ["train"]:
+    if argv[:1] in (["train"], ["dpo"]):
         try:
             from tptrain.cli import train
         except ImportError as exc:
-            return _fail("train", f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
+            return _fail(argv[0], f"the training stack cannot be imported ({type(exc).__name__}: {exc})")
     args = _parser(train).parse_args(argv)
     if train is not None:  # the flags given override a run file's values (--config): it reads them from argv
         return train.run_train(args, argv[1:])
@@ -51,7 +51,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,prepare-data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
                                       "each module's style, each parameter's global and per-rank shape, parameter "
@@ -84,8 +84,13 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     plan.set_defaults(handler=_run_plan, plan_parser=plan)
     _add_prepare_data(sub)
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
+    dpo_parser = sub.add_parser("dpo", help="preference tuning: DPO, its loss types, SimPO, ORPO on preference pairs "
+                                            "(tptrain dpo --help)")
     if train is not None:
+        from tptrain.cli.dpo import add_dpo_arguments
+
         train.add_train_arguments(train_parser)
+        add_dpo_arguments(dpo_parser)
     return parser
 
 
@@ -143,7 +148,7 @@ def _json_object(text: str) -> dict:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.diagnostics.plan_report import plan_report
-    from tptrain.layout import Asked, Case, Spelling, check
+    from tptrain.layout import Asked, Spelling, check
     from tptrain.models import AutoConfig
 
     usage = check_train_arguments(args) if args.train else (
@@ -152,8 +157,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.plan_parser.error(usage)
     try:
         if not args.train:  # the sizes as this command spells them (--tp-size), as `tptrain train` checks them
-            check("positive", Case(asked=Asked(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size,
-                                               pp_size=args.pp_size), spelling=Spelling(cli=True)))
+            check("positive", asked=Asked(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size,
+                                          pp_size=args.pp_size), spelling=Spelling(cli=True))
         config = AutoConfig.from_pretrained(args.model, backend=args.backend)
         if args.train:
             return run_train_plan(args, config)

@@ -16,9 +16,10 @@ from typing import Any
 def add_finetune_arguments(sections: dict[str, argparse._ArgumentGroup]) -> None:
     """The fine-tuning flags, each in its --help section of `tptrain train` (train_arguments.SECTIONS)."""
     data, evaluation, optimisation = sections["data"], sections["evaluation"], sections["optimisation"]
-    data.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+    data.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                       help="instruction data: pack whole samples into --seq-len rows, each attending only to itself "
-                           "(default); --no-packing: one sample per row, padded to the longest in the batch")
+                           "(the default, but for a vision-language model's image-text rows, which are never "
+                           "packed); --no-packing: one sample per row, padded to the longest in the batch")
     data.add_argument("--assistant-only-loss", action=argparse.BooleanOptionalAction, default=True,
                       help="\"messages\" records: train on the assistant turns only (default)")
     data.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for \"messages\" records "
@@ -69,22 +70,18 @@ def training_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 data_cache_dir=args.data_cache)
 
 
-def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool) -> None:
+def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: bool, vision: bool = False,
+              data: bool = True) -> None:
     """Checks before any worker starts: the data options (the Trainer's own checks), the tokenizer, the data files
-    (records parsed, chat template present when a record is a chat), LoRA's values. Raises the first problem found."""
-    from tptrain.text import load_chat_template, load_tokenizer
-    from tptrain.training.data import read_documents
-    from tptrain.training.sft_data import scan_data_file
+    (records parsed, chat template present when a record is a chat; a vision-language model's: cli/vision.py; not
+    with `data` False: `tptrain dpo` checks its own), LoRA's values. Raises the first problem found."""
+    from tptrain.cli import vision as vision_cli
 
     _check_data_options(args)
-    load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
-    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
-        if path is None or (flag == "--data" and args.streaming):
-            continue
-        if not Path(path).expanduser().is_file():
-            read_documents(path)  # raises, naming the path
-        if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
-            load_chat_template(model_dir, args.chat_template)
+    if vision:
+        vision_cli.preflight(args, model_dir)
+    else:
+        _check_text_data(args, model_dir, files=data)
     if args.num_epochs is not None and max_steps_given:
         raise ValueError("pass --max-steps or --num-epochs, not both")
     if args.lora_r < 0:
@@ -95,6 +92,21 @@ def preflight(args: argparse.Namespace, model_dir: Path, *, max_steps_given: boo
         raise ValueError("--lora-target-parameters needs --lora-r (a LoRA run)")
     if args.lora_r:
         lora_config(args)  # its own checks (e.g. --lora-dropout with --lora-target-parameters), before any worker
+
+
+def _check_text_data(args: argparse.Namespace, model_dir: Path, *, files: bool) -> None:
+    from tptrain.text import load_chat_template, load_tokenizer
+    from tptrain.training.data import read_documents
+    from tptrain.training.sft_data import scan_data_file
+
+    load_tokenizer(model_dir)  # weights without a tokenizer are refused here (a hub id's weights: in the workers)
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is None or (flag == "--data" and args.streaming) or not files:
+            continue
+        if not Path(path).expanduser().is_file():
+            read_documents(path)  # raises, naming the path
+        if scan_data_file(Path(path).expanduser()):  # streamed: a 1 GB file is never held in memory here
+            load_chat_template(model_dir, args.chat_template)
 
 
 def _check_data_options(args: argparse.Namespace) -> None:

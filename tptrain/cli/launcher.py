@@ -33,6 +33,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from tptrain.training.watchdog import HANG_EXIT_CODE
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 STOP_FILE = "stop"  # the signal the launcher received, for workers that start after it
 
@@ -138,6 +140,9 @@ def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int]) -> None:
 
 
 def _exit_description(exitcode: int) -> str:
+    if exitcode == HANG_EXIT_CODE:
+        return ("was ended by the hang watchdog: a step ran past the hang timeout (--hang-timeout); its report and "
+                "Python stack are above")
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name

@@ -36,24 +36,34 @@ def announce(args: argparse.Namespace, inputs, model, threads: int) -> None:
 
 
 def _describe_data(dataset, args: argparse.Namespace) -> str:
+    if hasattr(dataset, "num_pairs"):  # preference pairs (training/preference/data.py)
+        return f"{dataset.num_pairs:,} preference pairs from {args.data}, up to {args.max_length} tokens each"
     if hasattr(dataset, "num_samples"):  # instruction records (training/sft_data.py)
         rows = f"packed into {len(dataset):,} rows of {args.seq_len}" if dataset.packing else "one per row"
-        return f"{dataset.num_samples:,} samples ({dataset.num_tokens:,} target tokens) from {args.data}, {rows}"
+        images = f"{dataset.num_images:,} images, " if hasattr(dataset, "num_images") else ""
+        return (f"{dataset.num_samples:,} samples ({images}{dataset.num_tokens:,} target tokens) from {args.data}, "
+                f"{rows}")
     if args.streaming:
         return f"streaming {len(dataset.files):,} file(s) of {args.data} in blocks of {args.seq_len}"
     return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 
-def summary(args: argparse.Namespace, result, seconds: float, text: str | None) -> None:
+def summary(args: argparse.Namespace, result, seconds: float, text: str | None, *, asked: str | None = None) -> None:
     """The run in three lines; the loss figures are those of metrics.jsonl (earlier, resumed steps included),
-    so the final figure is the one loss.png's title states."""
+    so the final figure is the one loss.png's title states. `asked`: a vision-language model's prompt (the data's
+    first, its images included), `text` its reply."""
     from tptrain.training.reporting import logged_losses, loss_headline, read_metrics
 
     out = Path(args.output_dir)
     losses = [loss for _, loss in logged_losses(read_metrics(out / "metrics.jsonl"))]
     if losses:
         print(f"trained to step {result.global_step}: {loss_headline(losses)}; last step {losses[-1]:.3f}")
+    if result.skipped_steps:  # --on-nonfinite skip
+        steps = ", ".join(map(str, result.skipped_steps[:10])) + (", ..." if len(result.skipped_steps) > 10 else "")
+        print(f"{len(result.skipped_steps)} step(s) skipped, their loss or gradient norm not finite: {steps}")
     print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
           f"metrics: {out / 'metrics.jsonl'}")
-    if text is not None:
+    if asked is not None:
+        print(f"\ngreedy reply to {asked}:\n{text}\n", flush=True)
+    elif text is not None:
         print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)

@@ -35,6 +35,10 @@ def add_train_plan_arguments(plan: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-r", type=int, default=0, help="LoRA adapters of this rank on every linear layer (0: full "
                                                          "fine-tuning)")
     g.add_argument("--optim-in-backward", action="store_true", help="step and free each gradient in backward")
+    g.add_argument("--reference", choices=("copy", "adapters", "precomputed"), default=None,
+                   help="plan a preference run (tptrain dpo; --batch-size counts pairs, two rows each) with this "
+                        "reference: copy (a frozen copy sharded like the model), adapters (LoRA's base) or "
+                        "precomputed")
     g.add_argument("--pp-microbatches", type=int, default=None, help="microbatches per batch under pp (default: pp)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planning.md has the schema)")
 
@@ -79,32 +83,33 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
     """Plan, print (table or JSON), and return the exit code."""
     import torch
 
-    from tptrain.diagnostics.layout import TrainSettings
+    from tptrain.diagnostics.train_settings import TrainSettings
     from tptrain.layout import parse_layout
-    from tptrain.diagnostics.model_facts import ModelFacts
+    from tptrain.diagnostics.model_shapes import ModelShapes
     from tptrain.diagnostics.train_plan import plan_training, what_would_fit
     from tptrain.diagnostics.train_report import plan_json, plan_text
     from tptrain.modeling import resolve_dtype
 
     profile = _profile(args)
     dtype = resolve_dtype(args.dtype or torch.float32, config)
-    settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
+    rows = 2 if args.reference else 1  # a preference pair is a chosen and a rejected row
+    settings = TrainSettings(batch_size=rows * args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
                              gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r,
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
-                             expert_parallel=args.expert_parallel)
+                             expert_parallel=args.expert_parallel, reference=args.reference)
     layout = parse_layout(args.layout, args.world) if args.layout else None
-    facts = ModelFacts.of(config, dtype=dtype)
+    shapes = ModelShapes.of(config, dtype=dtype)
     try:
-        plan = plan_training(facts, world=args.world, settings=settings, profile=profile, layout=layout)
+        plan = plan_training(shapes, world=args.world, settings=settings, profile=profile, layout=layout)
     except ValueError as exc:
         print(f"tptrain plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan_json(plan), indent=1) if args.json else plan_text(plan, facts, model_name=args.model),
+    print(json.dumps(plan_json(plan), indent=1) if args.json else plan_text(plan, shapes, model_name=args.model),
           end="\n" if args.json else "")
     if plan.best is not None:
         return 0
-    hints = what_would_fit(facts, args.world, settings, profile)
+    hints = what_would_fit(shapes, args.world, settings, profile)
     print(f"tptrain plan: no layout of {args.world} ranks fits {profile.name}'s memory "
           f"(the smallest peak: {min(p.peak for p in plan.layouts) / 2**30:.1f} GiB per rank, "
           f"{plan.layouts[0].budget / 2**30:.1f} GiB available); "
@@ -132,9 +137,9 @@ def resolve_train_layout(args: argparse.Namespace) -> bool:
 def _train_layout(args: argparse.Namespace) -> str:
     import torch
 
-    from tptrain.diagnostics.layout import TrainSettings
+    from tptrain.diagnostics.train_settings import TrainSettings
     from tptrain.layout import parse_layout
-    from tptrain.diagnostics.model_facts import ModelFacts
+    from tptrain.diagnostics.model_shapes import ModelShapes
     from tptrain.diagnostics.train_plan import layout_problem, plan_training
     from tptrain.models import AutoConfig
 
@@ -147,21 +152,23 @@ def _train_layout(args: argparse.Namespace) -> str:
     world = nproc * args.nnodes
     args.nproc_per_node = nproc
     dtype = getattr(torch, args.dtype)
-    settings = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
-                             gradient_checkpointing=args.gradient_checkpointing, lora_r=getattr(args, "lora_r", 0),
-                             optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
-                             pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
-                             expert_parallel=args.expert_parallel)
-    facts = ModelFacts.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
+    reference = _reference(args)  # tptrain dpo: its reference, two rows a pair
+    settings = TrainSettings(batch_size=(2 if reference else 1) * args.batch_size, seq_len=args.seq_len, dtype=dtype,
+                             bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+                             lora_r=getattr(args, "lora_r", 0), optim_in_backward=args.optim_in_backward,
+                             pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                             sequence_parallel=args.sequence_parallel, expert_parallel=args.expert_parallel,
+                             reference=reference)
+    shapes = ModelShapes.of(AutoConfig.from_pretrained(args.model), dtype=dtype)
     note = ""
     if args.layout != "auto":
         chosen = parse_layout(args.layout, world)
-        problem = layout_problem(facts, chosen, settings)
+        problem = layout_problem(shapes, chosen, settings)
         if problem:
             raise ValueError(f"--layout {chosen.spell()}: {problem}")
     else:
         profile = _profile(argparse.Namespace(device=None, gpu_memory=None))
-        plan = plan_training(facts, world=world, settings=settings, profile=profile)
+        plan = plan_training(shapes, world=world, settings=settings, profile=profile)
         usable = [p for p in plan.layouts if p.fits and p.layout.dp_replicate == 1]  # tptrain train: no dp_replicate
         if not usable:
             raise ValueError(f"--layout auto: no layout of {world} ranks fits {profile.name}'s memory at --batch-size "
@@ -176,3 +183,13 @@ def _train_layout(args: argparse.Namespace) -> str:
     args.tp_size, args.cp_size, args.pp_size = chosen.tp, chosen.cp, chosen.pp
     args.ep_size = chosen.ep if chosen.ep > 1 else None
     return f"tptrain train: --layout {args.layout}: {chosen.spell()} on {world} ranks{note}"
+
+
+def _reference(args: argparse.Namespace) -> str | None:
+    """The reference a `tptrain dpo` run holds (None: `tptrain train`)."""
+    if getattr(args, "workflow", "train") != "dpo":
+        return None
+    reference_free = args.reference_free or set(args.loss_type) <= {"simpo", "orpo"}
+    if args.precompute_ref_log_probs or reference_free:
+        return "precomputed"
+    return "adapters" if args.lora_r else "copy"

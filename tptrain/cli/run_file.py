@@ -18,6 +18,7 @@ expected) before anything else, and saves the resolved configuration as `<output
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import os
 import sys
@@ -28,12 +29,13 @@ RUN_CONFIG = "run_config.yaml"  # the resolved configuration, saved in --output-
 _COMMAND_LINE_ONLY = ("help", "config", "print_config")  # flags a run file cannot set (it cannot name another)
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """A parser of `tptrain train`'s flags alone (its options and sections)."""
+def train_parser(workflow: str = "train") -> argparse.ArgumentParser:
+    """A parser of `tptrain train`'s flags alone (its options and sections), or `tptrain dpo`'s ("dpo")."""
+    from tptrain.cli.dpo import add_dpo_arguments
     from tptrain.cli.train_arguments import add_train_arguments
 
-    parser = argparse.ArgumentParser(prog="tptrain train")
-    add_train_arguments(parser)
+    parser = argparse.ArgumentParser(prog=f"tptrain {workflow}")
+    (add_dpo_arguments if workflow == "dpo" else add_train_arguments)(parser)
     return parser
 
 
@@ -45,7 +47,7 @@ def apply_run_file(args: argparse.Namespace, argv: Sequence[str] | None) -> argp
     if argv is None:
         raise ValueError("--config: the run file's values yield to the flags given on the command line, so "
                          "run_train needs that command line (argv) too")
-    parser = train_parser()
+    parser = train_parser(getattr(args, "workflow", "train"))
     parser.set_defaults(**read_run_file(args.config, parser))
     merged = parser.parse_args(list(argv))
     for name, value in vars(args).items():  # what is not a flag (the command's handler)
@@ -74,8 +76,9 @@ def read_run_file(path: str | os.PathLike, parser: argparse.ArgumentParser) -> d
 
 
 def resolved_config(args: argparse.Namespace) -> dict[str, Any]:
-    """{option name: value} for every option of `tptrain train`: what `--print-config` prints."""
-    return {name: getattr(args, action.dest) for name, action in _options(train_parser()).items()}
+    """{option name: value} for every option of `tptrain train` (or `tptrain dpo`): what `--print-config` prints."""
+    return {name: getattr(args, action.dest)
+            for name, action in _options(train_parser(getattr(args, "workflow", "train"))).items()}
 
 
 def dump(config: dict[str, Any]) -> str:
@@ -87,8 +90,11 @@ def dump(config: dict[str, Any]) -> str:
             return self.represent_scalar("tag:yaml.org,2002:str", text, style='"' if "\n" in text else None)
 
     Dumper.add_representer(str, Dumper.represent_str)
-    lines = ["# tptrain train's resolved configuration: `tptrain train --config THIS_FILE` runs it again"]
-    for title, names in _sections(train_parser()):
+    parser = train_parser()
+    command = "train" if set(config) <= set(_options(parser)) else "dpo"  # a preference run's options: tptrain dpo
+    parser = parser if command == "train" else train_parser(command)
+    lines = [f"# tptrain {command}'s resolved configuration: `tptrain {command} --config THIS_FILE` runs it again"]
+    for title, names in _sections(parser):
         section = {name: config[name] for name in names if name in config}
         if section:
             lines += [f"# {title}", yaml.dump(section, Dumper=Dumper, sort_keys=False, allow_unicode=True,
@@ -164,6 +170,13 @@ def _value(action: argparse.Action, name: str, value: Any, path: str | os.PathLi
         if not isinstance(value, bool):
             raise wrong("true or false")
         return value
+    if action.nargs == "+":  # a list (--loss-type sigmoid sft): a list of the option's values, or one value
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise wrong("a non-empty list")
+        one = copy.copy(action)
+        one.nargs = None
+        return [_value(one, name, item, path) for item in items]
     if action.nargs == "?":  # --resume [CHECKPOINT]: true (the latest), false / null (none) or a path
         if value is True:
             return action.const

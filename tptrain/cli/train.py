@@ -16,6 +16,7 @@ a checkpoint and exits 0 within --preemption-grace seconds.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from tptrain.cli import dpo as dpo_cli
 from tptrain.cli.plan_train import resolve_train_layout
 from tptrain.cli.run_file import apply_run_file, dump, resolved_config, save_run_config
 from tptrain.cli.train_arguments import FINETUNE_LR, FULL, SCRATCH_LR, add_train_arguments, fill_defaults
@@ -37,6 +39,8 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     `argv`: the command line after `train`, whose flags override a run file's values (--config)."""
     try:
         args = apply_run_file(args, argv)
+        if _dpo(args):  # `tptrain dpo` (cli/dpo.py): --max-length is the sequence length
+            dpo_cli.fill_defaults(args)
         fill_defaults(args)
         if args.layout is not None and resolve_train_layout(args):  # --layout: the sizes, before anything else
             return 2
@@ -68,13 +72,18 @@ def run_train(args: argparse.Namespace, argv: Sequence[str] | None = None) -> in
     return _launch(args, nproc)
 
 
+def _dpo(args: argparse.Namespace) -> bool:
+    """Whether this is `tptrain dpo` (preference tuning, cli/dpo.py), which runs through the same launcher."""
+    return getattr(args, "workflow", "train") == "dpo"
+
+
 # ------------------------------------------------------------------ checks before any worker starts
 
 
 def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     """The flags' sizes, against each other and the world size: the rule table's size rows, which import nothing
     heavy (tptrain/layout), as every rank resolves them."""
-    from tptrain.layout import Asked, Case, Features, Spelling, check, resolve
+    from tptrain.layout import Asked, Features, Spelling, check, resolve
 
     sizes = dict(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size, pp_size=args.pp_size)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in sizes.items() if k == "tp_size" or (v or 1) > 1)
@@ -82,12 +91,14 @@ def _check_sizes(args: argparse.Namespace, nproc: int) -> None:
     processes = f"--nproc-per-node {nproc}" + (f" x --nnodes {args.nnodes} = {world} processes" if args.nnodes > 1
                                                else "")
     spelling = Spelling(cli=True, described=flags, processes=processes)
-    check("positive", Case(asked=Asked(**sizes), spelling=spelling))  # before --nproc-per-node, which they make
+    check("positive", asked=Asked(**sizes), spelling=spelling)  # before --nproc-per-node, which they make
     for flag, value in (("--nproc-per-node", nproc), ("--nnodes", args.nnodes),
-                        ("--preemption-grace", args.preemption_grace)):
+                        ("--preemption-grace", args.preemption_grace), ("--max-nonfinite-skips", args.max_nonfinite_skips)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive {'number' * (flag == '--preemption-grace') or 'integer'}, "
                              f"got {value}")
+    if args.hang_timeout is not None and not args.hang_timeout >= 0:
+        raise ValueError(f"--hang-timeout must be a number of seconds (0: off), got {args.hang_timeout}")
     if args.max_restarts < 0 or not 0 <= args.node_rank < args.nnodes:
         raise ValueError(f"--max-restarts must be >= 0 (got {args.max_restarts}) and --node-rank in "
                          f"[0, --nnodes {args.nnodes}) (got {args.node_rank})")
@@ -104,10 +115,12 @@ def _check_model_type(model: str) -> Path:
     of imports."""
     from tptrain.io.hub import resolve_checkpoint
     from tptrain.models.configuration import load_config_dict
-    from tptrain.models.registry import select_backend
+    from tptrain.models.registry import select_backend, vision_language
 
     model_dir = resolve_checkpoint(model, config_only=True)  # a hub id: its weights come in the workers
-    select_backend(load_config_dict(model_dir).get("model_type"))
+    config = load_config_dict(model_dir)
+    if not vision_language(config):  # a vision-language model runs on transformers' code (cli/vision.py)
+        select_backend(config.get("model_type"))
     return model_dir
 
 
@@ -115,19 +128,21 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
     """Everything else that needs no process group, in a second or two: the model's config and plan, --seq-len,
     the flags, the data file, the output directory. Raises the first problem found."""
     from tptrain.io import writable_error
-    from tptrain.models import AutoConfig, AutoModelForCausalLM
     from tptrain.training.args import check_seq_len
     from tptrain.training.setup import check_run
     from tptrain.training.checkpoint.dirs import earlier_run_error, resolve_resume
     from tptrain.cli import finetune as finetune_cli
+    from tptrain.cli import vision as vision_cli
 
-    config = AutoConfig.from_pretrained(model_dir)
+    vision = vision_cli.is_vision(model_dir)
+    config = vision_cli.config(model_dir, vision)
     training_args = _training_args(args, from_scratch=_config_only(model_dir))  # the flags it validates
-    meta = AutoModelForCausalLM.from_config(config, device="meta")  # the rule table, as the workers will check it
-    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name="--seq-len")
-    _check_tp_plan(config, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
+    meta = vision_cli.auto_class(vision).from_config(config, device="meta")  # the rule table, as the workers check it
+    length_flag = "--max-length" if _dpo(args) else "--seq-len"
+    check_run(meta, _distributed_config(args), training_args, nproc * args.nnodes, seq_len_name=length_flag)
+    _check_tp_plan(meta, args.tp_size, args.model, sequence_parallel=args.sequence_parallel,
                    expert_parallel=args.expert_parallel, ep_size=args.ep_size or 1)
-    check_seq_len(args.seq_len, config, what="--seq-len")
+    check_seq_len(args.seq_len, config, what=length_flag)
     if args.compile:
         from tptrain.distributed import local_device
         from tptrain.training.mesh import compile_error
@@ -135,7 +150,10 @@ def _preflight(args: argparse.Namespace, nproc: int, model_dir: Path) -> None:
         error = compile_error("inductor", local_device())
         if error:
             raise ValueError(f"--compile: {error}")
-    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given)  # data, eval, LoRA
+    if _dpo(args):  # the preference records, each bad one named
+        dpo_cli.preflight(args, model_dir)
+    finetune_cli.preflight(args, model_dir, max_steps_given=args.max_steps_given, vision=vision,
+                           data=not _dpo(args))  # data, eval, LoRA
     error = writable_error(Path(args.output_dir) / "final")
     if error:
         raise OSError(f"--output-dir {args.output_dir}: {error}")
@@ -154,14 +172,12 @@ def _distributed_config(args: argparse.Namespace):
                              pp_size=args.pp_size, pp_schedule=args.pp_schedule)
 
 
-def _check_tp_plan(config, tp_size: int, model: str, *, sequence_parallel: bool = False, expert_parallel: bool = False,
+def _check_tp_plan(meta, tp_size: int, model: str, *, sequence_parallel: bool = False, expert_parallel: bool = False,
                    ep_size: int = 1) -> None:
-    """The plan at --tp-size on a meta model (what `tptrain plan` checks): one line, the first problem, and the
+    """The plan at --tp-size on the meta model (what `tptrain plan` checks): one line, the first problem, and the
     sizes that would work."""
-    from tptrain.models import AutoModelForCausalLM
     from tptrain.parallel.plan import check_plan, working_tp_sizes
 
-    meta = AutoModelForCausalLM.from_config(config, device="meta")
     try:
         problems = check_plan(meta, "auto", tp_size, sequence_parallel=sequence_parallel,
                               expert_parallel=expert_parallel, ep_size=ep_size).problems
@@ -189,7 +205,13 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
     from tptrain.cli.finetune import training_kwargs
 
     lr = (SCRATCH_LR if from_scratch else FINETUNE_LR) if args.lr is None else args.lr
-    return TrainingArguments(
+    arguments = TrainingArguments
+    if _dpo(args):  # the preference objective's fields too
+        from tptrain.training.preference import DPOConfig
+
+        arguments = functools.partial(DPOConfig, **dpo_cli.training_kwargs(args))
+        lr = dpo_cli.DPO_LR if args.lr is None else args.lr
+    return arguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
         max_steps=FULL.max_steps if args.max_steps is None else args.max_steps,  # None: --num-epochs counts them
         seq_len=args.seq_len, learning_rate=lr, warmup_steps=args.warmup_steps, lr_scheduler_type="cosine",
@@ -198,7 +220,14 @@ def _training_args(args: argparse.Namespace, *, from_scratch: bool):
         seed=args.seed, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
         torch_compile=args.compile, resume_from_checkpoint=args.resume,
         overwrite_output_dir=args.overwrite_output_dir, async_checkpoint=args.async_checkpoint,
-        preemption_grace=args.preemption_grace, parallelism_config=_parallelism_config(args), **training_kwargs(args))
+        preemption_grace=args.preemption_grace, on_nonfinite=args.on_nonfinite,
+        max_nonfinite_skips=args.max_nonfinite_skips, hang_timeout=_hang_timeout(args.hang_timeout),
+        parallelism_config=_parallelism_config(args), **training_kwargs(args))
+
+
+def _hang_timeout(seconds: float | None) -> float | str | None:
+    """--hang-timeout as TrainingArguments.hang_timeout: unset "auto", 0 None (off)."""
+    return "auto" if seconds is None else seconds or None
 
 
 def _parallelism_config(args: argparse.Namespace):
@@ -237,7 +266,7 @@ def _worker(args: argparse.Namespace, error_dir: str | None) -> int:
             _train(args)
         return 0
     except Exception as exc:  # noqa: BLE001 - reported below, once per distinct message
-        user_error = isinstance(exc, (ValueError, TypeError, OSError))
+        user_error = isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError))  # not finite: a message
         message = f"{type(exc).__name__}: {exc}" if user_error else traceback.format_exc()
         if error_dir is None:  # under torchrun (or one process): every rank says it, prefixed
             print(f"tptrain train: error (rank {rank}): {message}", file=sys.stderr)
@@ -257,15 +286,16 @@ class _Inputs:
     dataset: Any
     training_args: Any
     eval_dataset: Any = None
+    vision: bool = False  # a vision-language model: `tokenizer` is its processor's encoder (cli/vision.py)
 
 
 def _train(args: argparse.Namespace) -> None:
     import torch
 
     from tptrain.distributed import init_distributed, raise_on_any_rank
-    from tptrain.models import AutoModelForCausalLM
     from tptrain.modeling import resolve_dtype
     from tptrain.cli import finetune as finetune_cli
+    from tptrain.cli import vision as vision_cli
     from tptrain.cli.messages import announce, summary
     from tptrain.generation import greedy_generate
     from tptrain.training.trainer import Trainer
@@ -281,17 +311,23 @@ def _train(args: argparse.Namespace) -> None:
     raise_on_any_rank(error)
     dtype = resolve_dtype(args.dtype, inputs.config)
     distributed = _distributed_config(args)
+    auto = vision_cli.auto_class(inputs.vision)
     if inputs.from_scratch:  # a bare config: the same seed on every rank gives every rank the same initial weights
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(inputs.config, dtype=dtype).parallelize(distributed)
+        model = auto.from_config(inputs.config, dtype=dtype).parallelize(distributed)
     else:
-        model = AutoModelForCausalLM.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
+        model = auto.from_pretrained(inputs.model_dir, dtype=dtype, distributed_config=distributed)
     rank = torch.distributed.get_rank()
     if rank == 0:
         announce(args, inputs, model, threads)
     model = finetune_cli.apply_lora(model, args)  # --lora-r: only the adapters train
-    trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer,
-                      eval_dataset=inputs.eval_dataset)
+    if _dpo(args):
+        from tptrain.training.preference import DPOTrainer
+
+        trainer = DPOTrainer(model, args=inputs.training_args, train_dataset=inputs.dataset, tokenizer=inputs.tokenizer)
+    else:
+        trainer = Trainer(model=model, args=inputs.training_args, train_dataset=inputs.dataset,
+                          tokenizer=inputs.tokenizer, eval_dataset=inputs.eval_dataset)
     result = trainer.train()  # ends with the consolidated model (or adapter) + tokenizer files in output_dir/final
     if result.stopped:
         if rank == 0:
@@ -300,26 +336,38 @@ def _train(args: argparse.Namespace) -> None:
                   flush=True)
         return
     finetune_cli.finish(trainer, args)  # --merge: final/merged
-    text = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
-    if args.pp_size == 1:
+    text = asked = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
+    if args.pp_size == 1 and inputs.vision:  # the reply to the data's first prompt, its images included
+        asked, text = vision_cli.sample(trainer.model, inputs.tokenizer, inputs.dataset, args.max_new_tokens)
+    elif args.pp_size == 1:
         text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
     if rank == 0:
-        summary(args, result, time.perf_counter() - start, text)
+        summary(args, result, time.perf_counter() - start, text, asked=asked)
 
 
 def _read_inputs(args: argparse.Namespace) -> _Inputs:
+    from tptrain.cli import vision as vision_cli
     from tptrain.io import resolve_checkpoint
-    from tptrain.models import AutoConfig
     from tptrain.text import load_tokenizer
     from tptrain.training.sft_data import build_training_data
 
     model_dir = resolve_checkpoint(args.model)
-    from_scratch = _config_only(model_dir)
-    tokenizer = load_tokenizer(model_dir)
+    from_scratch, vision = _config_only(model_dir), vision_cli.is_vision(model_dir)
     training_args = _training_args(args, from_scratch=from_scratch)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = vision_cli.config(model_dir, vision)
+    if vision:  # image-text records through the checkpoint's processor
+        encoder, dataset, eval_dataset = vision_cli.data(args, model_dir, config)
+        return _Inputs(model_dir, from_scratch, config, encoder, dataset, training_args, eval_dataset, vision=True)
+    tokenizer = load_tokenizer(model_dir)
 
     def build(source):  # a file: tokenized by local rank 0 into the token cache, mapped by every rank
+        if _dpo(args):  # preference pairs: the DPOTrainer cuts them to --max-length
+            from tptrain.training.preference.data import build_preference_data
+
+            return build_preference_data(source, tokenizer, model_dir=model_dir, chat_template=args.chat_template,
+                                         max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+                                         truncation_mode=args.truncation_mode, cache_dir=args.data_cache,
+                                         vocab_size=config.vocab_size)
         return build_training_data(source, tokenizer, args.seq_len, model_dir=model_dir,
                                    chat_template=args.chat_template, packing=args.packing,
                                    assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,

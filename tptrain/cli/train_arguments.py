@@ -174,6 +174,16 @@ def _faults(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--pg-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long a collective waits for a rank that hangs before failing "
                         "(default: $TPTRAIN_PG_TIMEOUT or 600)")
+    g.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
+                   help="a step whose loss or gradient norm is NaN or inf is never applied; stop: end the run with "
+                        "exit code 1, naming the step, the ranks and the first non-finite gradient, with no checkpoint "
+                        "or final model written after it (default); skip: go on with the next batch, said in the log")
+    g.add_argument("--max-nonfinite-skips", type=int, default=5, metavar="N",
+                   help="with --on-nonfinite skip: stop once more than N steps in a row were not finite (default: 5)")
+    g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a step running longer than this on some rank ends the job (exit code 124; restarted under "
+                        "--max-restarts), naming the ranks that stopped and printing each live rank's Python stack "
+                        "(default: 10 x the median step time, at least 60 s, after 3 steps; 0: off)")
     g.add_argument("--async-checkpoint", action="store_true",
                    help="write checkpoints in the background while training continues (costs a copy of each "
                         "rank's shards in memory until written)")

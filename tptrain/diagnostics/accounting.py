@@ -174,15 +174,17 @@ def _boundaries(model: nn.Module, plan: dict[str, str], summed: set[str] = froze
             width = getattr(model.get_submodule(name), "in_features", hidden)
             source = contract.pairs(model.get_submodule(parent)).get(child) or (child if width != hidden else None)
             widths[(parent, source)] = width
-    exits = sum(style in ("rowwise", "embedding_rowwise") for style in plan.values()) + len(summed)
+    exits = sum(STYLES[style].sums_output for style in plan.values()) + len(summed)
     return list(widths.values()), exits
 
 
-def _replicated_tails(model: nn.Module, plan: dict[str, str], style: str = "mla_kv_a_proj") -> list[int]:
-    """The features each `style` module's heads read whole (MLA's shared RoPE key): 'mla_kv_a_proj', one backward
-    all-reduce of (batch, seq, features) each, its partial gradient summed; 'sequence_gather' (under SP), one forward
-    all-gather and one backward reduce-scatter."""
-    return [contract.replicated_tail(model.get_submodule(name)) for name, used in plan.items() if used == style]
+def _replicated_tails(model: nn.Module, plan: dict[str, str], how: str = "gradient_summed") -> list[int]:
+    """The features each module whose style does `how` with them (`ParallelStyle.replicated_tail`) has every rank's
+    heads read whole (MLA's shared RoPE key): "gradient_summed" ('mla_kv_a_proj'), one backward all-reduce of
+    (batch, seq, features) each; "sequence_gathered" ('sequence_gather', under SP), one forward all-gather and one
+    backward reduce-scatter."""
+    return [contract.replicated_tail(model.get_submodule(name)) for name, style in plan.items()
+            if STYLES[style].replicated_tail == how]
 
 
 def _add_all_to_all(add, model: nn.Module, blocks: list[str], tokens: int, tp: int, act_size: int,
@@ -318,7 +320,7 @@ def megatron_minimum(model: nn.Module, batch: int, seq: int, *, return_logits: b
         unsaved = (chunks > 0) + sum(not _has_shared_expert(layout.plan, name) for name in summed)
         add(("backward", "all_gather"), exits + enters - unsaved, (exits * act + entered - unsaved * act) // tp)
         add(("backward", "reduce_scatter"), enters, entered)
-        gathered = _replicated_tails(model, layout.plan, "sequence_gather")
+        gathered = _replicated_tails(model, layout.plan, "sequence_gathered")
         add(("forward", "all_gather"), len(gathered), sum(gathered) * act // model.config.hidden_size // tp)
         add(("backward", "reduce_scatter"), len(gathered), sum(gathered) * act // model.config.hidden_size)
     else:

@@ -1,7 +1,7 @@
 """The bytes one training microbatch keeps for backward, per decoder layer, as tptrain's decoder saves them.
 
     work = Work(batch=2, seq=4096, tp=2, cp=1, sp=False, precision=precision(4, bf16=False, fsdp=False))
-    layer_activations(facts.layers[0], work)       # {"attention norm": bytes, "q/k/v input": bytes, ...}
+    layer_activations(shapes.layers[0], work)       # {"attention norm": bytes, "q/k/v input": bytes, ...}
 
 Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1) count a
 layer's activations op by op: every tensor an op saves for its backward, s*b*h*(34 + 5*a*s/h) bytes for their
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tptrain.diagnostics.model_facts import LayerShape
+from tptrain.diagnostics.model_shapes import LayerShape
 from tptrain.losses import chunk_tokens
 
 

@@ -1,7 +1,7 @@
 """Peak tensor memory per rank of one training step of a layout: the moments of the step where it can peak, each
 split into parameters, gradients, optimizer states, activations, communication buffers and the largest transient.
 
-    ranks = rank_memory(facts, ParallelDims(tp=2, dp_shard=4), TrainSettings(batch_size=2, seq_len=4096))
+    ranks = rank_memory(shapes, ParallelDims(tp=2, dp_shard=4), TrainSettings(batch_size=2, seq_len=4096))
     max(r.peak for r in ranks)                    # the largest pipeline rank's peak, in bytes
 
 The step is walked as the Trainer runs it (training/trainer.py, parallelize.py): forward to the loss, the backward of
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from tptrain.diagnostics.activations import (LossMemory, Precision, Work, checkpointed_layer, fused_loss,
                                              layer_activations, layer_backward_transient, logits_loss,
                                              model_activations, precision)
-from tptrain.diagnostics.layout import TrainSettings
+from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
-from tptrain.diagnostics.model_facts import ModelFacts, ParamShape
+from tptrain.diagnostics.model_shapes import ModelShapes, ParamShape
 from tptrain.parallel import pipeline_parallel
 
 TERMS = ("parameters", "gradients", "optimizer_states", "activations", "communication_buffers", "largest_transient")
@@ -54,14 +54,14 @@ class _Stage:
     params: list[ParamShape]
 
 
-def stages(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings) -> list[_Stage]:
+def stages(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings) -> list[_Stage]:
     """Each pp rank's part of the model, cut as `pipeline_parallel` cuts it (the schedule's stages per rank)."""
-    params = facts.params(layout.tp, layout.ep, settings.sequence_parallel, settings.expert_parallel)
+    params = shapes.params(layout.tp, layout.ep, settings.sequence_parallel, settings.expert_parallel)
     if layout.pp == 1:
-        return [_Stage(list(range(len(facts.layers))), True, True, [p for p in params if not p.tied])]
+        return [_Stage(list(range(len(shapes.layers))), True, True, [p for p in params if not p.tied])]
     schedule = pipeline_parallel.schedule_name(settings.pp_schedule)
     n_stages = layout.pp * pipeline_parallel.stages_per_rank(schedule)
-    split = pipeline_parallel.split_layers(len(facts.layers), n_stages)
+    split = pipeline_parallel.split_layers(len(shapes.layers), n_stages)
     out = []
     for rank in range(layout.pp):
         held = pipeline_parallel.rank_stages(schedule, layout.pp, rank)
@@ -107,6 +107,7 @@ class _States:
     """A stage's persistent bytes and, per unit (layer index, "first", "last"), what FSDP2 gathers and reduces."""
 
     params: int = 0
+    reference: int = 0  # a preference run's frozen reference copy (no gradients, no optimizer states)
     grads: int = 0
     optimizer: int = 0
     largest_grad: int = 0
@@ -129,6 +130,8 @@ def states(stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: P
         kept = _sharded(p, shards) + (math.ceil(lora / shards) if lora else 0)
         kept_trained = math.ceil(trained / shards) if settings.lora_r else _sharded(p, shards)
         out.params += kept * prec.param
+        if settings.reference == "copy":  # a preference run's frozen reference, sharded as the policy
+            out.reference += _sharded(p, shards) * prec.param
         out.grads_of[p.unit] = out.grads_of.get(p.unit, 0) + kept_trained * prec.param
         out.largest_grad = max(out.largest_grad, kept_trained * prec.param)
         out.largest_of[p.unit] = max(out.largest_of.get(p.unit, 0), kept_trained * prec.param)
@@ -153,34 +156,34 @@ class _Acts:
     per_layer: dict
 
 
-def stage_activations(facts: ModelFacts, stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: Precision,
-                      device: str) -> _Acts:
+def stage_activations(shapes: ModelShapes, stage: _Stage, layout: ParallelDims, settings: TrainSettings,
+                      prec: Precision, device: str) -> _Acts:
     mb = settings.batch_size // settings.microbatches(layout.pp)
     work = Work(mb, settings.seq_len, layout.tp, layout.cp, settings.sequence_parallel, prec, layout.ep,
                 settings.expert_parallel, device, frozen_norms=settings.lora_r > 0)
-    ledgers = {i: layer_activations(facts.layers[i], work) for i in stage.layers}
-    full = {i: sum(ledger.values()) + _lora_saved(facts, i, work, settings.lora_r) for i, ledger in ledgers.items()}
+    ledgers = {i: layer_activations(shapes.layers[i], work) for i in stage.layers}
+    full = {i: sum(ledger.values()) + _lora_saved(shapes, i, work, settings.lora_r) for i, ledger in ledgers.items()}
     ac = settings.gradient_checkpointing
-    kept = {i: checkpointed_layer(facts.layers[i], work) if ac else full[i] for i in stage.layers}
-    rotary = facts.layers[0].q_dim
-    extras = sum(model_activations(facts.hidden, work, first=stage.first, last=stage.last, rotary=rotary).values())
+    kept = {i: checkpointed_layer(shapes.layers[i], work) if ac else full[i] for i in stage.layers}
+    rotary = shapes.layers[0].q_dim
+    extras = sum(model_activations(shapes.hidden, work, first=stage.first, last=stage.last, rotary=rotary).values())
     if prec.autocast:  # the bf16 copies of the layers' weights, cached by autocast and saved by their matmuls
         extras += 2 * sum(p.numel for p in stage.params if isinstance(p.unit, int) and (p.linear or p.expert))
     if stage.last:
-        vocab = facts.vocab // layout.tp if facts.vocab % layout.tp == 0 else facts.vocab
+        vocab = shapes.vocab // layout.tp if shapes.vocab % layout.tp == 0 else shapes.vocab
         whole = layout.pp > 1 or settings.loss == "logits"
-        loss = (logits_loss if whole else fused_loss)(facts.hidden, vocab, work)
+        loss = (logits_loss if whole else fused_loss)(shapes.hidden, vocab, work)
         if settings.lora_r:  # the head is frozen: no gradient of it is made
             loss = dataclasses.replace(loss, head_grad=0)
     else:
         loss = LossMemory(0)
     if layout.pp > 1:  # a stage's input (received, its gradient wanted) and its output, kept until its backward
-        extras += work.sp_tokens * facts.hidden * prec.residual * ((not stage.first) + (not stage.last))
-    transient = {i: layer_backward_transient(facts.layers[i], work) for i in stage.layers}
+        extras += work.sp_tokens * shapes.hidden * prec.residual * ((not stage.first) + (not stage.last))
+    transient = {i: layer_backward_transient(shapes.layers[i], work) for i in stage.layers}
     return _Acts(full, kept, extras, loss, transient, ledgers[stage.layers[0]] if stage.layers else {})
 
 
-def _lora_saved(facts: ModelFacts, layer: int, work: Work, r: int) -> int:
+def _lora_saved(shapes: ModelShapes, layer: int, work: Work, r: int) -> int:
     """LoRA's B keeps A's output (tokens, r) for each adapted linear layer of the layer (7 in a Llama layer)."""
     return 7 * work.tokens * r * work.precision.compute if r else 0
 
@@ -236,7 +239,7 @@ def _moments(stage: _Stage, st: _States, acts: _Acts, layout: ParallelDims, sett
     gpipe = pp and pipeline_parallel.schedule_name(settings.pp_schedule) in ("GPipe", "LoopedBFS")
     other = sc.others * (saved + loss.held * gpipe)
     outputs = sc.outputs * loss.output
-    base = dict(parameters=st.params, optimizer_states=st.optimizer)
+    base = dict(parameters=st.params + st.reference, optimizer_states=st.optimizer)
     root = st.gathered.get("first", 0) + st.gathered.get("last", 0)
     held = sum(st.gathered.values()) if pp else root  # a pipeline keeps its stage gathered
     unit_grads = _unit_grads(st, layout, prec)
@@ -279,7 +282,7 @@ def _backward_end(stage: _Stage, st: _States, layout: ParallelDims, prec: Precis
     root (or, in a pipeline, of each unit's accumulated gradients): its gradients copied into one flat buffer in the
     reduce dtype (a CPU's gloo reduce-scatters a copy of it; dp_replicate's all-reduce works on another); in mixed
     precision the head's gradient outlives the copy."""
-    base = dict(parameters=st.params, optimizer_states=st.optimizer)
+    base = dict(parameters=st.params + st.reference, optimizer_states=st.optimizer)
     grads = 0 if oib else st.grads
     if not layout.data_parallel:
         fresh = st.largest_of.get("first", 0) if stage.first else 0
@@ -293,16 +296,16 @@ def _backward_end(stage: _Stage, st: _States, layout: ParallelDims, prec: Precis
     return _terms(**base, gradients=grads + head * mixed, communication_buffers=int(flat * (1 + copies)))
 
 
-def rank_memory(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, *, device: str = "cuda"
+def rank_memory(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings, *, device: str = "cuda"
                 ) -> list[RankMemory]:
     """Each pp rank's peak of one training step (after the first: AdamW's states exist)."""
     prec = precision(settings.dtype.itemsize, bf16=settings.bf16, fsdp=layout.data_parallel)
     microbatches = settings.microbatches(layout.pp)
     schedule = pipeline_parallel.schedule_name(settings.pp_schedule)
     out = []
-    for rank, stage in enumerate(stages(facts, layout, settings)):
+    for rank, stage in enumerate(stages(shapes, layout, settings)):
         st = states(stage, layout, settings, prec)
-        acts = stage_activations(facts, stage, layout, settings, prec, device)
+        acts = stage_activations(shapes, stage, layout, settings, prec, device)
         flight = in_flight(schedule, layout.pp, microbatches, rank)
         moments: dict[str, dict[str, int]] = {}
         for scenario in _scenarios(layout, microbatches, flight, stage.last):

@@ -1,6 +1,6 @@
 """A training step's time on a device profile: its FLOPs, its memory traffic and what each mesh axis moves.
 
-    estimate = step_time(facts, ParallelDims(tp=2, dp_shard=4), settings, device_profile("h100"))
+    estimate = step_time(shapes, ParallelDims(tp=2, dp_shard=4), settings, device_profile("h100"))
     estimate.seconds, estimate.comm_bytes            # {"tp": bytes one rank sends per step, ...}
 
 Compute: 6 x tokens x (linear parameters) FLOPs for forward and backward (Kaplan et al. 2020; 4 x with frozen
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tptrain.diagnostics.device_profiles import DeviceProfile
-from tptrain.diagnostics.layout import TrainSettings
+from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
-from tptrain.diagnostics.model_facts import LayerShape, ModelFacts
+from tptrain.diagnostics.model_shapes import LayerShape, ModelShapes
 from tptrain.parallel import pipeline_parallel
 
 LINK_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first: ranks of one tp group are neighbours
@@ -74,7 +74,7 @@ def _ring(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
 
-def comm_bytes(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, gathered: int, grads: int
+def comm_bytes(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings, gathered: int, grads: int
                ) -> tuple[dict[str, int], dict[str, list[tuple[str, float]]]]:
     """({axis: bytes one rank sends per step}, {axis: [(collective, bytes it puts on the wire, counting the ring's
     factors)]}). `gathered` / `grads`: the rank's parameters as FSDP2 gathers them and its gradients as it reduces
@@ -82,8 +82,8 @@ def comm_bytes(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings,
     m = settings.microbatches(layout.pp)
     mb, c = settings.batch_size // m, (2 if settings.bf16 else settings.dtype.itemsize)
     tokens = mb * settings.seq_len // layout.cp  # per microbatch, on this rank
-    layers = len(facts.layers) // layout.pp
-    h, recompute = facts.hidden, 1 + settings.gradient_checkpointing
+    layers = len(shapes.layers) // layout.pp
+    h, recompute = shapes.hidden, 1 + settings.gradient_checkpointing
     act = tokens * h * c
     sent: dict[str, float] = {}
     wire: dict[str, list[tuple[str, float]]] = {}
@@ -91,7 +91,7 @@ def comm_bytes(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings,
         sent["tp"] = m * act * (layers * 2 * (recompute + 1) + 2)
         wire["tp"] = [("all_reduce", sent["tp"] * 2 * _ring(layout.tp))]
     if layout.cp > 1:
-        first = facts.layers[0]
+        first = shapes.layers[0]
         kv = max(1, first.kv_heads // layout.tp) * (first.q_dim + first.v_dim)
         gather, scatter = tokens * kv * c, mb * settings.seq_len * kv * c
         sent["cp"] = m * layers * (recompute * gather + scatter)
@@ -105,9 +105,9 @@ def comm_bytes(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings,
     if layout.dp_replicate > 1:
         sent["dp_replicate"] = grads // shards
         wire["dp_replicate"] = [("all_reduce", sent["dp_replicate"] * 2 * _ring(layout.dp_replicate))]
-    moe_layers = sum(layer.moe is not None for layer in facts.layers) // layout.pp
+    moe_layers = sum(layer.moe is not None for layer in shapes.layers) // layout.pp
     if layout.ep > 1 and moe_layers:  # rows out and results back, in forward (twice with recompute) and backward
-        rows = tokens * facts.layers[-1].moe.top_k * h * c
+        rows = tokens * shapes.layers[-1].moe.top_k * h * c
         sent["ep"] = m * moe_layers * rows * 2 * (1 + recompute)
         wire["ep"] = [("all_to_all", sent["ep"] * _ring(layout.ep))]
     if layout.pp > 1:
@@ -116,7 +116,7 @@ def comm_bytes(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings,
     return {axis: int(v) for axis, v in sent.items()}, wire
 
 
-def step_time(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, profile: DeviceProfile, *,
+def step_time(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings, profile: DeviceProfile, *,
               gathered: int, grads: int, optimizer_bytes: int, activation_bytes: int) -> StepTime:
     """One step's time on the slowest pp rank (see the module doc). The byte counts come from the memory plan:
     `gathered` / `grads` the rank's parameters and gradients as FSDP2 moves them, `optimizer_bytes` what AdamW reads
@@ -124,23 +124,25 @@ def step_time(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, 
     m = settings.microbatches(layout.pp)
     mb = settings.batch_size // m
     tokens = mb * settings.seq_len // layout.cp
-    layers = facts.layers[: max(1, len(facts.layers) // layout.pp)]
+    layers = shapes.layers[: max(1, len(shapes.layers) // layout.pp)]
     linear = attention = 0.0
     for shape in layers:
         lin, att = _layer_flops(shape, tokens, settings.seq_len, mb * settings.seq_len // layout.cp, layout.tp,
                                 settings.expert_parallel)
         linear, attention = linear + lin, attention + att
-    head = 2 * tokens * facts.hidden * facts.vocab / layout.tp if layout.pp == 1 else 0.0
+    head = 2 * tokens * shapes.hidden * shapes.vocab / layout.tp if layout.pp == 1 else 0.0
     frozen = settings.lora_r > 0
     passes = (1 + (1 if frozen else 2)) + settings.gradient_checkpointing  # forward, backward, recompute
-    flops = linear * passes + attention * (3 + settings.gradient_checkpointing) + head * 3
+    reference = settings.reference in ("copy", "adapters")  # a preference run's reference: one more forward
+    flops = linear * (passes + reference) + attention * (3 + settings.gradient_checkpointing + reference) \
+        + head * (3 + reference)
     world_on_node = min(layout.world_size, profile.devices_per_node)
     rate = profile.flops(settings.bf16 or settings.dtype.itemsize == 2) * profile.efficiency
     rate *= profile.compute_share(world_on_node)
     compute = flops / rate
     bw = profile.memory_bw * profile.efficiency * profile.compute_share(world_on_node)
     memory = 3 * activation_bytes / bw
-    sent, wire = comm_bytes(facts, layout, settings, gathered, grads)
+    sent, wire = comm_bytes(shapes, layout, settings, gathered, grads)
     timed = {axis: sum(nbytes / (_link(axis if axis != "ep" else "dp_shard", layout, profile) * profile.efficiency
                                  * profile.collective(op)) for op, nbytes in wire[axis]) for axis in wire}
     in_line = sum(t for axis, t in timed.items() if axis in ("tp", "cp", "ep", "pp")) / m

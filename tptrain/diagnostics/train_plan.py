@@ -1,8 +1,8 @@
 """`tptrain plan --train`: every layout of N ranks that the rules allow, its peak memory per rank and its step time,
 ranked; the fastest one that fits, and why.
 
-    facts = ModelFacts.of(config, dtype=torch.float32)
-    plan = plan_training(facts, world=8, settings=TrainSettings(batch_size=2, seq_len=8192, bf16=True),
+    shapes = ModelShapes.of(config, dtype=torch.float32)
+    plan = plan_training(shapes, world=8, settings=TrainSettings(batch_size=2, seq_len=8192, bf16=True),
                          profile=device_profile("h100"))
     plan.layouts[plan.best].layout                # ParallelDims(tp=2, dp_shard=4)
 
@@ -15,11 +15,11 @@ import functools
 from dataclasses import dataclass, replace
 
 from tptrain.diagnostics.device_profiles import DeviceProfile
-from tptrain.diagnostics.layout import TrainSettings
+from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
 from tptrain.diagnostics.memory_plan import RankMemory, rank_memory, stages, states
 from tptrain.diagnostics.activations import precision
-from tptrain.diagnostics.model_facts import ModelFacts
+from tptrain.diagnostics.model_shapes import ModelShapes
 from tptrain.diagnostics.step_time import StepTime, step_time
 from tptrain.distributed import DistributedConfig
 from tptrain.layout.case import Spelling
@@ -44,7 +44,7 @@ def candidate_layouts(world: int, *, moe: bool) -> list[ParallelDims]:
     return out
 
 
-def layout_problem(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings) -> str | None:
+def layout_problem(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings) -> str | None:
     """Why the one rule table (tptrain/layout, as `from_pretrained`, the Trainer and `tptrain train` check it) or the
     model's plan refuses `layout` for this model and run (None: it is allowed): the one place the planner asks."""
     config = DistributedConfig(tp_size=layout.tp, cp_size=layout.cp, pp_size=layout.pp,
@@ -54,18 +54,19 @@ def layout_problem(facts: ModelFacts, layout: ParallelDims, settings: TrainSetti
     training = dict(batch_size=settings.batch_size, seq_len=settings.seq_len,
                     pp_microbatches=settings.microbatches(layout.pp) if layout.pp > 1 else None)
     try:
-        resolved = check(facts.model, config, world_size=layout.world_size, training=training, plan_problems=False,
-                              spelling=Spelling(described=layout.spell(), seq_len="--seq-len"))
+        resolved = check(shapes.model, config, world_size=layout.world_size, training=training,
+                         plan_problems=False, spelling=Spelling(described=layout.spell(), seq_len="--seq-len"))
     except ValueError as exc:
         return str(exc)
     return resolved.problems[0] if resolved.problems else None
 
 
-def valid_layouts(world: int, facts: ModelFacts, settings: TrainSettings) -> tuple[list[ParallelDims], dict[ParallelDims, str]]:
+def valid_layouts(world: int, shapes: ModelShapes,
+                  settings: TrainSettings) -> tuple[list[ParallelDims], dict[ParallelDims, str]]:
     """(the layouts of `world` ranks the rules allow, {refused layout: why})."""
     valid, refused = [], {}
-    for layout in candidate_layouts(world, moe=facts.is_moe):
-        problem = layout_problem(facts, layout, settings)
+    for layout in candidate_layouts(world, moe=shapes.is_moe):
+        problem = layout_problem(shapes, layout, settings)
         if problem is None:
             valid.append(layout)
         else:
@@ -97,17 +98,17 @@ class LayoutPlan:
         return self.peak <= self.budget
 
 
-def estimate(facts: ModelFacts, layout: ParallelDims, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan:
+def estimate(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings, profile: DeviceProfile) -> LayoutPlan:
     """Memory per pp rank and the step time of `layout` (valid or not: the rules are `layout_problem`'s)."""
-    ranks = rank_memory(facts, layout, settings, device=profile.kind)
+    ranks = rank_memory(shapes, layout, settings, device=profile.kind)
     prec = precision(settings.dtype.itemsize, bf16=settings.bf16, fsdp=layout.data_parallel)
-    stage_list = stages(facts, layout, settings)
+    stage_list = stages(shapes, layout, settings)
     slowest = max(range(len(stage_list)), key=lambda r: len(stage_list[r].layers))
     st = states(stage_list[slowest], layout, settings, prec)
     gathered = sum(p.numel for p in stage_list[slowest].params) * prec.unsharded
     grads = st.grads * layout.dp_shard_cp * prec.reduce // prec.param if layout.data_parallel else st.grads
     activations = sum(ranks[slowest].per_layer.values()) * len(stage_list[slowest].layers)
-    time = step_time(facts, layout, settings, profile, gathered=gathered, grads=grads,
+    time = step_time(shapes, layout, settings, profile, gathered=gathered, grads=grads,
                      optimizer_bytes=2 * (st.params + st.grads + st.optimizer), activation_bytes=activations)
     world_on_node = min(layout.world_size, profile.devices_per_node)
     budget = profile.memory_per_rank(world_on_node) - profile.runtime_bytes
@@ -134,19 +135,19 @@ def rank_key(plan: LayoutPlan) -> tuple:
     return (not plan.fits, -round(plan.time.tokens_per_s, 6), plan.peak, plan.layout.spell())
 
 
-def plan_training(facts: ModelFacts, *, world: int, settings: TrainSettings, profile: DeviceProfile,
+def plan_training(shapes: ModelShapes, *, world: int, settings: TrainSettings, profile: DeviceProfile,
                   layout: ParallelDims | None = None) -> TrainPlan:
     """Estimate every valid layout of `world` ranks (`layout`, if given, must be one: ValueError naming the rule it
     breaks) and rank them; ValueError when the rules allow none."""
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"--world must be a positive integer, got {world!r}")
-    valid, refused = valid_layouts(world, facts, settings)
+    valid, refused = valid_layouts(world, shapes, settings)
     if layout is not None and layout in refused:
         raise ValueError(f"--layout {layout.spell()} is refused: {refused[layout]}")
     if not valid:
         reasons = "; ".join(sorted(set(refused.values()))[:3])
         raise ValueError(f"no layout of {world} ranks is valid for this model and run: {reasons}")
-    plans = sorted((estimate(facts, lay, settings, profile) for lay in valid), key=rank_key)
+    plans = sorted((estimate(shapes, lay, settings, profile) for lay in valid), key=rank_key)
     if layout is not None:
         plans.sort(key=lambda p: p.layout != layout)  # stable: the given layout first, the rest still ranked
     fitting = [i for i, p in enumerate(plans) if p.fits]
@@ -176,7 +177,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profile: DeviceProfile,
+def what_would_fit(shapes: ModelShapes, world: int, settings: TrainSettings, profile: DeviceProfile,
                    max_world: int = 4096) -> list[str]:
     """When nothing fits at `world`: the changes of the run that would make a layout fit at this world (activation
     checkpointing, the optimizer in backward, bf16, a pipeline of one-sequence microbatches), and the smallest world
@@ -192,12 +193,12 @@ def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profi
         if all(getattr(settings, key) == value for key, value in change.items()):
             continue
         changed = replace(settings, **change)
-        found, _ = _fitting(facts, world, changed, profile)
+        found, _ = _fitting(shapes, world, changed, profile)
         if found is not None:
             hints.append(f"{flag}: {found.layout.spell()} (peak {_gib(found.peak)} of {_gib(found.budget)})")
     bigger, smallest = world * 2, None
     while bigger <= max_world:
-        found, peak = _fitting(facts, bigger, settings, profile)
+        found, peak = _fitting(shapes, bigger, settings, profile)
         if found is not None:
             hints.append(f"--world {bigger}: {found.layout.spell()} (peak {_gib(found.peak)} of {_gib(found.budget)})")
             break
@@ -208,10 +209,10 @@ def what_would_fit(facts: ModelFacts, world: int, settings: TrainSettings, profi
 
 
 @functools.lru_cache(maxsize=64)
-def _fitting(facts: ModelFacts, world: int, settings: TrainSettings,
+def _fitting(shapes: ModelShapes, world: int, settings: TrainSettings,
              profile: DeviceProfile) -> tuple[LayoutPlan | None, float]:
     """The best layout of `world` ranks that fits (None: none), and the smallest peak of any (inf: no layout)."""
-    valid, _ = valid_layouts(world, facts, settings)
-    plans = [estimate(facts, layout, settings, profile) for layout in valid]
+    valid, _ = valid_layouts(world, shapes, settings)
+    plans = [estimate(shapes, layout, settings, profile) for layout in valid]
     fitting = sorted((p for p in plans if p.fits), key=rank_key)
     return (fitting[0] if fitting else None), min((p.peak for p in plans), default=float("inf"))

@@ -1,13 +1,13 @@
 """What `tptrain plan --train` prints: the ranked layouts as a table or as JSON (docs/planning.md has the schema).
 
-    plan = plan_training(facts, world=8, settings=settings, profile=profile)
-    print(plan_text(plan, facts, model_name="Qwen/Qwen3-8B"))
+    plan = plan_training(shapes, world=8, settings=settings, profile=profile)
+    print(plan_text(plan, shapes, model_name="Qwen/Qwen3-8B"))
     json.dumps(plan_json(plan))       # {"layouts": [...], "best": 0}
 """
 from __future__ import annotations
 
 from tptrain.diagnostics.memory_plan import TERMS
-from tptrain.diagnostics.model_facts import ModelFacts
+from tptrain.diagnostics.model_shapes import ModelShapes
 from tptrain.diagnostics.train_plan import LayoutPlan, TrainPlan
 from tptrain.layout.dims import SPELLING_AXES
 
@@ -50,11 +50,11 @@ COLUMNS = {"parameters": "params", "gradients": "grads", "optimizer_states": "op
            "communication_buffers": "comm buf", "largest_transient": "transient"}
 
 
-def plan_text(plan: TrainPlan, facts: ModelFacts, *, model_name: str) -> str:
+def plan_text(plan: TrainPlan, shapes: ModelShapes, *, model_name: str) -> str:
     """The table: one row per layout (the best marked *), its peak per rank split into TERMS, the step, and why the
     best wins; then the refused layouts' count and what the estimate leaves out."""
     s, profile = plan.settings, plan.profile
-    n_params = sum(p.numel for p in facts.params(1, 1))
+    n_params = sum(p.numel for p in shapes.params(1, 1))
     run = [f"batch {s.batch_size} x {s.seq_len} tokens per data-parallel rank", f"params {str(s.dtype)[6:]}"]
     run += [flag for flag, on in (("bf16", s.bf16), ("activation checkpointing", s.gradient_checkpointing),
                                   (f"LoRA r={s.lora_r}", s.lora_r), ("optimizer in backward", s.optim_in_backward),
@@ -64,7 +64,7 @@ def plan_text(plan: TrainPlan, facts: ModelFacts, *, model_name: str) -> str:
     def size(n: float) -> str:
         return f"{n / scale:.1f}"
 
-    lines = [f"tptrain plan --train: {model_name} ({_count(n_params)} parameters, {facts.family}), "
+    lines = [f"tptrain plan --train: {model_name} ({_count(n_params)} parameters, {shapes.family}), "
              f"world {plan.world}, {', '.join(run)}",
              f"device {profile.name}: {_gib(plan.layouts[0].budget)} GiB per rank for tensors "
              f"({_gib(profile.runtime_bytes)} GiB kept for the runtime); pipeline schedule {s.pp_schedule}", ""]

@@ -140,6 +140,7 @@ class ParallelState:
     pp: Any = None
     grad_sync: Any = None
     scope: ForwardScope = field(default_factory=ForwardScope)
+    config: Any = None  # the DistributedConfig the model was laid out from (a reference copy is loaded the same way)
 
     @property
     def laid_out(self) -> bool:

@@ -48,8 +48,10 @@ from tptrain.parallel.saving import gathered_parameters
 TESTED = "5.23"  # the `tptrain[hf]` extra's range (>=5.23,<5.24): what the tests ran against
 
 
-def load_config(path_or_id: str | os.PathLike | dict) -> Any:
-    """transformers' config for a checkpoint directory / hub id (or a config.json dict); custom code refused."""
+def load_config(path_or_id: str | os.PathLike | dict, *, mapping=MODEL_FOR_CAUSAL_LM_MAPPING,
+                task: str = "causal-LM") -> Any:
+    """transformers' config for a checkpoint directory / hub id (or a config.json dict) of a model type with a
+    class in `mapping` (transformers' auto mapping of `task`); custom code refused."""
     config_dict = path_or_id if isinstance(path_or_id, dict) else load_config_dict(path_or_id)
     # transformers writes inf / nan as {"__float__": "Infinity"} (nemotron_h's time_step_limit) and reads them back so
     config_dict = transformers.PretrainedConfig._decode_special_floats(config_dict)
@@ -68,8 +70,8 @@ def load_config(path_or_id: str | os.PathLike | dict) -> Any:
         raise ValueError(f"model_type {model_type!r} is known neither to tptrain nor to transformers "
                          f"{transformers.__version__}") from None
     config = config_class.from_dict({k: v for k, v in config_dict.items() if k != "model_type"})
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"transformers has no causal-LM class for model_type {model_type!r}")
+    if type(config) not in mapping:
+        raise ValueError(f"transformers has no {task} class for model_type {model_type!r}")
     return config
 
 
@@ -94,19 +96,22 @@ def _halved_gate_up(hf_model: nn.Module) -> dict[str, int]:
             and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and module.gate_up_proj.dim() == 3}
 
 
-class _ConfigLoader:
-    """`config_class` of TransformersCausalLM: what `PreTrainedModel._open_checkpoint` calls."""
+class ConfigLoader:
+    """`config_class` of a transformers-backend model: what `PreTrainedModel._open_checkpoint` calls."""
 
-    @staticmethod
-    def from_pretrained(directory) -> Any:
-        return load_config(directory)
+    def __init__(self, mapping, task: str) -> None:
+        self.mapping, self.task = mapping, task
+
+    def from_pretrained(self, directory) -> Any:
+        return load_config(directory, mapping=self.mapping, task=self.task)
 
 
 class TransformersCausalLM(PreTrainedModel):
     """tptrain's engine on a transformers causal LM. Build with `from_pretrained` / `from_config`."""
 
     backend = "transformers"
-    config_class = _ConfigLoader
+    config_class = ConfigLoader(MODEL_FOR_CAUSAL_LM_MAPPING, "causal-LM")
+    auto_class = "AutoModelForCausalLM"  # transformers' auto class of the task
 
     def __init__(self, hf_model: nn.Module) -> None:
         super().__init__(hf_model.config)
@@ -118,31 +123,44 @@ class TransformersCausalLM(PreTrainedModel):
         object.__setattr__(self, "_modules", hf_model._modules)  # one dict: a pipeline cut is transformers' too
         self.base_model_prefix = prefix = base_prefix(hf_model)
         self.loss_function = causal_lm_loss
-        raw = type(hf_model.config).base_model_tp_plan or getattr(hf_model.config, "base_model_tp_plan", None)
-        base = translate_plan(raw)
-        embed = hf_model.get_input_embeddings()
-        name = next((n for n, m in getattr(hf_model, prefix).named_modules() if m is embed), None)
-        if base and name and vocab_parallel_embedding(embed, name, raw):  # as tptrain's plans (Gemma's scaled too)
-            base = {name: "embedding_rowwise", **base}
+        base, head = self._declared_plans(hf_model, prefix)
         param_specs, self._parameter_rules = parameter_rules(self, {f"{prefix}.{g}": s for g, s in base.items()})
         interleaved = {**interleaved_parameters(hf_model), **_halved_gate_up(hf_model)}
-        for owner, specs in param_specs.items():  # read by the owner's style (hf.plan.PARAMETER_OWNER_STYLES)
+        for owner, specs in param_specs.items():  # read by the owner's style (per_parameter_rules)
             self.get_submodule(owner).tp_param_specs = {
                 leaf: packed_like_stored(spec, self.get_parameter(f"{owner}.{leaf}").shape,
                                          interleaved.get(f"{owner}.{leaf}")) for leaf, spec in specs.items()}
         # Read by parallel/plan.py instead of the config's plan (which is in transformers' spelling). Module rules
         # only; rules matching no module are a variant's (q_proj where this config has q_a_proj / q_b_proj).
         self.tp_base_plan = module_rules(self, base, prefix)
-        self._tp_plan = translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})  # the head (class-level)
+        self._tp_plan = head
         # What enable_expert_parallel adds (read instead of the config's base_model_ep_plan, transformers' spelling).
         self.tp_ep_plan = module_rules(self, translate_plan(getattr(hf_model.config, "base_model_ep_plan", None)),
                                        prefix)
-        declare_tp_facts(self, {**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan},
-                         self.config)
+        self._declare_tp_facts({**{f"{prefix}.{g}": s for g, s in self.tp_base_plan.items()}, **self._tp_plan})
         self._whole_readers = self._rule_unplanned(prefix)
         self._declare_stages(prefix)
-        # Context parallelism's facts: `attend` on the attention modules, the base model's `attention_masks`, and the
-        # modules of the layers mixing tokens otherwise (hf/attention.py)
+        self._declare_cp_facts(prefix)
+
+    def _declared_plans(self, hf_model: nn.Module, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
+        """(the base model's plan, relative to `prefix`; the rules outside it, the head's, in full names), in tptrain's
+        style names: the config's base_model_tp_plan, the input embedding vocab-parallel as tptrain's own plans make
+        it (Gemma's scaled one too), and the class-level `_tp_plan`."""
+        raw = type(hf_model.config).base_model_tp_plan or getattr(hf_model.config, "base_model_tp_plan", None)
+        base = translate_plan(raw)
+        embed = hf_model.get_input_embeddings()
+        name = next((n for n, m in getattr(hf_model, prefix).named_modules() if m is embed), None)
+        if base and name and vocab_parallel_embedding(embed, name, raw):
+            base = {name: "embedding_rowwise", **base}
+        return base, translate_plan(getattr(type(hf_model), "_tp_plan", None) or {})
+
+    def _declare_tp_facts(self, plan: dict[str, str]) -> None:
+        """hf.plan.declare_tp_facts with the model's plan (full names), every fact from the model's config."""
+        declare_tp_facts(self, plan, self.config)
+
+    def _declare_cp_facts(self, prefix: str) -> None:
+        """Context parallelism's facts: `attend` on the attention modules, the base model's `attention_masks`, and the
+        modules of the layers mixing tokens otherwise (hf/attention.py)."""
         self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), getattr(self, "pp_layers", None))
 
     def _declare_stages(self, prefix: str) -> None:
@@ -189,10 +207,10 @@ class TransformersCausalLM(PreTrainedModel):
     def from_config(cls, config: Any, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> "TransformersCausalLM":
         """transformers' random init, or (device="meta") shapes only for sharded loading."""
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model_class = cls.config_class.mapping[type(config)]
         device = torch.device(device or "cpu")
         if device.type != "meta":
-            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            hf = getattr(transformers, cls.auto_class).from_config(config, dtype=dtype)
             _eager_experts_for(hf, dtype)
             return cls(hf.to(device))
         prev = torch.get_default_dtype()
@@ -309,8 +327,10 @@ class TransformersCausalLM(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                num_items_in_batch: int | torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutput:
-        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss."""
+                num_items_in_batch: int | torch.Tensor | None = None, per_sequence: bool = False,
+                **kwargs: Any) -> CausalLMOutput:
+        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss (`per_sequence`:
+        each row's summed token loss, (batch,))."""
         kwargs.setdefault("use_cache", False)
         cp = self.parallel.cp
         if cp is not None and attention_mask is None:
@@ -320,7 +340,8 @@ class TransformersCausalLM(PreTrainedModel):
         with running(getattr(self, self.base_model_prefix), cp):
             logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    **kwargs).logits
-        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
+        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
+                                                              per_sequence=per_sequence)
         return CausalLMOutput(loss=loss, logits=logits)
 
     # ------------------------------------------------------------------ saving
@@ -345,7 +366,7 @@ def _materialise_buffers(model: TransformersCausalLM, device: torch.device) -> N
         for b in meta:  # NaN: a buffer the init leaves unwritten is caught below
             buf = module._buffers[b]
             module._buffers[b] = torch.full_like(buf, float("nan") if buf.is_floating_point() else 0, device=device)
-        params = list(module.parameters(recurse=False))
+        params = list(module.parameters())  # its init may write its children's too (SigLIP's position embedding)
         for p in params:
             p._is_hf_initialized = True
         try:

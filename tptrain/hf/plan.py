@@ -1,7 +1,8 @@
 """transformers' tensor-parallel plan in tptrain's spelling, and the facts tptrain's engine reads from a model.
 
 transformers names its styles by the layouts of a DTensor (`colwise_rep`: column-parallel, output gathered);
-tptrain's are the same splits with tptrain's collectives. A style with no tptrain counterpart stays under its
+tptrain's are the same splits with tptrain's collectives, most under the same names; a style says which other
+transformers names it is (`ParallelStyle.transformers_names`). A style with no tptrain counterpart stays under its
 transformers name, so `check_plan` reports it as an unknown style, naming the rule.
 
 Nothing here imports transformers: it reads the plan and the modules as data.
@@ -11,42 +12,29 @@ from __future__ import annotations
 from torch import nn
 
 from tptrain.parallel import contract
-from tptrain.parallel.styles import ShardSpec, canonical_style
+from tptrain.parallel.styles import STYLES, ColwiseParallel, ParallelStyle, RowwiseParallel, ShardSpec, canonical_style
+from tptrain.parallel.styles.base import declared
 
-# transformers style -> tptrain style (None: no rule, the weight is whole on every rank).
-STYLE_NAMES: dict[str, str | None] = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "colwise_rep": "colwise_gather_output",
-    "colwise_gather_output": "colwise_gather_output",
-    "rowwise_rep": "rowwise",  # tptrain's rowwise already ends in the all-reduce that replicates the output
-    "embedding_rowwise": "embedding_rowwise",
-    "packed_colwise": "packed_colwise",  # tptrain's alias of fused_colwise
-    "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
-    "rowwise_split_input": "rowwise_split_input",
-    "local_params": "local_params",
-    "moe_tp_experts": "moe_tp_experts",
-    "all_reduce": "all_reduce",
-    "moe_identity_expert": "moe_identity_expert",
-    "mla_kv_a_proj": "mla_kv_a_proj",
-    "ep_dispatch_experts": "ep_dispatch_experts",  # tptrain.hf.styles
-    "grouped_gemm": None,  # the stacked weights of ep_dispatch_experts: its own split (dim 0)
-    "replicate": None,
-}
+# transformers styles that leave the weight whole on every rank: no rule ("grouped_gemm": the stacked weights of
+# ep_dispatch_experts, split by that style itself, dim 0).
+NO_RULE = ("grouped_gemm", "replicate")
+
+
+def style_name(style: str) -> str:
+    """tptrain's name of transformers style `style`: the style declaring it among its `transformers_names`, else the
+    same name (tptrain's styles spelled as transformers spells them; an unknown one is check_plan's to report)."""
+    return next((cls.name for cls in STYLES.values() if style in declared(cls, "transformers_names", ())), style)
 
 
 def translate_plan(plan: dict[str, str] | None) -> dict[str, str]:
     """{glob: tptrain style}; an unmapped transformers style keeps its name (reported by check_plan)."""
-    out = {}
-    for glob, style in (plan or {}).items():
-        name = STYLE_NAMES.get(style, style)
-        if name is not None:
-            out[glob] = name
-    return out
+    return {glob: style_name(style) for glob, style in (plan or {}).items() if style not in NO_RULE}
 
 
-# The owners' styles under which transformers' per-parameter rules apply (the owner's forward reads its pieces).
-PARAMETER_OWNER_STYLES = ("local_params", "moe_tp_experts", "all_reduce")
+def parameter_owner_styles() -> list[str]:
+    """The owners' styles under which transformers' per-parameter rules apply (the owner's forward reads its pieces:
+    `ParallelStyle.per_parameter_rules`)."""
+    return [name for name, cls in STYLES.items() if cls.per_parameter_rules]
 
 
 def parameter_spec(style: str, name: str, ndim: int) -> ShardSpec | None:
@@ -79,30 +67,31 @@ def packed_like_stored(spec: ShardSpec, shape: tuple[int, ...], interleaved_dim:
 def parameter_rules(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, dict[str, ShardSpec]], dict[str, str]]:
     """The rules of `plan` (full names, transformers' spelling) that name a parameter, not a module: transformers'
     per-parameter styles (stacked MoE experts, attention sinks). Returns ({owner module: {parameter: ShardSpec}},
-    {glob: problem}): a rule applies when its owner's own rule is 'local_params', 'moe_tp_experts' or 'all_reduce' (whose
-    forward reads the pieces as they are); any other is a problem naming it."""
+    {glob: problem}): a rule applies when its owner's own rule is a style with `per_parameter_rules`
+    ('local_params', 'moe_tp_experts', 'all_reduce': its forward reads the pieces as they are); any other is a
+    problem naming it."""
     modules = dict(model.named_modules())
     specs: dict[str, dict[str, ShardSpec]] = {}
-    problems = {}
+    problems, owner_styles = {}, parameter_owner_styles()
     for glob, style in plan.items():
         parent, _, leaf = glob.rpartition(".")
         owners = {n: m for n, m in modules.items() if n and _matches(parent, n)}
         if not owners or any(_matches(glob, n) for n in modules) or not any(
                 leaf in dict(m.named_parameters(recurse=False)) for m in owners.values()):
             continue
-        owner_style = STYLE_NAMES.get(plan.get(parent, ""), plan.get(parent))
+        owner_style = plan.get(parent) and style_name(plan[parent])
         for name, module in owners.items():
             param = dict(module.named_parameters(recurse=False)).get(leaf)
             spec = None if param is None else parameter_spec(style, leaf, param.dim())
             if spec is not None and spec.segments:  # each packed half: half the rows of the split dim
                 half = param.shape[spec.dim] // 2
                 spec = ShardSpec(spec.dim, segments=((half, 1), (half, 1)))
-            if spec is not None and owner_style in PARAMETER_OWNER_STYLES:
+            if spec is not None and owner_style in owner_styles:
                 specs.setdefault(name, {})[leaf] = spec
             elif param is not None:
                 problems[glob] = (f"tp_plan rule {glob!r} ({style!r}) names a parameter, not a module: a transformers "
                                   f"per-parameter style tptrain applies only under an owner ruled "
-                                  f"{' or '.join(map(repr, PARAMETER_OWNER_STYLES))} and only for colwise, rowwise, "
+                                  f"{' or '.join(map(repr, owner_styles))} and only for colwise, rowwise, "
                                   f"packed_colwise, packed_rowwise; {parent!r} has "
                                   f"{plan.get(parent, 'no rule')!r}; use tp_size=1 or fix the plan")
     return specs, problems
@@ -139,7 +128,7 @@ def _matches(glob: str, name: str) -> bool:
     return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
 
 
-def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
+def declare_tp_facts(model: nn.Module, plan: dict[str, str], config, *, config_of=None) -> None:
     """Set, on transformers' modules, what tptrain's plan check and engine read as data:
 
     * `tp_pairs = {consumer: (producers, ...)}` on every module whose children the model's own plan splits
@@ -148,30 +137,34 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
       column-parallel children whose rows are the KV heads (x head_dim, or x the module's v_head_dim), replicated
       when tp_size > num_key_value_heads;
       `tp_query_projection`: the one whose rows are the query heads (the per-rank head count comes from it);
-    * `tp_replicated_tail` on 'mla_kv_a_proj' modules: the config's qk_rope_head_dim;
+    * `tp_replicated_tail` on modules whose style sums that tail's gradient ('mla_kv_a_proj': `replicated_tail`):
+      the config's qk_rope_head_dim;
     * on transformers' experts modules (`@use_experts_implementation`'s, with `_is_expert_parallel`):
       `tp_routed_experts` (forward(x, expert_ids, weights), what an ep axis splits: `contract.routed_experts`) and
       `tp_top_k`, the config's num_experts_per_tok, which 'ep_dispatch_experts' chooses its dispatch by.
     `plan` is in full module names (tptrain spelling), before user overrides, so overrides are checked against it.
+    `config_of(module name)`: the config a module's facts come from where it is not `config` (a vision-language
+    model's text decoder and vision tower); the attention modules then carry their counts as `tp_heads`.
     """
     styles = resolve_names(model, plan)
-    heads = config.num_attention_heads
-    n_kv = contract.kv_heads(config)
-    rope = getattr(config, "qk_rope_head_dim", None)  # MLA: the shared RoPE key at the end of kv_a_proj's output
-    for name, style in styles.items():
-        if style == "mla_kv_a_proj" and rope:
+    facts = {name: STYLES.get(canonical_style(style)) for name, style in styles.items()}  # None: not tptrain's
+    for name, cls in facts.items():
+        rope = getattr(config_of(name) if config_of else config, "qk_rope_head_dim", None)  # MLA's shared RoPE key
+        if cls is not None and cls.replicated_tail == "gradient_summed" and rope:
             model.get_submodule(name).tp_replicated_tail = rope
-    top_k = getattr(config, "num_experts_per_tok", None)
     for owner, module in model.named_modules():
+        own = config_of(owner) if config_of else config
+        heads, n_kv = contract.attention_heads(own), contract.kv_heads(own)
+        top_k = getattr(own, "num_experts_per_tok", None)
         if hasattr(module, "_is_expert_parallel"):
             module.tp_routed_experts, module.tp_top_k = True, top_k if isinstance(top_k, int) else None
         children = {n: c for n, c in module.named_children() if f"{owner}.{n}" in styles}
-        cols = tuple(n for n in children if canonical_style(styles[f"{owner}.{n}"]) in ("colwise", "fused_colwise"))
-        rows = [n for n in children if styles[f"{owner}.{n}"] == "rowwise"]
+        cols = tuple(n for n in children if _splits_columns(facts[f"{owner}.{n}"]))
+        rows = [n for n in children if _reads_split_columns(facts[f"{owner}.{n}"])]
         if cols and rows:
             module.tp_pairs = {row: cols for row in rows}
         head_dim = getattr(module, "head_dim", None)
-        if cols and head_dim and hasattr(module, "num_key_value_groups"):
+        if cols and head_dim and heads and hasattr(module, "num_key_value_groups"):
             linear = {n: children[n] for n in cols if isinstance(children[n], nn.Linear)}
             # K rows are KV heads x head_dim; V rows may be x v_head_dim (MiMo-V2-Flash's 128 with 192-wide keys).
             # A layer with other KV heads than the config's (MiMo's sliding layers: twice as many) is split plainly.
@@ -182,6 +175,18 @@ def declare_tp_facts(model: nn.Module, plan: dict[str, str], config) -> None:
                 if own_kv == n_kv else ()
             module.tp_query_projection = next((n for n, c in linear.items() if c.out_features == heads * head_dim),
                                               None)
+            if config_of is not None:
+                module.tp_heads = (heads, n_kv)
+
+
+def _splits_columns(cls: type[ParallelStyle] | None) -> bool:
+    """A column-parallel style whose output stays split (colwise, fused_colwise): the producer of a pair."""
+    return cls is not None and issubclass(cls, ColwiseParallel) and cls.splits_output
+
+
+def _reads_split_columns(cls: type[ParallelStyle] | None) -> bool:
+    """A row-parallel style fed the producers' split features (rowwise): the consumer of a pair."""
+    return cls is not None and issubclass(cls, RowwiseParallel) and cls.needs_split_input
 
 
 def resolve_names(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
@@ -201,6 +206,8 @@ def unplanned_modules(model: nn.Module, styles: dict[str, str]) -> list[str]:
         if not pairs:
             continue
         known = {*pairs, *(p for producers in pairs.values() for p in producers)}
+        if not any(f"{owner}.{n}" in styles for n in known):  # not split (an optional plan left out): no region
+            continue
         for name, sub in module.named_modules():
             full = f"{owner}.{name}"
             if name and name.split(".")[0] not in known and full not in styles and any(

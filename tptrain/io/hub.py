@@ -19,9 +19,17 @@ TOKENIZER_PATTERNS = (
     "merges.txt",
     "chat_template.jinja",
 )
+# A vision-language model's processor: its image (and video) processor's settings and its tokenizer's files.
+PROCESSOR_PATTERNS = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    *TOKENIZER_PATTERNS,
+)
 # Only what building and training a model needs: never *.bin / *.pt / original/ duplicates, which can
 # double the download of a large repository.
-HUB_ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_PATTERNS]
+HUB_ALLOW_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", *PROCESSOR_PATTERNS]
 
 
 def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None,

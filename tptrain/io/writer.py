@@ -3,6 +3,7 @@ file as the tensors arrive), with the layout transformers' save_pretrained write
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
+from tptrain.io.space import full_device_error, space_error
 from tptrain.io.weights import ADAPTER_FILE, INDEX_FILE, SINGLE_FILE, weights_file
 
 # HF convention: "5GB" is decimal (5 * 10**9); the binary units are spelled "GiB".
@@ -65,7 +67,11 @@ def save_streamed(sizes: dict[str, int], tensors: Iterator[tuple[str, torch.Tens
     (files,) = plan_files([sizes], max_shard_size)
     extra = extra_files or {}
     _check_extra_files(extra, [f for f, _ in files])
-    with atomic_directory(directory) as tmp:
+    needed = sum(sizes.values()) + sum(len(content) for content in extra.values())
+    error = space_error(Path(directory).parent, needed, what=f"checkpoint {directory}")
+    if error:  # before the first byte: the tensors' sizes are known
+        raise OSError(errno.ENOSPC, f"{error}; free some space or save elsewhere")
+    with atomic_directory(directory, needed=needed) as tmp:
         total = write_shards(tmp, files, tensors, metadata=metadata)
         write_index(tmp, files, total, extra_files=extra)
 
@@ -114,16 +120,20 @@ def write_index(directory: Path, files: list[tuple[str, list[str]]], total: int,
 
 
 @contextlib.contextmanager
-def atomic_directory(directory: str | os.PathLike) -> Iterator[Path]:
+def atomic_directory(directory: str | os.PathLike, *, needed: int | None = None) -> Iterator[Path]:
     """Yield an empty temporary sibling of `directory` to fill. On success every file in it is
     fsynced and it is swapped into place (an existing `directory` is replaced whole); on any error,
-    KeyboardInterrupt too, it is removed and `directory` is left untouched."""
+    KeyboardInterrupt too, it is removed and `directory` is left untouched. A write that failed on a full
+    device is raised as OSError(ENOSPC) saying so (`needed`: the bytes the whole checkpoint takes)."""
     tmp = staging_directory(directory)
     try:
         yield tmp
         publish(tmp, directory)
-    except BaseException:
+    except BaseException as exc:
+        full = full_device_error(exc, tmp.parent, what=f"checkpoint {directory}", needed=needed)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, full) from exc
         raise
 
 

@@ -2,6 +2,7 @@
 
     validate(Case(dims=dims, features=Features(sequence_parallel=True), facts=model_facts(model)))
     resolve(4, tp_size=2)                      # the sizes against the world size: the size rules
+    check("cp_seq_len", cp=2, seq_len=9)       # one row, asked of the values it reads (the Case built here)
 
 The rows, in the order they are checked (the first refused raises its ValueError): the sizes as given
 (size_rules.py), which axes and features compose with each other and with the model (axis_rules.py), and what a
@@ -14,10 +15,11 @@ Pure: imports no torch.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from tptrain.layout import axis_rules, size_rules, training_rules
-from tptrain.layout.case import LIBRARY, Case, Features, Rule, Spelling
+from tptrain.layout.case import LIBRARY, Case, Features, ModelFacts, Rule, Spelling
 from tptrain.layout.dims import SPELLING_AXES, Asked, ParallelDims
 
 RULES: tuple[Rule, ...] = (*size_rules.ROWS, *axis_rules.ROWS, *training_rules.ROWS)
@@ -39,12 +41,33 @@ def validate(case: Case) -> None:
             raise ValueError(message)
 
 
-def check(name: str, case: Case) -> None:
-    """ValueError if the row `name` refuses `case` (where only that row's inputs are at hand: an input's length, an
-    adapter's target)."""
-    message = _BY_NAME[name].refusal(case)
+def check(name: str, case: Case | None = None, /, **values: Any) -> None:
+    """ValueError if the row `name` refuses `case`, or the Case of `values` (`case_of`), where only that row's inputs
+    are at hand: `check("cp_seq_len", cp=2, seq_len=9)`."""
+    row = _BY_NAME[name]
+    if case is None:
+        case = case_of(**values)
+        assert all(case.known(path) for path in row.needs), f"rule {name!r} reads {row.needs}, given {values}"
+    message = row.refusal(case)
     if message is not None:
         raise ValueError(message)
+
+
+_DIMS, _FEATURES, _FACTS = ({f.name for f in fields(kind)} for kind in (ParallelDims, Features, ModelFacts))
+_CASE = {f.name for f in fields(Case)} - {"dims", "features", "facts"}
+
+
+def case_of(**values: Any) -> Case:
+    """The Case of `values`, each an input under its own name: a size (tp=, cp=, pp=, ep=, dp_shard=, dp_replicate=;
+    the others 1, none given: the sizes not known), a feature (seq_len=, pp_layers=, sequence_parallel=, ...), a fact
+    of the model (name= its class, model_type=, num_layers=, experts=, ...; those not given "" or the default, none
+    given: the model not known) or the Case's own (asked=, world=, spelling=, ...)."""
+    unknown = set(values) - _DIMS - _FEATURES - _FACTS - _CASE
+    assert not unknown, f"not an input of the rule table: {sorted(unknown)}"
+    dims, features, facts, own = ({k: v for k, v in values.items() if k in names}
+                                  for names in (_DIMS, _FEATURES, _FACTS, _CASE))
+    return Case(dims=ParallelDims(**dims) if dims else None, features=Features(**features),
+                facts=ModelFacts(**{"name": "", "model_type": "", **facts}) if facts else None, **own)
 
 
 def resolve(world: int, *, features: Features | None = None, spelling: Spelling = LIBRARY,

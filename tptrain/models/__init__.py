@@ -11,7 +11,7 @@ from tptrain.models.registry import NATIVE_MODEL_TYPES
 
 _EXPORTS = {
     # with each native model_type's class (LlamaForCausalLM, ...), made there from the registry
-    "tptrain.models.auto": ("MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM",
+    "tptrain.models.auto": ("MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText",
                             *(model_name for _, model_name in NATIVE_MODEL_TYPES.values())),
     "tptrain.models.configuration": (
         "PretrainedConfig", "LlamaConfig", "Qwen2Config", "Qwen3Config", "MistralConfig", "MinistralConfig",

@@ -30,7 +30,8 @@ MODEL_REGISTRY: dict[str, tuple[type[PretrainedConfig], type[DecoderForCausalLM]
     model_type: _family(*names) for model_type, names in NATIVE_MODEL_TYPES.items()}
 MODEL_CLASSES = {model.__name__: model for _, model in MODEL_REGISTRY.values()}
 
-__all__ = ["MODEL_CLASSES", "MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM", "select_backend"]
+__all__ = ["MODEL_CLASSES", "MODEL_REGISTRY", "AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText",
+           "select_backend"]
 
 
 def __getattr__(name: str) -> type[DecoderForCausalLM]:
@@ -96,6 +97,59 @@ class AutoModelForCausalLM:
         if chosen == "transformers":
             return _transformers_backend().TransformersCausalLM.from_pretrained(path_or_id, **kwargs)
         return _lookup(model_type)[1].from_pretrained(path_or_id, **kwargs)
+
+
+class AutoModelForImageTextToText:
+    """Vision-language models (a vision tower, a projector, a text decoder: transformers' image-text-to-text
+    classes) on transformers' modeling code under tptrain's engine (`pip install "tptrain[hf]"`; their processors
+    need `tptrain[vision]`): tptrain has no native one.
+
+        model = AutoModelForImageTextToText.from_pretrained("Qwen/Qwen2.5-VL-3B-Instruct", dtype=torch.bfloat16,
+                                                            distributed_config=DistributedConfig(tp_size=2))
+    """
+
+    @staticmethod
+    def config(path_or_id: str | os.PathLike) -> Any:
+        """transformers' config of an image-text-to-text checkpoint (its directory or hub id)."""
+        backend = _vision_backend(load_config_dict(path_or_id).get("model_type"))
+        return backend.TransformersImageTextToText.config_class.from_pretrained(path_or_id)
+
+    @staticmethod
+    def from_config(config: Any, **kwargs: Any):
+        """Random init (or meta, with device="meta") from transformers' config of an image-text-to-text model."""
+        return _vision_backend(getattr(config, "model_type", None)).TransformersImageTextToText.from_config(
+            config, **kwargs)
+
+    @staticmethod
+    def from_pretrained(path_or_id: str | os.PathLike, **kwargs: Any):
+        """`TransformersImageTextToText.from_pretrained(path_or_id, **kwargs)` (dtype, distributed_config, ...); a
+        checkpoint this rank cannot resolve, or of a model type transformers has no image-text-to-text class for, is
+        raised on every rank with a `distributed_config`, as `from_pretrained` raises its own checks' errors."""
+        if kwargs.pop("trust_remote_code", False):
+            raise ValueError("trust_remote_code is out of scope: tptrain runs transformers' own model classes, never "
+                             "modeling code from the hub")
+        config = kwargs.get("distributed_config")
+        try:
+            backend = _vision_backend(load_config_dict(path_or_id).get("model_type"))
+        except Exception as exc:
+            if config is not None:
+                _raise_on_every_rank(config, exc)
+            raise
+        return backend.TransformersImageTextToText.from_pretrained(path_or_id, **kwargs)
+
+
+def _vision_backend(model_type: str | None):
+    """tptrain.hf.vlm, once `model_type` is known to have an image-text-to-text class in the installed transformers."""
+    try:
+        from tptrain.hf import vlm  # imports transformers
+    except ImportError as exc:
+        raise ValueError(f"model_type {model_type!r} is a vision-language model, which tptrain runs on transformers' "
+                         f"modeling code: pip install \"tptrain[hf,vision]\" ({exc})") from None
+    if not vlm.knows(model_type):
+        raise ValueError(f"model_type {model_type!r} is not an image-text-to-text model of the installed transformers "
+                         f"(no class in its AutoModelForImageTextToText mapping); for a text-only model use "
+                         f"AutoModelForCausalLM")
+    return vlm
 
 
 def _raise_on_every_rank(distributed_config: DistributedConfig, error: Exception) -> None:

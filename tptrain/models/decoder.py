@@ -364,23 +364,27 @@ class DecoderForCausalLM(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False) -> CausalLMOutput:
+                num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False,
+                per_sequence: bool = False) -> CausalLMOutput:
         """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
-        `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits."""
+        `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits.
+        `per_sequence`: `loss` is each row's summed token loss (batch,), the router aux loss left out of it."""
         fused = labels is not None and not return_logits and self.fuses_head_loss()
         meeting = HeadGradient() if fused and self._head_gradient_meets_embedding() else None
         h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, head_gradient=meeting)
         if fused:
             logits = None
             weight = self.lm_head.weight if meeting is None else meeting.head_weight(self.lm_head.weight)
-            loss = self.head_loss_function(h, weight, labels, num_items_in_batch, transform=self._transform_logits)
+            loss = self.head_loss_function(h, weight, labels, num_items_in_batch, transform=self._transform_logits,
+                                           per_sequence=per_sequence)
         else:
             logits = self._transform_logits(self.lm_head(h))  # (batch, seq, vocab)
-            loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch)
+            loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
+                                                                  per_sequence=per_sequence)
         aux_loss = None
         if getattr(self.config, "output_router_logits", False):  # as transformers: the coefficient only in `loss`
             aux_loss = self.router_aux_loss_function(self.router_statistics(self._router_logits(), attention_mask))
-            if loss is not None:
+            if loss is not None and not per_sequence:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.dtype)
             aux_loss = aux_loss.float()  # reported in fp32, as transformers (the loss keeps an fp64 model's fp64)
         return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss)

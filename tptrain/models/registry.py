@@ -34,6 +34,7 @@ NATIVE_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 _CAUSAL_LM_NAMES = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"  # transformers' {model_type: causal-LM class name}
+_IMAGE_TEXT_NAMES = "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"  # ... and image-text-to-text class name
 
 
 def check_native(model_type: str | None) -> None:
@@ -64,6 +65,20 @@ def select_backend(model_type: str | None, backend: str = "auto") -> str:
     return "transformers"
 
 
+def vision_language(config: dict) -> bool:
+    """Whether a checkpoint's config.json is a vision-language model's: a `vision_config`, and a model type the
+    installed transformers has an image-text-to-text class for (read from its source where it can: no import).
+    Such a checkpoint loads with AutoModelForImageTextToText."""
+    if "vision_config" not in config or not _installed("transformers"):
+        return False
+    listed = _listed_types(_IMAGE_TEXT_NAMES)
+    if listed is not None:
+        return config.get("model_type") in listed
+    from tptrain.hf import vlm  # imports transformers
+
+    return vlm.knows(config.get("model_type"))
+
+
 def _installed(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -72,7 +87,7 @@ def _installed(name: str) -> bool:
 
 
 def _transformers_has_causal_lm(model_type: str | None) -> bool:
-    listed = _listed_causal_lm_types()
+    listed = _listed_types(_CAUSAL_LM_NAMES)
     if listed is not None and model_type not in listed:
         return False  # answered from transformers' source text, without its import
     from tptrain.hf import model  # imports transformers: the authority on what it has
@@ -80,23 +95,32 @@ def _transformers_has_causal_lm(model_type: str | None) -> bool:
     return model.knows(model_type)
 
 
-def _listed_causal_lm_types() -> frozenset[str] | None:
-    """The model types of transformers' causal-LM mapping, read from its modeling_auto.py as text; None unless that
-    file binds the mapping once, to one literal `OrderedDict([(model_type, class name), ...])`, and never changes it
-    (then only importing transformers can tell)."""
+def _listed_types(mapping: str) -> frozenset[str] | None:
+    """The model types of transformers' `mapping` (its causal-LM one, ...), read from its modeling_auto.py as text;
+    None unless that file binds the mapping once, to one literal `OrderedDict([(model_type, class name), ...])`, and
+    never changes it (then only importing transformers can tell)."""
     try:
         locations = importlib.util.find_spec("transformers").submodule_search_locations
         tree = ast.parse(Path(next(iter(locations)), "models", "auto", "modeling_auto.py").read_text())
     except (ImportError, AttributeError, TypeError, StopIteration, OSError, SyntaxError, ValueError):
         return None
     bindings = [node.value for node in tree.body if isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == _CAUSAL_LM_NAMES for t in node.targets)]
-    changed = any(isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.value, ast.Name)
-                  and node.value.id == _CAUSAL_LM_NAMES or isinstance(node, ast.AugAssign)
-                  and getattr(node.target, "id", None) == _CAUSAL_LM_NAMES for node in ast.walk(tree))
+                and any(isinstance(t, ast.Name) and t.id == mapping for t in node.targets)]
+    changed = any(_changes(node, mapping) for node in ast.walk(tree))
     if len(bindings) != 1 or changed or not isinstance(bindings[0], ast.Call) or len(bindings[0].args) != 1:
         return None
     try:
         return frozenset(model_type for model_type, _ in ast.literal_eval(bindings[0].args[0]))
     except (ValueError, TypeError, SyntaxError):
         return None
+
+
+def _changes(node: ast.AST, name: str) -> bool:
+    """Whether `node` may change the dict bound to `name`: a mutating method, an item stored or deleted, `|=`."""
+    of_name = isinstance(getattr(node, "value", None), ast.Name) and node.value.id == name
+    return (of_name and isinstance(node, ast.Attribute) and node.attr in _MUTATORS
+            or of_name and isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del))
+            or isinstance(node, ast.AugAssign) and getattr(node.target, "id", None) == name)
+
+
+_MUTATORS = ("update", "pop", "popitem", "setdefault", "clear", "move_to_end", "__setitem__", "__delitem__")

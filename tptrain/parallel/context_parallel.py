@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tptrain.distributed import comm
 from tptrain.distributed.state import Batch
 from tptrain.distributed.topology import cp_mesh
-from tptrain.layout import Case, Features, ParallelDims, Spelling, check
+from tptrain.layout import Spelling, check
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.parallel import contract
 
@@ -158,8 +158,7 @@ class CPShard:
 def check_sequence_length(seq: int, cp_size: int, *, what: str = "the sequence length") -> None:
     """ValueError unless `seq` splits into 2 x cp_size equal chunks (the head-tail load balancing; the rule table's
     `cp_seq_len`)."""
-    check("cp_seq_len", Case(dims=ParallelDims(1, 1, 1, cp=cp_size), features=Features(seq_len=seq),
-                             spelling=Spelling(seq_len=what)))
+    check("cp_seq_len", cp=cp_size, seq_len=seq, spelling=Spelling(seq_len=what))
 
 
 def local_index(seq: int, cp_size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -69,6 +69,10 @@ class TPModel(Protocol):
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
+    tp_optional_plans: {what: {full-name glob: style}}: rules applied only at a tp size where they split (every
+        width and head count they split divides it, `plan.check_plan`); elsewhere their modules stay whole on every
+        rank, and the resolved plan's `notes` say so (`optional_plans`; absent: {}; a vision-language model's derived
+        plan of its tower and of its projector).
     tp_plan_problems(styles, tp_size) -> [str]: layout problems only the model can see, added to the plan
         check's (`plan_problems`; the transformers backend: weights its plan leaves unsplit; absent: none).
     sequence_mixers: {module name: class name} of modules that mix tokens other than through an attention's
@@ -118,6 +122,9 @@ class TPAttention(Protocol):
         num_key_value_heads (`kv_projections`; absent: (), and the module is not split by heads; () on an
         attention whose projections are fused: `tp_segments` says which rows are KV heads).
     Optional:
+    tp_heads: (query heads, KV heads) of this module, where they are not the config's (`heads`; absent: the config's
+        num_attention_heads and num_key_value_heads): a vision-language model's text decoder and vision tower, each
+        with its own counts, under one composite config that has neither.
     attend(q, k, v, mask): q (batch, heads, queries, head_dim), k (batch, kv_heads, keys, head_dim) and v (batch,
         kv_heads, keys, v dim: MLA's is narrower) after RoPE, mask (batch or 1, 1, queries, keys) bool or None (plain
         causal) -> (batch, heads, queries, v dim) (`attend`; absent: None, and context parallelism refuses the model,
@@ -233,6 +240,12 @@ def kv_heads(config: Any) -> int | None:
     return getattr(config, "num_key_value_heads", None) or attention_heads(config)
 
 
+def heads(module: nn.Module, config: Any) -> tuple[int | None, int | None]:
+    """(query heads, KV heads) of an attention module: its own `tp_heads`, else the config's."""
+    own = getattr(module, "tp_heads", None)
+    return tuple(own) if own is not None else (attention_heads(config), kv_heads(config))
+
+
 def key_value_head_dims(config: Any) -> tuple[int, int]:
     """(features of one key head, of one value head): the config's `key_value_head_dims` (MLA's differ), else
     head_dim (or hidden_size / heads) for both."""
@@ -255,6 +268,10 @@ def base_plan(model: nn.Module) -> dict[str, str]:
     """The base model's plan: the model's own `tp_base_plan` if it has one, else its config's."""
     plan = getattr(model, "tp_base_plan", None)
     return dict(plan) if plan is not None else config_plan(model.config)
+
+
+def optional_plans(model: nn.Module) -> dict[str, dict[str, str]]:
+    return {what: dict(rules) for what, rules in (getattr(model, "tp_optional_plans", None) or {}).items()}
 
 
 def plan_problems(model: nn.Module, styles: dict[str, str], tp_size: int) -> list[str]:

@@ -41,15 +41,19 @@ is (its share). The router aux loss is then split over token shards (and under c
 """
 from __future__ import annotations
 
+from typing import Callable, ClassVar
+
 from torch import nn
 
 from tptrain.distributed import comm
 from tptrain.parallel import contract
-from tptrain.parallel.dispatch import dispatch_and_combine, exchange
+from tptrain.parallel.dispatch import Grouped, dispatch_and_combine, exchange
 from tptrain.parallel.styles import ParallelStyle, ShardSpec, TPContext, replace_forward, register_style
 
-__all__ = ["ExpertTensorParallel", "ExpertParallelAllReduce", "ExpertParallelAllToAll", "ExpertParallel",
-           "all_to_all_wins"]
+__all__ = ["ExpertStyle", "TPExpertsStyle", "ExpertTensorParallel", "ExpertParallelAllReduce",
+           "ExpertParallelAllToAll", "ExpertParallel", "all_to_all_wins"]
+
+Forward = Callable[..., object]  # forward(module, x, expert_ids, weights), installed with `replace_forward`
 
 
 def all_to_all_wins(ranks: int, top_k: int) -> bool:
@@ -57,24 +61,88 @@ def all_to_all_wins(ranks: int, top_k: int) -> bool:
     return ranks >= 2 * top_k
 
 
-class _ExpertStyle(ParallelStyle):
-    """Shared by the expert styles: the module must be a stacked-experts module. Under sequence parallelism each tp
-    rank routes its own sequence shard (the router is per token; its weight's gradient, a partial sum over tp, is
-    summed by the grad sync: the SP plan's 'sequence_parallel' rule on it), and the experts take the block input
-    (batch, seq / tp, hidden) with its routing (`_gathered`)."""
+class ExpertStyle(ParallelStyle):
+    """The one mechanism of every expert style, parametrised by `split` and `dispatch`:
+
+    * `split`: "experts" (by expert: rank r holds experts [r E/p, (r+1) E/p) whole) or "inner" (each expert split
+      inside like a dense MLP; over an ep axis also by expert there, `ep_axis`);
+    * `dispatch`: "all_reduce" (every rank runs every token through its share, the partial outputs summed),
+      "all_to_all" (each rank's share of the tokens sent to the experts' owners and back, the shares all-gathered; a
+      batch whose tokens do not split into equal shares takes the summing path: every rank holds the same tokens,
+      so every rank takes the same path; under SP a rank's share is its sequence shard, exchanged as it is) or
+      "auto" (all-to-all when it sends fewer bytes: `all_to_all_wins` by the router's k, `top_k`).
+
+    A kind of experts module supplies only its interface: `param_specs` (its stacks split by `split`), `hold` (keep
+    only a rank's experts), `summed` (the summing forward), `held_experts` (what the all-to-all runs rows through)
+    and `top_k`. A new expert style is then one registered subclass naming its split and dispatch."""
 
     stacked_experts = True
+    split: ClassVar[str] = "experts"
+    dispatch: ClassVar[str] = "all_reduce"
 
-    def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
-        missing = contract.missing(module, contract.TPExperts)
-        if missing:
-            raise TypeError(f"style {self.name!r} needs a stacked-experts module "
-                            f"({', '.join(contract.members(contract.TPExperts))}), got a {type(module).__name__} "
-                            f"without {missing}")
-        return self.specs()
-
-    def specs(self) -> dict[str, ShardSpec]:
+    def hold(self, module: nn.Module, rank: int, size: int) -> None:
+        """Make `module` hold only experts [rank E/size, (rank+1) E/size) (its stacks already split on dim 0)."""
         raise NotImplementedError
+
+    def summed(self, module: nn.Module, ctx: TPContext) -> Forward:
+        """forward(m, x, ids, weights) on this rank's share of the experts, its partial output summed over TP."""
+        raise NotImplementedError
+
+    def held_experts(self, module: nn.Module) -> Callable[[nn.Module], tuple[Grouped, int]]:
+        """m -> (grouped(rows, counts) of the experts m holds, the experts held over the group): what an exchange
+        runs (taken before `hold` changes what the module says)."""
+        raise NotImplementedError
+
+    def top_k(self, module: nn.Module) -> int | None:
+        """The experts each token is routed to (None: not known, the summing path)."""
+        raise NotImplementedError
+
+    def chosen_dispatch(self, module: nn.Module, ctx: TPContext) -> str:
+        if self.dispatch != "auto":
+            return self.dispatch
+        top_k = self.top_k(module)
+        return "all_to_all" if top_k and all_to_all_wins(ctx.size, top_k) else "all_reduce"
+
+    def install(self, module, ctx):
+        if self.ep_axis and ctx.ep_size > 1:
+            self._install_over_ep(module, ctx)
+            return
+        dispatch, held = self.chosen_dispatch(module, ctx), self.held_experts(module)
+        assert dispatch == "all_reduce" or self.split == "experts", f"{self.name}: an all-to-all needs whole experts"
+        if self.split == "experts":
+            self.hold(module, ctx.rank, ctx.size)
+        summed = self.summed(module, ctx)
+        module.tp_dispatch = dispatch  # what the communication report counts for this module
+        replace_forward(module, summed if dispatch == "all_reduce" else _all_to_all(summed, held, ctx))
+
+    def _install_over_ep(self, module: nn.Module, ctx: TPContext) -> None:
+        """Experts split by expert over the ep group and each over tp (`split` "inner", ShardSpec.ep_split): this
+        rank's tokens (whole over tp) dispatched to their owners over ep, run through each owner's tp slice, the
+        partial outputs back and summed by the layer's one tp all-reduce."""
+        held = self.held_experts(module)
+        self.hold(module, ctx.ep_rank, ctx.ep_size)
+        module.tp_dispatch, module.ep_dispatch = "all_reduce", "all_to_all"  # over tp; the ep dispatch is ep's
+
+        def forward(self, x, expert_ids, weights):
+            x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
+            grouped, total = held(self)
+            return ctx.exit(exchange(grouped, total, x, expert_ids, weights, ctx.ep_group_name, ctx.ep_size))
+
+        replace_forward(module, forward)
+
+
+def _all_to_all(summed: Forward, held: Callable[[nn.Module], tuple[Grouped, int]], ctx: TPContext) -> Forward:
+    """forward(m, x, ids, weights): this rank's share of the tokens dispatched to the experts' owners and combined
+    back (the shares cut along the dim before hidden: `dispatch_and_combine`), `summed` where they do not split."""
+    def forward(self, x, expert_ids, weights):
+        grouped, total = held(self)
+        if ctx.sequence_parallel:
+            return exchange(grouped, total, x, expert_ids, weights, ctx.group_name, ctx.size)
+        if x.shape[-2] % ctx.size:  # the sequence (or the tokens) do not split into equal shares
+            return summed(self, x, expert_ids, weights)
+        return dispatch_and_combine(grouped, total, x, expert_ids, weights, ctx)
+
+    return forward
 
 
 def _gathered(ctx: TPContext, x, expert_ids, weights):
@@ -92,95 +160,75 @@ def _gathered(ctx: TPContext, x, expert_ids, weights):
     return ctx.enter(x), ids, weights
 
 
-def _summed_partials(module: nn.Module, ctx: TPContext):
-    """forward(x, ids, w) on this rank's share of the experts, its partial output summed over TP (one all-reduce;
-    under SP a reduce-scatter back to the sequence shards)."""
-    local_forward = type(module).forward
-    module.tp_dispatch = "all_reduce"  # what the communication report counts for this module
+class TPExpertsStyle(ExpertStyle):
+    """The interface of tptrain's experts (`contract.TPExperts`: stacked gate/up/down, `expert_offset`, `grouped`,
+    `top_k`). Under sequence parallelism each tp rank routes its own sequence shard (the router is per token; its
+    weight's gradient, a partial sum over tp, is summed by the grad sync: the SP plan's 'sequence_parallel' rule on
+    it), and the experts take the block input (batch, seq / tp, hidden) with its routing (`_gathered`)."""
 
-    def forward(self, x, expert_ids, weights):
-        x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
-        return ctx.exit(local_forward(self, x, expert_ids, weights))
+    def param_specs(self, module: nn.Module) -> dict[str, ShardSpec]:
+        missing = contract.missing(module, contract.TPExperts)
+        if missing:
+            raise TypeError(f"style {self.name!r} needs a stacked-experts module "
+                            f"({', '.join(contract.members(contract.TPExperts))}), got a {type(module).__name__} "
+                            f"without {missing}")
+        if self.split == "inner":  # gate/up colwise along the inner dim (dim 1), down rowwise (dim 2)
+            return {"gate_proj": ShardSpec(1), "up_proj": ShardSpec(1), "down_proj": ShardSpec(2)}
+        return {"gate_proj": ShardSpec(0), "up_proj": ShardSpec(0), "down_proj": ShardSpec(0)}
 
-    return forward
+    def hold(self, module, rank, size):
+        module.expert_offset = rank * module.gate_proj.shape[0]
 
-
-@register_style
-class ExpertTensorParallel(_ExpertStyle):
-    """Every expert split like a dense MLP: gate/up colwise along the inner dim (dim 1), down rowwise (dim 2)."""
-
-    name = "expert_tensor_parallel"
-    ep_axis = True
-
-    def specs(self):
-        return {"gate_proj": ShardSpec(1), "up_proj": ShardSpec(1), "down_proj": ShardSpec(2)}
-
-    def install(self, module, ctx):
-        if ctx.ep_size == 1:
-            replace_forward(module, _summed_partials(module, ctx))
-            return
-        module.expert_offset = ctx.ep_rank * module.gate_proj.shape[0]
-        module.tp_dispatch = "all_reduce"  # over tp; the ep dispatch is ep_dispatch's
-        module.ep_dispatch = "all_to_all"
+    def summed(self, module, ctx):
+        local_forward = type(module).forward
 
         def forward(self, x, expert_ids, weights):
             x, expert_ids, weights = _gathered(ctx, x, expert_ids, weights)
-            return ctx.exit(exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.ep_group_name,
-                                     ctx.ep_size))
+            return ctx.exit(local_forward(self, x, expert_ids, weights))
 
-        replace_forward(module, forward)
+        return forward
+
+    def held_experts(self, module):
+        return _own_grouped
+
+    def top_k(self, module):
+        return module.top_k  # a TPExperts: param_specs checked it in check_plan
+
+
+def _own_grouped(module: nn.Module) -> tuple[Grouped, int]:
+    return module.grouped, module.num_experts  # num_experts: the global count
 
 
 @register_style
-class ExpertParallelAllReduce(_ExpertStyle):
-    """Experts split by expert (dim 0); every rank runs all tokens routed to its experts, outputs summed."""
+class ExpertTensorParallel(TPExpertsStyle):
+    """Every expert split like a dense MLP, the partial outputs summed; over an ep axis split by expert there too."""
+
+    name = "expert_tensor_parallel"
+    split, dispatch, ep_axis = "inner", "all_reduce", True
+
+
+@register_style
+class ExpertParallelAllReduce(TPExpertsStyle):
+    """Experts split by expert; every rank runs all tokens routed to its experts, outputs summed."""
 
     name = "expert_parallel_all_reduce"
-
-    def specs(self):
-        return {"gate_proj": ShardSpec(0), "up_proj": ShardSpec(0), "down_proj": ShardSpec(0)}
-
-    def install(self, module, ctx):
-        module.expert_offset = ctx.rank * module.gate_proj.shape[0]
-        replace_forward(module, _summed_partials(module, ctx))
+    split, dispatch = "experts", "all_reduce"
 
 
 @register_style
-class ExpertParallelAllToAll(ExpertParallelAllReduce):
-    """Experts split by expert (dim 0); each rank's share of the tokens (of the sequence) dispatched to the experts'
-    owners and combined back by all-to-all, then the shares all-gathered. A batch whose sequence does not split into
-    equal shares (a 9-token prompt at 2 ranks) takes the summing path instead: the same result, and every rank holds
-    the same tokens, so every rank takes the same path. Under SP a rank's share is its sequence shard, routed there: the
-    exchange alone, its tokens neither split nor gathered."""
+class ExpertParallelAllToAll(TPExpertsStyle):
+    """Experts split by expert; each rank's share of the tokens dispatched to the experts' owners by all-to-all."""
 
     name = "expert_parallel_all_to_all"
-
-    def install(self, module, ctx):
-        module.expert_offset = ctx.rank * module.gate_proj.shape[0]
-        summed = _summed_partials(module, ctx)
-        module.tp_dispatch = "all_to_all"
-
-        def forward(self, x, expert_ids, weights):
-            if ctx.sequence_parallel:
-                return exchange(self.grouped, self.num_experts, x, expert_ids, weights, ctx.group_name, ctx.size)
-            if x.shape[-2] % ctx.size:  # the sequence (or the tokens) do not split into equal shares
-                return summed(self, x, expert_ids, weights)
-            return dispatch_and_combine(self.grouped, self.num_experts, x, expert_ids, weights, ctx)
-
-        replace_forward(module, forward)
+    split, dispatch = "experts", "all_to_all"
 
 
 @register_style
-class ExpertParallel(ExpertParallelAllToAll):
+class ExpertParallel(TPExpertsStyle):
     """Experts split by expert; dispatched by all-to-all or summed by all-reduce, whichever sends fewer bytes."""
 
     name = "expert_parallel"
-
-    def install(self, module, ctx):
-        if all_to_all_wins(ctx.size, module.top_k):  # a TPExperts: param_specs checked it in check_plan
-            super().install(module, ctx)
-        else:
-            ExpertParallelAllReduce.install(self, module, ctx)
+    split, dispatch = "experts", "auto"
 
 
 def router_aux_over_token_shards(model: nn.Module, state) -> None:

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from tptrain.losses import IGNORE_INDEX, fused_linear_cross_entropy, loss_denominator, shift_labels
+from tptrain.losses import (IGNORE_INDEX, chunked_token_losses, fused_linear_cross_entropy, loss_denominator,
+                            shift_labels)
 from tptrain.distributed import comm
 from tptrain.parallel.styles import TPContext, vocab_shard_ids
 
@@ -55,9 +56,12 @@ def make_vocab_parallel_causal_lm_loss(ctx: TPContext):
     """The TP replacement for a model's `loss_function(logits, labels, num_items_in_batch)` over `ctx`'s group:
     same shift, ignore index and normalisation as the single-device loss."""
 
-    def loss_function(logits, labels, num_items_in_batch=None, *, shifted=False):
-        target = (labels if shifted else shift_labels(labels)).reshape(-1).to(logits.device)
+    def loss_function(logits, labels, num_items_in_batch=None, *, shifted=False, per_sequence=False):
+        labels = labels if shifted else shift_labels(labels)
+        target = labels.reshape(-1).to(logits.device)
         per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ctx.group)
+        if per_sequence:  # (batch,) each row's summed token loss
+            return per_token.view(labels.shape).sum(dim=-1)
         return per_token.sum() / loss_denominator(target, num_items_in_batch)
 
     return loss_function
@@ -68,11 +72,17 @@ def make_vocab_parallel_head_loss(ctx: TPContext):
     the head's input boundary (as its colwise style would cross it; its backward sums the input gradient over the
     group), then the fused linear cross-entropy over this rank's vocabulary rows, which computes the gradients in
     forward chunk by chunk with two all-reduces per chunk: the max (chunk,), then [target logit, sum-exp]
-    (2 * chunk,). At tp 1 it takes none."""
+    (2 * chunk,). At tp 1 it takes none. `per_sequence`: each row's summed token loss (batch,), the same two
+    all-reduces per chunk in forward and the chunk's logits computed again in backward (`chunked_token_losses`)."""
 
-    def head_loss(h, weight, labels, num_items_in_batch=None, *, transform, shifted=False):
+    def head_loss(h, weight, labels, num_items_in_batch=None, *, transform, shifted=False, per_sequence=False):
         x = ctx.enter(h)  # (batch, seq, hidden): the whole sequence under sequence parallelism too
-        target = (labels if shifted else shift_labels(labels)).reshape(-1).to(x.device)
+        labels = labels if shifted else shift_labels(labels)
+        target = labels.reshape(-1).to(x.device)
+        if per_sequence:
+            return chunked_token_losses(x.reshape(-1, x.shape[-1]), weight, target, transform=transform,
+                                        vocab_start=ctx.rank * weight.shape[0],
+                                        **_reducers(ctx)).view(labels.shape).sum(dim=-1)
         return fused_linear_cross_entropy(x.reshape(-1, x.shape[-1]), weight, target,
                                           loss_denominator(target, num_items_in_batch), transform=transform,
                                           vocab_start=ctx.rank * weight.shape[0], **_reducers(ctx))

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from tptrain.distributed.state import Batch, ForwardScope, state_of
-from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check, schedules
+from tptrain.layout import check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
 from tptrain.parallel.pipeline_grads import TiedWeights
@@ -46,7 +46,7 @@ from tptrain.parallel.plan import ResolvedPlan
 def schedule_name(name: str) -> str:
     """The canonical spelling of a schedule (case-insensitive, as torch's get_schedule_class); ValueError listing
     the valid ones (the rule table's `pp_schedule`)."""
-    check("pp_schedule", Case(features=Features(pp_schedule=name)))
+    check("pp_schedule", pp_schedule=name)
     return schedules.canonical(name)
 
 
@@ -61,11 +61,9 @@ def split_layers(num_layers: int, n_stages: int, layers: list[list[int]] | None 
     """Each stage's decoder layers: `layers` checked, or an even split of layers + embedding + head (the
     embedding counts as one layer of the first stage, the head of the last; torchtitan's rule). The rule table's
     `pp_stages` and `pp_layers` refuse what cannot be split."""
-    case = Case(dims=ParallelDims(1, 1, 1, pp=n_stages), facts=ModelFacts("", "", num_layers=num_layers),
-                features=Features(pp_layers=layers))
-    check("pp_stages", case)
+    check("pp_stages", pp=n_stages, num_layers=num_layers)
     if layers is not None:
-        check("pp_layers", case)
+        check("pp_layers", pp=n_stages, num_layers=num_layers, pp_layers=layers)
         return [list(stage) for stage in layers]
     return schedules.even_split(num_layers, n_stages)
 
@@ -73,10 +71,8 @@ def split_layers(num_layers: int, n_stages: int, layers: list[list[int]] | None 
 def check_microbatches(schedule: str, pp: int, n_microbatches: int, batch_size: int) -> None:
     """ValueError if `schedule` cannot run `n_microbatches` at `pp`, or `batch_size` does not split into them (the
     rule table's `pp_microbatches`, `pp_rounds`, `pp_batch`)."""
-    case = Case(dims=ParallelDims(1, 1, 1, pp=pp),
-                features=Features(pp_schedule=schedule, pp_microbatches=n_microbatches, batch_size=batch_size))
     for name in ("pp_microbatches", "pp_rounds", "pp_batch"):
-        check(name, case)
+        check(name, pp=pp, pp_schedule=schedule, pp_microbatches=n_microbatches, batch_size=batch_size)
 
 
 @dataclass(frozen=True)
@@ -114,7 +110,7 @@ def plan_pipeline(model: nn.Module, *, pp: int, pp_rank: int, schedule: str,
     """The stages of `model` (whole, e.g. on meta) at `pp`; every problem a ValueError (no process group)."""
     parts = contract.pipeline_parts(model)
     if parts is None:  # the rule table's pp_uncuttable
-        check("pp_uncuttable", Case(dims=ParallelDims(1, 1, 1, pp=pp), facts=ModelFacts(type(model).__name__, "")))
+        check("pp_uncuttable", pp=pp, name=type(model).__name__)
     schedule = schedule_name(schedule)
     n_layers = len(model.get_submodule(parts[0]))
     split = split_layers(n_layers, pp * stages_per_rank(schedule), layers)
@@ -187,6 +183,7 @@ class StageModule(nn.Module):
         self.view = _shallow(model)
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
         self.scope: ForwardScope = state_of(model).scope  # the model's forward scope (empty for one process)
+        self.last = last
 
     def own_parameter(self, name: str) -> None:
         """Give this view its own copy of the model's parameter `name` (the module holding it, and that module's
@@ -197,15 +194,20 @@ class StageModule(nn.Module):
         module._parameters[attr] = nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
         _replace(self.view, path, module, shallow=True)
 
-    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor):
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor,
+                rows: torch.Tensor | None = None):
         """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
         the stage before sent (batch, seq / cp (/ tp under SP), hidden); carried: what else it sent (the router
         statistics, `contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq), which
         RoPE and the masks read (a stage's input may be a shard of the sequence). Inside the model's forward scope,
         as the model's own forward would be (a loss follows: MicrobatchLoss computes it from the last stage's
-        logits)."""
+        logits). rows: the microbatch's per-row values a workflow's loss reads (batch, ...), handed on by the last
+        stage after its output (MicrobatchLoss.objective)."""
         batch = Batch("stage", position_ids=position_ids, loss=True)
-        return self.scope.run(batch, lambda b: self.view.pipeline_forward(x, *carried, position_ids=b.position_ids))
+        out = self.scope.run(batch, lambda b: self.view.pipeline_forward(x, *carried, position_ids=b.position_ids))
+        if rows is None or not self.last:
+            return out
+        return (*out, rows) if isinstance(out, tuple) else (out, rows)
 
 
 class MicrobatchLoss:
@@ -216,11 +218,19 @@ class MicrobatchLoss:
 
     def __init__(self, model: nn.Module) -> None:
         self.model, self.num_items = model, None
+        # A workflow's loss of per-sequence sums (preference tuning), set around its steps: (each row's summed token
+        # loss (rows,), the rows' values the last stage handed on) -> the microbatch's loss; a vector it returns (a
+        # reference's log-probabilities, in a forward-only step) is kept as it is.
+        self.objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
         logits, *carried = output if isinstance(output, tuple) else (output,)
-        loss = self.model.loss_function(logits, labels, self.num_items)
-        return self.model.pipeline_loss(loss, *carried) if carried else loss
+        if self.objective is None:
+            loss = self.model.loss_function(logits, labels, self.num_items)
+        else:
+            *carried, rows = carried
+            loss = self.objective(self.model.loss_function(logits, labels, per_sequence=True), rows)
+        return self.model.pipeline_loss(loss, *carried) if carried and loss.dim() == 0 else loss
 
 
 class Pipeline:
@@ -241,6 +251,7 @@ class Pipeline:
         for stage in self.stages if on_forward is not None else ():
             stage.submod.register_forward_pre_hook(lambda module, args: on_forward())
         schedule = get_schedule_class(plan.schedule)
+        self.n_microbatches = n_microbatches
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0],
                                  n_microbatches=n_microbatches, loss_fn=self.loss, scale_grads=False)
         self.ties = TiedWeights(model, mesh, plan, self.stages)
@@ -250,11 +261,14 @@ class Pipeline:
         """This rank's stage modules, what FSDP2 wraps under data parallelism (torch's stages then see it)."""
         return [stage.submod for stage in self.stages]
 
-    def step(self, batch: dict[str, torch.Tensor], num_items: int, *, train: bool = True) -> torch.Tensor:
+    def step(self, batch: dict[str, torch.Tensor], num_items: int, *, train: bool = True,
+             rows: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
         """Forward (and with `train` backward) of one batch through the pipeline, inside the model's forward scope
         ("step": under cp the whole batch is split before the schedule cuts it into microbatches, and the loss summed
         over cp). Returns this rank's sum of the microbatch losses (fp64; 0 on a rank without the last stage: the
-        caller sums over pp)."""
+        caller sums over pp). `rows` (batch, ...): the per-row values a workflow's loss reads (`loss.objective`), split
+        with the batch; `per_row`: the objective returns a vector per microbatch (a forward-only step), and this the
+        vectors concatenated (batch,) (zeros without the last stage)."""
         self.loss.num_items = num_items
         self.ties.refresh()
         ids, positions = batch["input_ids"], batch.get("position_ids")
@@ -262,9 +276,10 @@ class Pipeline:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         whole = Batch("step", input_ids=ids, labels=batch["labels"], position_ids=positions,
                       num_items_in_batch=num_items, loss=True)
-        return self.scope.run(whole, functools.partial(self._run, train=train))
+        return self.scope.run(whole, functools.partial(self._run, train=train, rows=rows, per_row=per_row))
 
-    def _run(self, batch: Batch, *, train: bool) -> torch.Tensor:
+    def _run(self, batch: Batch, *, train: bool, rows: torch.Tensor | None = None, per_row: bool = False
+             ) -> torch.Tensor:
         """torch's schedule on this rank's part of `batch`: the first stage takes the ids, the last the labels, every
         stage the whole sequences' position ids (RoPE, the masks); the schedule splits each along the batch dim."""
         plan = self.plan
@@ -274,8 +289,12 @@ class Pipeline:
         run = self.schedule.step if train else functools.partial(forward_only, self.schedule)
         # return_outputs=False: the last stage drops each microbatch's logits after its backward instead of keeping
         # them all to the end of the step and concatenating them (nothing reads them: the losses are the output).
-        run(*args, target=target, losses=losses, return_outputs=False, position_ids=batch.position_ids)
+        extra = {} if rows is None else {"rows": rows}
+        run(*args, target=target, losses=losses, return_outputs=False, position_ids=batch.position_ids, **extra)
         device = batch.position_ids.device
+        if per_row:  # each microbatch's vector, in order
+            return torch.cat([v.detach().to(torch.float64) for v in losses]) if losses else \
+                torch.zeros(batch.position_ids.shape[0], dtype=torch.float64, device=device)
         return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
                                                                                      device=device))
 

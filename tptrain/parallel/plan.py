@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from tptrain.layout import Case, Features, ModelFacts, ParallelDims, check
+from tptrain.layout import check
 from tptrain.parallel import contract
 from tptrain.parallel import expert_parallel as _expert_styles
 from tptrain.parallel.styles import STYLES, ParallelStyle, ShardSpec, canonical_style, make_style
@@ -58,9 +58,12 @@ def _glob_regex(glob: str) -> re.Pattern:
 
 
 def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
-                 sequence_parallel: bool = False, expert_parallel: bool = False) -> tuple[dict[str, str], list[str]]:
-    """Return ({module name: style name}, problems). Later rules win over earlier ones."""
-    plan = model_plan(model, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+                 sequence_parallel: bool = False, expert_parallel: bool = False,
+                 optional: Mapping[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
+    """Return ({module name: style name}, problems). Later rules win over earlier ones; `optional`: the model's
+    optional rules kept at this tp size (full names), before the overrides."""
+    plan = {**model_plan(model, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel),
+            **(optional or {})}
     if isinstance(tp_plan, Mapping):
         plan = merge_overrides(model, plan, tp_plan)
     elif tp_plan not in (None, "auto"):
@@ -85,26 +88,56 @@ def resolve_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "au
     return resolved, problems
 
 
-def kv_replicas(config: Any, tp_size: int) -> int:
-    n_kv = contract.kv_heads(config) or 1
+def kv_replicas(config: Any, tp_size: int, *, n_kv: int | None = None) -> int:
+    """Ranks holding each KV head: tp_size // KV heads when tp_size is a multiple of them, else 1. `n_kv`: an
+    attention module's own KV heads (`contract.heads`), else the config's."""
+    n_kv = n_kv or contract.kv_heads(config) or 1
     return tp_size // n_kv if tp_size > n_kv and tp_size % n_kv == 0 else 1
 
 
-def head_problems(config: Any, tp_size: int) -> list[str]:
-    heads, n_kv = contract.attention_heads(config), contract.kv_heads(config)
+def head_problems(config: Any, tp_size: int, *, counts: tuple[int | None, int | None] | None = None,
+                  where: str = "") -> list[str]:
+    """Why `tp_size` cannot split attention heads of the config's counts (or an attention module's own `counts`,
+    named by `where`)."""
+    heads, n_kv = counts or (contract.attention_heads(config), contract.kv_heads(config))
     if heads is None:
         return []
+    n_kv, at = n_kv or heads, f"{where}: " if where else ""
     out = []
     if heads % tp_size:
-        out.append(f"num_attention_heads={heads} is not divisible by tp_size={tp_size}: every rank must hold "
+        out.append(f"{at}num_attention_heads={heads} is not divisible by tp_size={tp_size}: every rank must hold "
                    f"whole attention heads; use a tp_size that divides {heads}")
+    if where and n_kv == heads:  # no grouped queries: the line above says it all
+        return out
     if tp_size <= n_kv and n_kv % tp_size:
-        out.append(f"num_key_value_heads={n_kv} is not divisible by tp_size={tp_size}; use a tp_size that "
+        out.append(f"{at}num_key_value_heads={n_kv} is not divisible by tp_size={tp_size}; use a tp_size that "
                    f"divides {n_kv}, or a multiple of it (KV heads are then replicated)")
     if tp_size > n_kv and tp_size % n_kv:
-        out.append(f"tp_size={tp_size} exceeds num_key_value_heads={n_kv} and is not a multiple of it, so KV "
+        out.append(f"{at}tp_size={tp_size} exceeds num_key_value_heads={n_kv} and is not a multiple of it, so KV "
                    f"heads cannot be replicated evenly; use a tp_size that divides {n_kv} or is a multiple of it")
     return out
+
+
+def _split_attention_heads(model: nn.Module, objects: Mapping[str, ParallelStyle]) -> dict[tuple, list[str]]:
+    """{(query heads, KV heads): [attention modules]} of the attention modules the plan splits by heads, each
+    module's own counts (`contract.heads`)."""
+    out: dict[tuple, list[str]] = {}
+    for name, style in objects.items():
+        owner = name.rpartition(".")[0]
+        module = model.get_submodule(owner)
+        if isinstance(module, contract.TPAttention) and (style.splits_output or style.needs_split_input):
+            names = out.setdefault(contract.heads(module, model.config), [])
+            if _generic(owner) not in names:
+                names.append(_generic(owner))
+    return out
+
+
+def _attention_head_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_size: int) -> list[str]:
+    """head_problems of every head count the plan splits; a module's own counts named by the module."""
+    config_counts = (contract.attention_heads(model.config), contract.kv_heads(model.config))
+    return [problem for counts, names in _split_attention_heads(model, objects).items()
+            for problem in head_problems(model.config, tp_size, counts=counts,
+                                         where="" if counts == config_counts else ", ".join(names))]
 
 
 def _generic(name: str) -> str:
@@ -123,16 +156,18 @@ def _fix_hint(config: Any, size: int, chunks: int) -> str:
     return "choose a tp_size that divides it"
 
 
-def _kv_parent(model: nn.Module, name: str) -> bool:
-    """Whether module `name` holds KV-head rows: its parent declares it a KV projection (`tp_kv_projections`),
-    it is fused with KV segments (`tp_segments`), or it reads only KV projections (`tp_pairs`: a norm over
-    k_proj's output is laid out like k_proj)."""
+def _kv_replicas_of(model: nn.Module, name: str, tp_size: int) -> int:
+    """The KV replicas of module `name` (1 unless it holds KV-head rows: its parent declares it a KV projection
+    (`tp_kv_projections`), it is fused with KV segments (`tp_segments`), or it reads only KV projections (`tp_pairs`:
+    a norm over k_proj's output is laid out like k_proj)), by its attention module's KV heads."""
     parent, _, leaf = name.rpartition(".")
     owner = model.get_submodule(parent)
     kv = contract.kv_projections(owner)
     producers = contract.pairs(owner).get(leaf, ())
     fused_kv = any(is_kv for _, is_kv in contract.segments(model.get_submodule(name)))
-    return leaf in kv or fused_kv or bool(producers) and all(p in kv for p in producers)
+    if not (leaf in kv or fused_kv or bool(producers) and all(p in kv for p in producers)):
+        return 1
+    return kv_replicas(model.config, tp_size, n_kv=contract.heads(owner, model.config)[1])
 
 
 @dataclass
@@ -153,6 +188,7 @@ class ResolvedPlan:
     problems: list[str]
     vocab_parallel_loss: bool
     ep_size: int = 1  # the experts also split by expert over an ep axis of this size (ShardSpec.ep_split)
+    notes: list[str] = dataclasses.field(default_factory=list)  # the optional rules left out at this size, and why
 
     def raise_problems(self, model: nn.Module) -> None:
         """One ValueError listing every problem (identical on every rank: nothing here communicates)."""
@@ -167,10 +203,11 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     `expert_parallel`: the experts split by expert over the TP group (ep_size = tp_size). `ep_size` > 1: split by
     expert over an ep axis of their own, each expert tensor-parallel over tp (`ep_problems`)."""
     if expert_parallel:  # the rule table's expert_parallel_dense
-        check("expert_parallel_dense", Case(features=Features(expert_parallel=True), facts=ModelFacts(
-            type(model).__name__, model.config.model_type, ep_plan=bool(contract.model_ep_plan(model)))))
+        check("expert_parallel_dense", expert_parallel=True, name=type(model).__name__,
+              model_type=model.config.model_type, ep_plan=bool(contract.model_ep_plan(model)))
+    optional, notes = _optional_rules(model, tp_size)
     styles, problems = resolve_plan(model, tp_plan, sequence_parallel=sequence_parallel,
-                                    expert_parallel=expert_parallel)
+                                    expert_parallel=expert_parallel, optional=optional)
     user_rules = isinstance(tp_plan, Mapping) and any(style is not None for style in tp_plan.values())
     if tp_size > 1 and not problems and not contract.base_plan(model) and not user_rules:
         # The head's own plan alone would split only the output head: that is not tensor parallelism of the model.
@@ -180,8 +217,7 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
     elif tp_size > 1 and not problems and not styles:
         problems.append(f"the tensor-parallel plan of {type(model).__name__} is empty (the tp_plan overrides removed "
                         f"every rule), so tp_size={tp_size} has nothing to shard; keep some rules or use tp_size=1")
-    replicas = kv_replicas(model.config, tp_size)
-    objects = {name: make_style(style, where=name, kv_replicas=replicas if _kv_parent(model, name) else 1)
+    objects = {name: make_style(style, where=name, kv_replicas=_kv_replicas_of(model, name, tp_size))
                for name, style in styles.items()}
     specs, layout_problems = _layout_specs(model, objects, tp_size)
     layout_problems += contract.plan_problems(model, styles, tp_size)  # tptrain.hf: the weights it leaves unplanned
@@ -201,7 +237,26 @@ def check_plan(model: nn.Module, tp_plan: str | Mapping[str, Any] | None, tp_siz
         objects[head].output_head = True
     return ResolvedPlan(tp_size, sequence_parallel, styles, objects, specs,
                         list(dict.fromkeys(problems + layout_problems)),
-                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size)
+                        vocab_parallel_loss=head in objects and objects[head].vocab_parallel_loss, ep_size=ep_size,
+                        notes=notes)
+
+
+def _optional_rules(model: nn.Module, tp_size: int) -> tuple[dict[str, str], list[str]]:
+    """(the model's optional rules that split at `tp_size`, a note for each group kept whole instead)."""
+    kept, notes = {}, []
+    for what, rules in contract.optional_plans(model).items():
+        objects = {}
+        for glob, style in rules.items():
+            rx = _glob_regex(glob)
+            objects.update({n: make_style(canonical_style(style), where=n) for n, _ in model.named_modules()
+                            if n and rx.match(n)})
+        why = _layout_specs(model, objects, tp_size)[1] if tp_size > 1 else []
+        if why:
+            notes.append(f"{what} kept whole on every rank at tp_size={tp_size} (its gradients complete on each): "
+                         f"{why[0]}")
+        else:
+            kept.update(rules)
+    return kept, notes
 
 
 def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None = "auto", *,
@@ -212,10 +267,14 @@ def working_tp_sizes(model: nn.Module, tp_plan: str | Mapping[str, Any] | None =
         return check_plan(model, tp_plan, size, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel,
                           ep_size=ep_size)
 
-    limit = contract.attention_heads(model.config) or 64
-    heads = _splits_heads(model, check(1).objects)  # the styles are the same at every size
+    optional = {n for rules in contract.optional_plans(model).values() for glob in rules
+                for n, _ in model.named_modules() if n and _glob_regex(glob).match(n)}  # whole where they don't split
+    split = _split_attention_heads(model, {n: s for n, s in check(1).objects.items() if n not in optional})
+    limit = max((counts[0] for counts in split if counts[0]), default=None) \
+        or contract.attention_heads(model.config) or 64
     # The head counts rule out most sizes by arithmetic alone: each check of a large model's plan takes ~0.2 s.
-    candidates = [size for size in range(1, limit + 1) if not (heads and head_problems(model.config, size))]
+    candidates = [size for size in range(1, limit + 1)
+                  if not any(head_problems(model.config, size, counts=counts) for counts in split)]
     return [size for size in candidates if not check(size).problems]
 
 
@@ -229,8 +288,8 @@ def ep_problems(model: nn.Module, objects: Mapping[str, ParallelStyle], ep_size:
     is refused by the rule table (nothing to split); the rest are plan problems (each experts module's style and
     its own expert count)."""
     experts = _experts(objects)  # none: the rule table's ep_dense
-    check("ep_dense", Case(dims=ParallelDims(1, ep_size, 1, ep=ep_size),
-                           facts=ModelFacts(type(model).__name__, model.config.model_type, experts=len(experts))))
+    check("ep_dense", dp_shard=ep_size, ep=ep_size, name=type(model).__name__, model_type=model.config.model_type,
+          experts=len(experts))
     problems = []
     for name in experts:
         module, style = model.get_submodule(name), objects[name]
@@ -258,17 +317,11 @@ def _output_head(model: nn.Module) -> str | None:
     return next((name for name, m in model.named_modules() if m is head), None) if head is not None else None
 
 
-def _splits_heads(model: nn.Module, objects: Mapping[str, ParallelStyle]) -> bool:
-    """Whether the plan splits an attention module by heads (whatever the tp size: styles do not depend on it)."""
-    return any(isinstance(model.get_submodule(name.rpartition(".")[0]), contract.TPAttention)
-               and (style.splits_output or style.needs_split_input) for name, style in objects.items())
-
-
 def _layout_specs(model: nn.Module, objects: Mapping[str, ParallelStyle], tp_size: int
                   ) -> tuple[dict[str, ShardSpec], list[str]]:
     """ShardSpec for every parameter the plan touches (full names), and every divisibility problem."""
     specs: dict[str, ShardSpec] = {}
-    problems: list[str] = head_problems(model.config, tp_size) if _splits_heads(model, objects) else []
+    problems: list[str] = _attention_head_problems(model, objects, tp_size)
     for name, style in objects.items():
         module = model.get_submodule(name)
         if not isinstance(module, style.module_types):

@@ -24,7 +24,7 @@ import torch
 
 from tptrain.distributed import comm
 from tptrain.distributed.state import Batch
-from tptrain.layout import Case, Features, ModelFacts, ParallelDims, Spelling, check
+from tptrain.layout import Spelling, check
 from tptrain.parallel.styles import TPContext
 
 
@@ -133,7 +133,5 @@ class SequenceParallelSaver:
 def check_sequence_length(model_name: str, seq_len: int, tp_size: int, *, what: str | None = None) -> None:
     """ValueError unless `seq_len` splits over the TP ranks (the rule table's `sp_seq_len`); `what` names where the
     length comes from."""
-    case = Case(dims=ParallelDims(1, 1, tp_size), features=Features(sequence_parallel=True, seq_len=seq_len),
-                facts=ModelFacts(model_name, ""),
-                spelling=Spelling(seq_len=what or f"the input's sequence length {seq_len}"))
-    check("sp_seq_len", case)
+    check("sp_seq_len", tp=tp_size, sequence_parallel=True, seq_len=seq_len, name=model_name,
+          spelling=Spelling(seq_len=what or f"the input's sequence length {seq_len}"))

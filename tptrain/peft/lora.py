@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tptrain.parallel.styles import ShardSpec, TPContext, register_local_output_hook, vocab_shard_embedding
+from tptrain.parallel.styles import STYLES, ShardSpec, TPContext, register_local_output_hook, vocab_shard_embedding
 
 REPLICATED = ShardSpec()
 PARTIAL = ShardSpec(None, partial_grad=True)
@@ -44,25 +44,29 @@ def mix_seed(*parts: int | str) -> int:
 @dataclass
 class LoraRuntime:
     """State shared by the adapter layers of one model: the seed agreed over the TP group and a forward count,
-    advanced by a pre-hook on the model (not on layers, so checkpoint recomputation reuses the same masks)."""
+    advanced by a pre-hook on the model (not on layers, so checkpoint recomputation reuses the same masks); whether
+    the adapters act (`PeftModel.disable_adapter()` runs the base model: a preference objective's reference)."""
 
     seed: int
     step: int = 0
+    enabled: bool = True
 
 
 def factor_specs(style: str | None, base_spec: ShardSpec, where: str) -> tuple[ShardSpec, ShardSpec]:
-    """(spec of A, spec of B) for a base module with TP style `style` and weight spec `base_spec`."""
+    """(spec of A, spec of B) for a base module with TP style `style` and weight spec `base_spec`, as the style
+    says an adapter on it splits (`ParallelStyle.adapter_split`)."""
     if style is None:  # not sharded: plain replicated module
         return REPLICATED, REPLICATED
-    if style in ("colwise", "colwise_gather_output", "fused_colwise"):
+    split = STYLES[style].adapter_split
+    if split == "output":
         # B follows the weight's rows, incl. KV-head replicas and their partial grads, and a fused weight's
         # segments (each split on its own, so B's local rows line up with the base's local q, k, v)
         return PARTIAL, base_spec
-    if style in ("rowwise", "embedding_rowwise"):
+    if split == "input":
         return ShardSpec(1), PARTIAL
+    supported = ", ".join(name for name, cls in STYLES.items() if cls.adapter_split is not None)
     raise ValueError(f"LoRA cannot adapt {where!r}: its tensor-parallel style {style!r} is not supported (supported: "
-                     "colwise, colwise_gather_output, fused_colwise, rowwise, embedding_rowwise); drop it from "
-                     "target_modules")
+                     f"{supported}); drop it from target_modules")
 
 
 def over_dp(t: torch.Tensor) -> torch.Tensor:
@@ -95,10 +99,13 @@ class LoraLayer(nn.Module):
         self.full_in, self.full_out = full_in, full_out  # unsharded A is (r, full_in), B (full_out, r)
         self.spec_a, self.spec_b = specs
         self.ctx, self.runtime = ctx, runtime
-        self._handle = register_local_output_hook(base, lambda m, x, out: out + self.delta(x).to(out.dtype))
+        self._handle = register_local_output_hook(base, self._add_delta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
+
+    def _add_delta(self, module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out + self.delta(x).to(out.dtype) if self.runtime.enabled else out
 
     @property
     def segment_sizes(self) -> tuple[int, ...]:

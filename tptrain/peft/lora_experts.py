@@ -124,7 +124,7 @@ class LoraExperts(nn.Module):
 
     def project(self, name: str, i: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = type(self.base_layer).project(self.base_layer, name, i, x, weight)
-        if name not in self.pairs:
+        if name not in self.pairs or not self.runtime.enabled:
             return out
         a_name, b_name, scaling = self.pairs[name]
         a, b = self.factor(a_name)[i], self.factor(b_name)[i]  # (r, in), (out, r): held expert i, this rank's slice
@@ -262,6 +262,8 @@ class LoraFusedExperts(LoraExperts):
             self.factor_names[target], self.pairs[target] = (a_name, (b_name,)), (a_name, b_name, scaling)
 
     def forward(self, *args, **kwargs):
+        if not self.runtime.enabled:
+            return self.base_layer(*args, **kwargs)
         adapted = {t: getattr(self.base_layer, t) for t in self.pairs}
         adapted = {t: w + self.delta(t, w) for t, w in adapted.items()}
         return torch.func.functional_call(self.base_layer, adapted, args, kwargs, tie_weights=False, strict=False)

@@ -14,9 +14,11 @@ hold no state for base weights.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,16 @@ class PeftModel(nn.Module):
 
     def get_base_model(self) -> nn.Module:
         return self.base_model.model
+
+    @contextlib.contextmanager
+    def disable_adapter(self) -> Iterator[None]:
+        """Run the base model within the block: every adapter adds nothing (peft's `disable_adapter`). A preference
+        objective's reference model is the base, so a LoRA run holds no second copy."""
+        enabled, self.runtime.enabled = self.runtime.enabled, False
+        try:
+            yield
+        finally:
+            self.runtime.enabled = enabled
 
     def set_trainable(self, trainable: bool) -> None:
         """Adapter factors (and the config's biases / modules_to_save) require grad iff `trainable`."""

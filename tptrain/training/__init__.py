@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ParallelismConfig", "Trainer", "TrainOutput", "TrainingArguments"]
+__all__ = ["DPOConfig", "DPOTrainer", "NonFiniteStepError", "ParallelismConfig", "Trainer", "TrainOutput",
+           "TrainingArguments"]
 _EXPORTS = {"ParallelismConfig": "tptrain.training.args", "TrainingArguments": "tptrain.training.args",
-            "Trainer": "tptrain.training.trainer", "TrainOutput": "tptrain.training.trainer"}
+            "Trainer": "tptrain.training.trainer", "TrainOutput": "tptrain.training.trainer",
+            "NonFiniteStepError": "tptrain.training.nonfinite",
+            "DPOConfig": "tptrain.training.preference", "DPOTrainer": "tptrain.training.preference"}
 
 
 def __getattr__(name: str):

@@ -125,7 +125,9 @@ class TrainingArguments:
     Fine-tuning data and evaluation (tptrain/training/sft_data.py, evaluation.py):
     num_train_epochs: train this many passes over the data instead of max_steps (None: max_steps).
     packing: pack instruction samples into rows of seq_len tokens (document-masked); False: one sample
-        per row, padded to the longest of its micro-batch. Plain text is always cut into blocks.
+        per row, padded to the longest of its micro-batch. Plain text is always cut into blocks. None (the
+        default): packed, but image-text rows (a vision-language model's), which are one record per row and
+        refuse True (training/vision_data.py says why).
     assistant_only_loss: a "messages" record trains only on its assistant turns; False: on every token.
     truncation: "truncate" (cut samples longer than seq_len; the count is reported once) or "error".
     chat_template: a Jinja file rendering "messages" records instead of the checkpoint's template.
@@ -145,6 +147,19 @@ class TrainingArguments:
         finish the current step, agree to stop (one all-reduce of an int per step), write a checkpoint and
         return (`TrainOutput.stopped`); a rank still running after this long exits 1. None (the
         default): the signals keep their usual effect and no per-step agreement runs. `tptrain train`: 60.
+    on_nonfinite: what a step whose loss or global gradient norm is NaN or inf does (training/nonfinite.py): it
+        never updates the weights, the optimizer state or the schedule; "stop" (the default) then raises
+        NonFiniteStepError on every rank, naming the step, the ranks and the first non-finite gradient (or the loss),
+        with no checkpoint or final model written after it; "skip" goes on with the next batch (said in the log).
+        With optim_in_backward only the loss is checked (the weights are stepped during backward) and "skip" is
+        refused.
+    max_nonfinite_skips: with on_nonfinite="skip", this many non-finite steps in a row are skipped; one more stops
+        as "stop" does.
+    hang_timeout: a training step running longer than this on some rank ends the job (training/watchdog.py): the
+        ranks still alive name the ones that stopped responding (or sit elsewhere), print their Python stacks and
+        exit with code 124 (the elastic agent then restarts the group, under --max-restarts). "auto" (the default):
+        10 x the median step time, at least 60 s, on more than one rank; seconds: that, at any world size; None:
+        off. Armed after the first 3 steps of a process (compilation, first allocations).
     """
 
     output_dir: str
@@ -176,7 +191,7 @@ class TrainingArguments:
     parallelism_config: ParallelismConfig | None = None
     # fine-tuning data and evaluation
     num_train_epochs: float | None = None
-    packing: bool = True
+    packing: bool | None = None
     assistant_only_loss: bool = True
     truncation: str = "truncate"
     chat_template: str | os.PathLike | None = None
@@ -187,6 +202,9 @@ class TrainingArguments:
     report_to: str | None = None
     data_cache_dir: str | os.PathLike | None = None
     preemption_grace: float | None = None
+    on_nonfinite: str = "stop"
+    max_nonfinite_skips: int = 5
+    hang_timeout: float | str | None = "auto"
 
     def __post_init__(self) -> None:
         positive = ("per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "seq_len",
@@ -212,6 +230,7 @@ class TrainingArguments:
         self._check_finetuning()
         self._check_compile()
         self._check_optim_in_backward()
+        self._check_faults()
         grace = self.preemption_grace
         if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace > 0):
             raise ValueError(f"TrainingArguments.preemption_grace must be None or a positive number of seconds, "
@@ -219,6 +238,22 @@ class TrainingArguments:
         if self.parallelism_config is not None and not isinstance(self.parallelism_config, ParallelismConfig):
             raise TypeError(f"TrainingArguments.parallelism_config must be a ParallelismConfig, got "
                             f"{type(self.parallelism_config).__name__}")
+
+    def _check_faults(self) -> None:
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"TrainingArguments.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        if self.on_nonfinite == "skip" and self.optim_in_backward:
+            raise ValueError("TrainingArguments.on_nonfinite='skip' (--on-nonfinite skip) cannot skip a step with "
+                             "optim_in_backward=True (--optim-in-backward): each parameter is stepped during backward, "
+                             "before the step's loss is known; use on_nonfinite='stop', or drop optim_in_backward")
+        skips = self.max_nonfinite_skips
+        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 1:
+            raise ValueError(f"TrainingArguments.max_nonfinite_skips must be an int >= 1, got {skips!r}")
+        hang = self.hang_timeout
+        if hang not in (None, "auto") and (isinstance(hang, bool) or not isinstance(hang, (int, float))
+                                           or not hang > 0):
+            raise ValueError(f"TrainingArguments.hang_timeout must be 'auto', None (off) or a positive number of "
+                             f"seconds, got {hang!r}")
 
     def _check_optim_in_backward(self) -> None:
         if not isinstance(self.optim_in_backward, bool):
@@ -272,7 +307,9 @@ class TrainingArguments:
 
 def check_seq_len(seq_len: int, config: Any, *, what: str) -> None:
     """Refuse sequences longer than the model's `max_position_embeddings`: positions beyond it were never
-    trained (RoPE extrapolates badly), and an unbounded length only shows up as a run that never steps."""
+    trained (RoPE extrapolates badly), and an unbounded length only shows up as a run that never steps. A
+    vision-language model's limit is its text decoder's."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(config, "max_position_embeddings", None)
     if not isinstance(limit, int) or seq_len <= limit:
         return

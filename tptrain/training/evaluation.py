@@ -20,6 +20,7 @@ from tptrain.distributed import comm
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.sft_data import collate
+from tptrain.training.step import model_inputs
 
 
 def split_dataset(dataset: Any, fraction: float, seed: int) -> tuple["Rows", "Rows"]:
@@ -79,7 +80,7 @@ def evaluate_loss(model: torch.nn.Module, dataset: Any, *, batch_size: int, mesh
             count = int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
             with autocast():
                 loss = model(batch["input_ids"], labels=batch["labels"], position_ids=batch.get("position_ids"),
-                             num_items_in_batch=1).loss
+                             num_items_in_batch=1, **model_inputs(batch)).loss
             totals[0] += loss.to(torch.float64) if count else 0.0
             totals[1] += count
     finally:

@@ -87,7 +87,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, *
 def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, ShardSpec],
                     mesh: DeviceMesh | None, exclude: set[str] = frozenset()) -> torch.Tensor:
     """Global L2 norm of all gradients (over TP, dp_shard and dp_replicate), then scale them so it is
-    at most `max_norm` (0: measure only). Same formula as torch.nn.utils.clip_grad_norm_. Collective.
+    at most `max_norm` (0: measure only; a NaN or inf norm: left unscaled). Same formula as
+    torch.nn.utils.clip_grad_norm_. Collective.
 
     Each piece is counted once, over the axis it is split along: the squares of TP-sharded tensors are
     summed over the TP group (a KV chunk held by `replicas` ranks counts on the first of them); tensors
@@ -134,7 +135,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, *, specs: Mapping[str, Sh
         comm.all_reduce(total, mesh["pp"].get_group(), phase="grad_norm")
     norm = total.sqrt()
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        # A non-finite norm scales nothing (no host sync to ask): the gradients stay as they were, so the step
+        # that refuses them (training/nonfinite.py) can name the first non-finite one.
+        scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))
     return norm

@@ -62,6 +62,7 @@ class Reporter:
                                for key, value in record.items() if key != "step" and isinstance(value, (int, float))},
                               step)
         shown = {"loss": record.get("loss"), "lr": record.get("learning_rate"),
+                 "acc": record.get("rewards/accuracies"), "margin": record.get("rewards/margins"),  # preference runs
                  "tok/s": record.get("tokens_per_second")}
         self._bar.set_postfix({k: _short(v) for k, v in shown.items() if v is not None}, refresh=False)
         self._bar.update(step - self._bar.n)

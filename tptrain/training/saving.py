@@ -25,6 +25,7 @@ from tptrain.io.hub import TOKENIZER_PATTERNS
 from tptrain.training.args import TrainingArguments
 from tptrain.training.checkpoint import dirs
 from tptrain.training.checkpoint import state as ckpt
+from tptrain.training.nonfinite import NonFiniteStepError, first_nonfinite
 
 
 class Checkpointer:
@@ -58,11 +59,22 @@ class Checkpointer:
         """Write output_dir/checkpoint-<step> with `trainer_state` (trainer_state.json); returns its path. With
         async_checkpoint the tensors are still being written when it returns (the previous save is finished first)."""
         self.finish()
+        self.check_finite(self.inner, f"checkpoint-{step}")
         saved = ckpt.save_checkpoint(self.args.output_dir, step, model=self.inner, optimizer=self.optimizer,
                                      conv=self.converter, trainer_state=trainer_state,
                                      save_total_limit=self.args.save_total_limit, async_group=self.async_group)
         self._pending_save = saved if saved.future is not None else None
         return saved.final
+
+    def check_finite(self, model: nn.Module, what: str) -> None:
+        """Refuse to write `what` from weights holding a NaN or inf (a step applied in backward with
+        optim_in_backward, weights loaded so): NonFiniteStepError on every rank, naming the first such parameter."""
+        bad = first_nonfinite(model.named_parameters())
+        error = None if bad is None else (
+            f"not writing {what}: parameter {bad[0]} holds NaN or inf ({bad[1]} of the {bad[2]} parameters this rank "
+            "holds do), so the weights could be neither trained on nor used; the checkpoints already written are "
+            "kept")
+        raise_on_any_rank(error, exc_type=NonFiniteStepError)
 
     def finish(self) -> None:
         """Wait for an async checkpoint still being written and publish it (no-op if none)."""
@@ -88,6 +100,7 @@ class Checkpointer:
         target = Path(output_dir) if output_dir is not None else Path(self.args.output_dir) / "final"
         if output_dir is None and hasattr(model, "get_base_model"):  # a PeftModel: its adapter, in PEFT's format
             target = target / "adapter"
+        self.check_finite(model, str(target))
         model.save_pretrained(target)
         if self.is_rank0:
             for pattern in TOKENIZER_PATTERNS if tokenizer_dir is not None else ():

@@ -155,3 +155,17 @@ def optimizer_and_schedule(model: nn.Module, args: TrainingArguments, max_steps:
     else:
         optimizer = build_optimizer(model, args)
     return optimizer, build_scheduler(optimizer, args, total_steps=max_steps)
+
+
+def report_inputs(tokenizer: Any, datasets: dict[str, Any], *, seq_len: int) -> None:
+    """Rank 0's lines on the run's inputs: which tokenizer its ids come from (path and kind, or the byte-level
+    fallback), and how many samples of each dataset ({"train": ..., "eval": ...}) were truncated to seq_len."""
+    if tokenizer is not None:
+        kind = getattr(tokenizer, "description", f"{type(tokenizer).__name__} (given to the Trainer)")
+        print(f"tptrain: tokenizer {kind}", flush=True)
+    for name, data in datasets.items():
+        cut = getattr(data, "num_truncated", 0)
+        if cut:
+            print(f"tptrain: {cut} of {data.num_samples} {name} samples of {data.name} were longer than "
+                  f"seq_len={seq_len} and were truncated (truncation='error' / --truncation error refuses them "
+                  "instead)", flush=True)

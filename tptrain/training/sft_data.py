@@ -32,6 +32,8 @@ from tptrain.training.data import build_dataset, packed_dataset
 from tptrain.training.streaming import StreamingText, TextStream, as_stream
 from tptrain.training.token_cache import Store, open_or_build
 from tptrain.training.token_stream import text_documents
+from tptrain.training.vision_data import TEXT_KEYS, collate_vision
+from tptrain.training.vision_records import has_images
 
 TRUNCATION = ("truncate", "error")
 _STRUCTURED_KEYS = ("messages", "prompt", "completion")
@@ -72,7 +74,9 @@ def scan_data_file(path: Path) -> bool:
             raise ValueError(f"dataset {path} is empty: it has no text to train on")
         return False
     chat, count = False, 0
-    for count, (_, record) in enumerate(jsonl_records(path, ignore), start=1):
+    for count, (line, record) in enumerate(jsonl_records(path, ignore), start=1):
+        if has_images(record):
+            raise images_error(f"{path} line {line}")
         fmt = record_format(record, count - 1, str(path))
         chat |= fmt == "messages" or isinstance(record.get("prompt"), list)
     if not count:
@@ -81,7 +85,10 @@ def scan_data_file(path: Path) -> bool:
 
 
 def record_format(record: Any, index: int, name: str) -> str:
-    """'messages', 'prompt/completion' or 'text'; ValueError naming the record when none matches."""
+    """'messages', 'prompt/completion' or 'text'; ValueError naming the record when none matches, or when it holds
+    images (a text-only model's data)."""
+    if has_images(record):
+        raise images_error(f"dataset {name} record {index}")
     if isinstance(record, dict):
         if "messages" in record:
             return "messages"
@@ -92,6 +99,13 @@ def record_format(record: Any, index: int, name: str) -> str:
     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
     raise ValueError(f"dataset {name} record {index} ({keys}) matches no format: give each record a \"text\" string, "
                      "\"messages\" (a list of {\"role\", \"content\"}), or \"prompt\" and \"completion\"")
+
+
+def images_error(where: str) -> ValueError:
+    """A record with images, in a text-only model's data."""
+    return ValueError(f"{where} holds images, but the model being trained reads text only (a causal LM: no vision "
+                      "tower, no processor); train a vision-language checkpoint (tptrain.AutoModelForImageTextToText; "
+                      "`tptrain train` picks it from its config.json), or drop the images")
 
 
 @dataclass
@@ -300,6 +314,8 @@ def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, to
     if all(isinstance(item, torch.Tensor) for item in items):
         ids = torch.stack(items)
         return {"input_ids": ids, "labels": ids}
+    if set(items[0]) - set(TEXT_KEYS):  # a vision-language model's rows: the processor's inputs besides
+        return collate_vision(items, pad_id=pad_id, multiple=multiple)
     length = -(-max(item["input_ids"].numel() for item in items) // multiple) * multiple
     batch = {"input_ids": [], "labels": [], "position_ids": []}
     for item in items:
@@ -315,7 +331,7 @@ def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, to
 
 
 def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir: str | Path | None = None,
-                        chat_template: str | Path | None = None, packing: bool = True,
+                        chat_template: str | Path | None = None, packing: bool | None = True,
                         assistant_only_loss: bool = True, truncation: str = "truncate",
                         cache_dir: str | Path | None = None, vocab_size: int | None = None) -> Any:
     """What a Trainer trains or evaluates on: instruction records -> an SFTDataset (the chat template from
@@ -323,7 +339,8 @@ def build_training_data(source: Any, tokenizer: Any, seq_len: int, *, model_dir:
     (and a PackedDataset) -> `training/data.py`'s blocks; an SFTDataset as it is; a StreamingText -> its
     TextStream (training/streaming.py: read while training), a TextStream as it is. A .txt / .jsonl file goes
     through the token cache (training/token_cache.py, under `cache_dir`): tokenized once, then mapped;
-    `vocab_size` (the model's) is checked against the largest id there."""
+    `vocab_size` (the model's) is checked against the largest id there. packing None: True."""
+    packing = packing is not False
     if isinstance(source, SFTDataset):
         return source
     if isinstance(source, (StreamingText, TextStream)):

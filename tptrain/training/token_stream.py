@@ -135,7 +135,8 @@ def tokenize_share(path: Path, directory: Path, tokenizer: Any, *, encoder: Any,
     """Write the ids of `share`'s documents (records) of `path` into `directory` (tokens.bin, targets.bin for a
     .jsonl file, lengths.npy); {"kind": "text" | "records", "dtype", "num_tokens", "max_id"}. The kind and the
     emptiness checks are the whole file's, the same on every rank. encoder: a `sft_data.SampleEncoder` for a
-    .jsonl file (None for plain text). `check` runs before each batch (another rank's failure raised there)."""
+    .jsonl file (a preference PreferenceEncoder: two samples a record; None for plain text). `check` runs before
+    each batch (another rank's failure raised there)."""
     from tqdm import tqdm
 
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
@@ -209,7 +210,10 @@ class _Encoder:
                 pieces, counts, size = [], [], 0
 
     def sample(self, sample: Any) -> None:
-        self.writer.write([sample.input_ids], [[label != IGNORE_INDEX for label in sample.labels]])
+        """One record's sample, or its samples side by side (a preference pair: chosen, rejected)."""
+        samples = sample if isinstance(sample, tuple) else (sample,)
+        self.writer.write([s.input_ids for s in samples], [[label != IGNORE_INDEX for label in s.labels]
+                                                           for s in samples])
 
 
 def _encode_records(records: Iterator[tuple[bool, Any]], encode: _Encoder, encoder: Any) -> tuple[str, bool]:

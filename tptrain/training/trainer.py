@@ -34,13 +34,16 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.text import load_tokenizer
 from tptrain.training.data import PackedDataset
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
+from tptrain.training.nonfinite import NonFiniteGuard, NonFiniteStepError, StepResult, Verdict
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.mesh import resolve_parallelism
 from tptrain.training.preemption import StopOnSignal
 from tptrain.training.saving import Checkpointer
-from tptrain.training.setup import (apply_training_steps, optimizer_and_schedule, place,
+from tptrain.training.setup import (apply_training_steps, optimizer_and_schedule, place, report_inputs,
                                     training_data)
 from tptrain.training.step import TrainStep
+from tptrain.training.vision_data import VisionDataset, takes_images, vision_rows
+from tptrain.training.watchdog import HangWatchdog
 
 
 @dataclass
@@ -49,16 +52,17 @@ class TrainOutput:
     losses: list[float]  # the global-batch loss of every step this call ran
     final_dir: Path | None  # the consolidated HF checkpoint; None when stopped
     stopped: str | None = None  # the signal that stopped training early, with a checkpoint (preemption_grace)
+    skipped_steps: list[int] = dataclasses.field(default_factory=list)  # not applied: not finite (on_nonfinite="skip")
 
 
 class Trainer:
     """Trains `model` (already tensor-parallel if tp_size > 1) on `train_dataset`.
 
-    train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of
-        strings, a `datasets.Dataset`), tokenized with `tokenizer` (default: the model checkpoint's);
-        instruction records ("messages", "prompt"/"completion": a .jsonl, a list of dicts, a
-        `datasets.Dataset`) become an SFTDataset (training/sft_data.py, options in TrainingArguments);
-        a `StreamingText` is read while training (training/streaming.py; needs max_steps).
+    train_dataset: a PackedDataset, or anything `build_dataset` accepts (a .txt/.jsonl path, a list of strings, a
+        `datasets.Dataset`), tokenized with `tokenizer` (default: the checkpoint's); instruction records ("messages",
+        "prompt"/"completion": a .jsonl, a list of dicts, a `datasets.Dataset`) become an SFTDataset (sft_data.py,
+        options in TrainingArguments); a `StreamingText` is read while training (streaming.py; needs max_steps); a
+        vision-language model's image-text chats go through its checkpoint's processor (vision_data.py).
     eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
         (or `args.eval_split` of the training rows).
     Every rank must construct the Trainer and call `train()`; all validation happens in the
@@ -96,34 +100,30 @@ class Trainer:
         self.checkpoints = Checkpointer(self.model, args=args, optimizer=self.optimizer, converter=self.converter,
                                         is_rank0=self.is_rank0)
         self.global_step = 0
+        self.nonfinite = NonFiniteGuard(args.on_nonfinite, args.max_nonfinite_skips, args.optim_in_backward)
         self.best_eval_loss: float | None = None
-        self._report_tokenizer()
-        self._report_truncation()
+        if self.is_rank0:
+            report_inputs(self.tokenizer, {"train": self.dataset, "eval": self.eval_dataset}, seq_len=args.seq_len)
         self.run_id = uuid.uuid4().hex  # marks this run's checkpoints (rank 0's is the one written); kept on resume
 
     # ------------------------------------------------------------------ set-up checks (no collectives)
 
-    def _dataset(self, source: Any) -> PackedDataset | SFTDataset:
+    def _dataset(self, source: Any) -> PackedDataset | SFTDataset | VisionDataset:
+        if takes_images(self.inner):  # through the checkpoint's processor, loaded once
+            self.tokenizer, rows = vision_rows(source, self.tokenizer, self.args, model=self.inner)
+            return rows
         if not isinstance(source, (PackedDataset, SFTDataset)):  # already tokenized: only seq_len is checked
             if self.tokenizer is None:
-                self.tokenizer = load_tokenizer(self._model_dir())
+                self.tokenizer = load_tokenizer(model_dir(self.inner))
             vocab = self.inner.config.vocab_size
             if self.tokenizer.vocab_size > vocab:
                 raise ValueError(f"the tokenizer produces ids up to {self.tokenizer.vocab_size - 1} but the model's "
                                  f"vocab_size is {vocab}; pass the model's own tokenizer")
         a = self.args
-        return build_training_data(source, self.tokenizer, a.seq_len, model_dir=self._model_dir(),
+        return build_training_data(source, self.tokenizer, a.seq_len, model_dir=model_dir(self.inner),
                                    chat_template=a.chat_template, packing=a.packing,
                                    assistant_only_loss=a.assistant_only_loss, truncation=a.truncation,
                                    cache_dir=a.data_cache_dir, vocab_size=self.inner.config.vocab_size)
-
-    def _model_dir(self) -> Path | None:
-        name = getattr(self.inner, "name_or_path", None)
-        if name is None:
-            return None
-        from tptrain.io import resolve_checkpoint
-
-        return resolve_checkpoint(name)
 
     def _check_sequence_length(self, dims: ParallelDims) -> None:
         check_seq_len(self.args.seq_len, self.inner.config, what="TrainingArguments.seq_len")
@@ -140,11 +140,13 @@ class Trainer:
         """Run to `args.max_steps`; save checkpoints every `save_steps`; end with the consolidated model.
         With `args.preemption_grace`, a SIGTERM / SIGINT stops it after the current step with a checkpoint
         instead (`TrainOutput.stopped`, no final model). Restarted by torchrun's elastic agent, it continues
-        from the latest complete checkpoint in output_dir (`dirs.resume_after_restart`)."""
-        with StopOnSignal(self.args.preemption_grace) as stop:
-            return self._train(resume_from_checkpoint, stop)
+        from the latest complete checkpoint in output_dir (`dirs.resume_after_restart`). Non-finite steps:
+        `args.on_nonfinite` (nonfinite.py); a step past `args.hang_timeout` ends the process (watchdog.py)."""
+        with StopOnSignal(self.args.preemption_grace) as stop, HangWatchdog(self.args.hang_timeout) as watchdog:
+            return self._train(resume_from_checkpoint, stop, watchdog)
 
-    def _train(self, resume_from_checkpoint: bool | str | os.PathLike | None, stop: StopOnSignal) -> TrainOutput:
+    def _train(self, resume_from_checkpoint: bool | str | os.PathLike | None, stop: StopOnSignal,
+               watchdog: HangWatchdog) -> TrainOutput:
         args = self.args
         resume = args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         resume, overwrite = dirs.resume_after_restart(resume, args.overwrite_output_dir, args.output_dir)
@@ -155,40 +157,52 @@ class Trainer:
             if self.is_rank0:
                 print(f"tptrain: resuming from {path} (step {self.global_step})", flush=True)
         reporter = self._reporter()
-        losses = []
+        losses, failed = self._run(reporter, stop, watchdog)
+        final_eval = not (stop.stopped or failed or args.eval_steps and self.global_step % args.eval_steps == 0)
+        if self.eval_dataset is not None and final_eval:
+            self._evaluate_and_log(reporter)  # the final evaluation
+        self.finish_checkpoint()  # an async checkpoint still being written (a finite step's) is published
+        if reporter is not None:
+            reporter.close()
+        if failed:  # a non-finite step: nothing is written after it
+            raise NonFiniteStepError(failed.message)
+        final = None if stop.stopped else self.save_model()
+        return TrainOutput(self.global_step, losses, final, stopped=stop.stopped, skipped_steps=self.nonfinite.skipped)
+
+    def _run(self, reporter, stop: StopOnSignal, watchdog: HangWatchdog) -> tuple[list[float], Verdict | None]:
+        """The steps to max_steps or a stop signal: (their losses, why a non-finite step stopped the run, or None)."""
+        args, losses = self.args, []
         while self.global_step < args.max_steps:
             start, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the lr this step uses
-            loss, grad_norm = self.training_step(self.data_order.next_batch())
+            with watchdog.step(self.global_step + 1):
+                result = self.training_step(self.data_order.next_batch())
+                stopping = stop.agreed()  # every rank stops after this same step, with a checkpoint of it
             self.global_step += 1
-            losses.append(loss)
+            losses.append(result.loss)
             if reporter is not None and (self.global_step % args.logging_steps == 0
-                                         or self.global_step == args.max_steps):
-                metrics = {"loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start}
+                                         or self.global_step == args.max_steps or result.nonfinite):
+                metrics = {"loss": result.loss, "learning_rate": lr, "grad_norm": result.grad_norm,
+                           "num_tokens": self.global_batch * args.seq_len, "step_time": time.perf_counter() - start,
+                           **self.step.metrics}
                 reporter.log(self.global_step, {k: v for k, v in metrics.items() if v is not None})
+            verdict = self.nonfinite.verdict(self.global_step, result.nonfinite, output_dir=args.output_dir)
+            if verdict is not None and verdict.stop:
+                return losses, verdict
+            if verdict is not None and reporter is not None:  # skipped
+                reporter.message(f"tptrain: {verdict.message}")
             if self.eval_dataset is not None and args.eval_steps and self.global_step % args.eval_steps == 0:
                 self._evaluate_and_log(reporter)
-            stopping = stop.agreed()  # every rank stops after this same step, with a checkpoint of it
             if (args.save_steps and self.global_step % args.save_steps == 0) or stopping:
                 saved = self.save_checkpoint()
                 if reporter is not None:
                     reporter.message(f"saved {saved}")
             if stopping:
                 break
-        final_eval = not stop.stopped and not (args.eval_steps and self.global_step % args.eval_steps == 0)
-        if self.eval_dataset is not None and final_eval:
-            self._evaluate_and_log(reporter)  # the final evaluation
-        self.finish_checkpoint()  # an async checkpoint still being written is published before returning
-        if reporter is not None:
-            reporter.close()
-        if stop.stopped:
-            return TrainOutput(self.global_step, losses, None, stopped=stop.stopped)
-        final = self.save_model()
-        return TrainOutput(self.global_step, losses, final)
+        return losses, None
 
-    def training_step(self, indices: list[Any]) -> tuple[float, float | None]:
+    def training_step(self, indices: list[Any]) -> StepResult:
         """One optimizer step on this dp rank's `indices` (into the dataset; a stream's order gives the rows
-        themselves); returns (global-batch loss, grad norm: None with optim_in_backward)."""
+        themselves): its StepResult (loss, grad norm: None with optim_in_backward, what was not finite)."""
         self.model.train()  # as transformers' Trainer: from_pretrained hands out eval mode, evaluation leaves it
         b = self.args.per_device_train_batch_size
         rows = [self.dataset[i] if isinstance(i, int) else i for i in indices]
@@ -204,20 +218,6 @@ class Trainer:
                         report_to=self.args.report_to, config=dataclasses.asdict(self.args))
 
     # ------------------------------------------------------------------ fine-tuning data and evaluation
-
-    def _report_tokenizer(self) -> None:
-        """Which tokenizer the run's ids come from (path and kind, or the byte-level fallback), once, on rank 0."""
-        if self.tokenizer is not None and self.is_rank0:
-            kind = getattr(self.tokenizer, "description", f"{type(self.tokenizer).__name__} (given to the Trainer)")
-            print(f"tptrain: tokenizer {kind}", flush=True)
-
-    def _report_truncation(self) -> None:
-        for name, data in (("train", self.dataset), ("eval", self.eval_dataset)):
-            cut = getattr(data, "num_truncated", 0)
-            if cut and self.is_rank0:
-                print(f"tptrain: {cut} of {data.num_samples} {name} samples of {data.name} were longer than "
-                      f"seq_len={self.args.seq_len} and were truncated (truncation='error' / --truncation error "
-                      "refuses them instead)", flush=True)
 
     def _padding(self) -> dict[str, int]:
         """How `collate` pads a micro-batch: with eos, to a multiple of tp_size under sequence parallelism and of
@@ -263,7 +263,8 @@ class Trainer:
         """Write output_dir/checkpoint-<step> (collective); returns its path. With async_checkpoint the
         tensors are still being written when it returns (the previous save is finished first)."""
         state = {"global_step": self.global_step, "run_id": self.run_id, "data_order": self.data_order.state_dict(),
-                 "layout": self.dims.sizes(), "best_eval_loss": self.best_eval_loss}
+                 "layout": self.dims.sizes(), "best_eval_loss": self.best_eval_loss,
+                 "skipped_steps": self.nonfinite.skipped}
         runtime = getattr(self.model, "runtime", None)  # a PeftModel's dropout-mask stream (seed, forward count)
         if runtime is not None:
             state["lora_runtime"] = {"seed": runtime.seed, "step": runtime.step}
@@ -277,14 +278,16 @@ class Trainer:
         state = self.checkpoints.load(path)
         self.global_step, self.run_id = state["global_step"], state["run_id"]
         self.best_eval_loss = state.get("best_eval_loss")
+        self.nonfinite.skipped = list(state.get("skipped_steps", []))
         if "lora_runtime" in state and getattr(self.model, "runtime", None) is not None:
             runtime = state["lora_runtime"]
             self.model.runtime.seed, self.model.runtime.step = runtime["seed"], runtime["step"]
         self.data_order.load_state_dict(state["data_order"])
         # The schedule of THIS run's arguments at the saved step (a resume may raise max_steps), as if the
-        # run had started with them: rebuilt from the step, not restored (the saved last lr may be 0).
+        # run had started with them: rebuilt from the step, not restored (the saved last lr may be 0). Skipped
+        # (non-finite) steps did not advance it.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.scheduler.lr_lambdas,
-                                                           last_epoch=self.global_step - 1)
+                                                           last_epoch=self.global_step - len(self.nonfinite.skipped) - 1)
 
     def save_model(self, output_dir: str | os.PathLike | None = None) -> Path:
         """The consolidated HF checkpoint (default output_dir/final; a PeftModel's adapter: final/adapter),
@@ -295,4 +298,14 @@ class Trainer:
 
     def _tokenizer_dir(self) -> Path | None:
         path = getattr(self.tokenizer, "path", None)  # an HFTokenizer knows its tokenizer.json
-        return Path(path).parent if path is not None else self._model_dir()
+        return Path(path).parent if path is not None else model_dir(self.inner)
+
+
+def model_dir(model: nn.Module) -> Path | None:
+    """The checkpoint directory `model` was loaded from (its tokenizer and chat template live there), or None."""
+    name = getattr(model, "name_or_path", None)
+    if name is None:
+        return None
+    from tptrain.io import resolve_checkpoint
+
+    return resolve_checkpoint(name)

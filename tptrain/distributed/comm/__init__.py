@@ -4,7 +4,7 @@
     handles.py        collectives started without waiting (`start_*` -> `Pending.wait()`)
     collectives.py    the blocking collectives on plain tensors; a group's name
     ops.py            the activation collectives: Megatron's conjugate pairs as autograd functions over custom ops
-    process_group.py  the process group's life: bounded rendezvous, timeouts, teardown at exit
+    process_group.py  the process group's life: bounded rendezvous, timeouts, teardown at exit, a side store
     agreement.py      keeping the ranks in step: object gathers, barriers, any_rank, raise_on_any_rank
 
 Callers read `comm.all_reduce(...)`, `comm.copy_to_tp(...)`, `comm.raise_on_any_rank(...)`: everything is
@@ -21,7 +21,7 @@ from tptrain.distributed.comm.ops import (copy_to_tp, dispatch_to_ranks, exchang
 from tptrain.distributed.comm.process_group import (DEFAULT_PG_TIMEOUT, DEFAULT_RENDEZVOUS_TIMEOUT, PG_TIMEOUT_ENV,
                                                     RENDEZVOUS_TIMEOUT_ENV, destroy_process_group,
                                                     init_process_group, process_group_timeout, rendezvous_timeout,
-                                                    shared_mesh, track_mesh)
+                                                    shared_mesh, side_store, track_mesh)
 from tptrain.distributed.comm.tracker import CommNote, CommRecord, CommTracker, note
 
 __all__ = [
@@ -32,6 +32,6 @@ __all__ = [
     "process_group_timeout", "raise_on_any_rank", "reduce_from_tp", "reduce_scatter",
     "reduce_scatter_to_sp", "rendezvous_timeout", "resolve_group", "side_group", "split", "split_to_tp",
     "start_all_gather", "start_all_reduce", "start_reduce_scatter", "subgroup", "sum_over_cp", "sum_over_tp",
-    "shared_mesh",
+    "shared_mesh", "side_store",
     "track_mesh",
 ]

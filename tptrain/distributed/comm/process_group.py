@@ -80,6 +80,21 @@ def _rendezvous() -> tuple[dist.Store, int, int]:
         ) from None
 
 
+def side_store(timeout: float) -> dist.Store | None:
+    """The default process group's key-value store (this attempt's keys) on a connection of its own, whose calls
+    wait at most `timeout` seconds: a watchdog thread's (training/watchdog.py), which then neither waits behind the
+    process group's use of the store nor holds it up. None without a process group of more than one rank, or when the
+    store cannot be cloned."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()
+    except (RuntimeError, NotImplementedError):  # a store that cannot open a second connection (a FileStore)
+        return None
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
+
+
 def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """Remember `mesh` (weakly) so that `destroy_process_group` can drop the groups it holds."""
     _MESHES.add(mesh)

@@ -39,6 +39,24 @@ class ParallelStyle:
     # Over an ep axis (DistributedConfig(ep_size=)) it splits the experts by expert there too (ShardSpec.ep_split)
     # and dispatches each rank's tokens to their owners by all-to-all (parallel/dispatch.py).
     ep_axis: ClassVar[bool] = False
+    # How a low-rank adapter (LoRA's W + s B A, A (r, in), B (out, r)) on its module is split, its term joining the
+    # module's local result before the style's output collective (`register_local_output_hook`): "output" (the
+    # weight's rows split: A whole, B split like the weight), "input" (its input features split: A split on its
+    # input dim, B whole) or None (LoRA refuses the module).
+    adapter_split: ClassVar[str | None] = None
+    # Its output is the sum of the ranks' partial results: the one all-reduce (under SP reduce-scatter) closing a
+    # row-parallel block, counted in the communication report's minimum.
+    sums_output: ClassVar[bool] = False
+    # What it does with its module's `tp_replicated_tail` features (read whole by every rank), counted in the
+    # communication report's minimum: "gradient_summed" (identity fwd / all-reduce bwd) or "sequence_gathered"
+    # (under SP: all-gather fwd / reduce-scatter bwd along the sequence).
+    replicated_tail: ClassVar[str | None] = None
+    # Its module's own parameters are split by the per-parameter rules the module declares (`contract.param_specs`,
+    # the transformers backend's rules on a parameter), its forward reading the pieces as they are.
+    per_parameter_rules: ClassVar[bool] = False
+    # transformers' other names for it in a model's plan (`colwise_rep`), translated to its own by the transformers
+    # backend (tptrain.hf.plan); read from the class itself (`declared`): a subclass is another style.
+    transformers_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, kv_replicas: int = 1) -> None:
         self.kv_replicas = kv_replicas
@@ -61,6 +79,11 @@ def register_style(cls: type[ParallelStyle]) -> type[ParallelStyle]:
 
 # Other spellings a plan may use for a registered style: transformers' name for the fused-projection split.
 STYLE_ALIASES: dict[str, str] = {"packed_colwise": "fused_colwise"}
+
+
+def declared(cls: type[ParallelStyle], fact: str, default=None):
+    """Style fact `fact` as `cls` itself declares it (not inherited from the style it extends)."""
+    return vars(cls).get(fact, default)
 
 
 def canonical_style(name: str) -> str:

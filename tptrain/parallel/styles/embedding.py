@@ -39,6 +39,8 @@ class EmbeddingRowwise(ParallelStyle):
 
     name = "embedding_rowwise"
     module_types = (nn.Embedding,)
+    adapter_split = "input"  # the vocabulary: A split on it with the base's masking, B whole
+    sums_output = True
 
     def param_specs(self, module):
         return {"weight": ShardSpec(0)}

@@ -18,6 +18,7 @@ class ColwiseParallel(ParallelStyle):
     name = "colwise"
     module_types = (nn.Linear,)
     splits_output = True
+    adapter_split = "output"  # B follows the weight's rows: KV-head replicas, a fused weight's segments
 
     def param_specs(self, module):
         spec = ShardSpec(0, self.kv_replicas, partial_grad=self.kv_replicas > 1)
@@ -43,6 +44,9 @@ class RowwiseParallel(ParallelStyle):
     name = "rowwise"
     module_types = (nn.Linear,)
     needs_split_input = True
+    adapter_split = "input"
+    sums_output = True
+    transformers_names = ("rowwise_rep",)  # tptrain's rowwise already ends in the all-reduce replicating the output
 
     def param_specs(self, module):
         specs = {"weight": ShardSpec(1)}
@@ -65,6 +69,7 @@ class ColwiseGatherOutput(ColwiseParallel):
 
     name = "colwise_gather_output"
     splits_output = False  # gathered (or consumed sharded by the loss only)
+    transformers_names = ("colwise_rep",)
     vocab_parallel_loss = True
     output_head = False  # set by check_plan on the model's output head: only its logits may stay sharded
 
@@ -85,6 +90,7 @@ class RowwiseSplitInput(RowwiseParallel):
 
     name = "rowwise_split_input"
     needs_split_input = False
+    adapter_split = None  # LoRA refuses it (an adapter on it is not checked against one process)
 
     def install(self, module, ctx):
         super().install(module, ctx)

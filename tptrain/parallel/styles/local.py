@@ -18,6 +18,7 @@ class LocalParams(ParallelStyle):
     head): its forward already reads this rank's heads, so it runs as it is. Parameters without a rule are whole."""
 
     name = "local_params"
+    per_parameter_rules = True
 
     def param_specs(self, module):
         return dict(contract.param_specs(module))
@@ -32,6 +33,7 @@ class AllReduceParallel(ParallelStyle):
 
     name = "all_reduce"
     sequence_parallel_ok = False  # its inputs must be whole (a router's weights over the sequence)
+    per_parameter_rules = True
 
     def param_specs(self, module):
         specs = dict(contract.param_specs(module))
@@ -120,6 +122,7 @@ class MlaKvAProj(ParallelStyle):
     `tp_replicated_tail` features."""
 
     name = "mla_kv_a_proj"
+    replicated_tail = "gradient_summed"
 
     def param_specs(self, module):
         return {n: ShardSpec(None) for n in own_params(module)}

@@ -37,6 +37,7 @@ class SequenceGather(ParallelStyle):
     On a module without parameters (the model's named point, e.g. LatentAttention.rope_key)."""
 
     name = "sequence_gather"
+    replicated_tail = "sequence_gathered"  # the module's whole output: its tp_replicated_tail features
 
     def param_specs(self, module):
         return {}

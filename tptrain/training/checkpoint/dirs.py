@@ -1,7 +1,8 @@
 """The directory protocol of resumable checkpoints: names, lineage, publishing, pruning, the manifest.
 
 Nothing a user saved is lost, whenever the process dies:
-* a checkpoint is written in a hidden `.checkpoint-<step>.tmp`, every file fsynced, then the manifest
+* a checkpoint is written only when its tensors fit on the device (`prepare_save`), in a hidden
+  `.checkpoint-<step>.tmp`, every file fsynced, then the manifest
   (the `complete` marker, written last) and one rename into place; a failed save removes its `.tmp`;
 * a checkpoint is deleted (pruned, or replaced by the same step) by renaming it to a hidden
   `.checkpoint-<step>.deleting` first, so no instant shows a partial directory as complete; a kill
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tptrain.io import fsync_path
+from tptrain.io import fsync_path, space_error
 from tptrain.distributed import raise_on_any_rank
 
 PREFIX = "checkpoint-"
@@ -113,6 +114,25 @@ def finish_interrupted_saves(output_dir: str | os.PathLike) -> None:
             publish(path, root / path.name[1:-len(".tmp")])
         elif path.exists():
             shutil.rmtree(path)
+
+
+def prepare_save(tmp: Path, final: Path, run_id: str, needed: int) -> str | None:
+    """Why checkpoint `final` cannot be written (another run's is there; `needed` bytes of tensors will not fit on
+    the device), or None with an empty `tmp` made. Rank 0."""
+    if final.exists() and (other := run_id_of(final)) not in (None, run_id):
+        return (f"{final} belongs to another run (run id {other}) and would be replaced: choose another "
+                "output_dir, or pass overwrite_output_dir=True to delete that run's checkpoints")
+    room = space_error(final.parent, needed, what=f"checkpoint {final}")
+    if room:  # the earlier checkpoints stay until this one is complete; only then does save_total_limit prune
+        return (f"cannot write checkpoint {final}: {room}; free some space, lower save_total_limit "
+                "(--save-total-limit: the earlier checkpoints stay until a new one is complete), or choose another "
+                "output_dir")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier save
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        return f"cannot write checkpoint {final}: {exc}"
+    return None
 
 
 def publish(tmp: Path, final: Path) -> None:

@@ -23,6 +23,7 @@ dirs.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from concurrent.futures import Future
@@ -40,10 +41,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from tptrain.distributed import ParallelDims, raise_on_any_rank
+from tptrain.io.space import full_device_error
 from tptrain.distributed.topology import dp_placements, rank_grid, stage_mesh
 from tptrain.distributed.state import state_of
-from tptrain.training.checkpoint.dirs import (PREFIX, STATE_FILE, prune, publish, rank_world, read_manifest,
-                                              read_trainer_state, run_id_of, write_manifest)
+from tptrain.training.checkpoint.dirs import (PREFIX, STATE_FILE, prepare_save, prune, publish, rank_world,
+                                              read_manifest, read_trainer_state, write_manifest)
 from tptrain.parallel.styles import ShardSpec
 from tptrain.training.checkpoint.fused_shards import fused_sharded_tensor
 
@@ -215,21 +217,22 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, *, model: nn.Modul
     writes the manifest and publishes. Until then the directory is a hidden .tmp, never a checkpoint."""
     rank, _ = rank_world()
     final = Path(output_dir) / f"{PREFIX}{step}"
-    pending = PendingSave(Path(output_dir) / f".{PREFIX}{step}.tmp", final, trainer_state, save_total_limit)
-    raise_on_any_rank(_prepare(pending.tmp, final, trainer_state["run_id"]) if rank == 0 else None)
+    state = build_state(model, optimizer, conv, for_load=False)
+    pending = PendingSave(Path(output_dir) / f".{PREFIX}{step}.tmp", final, trainer_state, save_total_limit,
+                          needed=checkpoint_bytes(state))
+    raise_on_any_rank(prepare_save(pending.tmp, final, trainer_state["run_id"], pending.needed) if rank == 0 else None)
     what = f"cannot write checkpoint {final}"
     try:
-        state = build_state(model, optimizer, conv, for_load=False)
         if async_group is None:
-            _dcp(dcp.save, state, pending.tmp, what)
+            _dcp(dcp.save, state, pending.tmp, what, needed=pending.needed)
         else:  # staged (copied) now, written by a background thread
             error = None
             try:
                 pending.future = dcp.async_save(state, checkpoint_id=str(pending.tmp), process_group=async_group)
             except (CheckpointException, OSError, RuntimeError) as exc:
-                error = _dcp_error(exc, what)
+                error = _dcp_error(exc, what, pending.tmp, pending.needed)
             raise_on_any_rank(error)
-        _write_rng(pending.tmp, final)  # the RNG of this step, whenever the tensors are written
+        _write_rng(pending)  # the RNG of this step, whenever the tensors are written
     except BaseException:
         pending.abandon()
         raise
@@ -244,6 +247,7 @@ class PendingSave:
     final: Path
     trainer_state: dict[str, Any]
     save_total_limit: int | None
+    needed: int | None = None  # the bytes of its tensors
     future: Future | None = None
 
     def abandon(self) -> None:
@@ -263,7 +267,7 @@ class PendingSave:
             try:
                 self.future.result()
             except (CheckpointException, OSError, RuntimeError) as exc:
-                error = _dcp_error(exc, f"cannot write checkpoint {self.final}")
+                error = _dcp_error(exc, f"cannot write checkpoint {self.final}", self.tmp, self.needed)
             self.future = None
         try:
             raise_on_any_rank(error)
@@ -272,7 +276,7 @@ class PendingSave:
                     (self.tmp / STATE_FILE).write_text(json.dumps(self.trainer_state, indent=2) + "\n")
                     write_manifest(self.tmp, world_size=world)
                 except OSError as exc:
-                    error = f"cannot write checkpoint {self.final}: {exc}"
+                    error = _write_error(exc, f"cannot write checkpoint {self.final}", self.tmp, self.needed)
             raise_on_any_rank(error)
         except BaseException:
             self.abandon()
@@ -288,52 +292,57 @@ class PendingSave:
         return self
 
 
-def _prepare(tmp: Path, final: Path, run_id: str) -> str | None:
-    """Why checkpoint `final` cannot be written, or None with an empty `tmp` made. Rank 0."""
-    if final.exists() and (other := run_id_of(final)) not in (None, run_id):
-        return (f"{final} belongs to another run (run id {other}) and would be replaced: choose another "
-                "output_dir, or pass overwrite_output_dir=True to delete that run's checkpoints")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier save
-        tmp.mkdir(parents=True)
-    except OSError as exc:
-        return f"cannot write checkpoint {final}: {exc}"
-    return None
-
-
-def _write_rng(tmp: Path, final: Path) -> None:
-    """This rank's RNG state into `tmp`. Collective (a failure is raised on every rank)."""
+def _write_rng(pending: PendingSave) -> None:
+    """This rank's RNG state into `pending.tmp`. Collective (a failure is raised on every rank)."""
     rank, _ = rank_world()
     error = None
     try:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, tmp / f"rng_state_{rank}.pth")
-    except OSError as exc:
-        error = f"cannot write checkpoint {final} (the RNG state of rank {rank}): {exc}"
+        torch.save(rng, pending.tmp / f"rng_state_{rank}.pth")
+    except (OSError, RuntimeError) as exc:  # torch's zip writer raises RuntimeError on a full device
+        error = _write_error(exc, f"cannot write checkpoint {pending.final} (the RNG state of rank {rank})",
+                             pending.tmp, pending.needed)
     raise_on_any_rank(error)
 
 
-def _dcp(call: Callable[..., Any], state: dict[str, Any], path: Path, what: str) -> None:
+def checkpoint_bytes(state: dict[str, Any]) -> int:
+    """The bytes of the tensors in a `build_state` dict, by their global shapes (a pipeline rank's: its stage's)."""
+    tensors = [*state["model"].values(), *(t for moments in state["optim"].values() for t in moments.values())]
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
+
+
+def _dcp(call: Callable[..., Any], state: dict[str, Any], path: Path, what: str, *, needed: int | None = None) -> None:
     """dcp.save / dcp.load, any failure raised on every rank (`_dcp_error`)."""
     error = None
     try:
         call(state, checkpoint_id=str(path))
     except CheckpointException as exc:
-        error = _dcp_error(exc, what)
+        error = _dcp_error(exc, what, path if needed is not None else None, needed)
     raise_on_any_rank(error)
 
 
-def _dcp_error(exc: BaseException, what: str) -> str:
+def _dcp_error(exc: BaseException, what: str, written: Path | None = None, needed: int | None = None) -> str:
     """DCP's CheckpointException is a BaseException (it would escape `except Exception` handlers): it
-    becomes a message naming `what` and the first failing rank's own error (e.g. "No space left on
-    device"; its first line), for `raise_on_any_rank`."""
+    becomes a message naming `what` and the first failing rank's own error (its first line; a full device said as
+    such when the save was `written` to a directory), for `raise_on_any_rank`."""
     rank, cause = None, exc
     if isinstance(exc, CheckpointException):
         rank, (cause, _) = min(exc.failures.items())
+    where = f" (rank {rank})" if rank is not None else ""
+    if written is not None:
+        return _write_error(cause, what, written, needed) + where
     first_line = (str(cause).splitlines() or [""])[0]
-    return f"{what}: {type(cause).__name__}: {first_line}" + (f" (rank {rank})" if rank is not None else "")
+    return f"{what}: {type(cause).__name__}: {first_line}{where}"
+
+
+def _write_error(exc: BaseException, what: str, written: Path, needed: int | None) -> str:
+    """`what`: why a write into `written` failed; a full device said as such, with its free space and `needed`."""
+    full = full_device_error(exc, written.parent, what=f"checkpoint {written.parent / written.name[1:-4]}",
+                             needed=needed)
+    first_line = (str(exc).splitlines() or [""])[0]
+    return f"{what}: {full}" if full else f"{what}: {type(exc).__name__}: {first_line}"
 
 
 def check_compatible(path: Path, state: dict[str, Any]) -> None:

@@ -12,6 +12,8 @@ import torch
 from tptrain.checks import check_positive_int
 from tptrain.dtypes import dtype_name
 
+REFERENCES = ("copy", "adapters", "precomputed")  # a preference run's reference model
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -22,7 +24,10 @@ class TrainSettings:
     gradient stepped and freed in backward; pp_schedule / pp_microbatches: the pipeline's (microbatches default to
     pp); sequence_parallel / expert_parallel: DistributedConfig's flags; loss: "fused" (tptrain's head fused with the
     loss, chunk by chunk) or "logits" (whole logits, then the cross-entropy: what a pipeline's last stage does, and
-    other frameworks)."""
+    other frameworks); reference: a preference run's reference model (tptrain dpo; its batch_size counts rows, two
+    per pair): "copy" (a frozen copy sharded like the policy: its parameters, no gradients or optimizer states, and a
+    forward per step), "adapters" (LoRA's base with the adapters off: a forward per step), "precomputed" (none while
+    training); None: not a preference run."""
 
     batch_size: int
     seq_len: int
@@ -36,6 +41,7 @@ class TrainSettings:
     sequence_parallel: bool = False
     expert_parallel: bool = False
     loss: str = "fused"
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
@@ -44,6 +50,8 @@ class TrainSettings:
             raise ValueError(f"--lora-r must be >= 0, got {self.lora_r}")
         if self.loss not in ("fused", "logits"):
             raise ValueError(f"loss must be 'fused' or 'logits', got {self.loss!r}")
+        if self.reference not in (None, *REFERENCES):
+            raise ValueError(f"--reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
 
     def microbatches(self, pp: int) -> int:
         return self.pp_microbatches or pp if pp > 1 else 1

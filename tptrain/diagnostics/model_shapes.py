@@ -1,9 +1,9 @@
 """What the memory planner reads from a model: the widths of each decoder layer and every parameter's shape per rank,
 from the config alone (the model is built on the meta device: no weights are read).
 
-    facts = ModelFacts.of(AutoConfig.from_pretrained("meta-llama/Llama-3.1-8B"), dtype=torch.float32)
-    facts.params(tp=2, ep=1)       # [ParamShape(unit, local shape, ...), ...] as `check_plan` splits them
-    facts.problems(tp=3, ep=1)     # why tp=3 cannot run (the plan's own checks)
+    shapes = ModelShapes.of(AutoConfig.from_pretrained("meta-llama/Llama-3.1-8B"), dtype=torch.float32)
+    shapes.params(tp=2, ep=1)              # [ParamShape(unit, local shape, ...), ...] as `check_plan` splits them
+    shapes.resolved(tp=3, ep=1).problems   # why tp=3 cannot run (the plan's own checks)
 
 A parameter's unit is what FSDP2 wraps it in and what a pipeline stage holds: its decoder layer's index, "first"
 (the embedding, held by the first stage) or "last" (final norm and head, held by the last stage).
@@ -82,8 +82,9 @@ class ParamShape:
 
 
 @dataclass(eq=False)  # hashed by identity: its methods cache per layout
-class ModelFacts:
-    """The model as the planner needs it. `model`: the meta model (kept for the plan checks)."""
+class ModelShapes:
+    """The model's shapes as the planner needs them: each decoder layer's widths (`layers`), every parameter's shape
+    per rank (`params`). `model`: the meta model (kept for the plan checks)."""
 
     config: Any
     model: nn.Module
@@ -94,7 +95,7 @@ class ModelFacts:
     family: str  # what the layer widths were read from: "native" or "transformers (as a Llama-style decoder)"
 
     @classmethod
-    def of(cls, config: Any, *, dtype: torch.dtype) -> "ModelFacts":
+    def of(cls, config: Any, *, dtype: torch.dtype) -> "ModelShapes":
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
         native = getattr(model, "backend", "native") == "native"
         n = int(config.num_hidden_layers)
