@@ -340,7 +340,7 @@ def _gone_within(process, seconds: float) -> float | None:
 ASLEEP_IN_A_STEP = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-from tests.helpers import tiny_dataset, tiny_model, training_args
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
