@@ -15,7 +15,7 @@ from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.text import ByteTokenizer, load_tokenizer
 from tptrain.training.data import DataOrder, build_dataset, read_documents
-from tptrain.generation import greedy_generate
+from tptrain.generation import complete
 from tptrain.training.reporting import Reporter, read_metrics
 
 TINY_QWEN3 = Path(str(files("tptrain") / "data" / "tiny-qwen3"))
@@ -187,10 +187,10 @@ def _generate_worker(tp: int) -> None:
     tok = load_tokenizer(TINY_QWEN3)
     with torch.no_grad():  # sharper logits than the 0.02-std init gives, so argmax ties cannot happen
         ref.lm_head.weight.mul_(50)
-    expected = greedy_generate(ref, tok, "To be, or not", max_new_tokens=6)
+    expected = complete(ref, tok, ["To be, or not"], max_new_tokens=6)[0]
     model = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=tp))
     assert model.training
-    got = greedy_generate(model, tok, "To be, or not", max_new_tokens=6)
+    got = complete(model, tok, ["To be, or not"], max_new_tokens=6)[0]
     assert got == expected and len(tok.encode(got)) >= 1, (got, expected)
     assert model.training  # restored
 

@@ -18,6 +18,7 @@ LAYERS = [
     ("tptrain.io",),
     ("tptrain.text",),  # tokenizers and chat templates: reads files through io, below training and generation
     ("tptrain.parallel",),
+    ("tptrain.generation",),  # model.generate's engine: below the model base class, which reaches it at call time
     ("tptrain.modeling",),
     # The configs are data (no torch) that both backends read. The transformers backend sits below tptrain's own
     # model code: the registry and the Auto classes choose it (importing it inside the functions that do), and it
@@ -26,7 +27,7 @@ LAYERS = [
     ("tptrain.hf",),
     ("tptrain.models",),
     ("tptrain.diagnostics",),
-    ("tptrain.training", "tptrain.peft", "tptrain.generation"),
+    ("tptrain.training", "tptrain.peft"),
     ("tptrain.cli", "tptrain.__main__", "tptrain"),
 ]
 

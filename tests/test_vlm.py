@@ -83,19 +83,11 @@ def test_each_attention_is_checked_by_its_own_heads_and_a_tower_that_does_not_sp
     assert any(n.startswith("model.multi_modal_projector.") for n in resolved.styles)  # its own group: it splits
 
 
-def test_refusals_before_any_process_group(tmp_path):
-    """cp and pp are refused by the rule table (not built for vision-language models yet); a text-only checkpoint is
-    no image-text-to-text model."""
+def test_a_text_only_checkpoint_is_refused(tmp_path):
+    """A text-only checkpoint is no image-text-to-text model (cp and pp: tests/test_vlm_axes.py)."""
     import transformers
 
-    from tptrain import AutoModelForImageTextToText, DistributedConfig
-    from tptrain.hf.vlm import TransformersImageTextToText
-    from tptrain.parallel.parallelize import check
-    model = TransformersImageTextToText.from_config(FAMILIES["llava"].config(), device="meta")
-    with pytest.raises(ValueError, match="cannot be cut into pipeline stages.*vision-language"):
-        check(model, DistributedConfig(pp_size=2), world_size=2)
-    with pytest.raises(ValueError, match="cannot run with cp_size=2"):
-        check(model, DistributedConfig(cp_size=2), world_size=2)
+    from tptrain import AutoModelForImageTextToText
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT)
                                   ).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="not an image-text-to-text model.*AutoModelForCausalLM"):

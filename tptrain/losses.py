@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ class CausalLMOutput:
     loss: torch.Tensor | None  # scalar (each row's summed token loss, (batch,), with per_sequence), None without labels
     logits: torch.Tensor  # (batch, seq, vocab) -- or the local vocab shard under TP
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss (config.output_router_logits), unweighted
+    past_key_values: Any = None  # with use_cache: the KV cache these tokens were appended to (the model's own kind)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from tptrain.io import CheckpointReader, check_tensor_shape, resolve_checkpoint
+from tptrain.io import CheckpointReader, check_tensor_shape, read_json, resolve_checkpoint
 from tptrain.io import INDEX_FILE, SINGLE_FILE
 from tptrain.distributed import DistributedConfig, init_distributed, raise_on_any_rank
 from tptrain.distributed.state import ParallelState
@@ -41,6 +41,7 @@ class PreTrainedModel(nn.Module):
         super().__init__()
         self.config = config
         self.parallel = ParallelState()  # what the one parallelize makes of the model (distributed/state.py)
+        self.generation_config: dict[str, Any] = {}  # the checkpoint's generation_config.json: generate's defaults
 
     # transformers' names for what a loaded model was laid out as, read from its state
     @property
@@ -120,6 +121,8 @@ class PreTrainedModel(nn.Module):
         reader = CheckpointReader(directory)
         model = cls.from_config(config, dtype=dtype, device="meta")
         model.name_or_path = str(pretrained)
+        if (directory / "generation_config.json").is_file():  # generate's defaults, as transformers reads them
+            model.generation_config = read_json(directory / "generation_config.json")
         model._check_checkpoint(reader)
         return model, reader, dtype
 
@@ -157,6 +160,14 @@ class PreTrainedModel(nn.Module):
         from tptrain.parallel.parallelize import check
 
         return check(self, distributed_config)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any):
+        """transformers' `generate` on this model as it is laid out (tensor parallel, data parallel, FSDP2), with a
+        KV cache; collective: every rank calls it, every rank of a TP group with the same prompts. The arguments,
+        what it returns and the layouts it refuses: `tptrain.generation.generate`."""
+        from tptrain.generation import generate  # the engine, at call time
+
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     def checkpoint_keys(self) -> dict[str, Any]:
         """{parameter name: checkpoint tensor name, or the per-expert names of a stacked tensor, or a converted

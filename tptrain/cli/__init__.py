@@ -9,6 +9,7 @@
     python -m tptrain plan ...                                # the same
     tptrain train --help
     tptrain prepare-data --model ./ckpt --data corpus.txt     # tokenize into the token cache before training
+    tptrain generate --model ./ckpt --prompt "To be" --tp-size 2   # continue prompts (cli/generate.py)
     tptrain --version
 
 `plan` exits 0 when the layout works, 2 when the plan is impossible (the report lists every problem), 1
@@ -27,6 +28,7 @@ from typing import Sequence
 
 from tptrain.backends import BACKENDS
 from tptrain.dtypes import NAMES, canonical_name
+from tptrain.cli.generate import add_generate_arguments
 from tptrain.cli.plan_train import add_train_plan_arguments, check_train_arguments, run_train_plan
 
 
@@ -51,7 +53,7 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tptrain", description="Tensor-parallel training of Hugging Face-format "
                                                                  "decoder LLMs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,prepare-data}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,dpo,generate,prepare-data}")
     plan = sub.add_parser("plan", help="dry-run a tensor-parallel layout: shards, bytes per rank, problems",
                           description="Print how MODEL would be split at --tp-size, without starting any process: "
                                       "each module's style, each parameter's global and per-rank shape, parameter "
@@ -83,6 +85,10 @@ def _parser(train: ModuleType | None) -> argparse.ArgumentParser:
     add_train_plan_arguments(plan)
     plan.set_defaults(handler=_run_plan, plan_parser=plan)
     _add_prepare_data(sub)
+    add_generate_arguments(sub.add_parser(
+        "generate", help="continue prompts with a checkpoint over tensor-parallel ranks (model.generate)",
+        description="Continue --prompt / --prompts with MODEL laid out over --tp-size ranks (the ones past it "
+                    "data-parallel), with a KV cache; greedy unless --do-sample. Rank 0 prints the continuations."))
     train_parser = sub.add_parser("train", help="train a model with tensor parallelism (tptrain train --help)")
     dpo_parser = sub.add_parser("dpo", help="preference tuning: DPO, its loss types, SimPO, ORPO on preference pairs "
                                             "(tptrain dpo --help)")
@@ -149,7 +155,6 @@ def _json_object(text: str) -> dict:
 def _run_plan(args: argparse.Namespace) -> int:
     from tptrain.diagnostics.plan_report import plan_report
     from tptrain.layout import Asked, Spelling, check
-    from tptrain.models import AutoConfig
 
     usage = check_train_arguments(args) if args.train else (
         None if args.tp_size is not None else "the following arguments are required: --tp-size (or --train)")
@@ -159,7 +164,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if not args.train:  # the sizes as this command spells them (--tp-size), as `tptrain train` checks them
             check("positive", asked=Asked(tp_size=args.tp_size, cp_size=args.cp_size, ep_size=args.ep_size,
                                           pp_size=args.pp_size), spelling=Spelling(cli=True))
-        config = AutoConfig.from_pretrained(args.model, backend=args.backend)
+        config = _config(args.model, args.backend)
         if args.train:
             return run_train_plan(args, config)
         report = plan_report(config, args.tp_size, tp_plan=args.tp_plan or "auto",
@@ -170,6 +175,18 @@ def _run_plan(args: argparse.Namespace) -> int:
         return _fail("plan", str(exc))
     print(report.text, end="")
     return 2 if report.problems else 0
+
+
+def _config(model: str, backend: str):
+    """The checkpoint's config: transformers' image-text-to-text one for a vision-language model (a `vision_config`
+    of such a type), else tptrain's AutoConfig's."""
+    from tptrain.models import AutoConfig, AutoModelForImageTextToText
+    from tptrain.models.configuration import load_config_dict
+    from tptrain.models.registry import vision_language
+
+    if vision_language(load_config_dict(model)):
+        return AutoModelForImageTextToText.config(model)
+    return AutoConfig.from_pretrained(model, backend=backend)
 
 
 def _fail(command: str, message: str) -> int:

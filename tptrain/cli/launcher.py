@@ -1,4 +1,5 @@
-"""`tptrain train`'s launcher: torch's elastic agent for this node's workers, and what it reports.
+"""`tptrain train`'s (and `tptrain generate`'s) launcher: torch's elastic agent for this node's workers, and what it
+reports.
 
     launch(args, nproc, worker)     # worker(args, error_dir) runs in each of the nproc processes
 
@@ -39,19 +40,21 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 STOP_FILE = "stop"  # the signal the launcher received, for workers that start after it
 
 
-def launch(args: argparse.Namespace, nproc: int, worker: Callable[[argparse.Namespace, str], int]) -> int:
+def launch(args: argparse.Namespace, nproc: int, worker: Callable[[argparse.Namespace, str], int], *,
+           command: str = "train") -> int:
     """Run `worker` in `nproc` processes on this node under the elastic agent; the exit code: 0, 1 (a
-    worker failed, reported once), or 128 + the signal when a second signal cut the stop short."""
+    worker failed, reported once), or 128 + the signal when a second signal cut the stop short. `command`: the
+    tptrain command its messages name."""
     for logger in ("torch.distributed.elastic", "torch.multiprocessing"):  # failures are reported below, once
         logging.getLogger(logger).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="tptrain-errors-") as error_dir, _Forwarder(Path(error_dir)):
         try:
             elastic_launch(_config(args, nproc), worker)(args, error_dir)
         except ChildFailedError as exc:
-            _print_worker_errors(Path(error_dir), {rank: f.exitcode for rank, f in exc.failures.items()})
+            _print_worker_errors(Path(error_dir), {rank: f.exitcode for rank, f in exc.failures.items()}, command)
             return 1
         except SignalException as exc:
-            print(f"tptrain train: error: a second {exc.sigval.name}: the workers were stopped without waiting "
+            print(f"tptrain {command}: error: a second {exc.sigval.name}: the workers were stopped without waiting "
                   "for their checkpoint", file=sys.stderr)
             return 128 + exc.sigval
     return 0
@@ -118,7 +121,7 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int]) -> None:
+def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int], command: str = "train") -> None:
     """A rank that died without reporting an error (a signal, e.g. the OOM killer's SIGKILL) is the cause:
     it is named first, and what the others then reported (usually gloo's "Connection closed by peer") is
     only a note. Otherwise ranks usually fail with the same message (inputs are validated on every rank):
@@ -126,17 +129,17 @@ def _print_worker_errors(error_dir: Path, exitcodes: dict[int, int]) -> None:
     reported = {int(p.stem[4:]): p.read_text() for p in error_dir.glob("rank*.txt")}
     dead = sorted(rank for rank in exitcodes if rank not in reported)
     for rank in dead:
-        print(f"tptrain train: error: rank {rank} {_exit_description(exitcodes[rank])}", file=sys.stderr)
+        print(f"tptrain {command}: error: rank {rank} {_exit_description(exitcodes[rank])}", file=sys.stderr)
     by_message: dict[str, list[str]] = {}
     for rank in sorted(reported):
         by_message.setdefault(reported[rank], []).append(str(rank))
     for message, ranks in by_message.items():
         which = f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}"
         if dead:
-            print(f"tptrain train: note: {which} then failed too, most likely because of that: "
+            print(f"tptrain {command}: note: {which} then failed too, most likely because of that: "
                   f"{message.strip().splitlines()[-1]}", file=sys.stderr)
         else:
-            print(f"tptrain train: error on {which}: {message}", file=sys.stderr)
+            print(f"tptrain {command}: error on {which}: {message}", file=sys.stderr)
 
 
 def _exit_description(exitcode: int) -> str:

@@ -48,10 +48,12 @@ def _describe_data(dataset, args: argparse.Namespace) -> str:
     return f"{dataset.num_tokens:,} tokens from {args.data} in {len(dataset):,} blocks of {args.seq_len}"
 
 
-def summary(args: argparse.Namespace, result, seconds: float, text: str | None, *, asked: str | None = None) -> None:
+def summary(args: argparse.Namespace, result, seconds: float, text: str, *, sampled: bool,
+            asked: str | None = None) -> None:
     """The run in three lines; the loss figures are those of metrics.jsonl (earlier, resumed steps included),
-    so the final figure is the one loss.png's title states. `asked`: a vision-language model's prompt (the data's
-    first, its images included), `text` its reply."""
+    so the final figure is the one loss.png's title states. `text`: the greedy continuation of --prompt, or (not
+    `sampled`) why the layout could not generate one; `asked`: a vision-language model's prompt (the data's first,
+    its images included), `text` its reply."""
     from tptrain.training.reporting import logged_losses, loss_headline, read_metrics
 
     out = Path(args.output_dir)
@@ -63,7 +65,9 @@ def summary(args: argparse.Namespace, result, seconds: float, text: str | None, 
         print(f"{len(result.skipped_steps)} step(s) skipped, their loss or gradient norm not finite: {steps}")
     print(f"done in {seconds:.0f} s. model: {result.final_dir}  plot: {out / 'loss.png'}  "
           f"metrics: {out / 'metrics.jsonl'}")
-    if asked is not None:
+    if sampled and asked is not None:
         print(f"\ngreedy reply to {asked}:\n{text}\n", flush=True)
-    elif text is not None:
+    elif sampled:
         print(f"\ngreedy continuation of {args.prompt!r}:\n{args.prompt}{text}\n", flush=True)
+    else:
+        print(f"no greedy continuation of {args.prompt!r}: {text}", flush=True)

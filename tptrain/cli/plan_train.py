@@ -39,6 +39,12 @@ def add_train_plan_arguments(plan: argparse.ArgumentParser) -> None:
                    help="plan a preference run (tptrain dpo; --batch-size counts pairs, two rows each) with this "
                         "reference: copy (a frozen copy sharded like the model), adapters (LoRA's base) or "
                         "precomputed")
+    g.add_argument("--images-per-sample", type=int, default=1,
+                   help="a vision-language model's images per sequence (tiles, for families that cut an image into "
+                        "tiles); its tower's activations are counted for each")
+    g.add_argument("--image-size", type=int, default=None,
+                   help="the images' side in pixels (default: the tower's own; needed for towers of any size, such as "
+                        "Qwen2.5-VL's)")
     g.add_argument("--pp-microbatches", type=int, default=None, help="microbatches per batch under pp (default: pp)")
     g.add_argument("--json", action="store_true", help="print the plan as JSON (docs/planning.md has the schema)")
 
@@ -97,9 +103,12 @@ def run_train_plan(args: argparse.Namespace, config) -> int:
                              gradient_checkpointing=args.gradient_checkpointing, lora_r=args.lora_r,
                              optim_in_backward=args.optim_in_backward, pp_schedule=args.pp_schedule,
                              pp_microbatches=args.pp_microbatches, sequence_parallel=args.sequence_parallel,
-                             expert_parallel=args.expert_parallel, reference=args.reference)
+                             expert_parallel=args.expert_parallel, images_per_sample=args.images_per_sample,
+                             image_size=args.image_size, reference=args.reference)
     layout = parse_layout(args.layout, args.world) if args.layout else None
     shapes = ModelShapes.of(config, dtype=dtype)
+    if shapes.tower is not None and settings.images_per_sample:
+        shapes.tower.tokens(settings.image_size)  # a tower of any size needs --image-size: bad input (exit 1)
     try:
         plan = plan_training(shapes, world=args.world, settings=settings, profile=profile, layout=layout)
     except ValueError as exc:

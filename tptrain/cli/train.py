@@ -297,7 +297,7 @@ def _train(args: argparse.Namespace) -> None:
     from tptrain.cli import finetune as finetune_cli
     from tptrain.cli import vision as vision_cli
     from tptrain.cli.messages import announce, summary
-    from tptrain.generation import greedy_generate
+    from tptrain.generation import complete, layout_refusal
     from tptrain.training.trainer import Trainer
 
     threads = _set_threads(torch)
@@ -336,13 +336,15 @@ def _train(args: argparse.Namespace) -> None:
                   flush=True)
         return
     finetune_cli.finish(trainer, args)  # --merge: final/merged
-    text = asked = None  # a pipeline's stages cannot generate token by token: final/ can, at pp_size 1
-    if args.pp_size == 1 and inputs.vision:  # the reply to the data's first prompt, its images included
+    refusal = layout_refusal(trainer.model, use_cache=False)  # pipeline stages cannot generate (final/ can)
+    asked = None
+    if refusal is None and inputs.vision:  # the reply to the data's first prompt, its images included
         asked, text = vision_cli.sample(trainer.model, inputs.tokenizer, inputs.dataset, args.max_new_tokens)
-    elif args.pp_size == 1:
-        text = greedy_generate(trainer.model, inputs.tokenizer, args.prompt, args.max_new_tokens)
+    else:
+        text = refusal or complete(trainer.model, inputs.tokenizer, [args.prompt], max_new_tokens=args.max_new_tokens,
+                                   do_sample=False, use_cache=layout_refusal(trainer.model) is None)[0]  # cp, sp
     if rank == 0:
-        summary(args, result, time.perf_counter() - start, text, asked=asked)
+        summary(args, result, time.perf_counter() - start, text, sampled=refusal is None, asked=asked)
 
 
 def _read_inputs(args: argparse.Namespace) -> _Inputs:

@@ -71,7 +71,7 @@ def data(args: argparse.Namespace, model_dir: Path, model_config: Any) -> tuple[
 def sample(model: Any, encoder: Any, dataset: Any, max_new_tokens: int) -> tuple[str, str]:
     """(what was asked, the model's greedy reply): the first record with images (else the first), its messages up to
     its first assistant turn. Collective under TP: every rank calls it."""
-    from tptrain.generation import greedy_ids
+    from tptrain.generation.vision import greedy_ids
     from tptrain.training.vision_records import open_image
 
     records = dataset.records

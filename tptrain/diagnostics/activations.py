@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tptrain.diagnostics.model_shapes import LayerShape
+from tptrain.diagnostics.model_shapes import LayerShape, TowerShape
 from tptrain.losses import chunk_tokens
 
 
@@ -220,6 +220,57 @@ def model_activations(hidden: int, work: Work, *, first: bool, last: bool, rotar
            "rope cos/sin": 2 * work.seq // work.cp * rotary * max(work.precision.residual, 4)}
     if last:
         out["final norm"] = norm(hidden, work.sp_tokens, work.precision.residual, False, trained=not work.frozen_norms)
+    return out
+
+
+def tower_norm(tower: TowerShape, kind: str, tokens: int, r: int) -> int:
+    """A norm of the vision tower over `tokens`: LayerNorm keeps its input (fp32 under autocast) and an fp32 mean and
+    rstd; transformers' RMSNorm its input in fp32, the rsqrt and the normalised input in the input's dtype."""
+    if kind == "layer":
+        return tokens * (tower.hidden * max(r, 4) + 8)
+    return norm(tower.hidden, tokens, r, False)
+
+
+def tower_layer(tower: TowerShape, tokens: int, tp: int, p: Precision) -> dict[str, int]:
+    """{what: bytes} one encoder layer of the vision tower keeps for backward, for `tokens` of images on one rank,
+    its heads and MLP split over `tp` (1: whole): the norms and the projections' inputs; q, k and v as projected (with
+    rotary positions also q and k rotated); SDPA's output and log-sum-exp; a fused-qkv tower's copy of the output (it
+    attends image by image); the MLP's inner-wide tensors (`act_tensors`)."""
+    c, r, t = p.compute, p.residual, tokens
+    width, heads = tower.heads // tp * tower.head_dim, max(1, tower.heads // tp)
+    out = {"attention norm": tower_norm(tower, tower.norm, t, r),
+           "q/k/v input": linear_input(tower.hidden, t, r, p, 1 if tower.fused_qkv else 3),
+           "q/k/v": 3 * t * width * c}
+    if tower.rotary:
+        out["rotary q/k"] = 2 * t * width * c
+    out["attention"] = t * width * c + t * heads * 4
+    if tower.fused_qkv:
+        out["output projection input"] = t * width * c
+    gated = tower.act_tensors == 4
+    out["mlp norm"] = tower_norm(tower, tower.norm, t, r)
+    out["mlp input"] = linear_input(tower.hidden, t, r, p, 2 if gated else 1)
+    out["mlp"] = tower.act_tensors * t * (tower.inner // tp) * c
+    return out
+
+
+def tower_activations(tower: TowerShape, tokens: int, tp: int, p: Precision, *, checkpointed: bool = False
+                      ) -> dict[str, int]:
+    """{what: bytes} the vision tower keeps for backward for `tokens` of images (patches, class tokens) on one rank:
+    its layers (under activation checkpointing each layer's input only), the rotary cos / sin they share (fp32), the
+    norms and linears outside them (the patch norms; the projector: each linear's input, the activation between two,
+    rows merged where a linear reads several patches' features)."""
+    layer = sum(tower_layer(tower, tokens, tp, p).values())
+    kept = tokens * tower.hidden * p.residual if checkpointed else layer
+    out = {"tower layers": tower.depth * kept, "tower norms and projector": 0}
+    if tower.rotary:
+        out["tower rotary cos/sin"] = 2 * tokens * tower.head_dim * 4
+    norms = [entry[2] for entry in tower.outside if entry[0] == "norm"]
+    linears = [entry for entry in tower.outside if entry[0] == "linear"]
+    out["tower norms and projector"] += sum(tower_norm(tower, kind, tokens, p.residual) for kind in norms)
+    for i, (_, n_in, n_out) in enumerate(linears):
+        rows = tokens * tower.hidden // n_in if n_in % tower.hidden == 0 else tokens
+        followed = i + 1 < len(linears) and linears[i + 1][1] == n_out  # an activation between the two keeps
+        out["tower norms and projector"] += rows * (n_in + n_out * followed) * p.compute
     return out
 
 

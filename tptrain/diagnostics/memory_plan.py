@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tptrain.diagnostics.activations import (LossMemory, Precision, Work, checkpointed_layer, fused_loss,
                                              layer_activations, layer_backward_transient, logits_loss,
-                                             model_activations, precision)
+                                             model_activations, precision, tower_activations)
 from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
 from tptrain.diagnostics.model_shapes import ModelShapes, ParamShape
@@ -33,7 +33,8 @@ TERMS = ("parameters", "gradients", "optimizer_states", "activations", "communic
 class RankMemory:
     """One pipeline rank's peak (every rank of a pp rank holds the same). terms: the peak split as TERMS; phase: the
     moment it happens; per_layer: what one of its layers saves for one microbatch; in_flight: microbatches whose
-    activations it holds at once (the schedule's)."""
+    activations it holds at once (the schedule's); tower: what a vision-language model's tower saves for one
+    microbatch's images (the first stage's)."""
 
     pp_rank: int
     peak: int
@@ -41,6 +42,7 @@ class RankMemory:
     terms: dict[str, int]
     per_layer: dict[str, int] = field(default_factory=dict)
     in_flight: float = 1.0
+    tower: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,6 +156,7 @@ class _Acts:
     loss: LossMemory
     transient: dict
     per_layer: dict
+    tower: dict = field(default_factory=dict)
 
 
 def stage_activations(shapes: ModelShapes, stage: _Stage, layout: ParallelDims, settings: TrainSettings,
@@ -169,6 +172,8 @@ def stage_activations(shapes: ModelShapes, stage: _Stage, layout: ParallelDims, 
     extras = sum(model_activations(shapes.hidden, work, first=stage.first, last=stage.last, rotary=rotary).values())
     if prec.autocast:  # the bf16 copies of the layers' weights, cached by autocast and saved by their matmuls
         extras += 2 * sum(p.numel for p in stage.params if isinstance(p.unit, int) and (p.linear or p.expert))
+    tower = _tower(shapes, stage, layout, settings, prec, mb)
+    extras += sum(tower.values())
     if stage.last:
         vocab = shapes.vocab // layout.tp if shapes.vocab % layout.tp == 0 else shapes.vocab
         whole = layout.pp > 1 or settings.loss == "logits"
@@ -180,7 +185,24 @@ def stage_activations(shapes: ModelShapes, stage: _Stage, layout: ParallelDims, 
     if layout.pp > 1:  # a stage's input (received, its gradient wanted) and its output, kept until its backward
         extras += work.sp_tokens * shapes.hidden * prec.residual * ((not stage.first) + (not stage.last))
     transient = {i: layer_backward_transient(shapes.layers[i], work) for i in stage.layers}
-    return _Acts(full, kept, extras, loss, transient, ledgers[stage.layers[0]] if stage.layers else {})
+    return _Acts(full, kept, extras, loss, transient, ledgers[stage.layers[0]] if stage.layers else {}, tower)
+
+
+def _tower(shapes: ModelShapes, stage: _Stage, layout: ParallelDims, settings: TrainSettings, prec: Precision,
+           mb: int) -> dict[str, int]:
+    """What a vision-language model's tower keeps for one microbatch's images, on the stage holding it (the first):
+    every rank of a tp (and cp) group runs it on all of them, its layers split over tp where its plan splits them;
+    under autocast its linears' bf16 weight copies too."""
+    tower = shapes.tower
+    if tower is None or not stage.first or not settings.images_per_sample:
+        return {}
+    tokens = mb * settings.images_per_sample * tower.tokens(settings.image_size)
+    out = tower_activations(tower, tokens, shapes.tower_tp(layout.tp, layout.ep), prec,
+                            checkpointed=settings.gradient_checkpointing)
+    if prec.autocast:
+        out["tower weight copies"] = 2 * sum(p.numel for p in stage.params if p.linear and p.unit == "first"
+                                             and p.name.startswith(tower.root + "."))
+    return out
 
 
 def _lora_saved(shapes: ModelShapes, layer: int, work: Work, r: int) -> int:
@@ -311,5 +333,5 @@ def rank_memory(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettin
         for scenario in _scenarios(layout, microbatches, flight, stage.last):
             moments.update(_moments(stage, st, acts, layout, settings, prec, scenario, device))
         phase, terms = max(moments.items(), key=lambda item: sum(item[1].values()))
-        out.append(RankMemory(rank, sum(terms.values()), phase, terms, acts.per_layer, flight))
+        out.append(RankMemory(rank, sum(terms.values()), phase, terms, acts.per_layer, flight, acts.tower))
     return out

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tptrain.models import AutoModelForCausalLM
+from tptrain.models import AutoModelForCausalLM, AutoModelForImageTextToText
+from tptrain.models.registry import vision_language
 from tptrain.parallel import contract
 from tptrain.parallel.plan import ResolvedPlan, check_plan
 from tptrain.parallel.styles import ShardSpec
@@ -61,6 +62,40 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class TowerShape:
+    """A vision-language model's vision tower, whole (before any split), as the planner counts it: `depth` encoder
+    layers of `hidden` features, `heads` of `head_dim`, an MLP of `inner`; the variants its ledger reads (norm:
+    "layer" or "rms"; one fused qkv, whose towers attend image by image and copy the output; rotary positions;
+    act_tensors: the MLP's inner-wide tensors kept, 4 gated, 3 for quick_gelu's sigmoid, else 2); an image's tokens:
+    (side / patch)^2 patches (and a class token); `outside`: the norms (kind, width) and linears (in, out) on the
+    image's side outside the layers (patch norms, the projector), in order. root / layers: module names."""
+
+    root: str
+    layers: str
+    depth: int
+    hidden: int
+    heads: int
+    head_dim: int
+    inner: int
+    norm: str
+    fused_qkv: bool
+    rotary: bool
+    act_tensors: int
+    patch: int
+    image_size: int | None  # the side the tower is built for (None: any, e.g. Qwen2.5-VL's)
+    class_token: bool
+    outside: tuple[tuple, ...]
+
+    def tokens(self, image_size: int | None) -> int:
+        """The tower's tokens for one image of `image_size` pixels a side (default: the config's)."""
+        side = image_size or self.image_size
+        if side is None:
+            raise ValueError(f"the vision tower at {self.root} takes images of any size: give --image-size (pixels a "
+                             "side of the images the run trains on)")
+        return (side // self.patch) ** 2 + self.class_token
+
+
+@dataclass(frozen=True)
 class ParamShape:
     """One parameter as a rank holds it before FSDP2: its unit (a layer index, "first" or "last"), its shape after
     TP (and EP), whether it is a stacked expert tensor (FSDP2 wraps those over the ranks holding the same experts) and
@@ -93,15 +128,27 @@ class ModelShapes:
     vocab: int
     tied: bool
     family: str  # what the layer widths were read from: "native" or "transformers (as a Llama-style decoder)"
+    tower: TowerShape | None = None  # a vision-language model's vision tower
 
     @classmethod
     def of(cls, config: Any, *, dtype: torch.dtype) -> "ModelShapes":
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
+        model = meta_model(config, dtype=dtype)
         native = getattr(model, "backend", "native") == "native"
-        n = int(config.num_hidden_layers)
-        return cls(config, model, dtype, [layer_shape(config, i) for i in range(n)], int(config.vocab_size),
-                   bool(getattr(config, "tie_word_embeddings", False)),
-                   "native" if native else "transformers (its layers counted as a Llama-style decoder's)")
+        facts = model.tower_facts() if hasattr(model, "tower_facts") else None
+        text = config.get_text_config() if facts is not None else config  # a vision-language model's decoder
+        n = int(text.num_hidden_layers)
+        return cls(config, model, dtype, [layer_shape(text, i) for i in range(n)], int(text.vocab_size),
+                   bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False)),
+                   "native" if native else "transformers (its layers counted as a Llama-style decoder's)",
+                   TowerShape(**facts) if facts is not None else None)
+
+    @functools.lru_cache(maxsize=None)
+    def tower_tp(self, tp: int, ep: int) -> int:
+        """The ranks the tower's layers are split over at (tp, ep): tp where the plan splits them, else 1 (kept
+        whole: a tp size its heads or widths do not divide)."""
+        specs = self.resolved(tp, ep).specs
+        prefix = self.tower.layers + "."
+        return tp if any(n.startswith(prefix) and s.dim is not None for n, s in specs.items()) else 1
 
     @property
     def hidden(self) -> int:
@@ -122,12 +169,12 @@ class ModelShapes:
         """Every parameter (a tied one once, in its first unit, and flagged again as the head's copy) as a rank holds
         it at (tp, ep)."""
         specs = self.resolved(tp, ep, sp, expert_parallel).specs
-        layers_path, first, last = contract.pipeline_parts(self.model) or ("model.layers", (), ())
+        layers_path, first, last = contract.pipeline_parts(self.model) or (contract.layers(self.model), (), ())
         head = contract.output_head(self.model)
         linear = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Linear) and m is not head}
         out, seen = [], {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            unit = _unit(name, layers_path, first, last)
+            unit = _unit(name, layers_path, first, last, tower=self.tower is not None)
             spec = specs.get(name, ShardSpec())
             shape = spec.local_shape(tuple(p.shape), tp, ep)
             if id(p) in seen:  # the tied head: the same tensor as the embedding
@@ -138,15 +185,25 @@ class ModelShapes:
         return tuple(out)
 
 
-def _unit(name: str, layers_path: str, first: tuple[str, ...], last: tuple[str, ...]) -> int | str:
+def _unit(name: str, layers_path: str, first: tuple[str, ...], last: tuple[str, ...], *, tower: bool) -> int | str:
     if name.startswith(layers_path + "."):
         return int(name[len(layers_path) + 1:].split(".")[0])
     if any(name.startswith(path + ".") for path in first):
         return "first"
     if any(name.startswith(path + ".") for path in last):
         return "last"
+    if tower:  # a vision-language model: its tower and projector in the root's unit (data_parallel.decoder_layers)
+        return "first"
     match = _LAYER.search(name)  # a model that declares no pipeline parts: layers by index, the rest first
     return int(match.group(1)) if match else "first"
+
+
+def meta_model(config: Any, *, dtype: torch.dtype) -> nn.Module:
+    """The model of `config` on the meta device: a vision-language model's image-text-to-text class (a config with a
+    `vision_config` of such a type), else the causal LM's."""
+    if hasattr(config, "vision_config") and vision_language(config.to_dict()):
+        return AutoModelForImageTextToText.from_config(config, dtype=dtype, device="meta")
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
 
 
 def layer_shape(config: Any, index: int) -> LayerShape:

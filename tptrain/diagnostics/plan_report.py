@@ -17,7 +17,7 @@ import torch
 
 from tptrain.distributed import DistributedConfig
 from tptrain.dtypes import dtype_name, resolve_dtype
-from tptrain.models import AutoModelForCausalLM
+from tptrain.diagnostics.model_shapes import meta_model
 from tptrain.parallel import contract, pipeline_parallel
 from tptrain.parallel.parallelize import check
 from tptrain.parallel.expert_parallel import all_to_all_wins
@@ -52,7 +52,8 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
     sizes = (tp_size, ep_size, cp_size, pp_size)
     world = math.prod(sizes) if all(isinstance(s, int) and s > 0 for s in sizes) else 1  # the least: dp_shard = ep
     dtype = resolve_dtype(dtype, config)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
+    model = meta_model(config, dtype=dtype)
+    text = config.get_text_config() if hasattr(model, "tower_facts") else config  # a vision-language model's decoder
     resolved = check(model, layout, world_size=world, plan_problems=False)
     problems = resolved.problems
     rows, per_rank, total = _rows(model, resolved.styles, resolved.specs, tp_size, dtype.itemsize, ep_size)
@@ -63,8 +64,8 @@ def plan_report(config: Any, tp_size: int, *, tp_plan: str | Mapping[str, Any] =
              f"dtype={dtype_name(dtype)}, sequence_parallel={sequence_parallel}",
              f"backend: {model.backend}" + (" (transformers' modeling code on tptrain's engine)"
                                             if model.backend == "transformers" else " (tptrain's own model code)"),
-             *_head_lines(config, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size),
-             *_context_lines(config, tp_size, cp_size, dtype.itemsize), "",
+             *_head_lines(text, tp_size), *_expert_lines(model, resolved, tp_size, dtype.itemsize, ep_size),
+             *_context_lines(text, tp_size, cp_size, dtype.itemsize), "",
              *_table(rows), "",
              *(_pipeline_lines(config, resolved, dtype, tp_size, ep_size, pp_size, pp_schedule) if pp_size > 1 else []),
              f"parameter bytes per rank: {_size(per_rank)} of {_size(total)} in all "
@@ -87,7 +88,7 @@ def _pipeline_lines(config: Any, resolved, dtype: torch.dtype, tp_size: int, ep_
     lines = [f"pipeline: pp_size={pp_size}, schedule {pipeline_parallel.schedule_name(schedule)} "
              f"(the table above is the whole model; each rank holds its stages' part of it)"]
     for pp_rank in range(pp_size):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, device="meta")
+        model = meta_model(config, dtype=dtype)
         plan, stage = pipeline_parallel.cut_for_rank(model, resolved, pp=pp_size, pp_rank=pp_rank, schedule=schedule)
         _, per_rank, _ = _rows(model, stage.styles, stage.specs, tp_size, dtype.itemsize, ep_size)
         stages = "; ".join(f"stage {s}: " + ("embedding, " if s == 0 else "")

@@ -5,7 +5,8 @@
 
 Compute: 6 x tokens x (linear parameters) FLOPs for forward and backward (Kaplan et al. 2020; 4 x with frozen
 weights, the backward of the inputs only), causal attention's 2 x 2 x s^2 x heads x head_dim / 2 in forward and twice
-that in backward (FlashAttention's count), activation checkpointing's second forward; at the profile's peak times
+that in backward (FlashAttention's count), a vision-language model's tower the same way on each image's tokens (its
+attention not causal), activation checkpointing's second forward; at the profile's peak times
 its efficiency, the bf16 rate under --bf16. Memory traffic: the saved activations written and read, and AdamW's pass
 over parameters, gradients and states, at the memory bandwidth. Communication, each rank's bytes per step (the
 payload of each collective, as `CommTracker` records it), timed as ring collectives over the axis's link (NVLink
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from tptrain.diagnostics.device_profiles import DeviceProfile
 from tptrain.diagnostics.train_settings import TrainSettings
 from tptrain.layout import ParallelDims
-from tptrain.diagnostics.model_shapes import LayerShape, ModelShapes
+from tptrain.diagnostics.model_shapes import LayerShape, ModelShapes, TowerShape
 from tptrain.parallel import pipeline_parallel
 
 LINK_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")  # innermost first: ranks of one tp group are neighbours
@@ -57,6 +58,16 @@ def _layer_flops(shape: LayerShape, tokens: int, seq_keys: int, batch_queries: i
         linear += 2 * tokens * 3 * h * (moe.shared_inner // tp)
     # q.k and p.v for each query against the keys before it (half the sequence on average: causal)
     attention = 2 * batch_queries * (seq_keys / 2) * heads * (shape.q_dim + shape.v_dim)
+    return linear, attention
+
+
+def _tower_flops(tower: TowerShape, images: int, tokens: int, tp: int) -> tuple[float, float]:
+    """(matmul FLOPs of one forward of a vision tower's layers, of their attention) for `images` of `tokens` each on
+    one TP rank (its layers split over `tp`, 1: whole); every token attends to its whole image."""
+    width = tower.heads // tp * tower.head_dim
+    per_token = tower.hidden * 4 * width + (3 if tower.act_tensors == 4 else 2) * tower.hidden * (tower.inner // tp)
+    linear = 2 * images * tokens * per_token * tower.depth
+    attention = 2 * images * tokens * tokens * 2 * width * tower.depth
     return linear, attention
 
 
@@ -129,6 +140,10 @@ def step_time(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings
     for shape in layers:
         lin, att = _layer_flops(shape, tokens, settings.seq_len, mb * settings.seq_len // layout.cp, layout.tp,
                                 settings.expert_parallel)
+        linear, attention = linear + lin, attention + att
+    if shapes.tower is not None and settings.images_per_sample:  # on the first stage, the slowest's bound
+        lin, att = _tower_flops(shapes.tower, mb * settings.images_per_sample,
+                                shapes.tower.tokens(settings.image_size), shapes.tower_tp(layout.tp, layout.ep))
         linear, attention = linear + lin, attention + att
     head = 2 * tokens * shapes.hidden * shapes.vocab / layout.tp if layout.pp == 1 else 0.0
     frozen = settings.lora_r > 0

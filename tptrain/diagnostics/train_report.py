@@ -23,7 +23,8 @@ def layout_json(plan: LayoutPlan) -> dict:
     worst = plan.worst
     terms: dict = dict(worst.terms)
     terms.update(peak_phase=worst.phase, pp_rank=worst.pp_rank, in_flight_microbatches=worst.in_flight,
-                 activations_per_layer=dict(worst.per_layer), runtime_bytes=plan.runtime,
+                 activations_per_layer=dict(worst.per_layer), tower_activations=dict(worst.tower),
+                 runtime_bytes=plan.runtime,
                  budget_bytes=plan.budget, comm_bytes_per_axis=dict(plan.time.comm_bytes),
                  tokens_per_s=round(plan.time.tokens_per_s, 3),
                  step_time_parts={k: round(v, 6) for k, v in plan.time.parts.items()},
@@ -50,6 +51,21 @@ COLUMNS = {"parameters": "params", "gradients": "grads", "optimizer_states": "op
            "communication_buffers": "comm buf", "largest_transient": "transient"}
 
 
+def _tower_lines(plan: TrainPlan, shapes: ModelShapes) -> list[str]:
+    """A vision-language model's tower: its parameters, an image's tokens, what one microbatch's images keep on the
+    best (else the first) layout's first stage."""
+    tower, s = shapes.tower, plan.settings
+    if tower is None:
+        return []
+    params = sum(p.numel for p in shapes.params(1, 1) if p.name.startswith(tower.root + "."))
+    shown = plan.layouts[plan.best if plan.best is not None else 0]
+    saved = sum(shown.ranks[0].tower.values())
+    return [f"vision tower {tower.root}: {_count(params)} parameters, {tower.depth} layers of {tower.hidden}; "
+            f"{tower.tokens(s.image_size)} tokens per image ({s.image_size or tower.image_size} px, patch "
+            f"{tower.patch}), {s.images_per_sample} per sequence: {saved / 2**20:.1f} MiB of tower activations per "
+            f"microbatch at {shown.layout.spell()} (in acts)"]
+
+
 def plan_text(plan: TrainPlan, shapes: ModelShapes, *, model_name: str) -> str:
     """The table: one row per layout (the best marked *), its peak per rank split into TERMS, the step, and why the
     best wins; then the refused layouts' count and what the estimate leaves out."""
@@ -67,7 +83,8 @@ def plan_text(plan: TrainPlan, shapes: ModelShapes, *, model_name: str) -> str:
     lines = [f"tptrain plan --train: {model_name} ({_count(n_params)} parameters, {shapes.family}), "
              f"world {plan.world}, {', '.join(run)}",
              f"device {profile.name}: {_gib(plan.layouts[0].budget)} GiB per rank for tensors "
-             f"({_gib(profile.runtime_bytes)} GiB kept for the runtime); pipeline schedule {s.pp_schedule}", ""]
+             f"({_gib(profile.runtime_bytes)} GiB kept for the runtime); pipeline schedule {s.pp_schedule}",
+             *_tower_lines(plan, shapes), ""]
     header = ("", "layout", f"peak {unit}", "fits", "step s", "tokens/s", f"sent {unit}",
               *(COLUMNS[t] for t in TERMS), "peak at")
     rows = [header]

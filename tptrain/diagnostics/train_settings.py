@@ -27,7 +27,9 @@ class TrainSettings:
     other frameworks); reference: a preference run's reference model (tptrain dpo; its batch_size counts rows, two
     per pair): "copy" (a frozen copy sharded like the policy: its parameters, no gradients or optimizer states, and a
     forward per step), "adapters" (LoRA's base with the adapters off: a forward per step), "precomputed" (none while
-    training); None: not a preference run."""
+    training); None: not a preference run; images_per_sample / image_size: a vision-language model's images (or an image's tiles, for
+    families that cut one into tiles) per sequence, and their side in pixels (default: the tower's own size), which
+    its vision tower turns into (side / patch)^2 tokens each."""
 
     batch_size: int
     seq_len: int
@@ -42,10 +44,15 @@ class TrainSettings:
     expert_parallel: bool = False
     loss: str = "fused"
     reference: str | None = None
+    images_per_sample: int = 1
+    image_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
             check_positive_int(getattr(self, name), "--" + name.replace("_", "-"))
+        if self.images_per_sample < 0 or self.image_size is not None and self.image_size < 1:
+            raise ValueError(f"--images-per-sample must be >= 0 and --image-size >= 1, got {self.images_per_sample} "
+                             f"and {self.image_size}")
         if self.lora_r < 0:
             raise ValueError(f"--lora-r must be >= 0, got {self.lora_r}")
         if self.loss not in ("fused", "logits"):

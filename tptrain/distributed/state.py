@@ -17,7 +17,8 @@ a pipeline stage's forward and a pipeline step (parallel/pipeline_parallel.py), 
 does, and no axis reads another's state. A `Batch` says where it runs: "model" (a whole batch in, the model's modules
 run on it), "step" (a whole batch entering a pipeline step: the schedule runs the stages) or "stage" (a pipeline
 microbatch, already this rank's tokens); a generation step with a KV cache is a "model" batch of new tokens with their
-positions given.
+positions given, run by the generation engine itself (tptrain/generation: its batch asks for the logits vocab-sharded,
+`sampled`), inside which the model's own hooks add nothing (`ForwardScope.open`).
 
 Imports nothing of tptrain.parallel (the model base class holds the one-process state): the axes' classes are named
 here in comments only.
@@ -34,6 +35,10 @@ from tptrain.layout import ParallelDims
 
 WHERE = ("model", "step", "stage")
 FIELDS = ("input_ids", "labels", "attention_mask", "position_ids", "num_items_in_batch")
+# A batch's `name + ROWS`: (batch,) how many rows of its input `name` each sample holds, for an input joined along dim 0
+# from its samples (a vision-language model's images, Qwen2-VL's patches): what lets a pipeline give each microbatch
+# its own samples' rows. (No model input is named so: processors' names are identifiers.)
+ROWS = ":rows"
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,9 @@ class Batch:
     """What enters a forward, as the axes see it. input_ids (batch, seq): token ids (None on a pipeline stage fed the
     stage before's hidden states); labels, attention_mask (batch, seq); position_ids (batch or 1, seq): under a
     pipeline stage the whole sequences' (the input may be a shard of them); num_items_in_batch: the real-token count
-    the loss divides by. `loss`: whether a loss is computed from this forward's logits."""
+    the loss divides by. `loss`: whether a loss is computed from this forward's logits. `sampled`: whether the next
+    tokens are sampled from them where they lie (the generation engine's vocab-parallel sampler): like a loss, it reads
+    the logits vocab-sharded."""
 
     where: str
     input_ids: torch.Tensor | None = None
@@ -50,6 +57,7 @@ class Batch:
     position_ids: torch.Tensor | None = None
     num_items_in_batch: int | torch.Tensor | None = None
     loss: bool = False
+    sampled: bool = False
 
     def __post_init__(self) -> None:
         assert self.where in WHERE, self.where
@@ -91,6 +99,11 @@ class ForwardScope:
 
     def add(self, axis: Any) -> None:
         self.axes.append(axis)
+
+    @property
+    def open(self) -> bool:
+        """Whether a scope is open: a caller runs it around what runs now (a pipeline step, a generation step)."""
+        return bool(self._open)
 
     def begin(self, batch: Batch) -> Batch:
         """Every axis's begin, in order; should one raise, the axes begun are ended (no output) and it is re-raised."""

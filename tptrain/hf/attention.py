@@ -71,9 +71,12 @@ def _calls_interface(cls: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
 
 
-def use_tptrain_attention(model: nn.Module) -> None:
-    """Every config of `model`'s modules names "tptrain" as its attention implementation (masks and attention)."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+def use_tptrain_attention(model: nn.Module, within: str = "") -> None:
+    """Every config of `model`'s modules (those under `within` only: a vision-language model's text decoder, whose
+    tower runs on the whole batch with its own attention) names "tptrain" as its attention implementation (masks and
+    attention)."""
+    root = model.get_submodule(within)
+    configs = {id(c): c for m in root.modules() if (c := getattr(m, "config", None)) is not None
                and hasattr(c, "_attn_implementation_internal")}
     for config in configs.values():
         config._attn_implementation = NAME
@@ -89,18 +92,19 @@ _KEY_SELECTORS = re.compile(r"Indexer|Compressor")
 _ATTENDING_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "moe", "mlp"}
 
 
-def declare_cp_facts(model: nn.Module, base: nn.Module, layers: str | None) -> dict[str, str]:
+def declare_cp_facts(model: nn.Module, base: nn.Module, layers: str | None, *, within: str = "") -> dict[str, str]:
     """Give the engine what context parallelism reads (parallel/contract.py): `attend` on every module computing
-    attention through transformers' interface (a TPAttention, `tp_kv_projections` () where the plan did not split
-    it), the base model's `attention_masks`, and `cp_whole_sequence`: {module: class} of the decoder layers' token
-    mixers outside attention (recurrences, short convolutions) that run on the whole sequence under context
-    parallelism, each the largest part of its layer holding no attention. Returns {module: class} of the modules
-    of the decoder layers (`layers`, their list's name; None: the whole model) mixing tokens in a way context
-    parallelism can do neither (the model's `sequence_mixers` fact, which it refuses)."""
+    attention through transformers' interface (under `within`: a vision-language model's text decoder; a TPAttention,
+    `tp_kv_projections` () where the plan did not split it), the base model's `attention_masks`, and
+    `cp_whole_sequence`: {module: class} of the decoder layers' token mixers outside attention (recurrences, short
+    convolutions) that run on the whole sequence under context parallelism, each the largest part of its layer
+    holding no attention. Returns {module: class} of the modules of the decoder layers (`layers`, their list's name;
+    None: the whole model) mixing tokens in a way context parallelism can do neither (the model's `sequence_mixers`
+    fact, which it refuses)."""
     base.attention_masks = attention_masks
     interface = []
     for name, module in model.named_modules():
-        if calls_attention_interface(module):
+        if (not within or name.startswith(f"{within}.")) and calls_attention_interface(module):
             interface.append(name)
             module.attend = Attend(module)
             if not hasattr(module, "tp_kv_projections"):

@@ -165,26 +165,32 @@ class TransformersCausalLM(PreTrainedModel):
 
     def _declare_stages(self, prefix: str) -> None:
         """The contract's PipelineModel facts (hf/stages.py), or why the model cannot be cut (`pp_refusal`)."""
-        parts = stage_parts(self, prefix)
+        self._declare_stage_parts(stage_parts(self, prefix))
+
+    def _declare_stage_parts(self, parts) -> None:
         if isinstance(parts, str):
             self.pp_refusal = f"{type(self.hf_model).__name__} ({self.config.model_type}): {parts}"
             return
         self._stage_parts = parts
         self.pp_layers, self.pp_first, self.pp_last = parts.layers, parts.first, parts.last
 
-    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
-                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
+                         **inputs: torch.Tensor) -> torch.Tensor:
         """What this module (a pipeline stage's view, or the whole model) holds of the computation: token ids in if
         it holds the embedding, else the previous stage's hidden states; logits out if it holds the head
         (vocab-sharded under TP for the vocab-parallel loss), else hidden states (hf/stages.py). It carries nothing
-        between stages (transformers' router aux loss is not tptrain's loss on this backend)."""
+        between stages (transformers' router aux loss is not tptrain's loss on this backend). `inputs`: the rest of
+        transformers' inputs (a vision-language model's attention mask and token types; its images on the first
+        stage); multimodal position ids come batch first, (batch, rows, seq)."""
         assert not carried, "the transformers backend's stages carry nothing"
-        attention_mask, cp = None, self.parallel.cp
-        if cp is not None:  # see forward
+        attention_mask, cp = inputs.pop("attention_mask", None), self.parallel.cp
+        if cp is not None and attention_mask is None:  # see forward
             attention_mask = torch.ones(x.shape[:2], dtype=torch.long, device=x.device)
+        if position_ids is not None and position_ids.dim() == 3:  # transformers' (rows, batch, seq)
+            position_ids = position_ids.movedim(1, 0)
         with running(getattr(self, self.base_model_prefix), cp):
             return run_stage(self, self._stage_parts, x, position_ids=position_ids, attention_mask=attention_mask,
-                             use_cache=False)
+                             use_cache=False, **inputs)
 
     def _rule_unplanned(self, prefix: str) -> set[str]:
         """The modules with parameters the plan leaves without a rule inside a split region, sorted by what they read
@@ -292,7 +298,7 @@ class TransformersCausalLM(PreTrainedModel):
         super()._apply_plan(resolved, distributed_config, reader=reader, dtype=dtype)
         self._set_local_heads()
         if self.parallel.cp is not None:  # masks and attention through hf/attention.py
-            use_tptrain_attention(self)
+            use_tptrain_attention(self, contract.sequence_entry(self) or "")
         return self
 
     def _set_local_heads(self) -> None:
@@ -329,20 +335,22 @@ class TransformersCausalLM(PreTrainedModel):
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, per_sequence: bool = False,
                 **kwargs: Any) -> CausalLMOutput:
-        """transformers' forward for the logits (vocab-sharded under TP with labels); tptrain's loss (`per_sequence`:
-        each row's summed token loss, (batch,))."""
-        kwargs.setdefault("use_cache", False)
+        """transformers' forward for the logits (vocab-sharded under TP with labels, or sampled by the generation
+        engine); tptrain's loss (`per_sequence`: each row's summed token loss, (batch,)). Without `use_cache` (or a
+        cache given in `past_key_values`) no cache is made; with it transformers' own cache (its DynamicCache, each
+        rank's KV heads) is returned in `past_key_values`."""
+        kwargs.setdefault("use_cache", kwargs.get("past_key_values") is not None)
         cp = self.parallel.cp
         if cp is not None and attention_mask is None:
             # this rank's position ids jump between its two chunks: no packing for transformers to find in them (the
             # masks come from the whole batch's, hf/attention.py)
             attention_mask = torch.ones_like(input_ids)
         with running(getattr(self, self.base_model_prefix), cp):
-            logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   **kwargs).logits
-        loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
+            out = self.hf_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **kwargs)
+        loss = None if labels is None else self.loss_function(out.logits, labels, num_items_in_batch,
                                                               per_sequence=per_sequence)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutput(loss=loss, logits=out.logits, past_key_values=getattr(out, "past_key_values", None))
 
     # ------------------------------------------------------------------ saving
 

@@ -7,7 +7,9 @@ never: a vision tower a text batch does not use), to the last if after the last 
 shows (the embedding, Gemma 3n's per-layer embeddings, the final norm, DeepSeek-V4's hyper-connection head); the
 output head is the last stage's. Modules without parameters (rotary embeddings, dropout) stay on every stage, so each
 stage computes its position embeddings from the position ids itself. A module called both before and after the layers
-cannot be cut (`stage_parts` says why).
+cannot be cut (`stage_parts` says why). A vision-language model's decoder layers are its text decoder's (inside the
+base model); the modules beside the text decoder (the vision tower, the projector) are the first stage's, whose
+forward runs them on its microbatch's images and places their features among the token embeddings.
 
 A stage runs transformers' forward of the base model (the last stage: of the causal LM, head and logit transforms
 included) over a full-length layer list in which the layers it does not hold are placeholders, so every layer it holds
@@ -49,10 +51,14 @@ class StageParts:
 _PROBE_BATCH, _PROBE_SEQ = 2, 5  # sizes no hidden dim of a probe has: where they sit in a shape says which is which
 
 
-def stage_parts(model: nn.Module, prefix: str) -> StageParts | str:
-    """The cut of `model` (a TransformersCausalLM, whole), or why it cannot be cut."""
+def stage_parts(model: nn.Module, prefix: str, decoder: str | None = None) -> StageParts | str:
+    """The cut of `model` (a TransformersCausalLM, whole), or why it cannot be cut. `decoder`: the dotted name of the
+    module holding the decoder layers where it is not the base model at `prefix` (a vision-language model's text
+    decoder: the modules around it, the vision tower and projector, go to the first stage, which places their
+    features among the token embeddings)."""
     hf = model.hf_model
-    base = getattr(hf, prefix)
+    text = decoder or prefix
+    base = hf.get_submodule(text)
     n_layers = getattr(base.config, "num_hidden_layers", None)
     lists = [n for n, c in base.named_children() if isinstance(c, nn.ModuleList)]
     found = [n for n in lists if len(getattr(base, n)) == n_layers] or lists
@@ -60,37 +66,56 @@ def stage_parts(model: nn.Module, prefix: str) -> StageParts | str:
         return (f"its base model {type(base).__name__} holds no list of its decoder layers (children: "
                 f"{[n for n, _ in base.named_children()]})")
     layers = found[0]
-    weighted = [n for n, c in base.named_children() if n != layers and any(True for _ in c.parameters())]
-    probe = _probe(hf, prefix, layers, weighted)
+    weighted = [f"{text}.{n}" for n, c in base.named_children() if n != layers and _weighted(c)] + \
+        _around(hf, text, prefix)
+    head = [n for n, c in hf.named_children() if n != prefix and _weighted(c)]
+    probe = _probe(hf, text, layers, weighted + head)
     if probe.get("fed"):
         name = probe["fed"]
-        source = f"{prefix}.{name} ({type(getattr(base, name)).__name__})" if name in weighted else name
+        source = f"{name} ({type(hf.get_submodule(name)).__name__})" if name in weighted else name
         return (f"its decoder layers take inputs beside the hidden states, computed by {source} (per-layer inputs), "
                 f"which a stage holding only its own layers does not have")
     if probe.get("more"):
         return (f"each decoder layer ({type(getattr(base, layers)[0]).__name__}) hands the next one more than its "
                 f"hidden states ({probe['more']} values)")
-    embed = next((n for n, c in base.named_children() if c is hf.get_input_embeddings()), None)
+    embed = next((n for n, m in hf.named_modules() if m is hf.get_input_embeddings()), None)
     first, last = [], []
     for name in weighted:
         calls = probe["calls"].get(name) if probe else ({"before"} if name == embed else {"after"})
         if calls is not None and len(calls) > 1:
-            return (f"transformers' forward calls {prefix}.{name} ({type(getattr(base, name)).__name__}) both before "
-                    f"and after the decoder layers")
-        (last if calls == {"after"} else first).append(f"{prefix}.{name}")
-    head = [n for n, c in hf.named_children() if n != prefix and any(True for _ in c.parameters())]
+            return (f"transformers' forward calls {name} ({type(hf.get_submodule(name)).__name__}) both before and "
+                    f"after the decoder layers")
+        (last if calls == {"after"} else first).append(name)
+    outside = [n for n in head if decoder is not None and probe and probe["calls"].get(n) != {"after"}]
+    if outside:  # Llama 4's tower beside its causal LM: a stage runs the base model, not the tower
+        return (f"its {outside[0]} ({type(hf.get_submodule(outside[0])).__name__}) runs before the decoder layers "
+                f"outside its base model {prefix}, which a pipeline stage's forward runs")
     attributes = tuple({k: v for k, v in vars(layer).items() if not k.startswith("_") and k != "training"
                         and isinstance(v, (str, int, float, bool, type(None)))} for layer in getattr(base, layers))
     found = {k: probe[k] for k in ("tuple_out", "batch_seq", "embedding") if k in probe}
-    return StageParts(f"{prefix}.{layers}", tuple(first), (*last, *head), attributes, **found)
+    return StageParts(f"{text}.{layers}", tuple(first), (*last, *head), attributes, **found)
 
 
-def _probe(hf: nn.Module, prefix: str, layers: str, names: list[str]) -> dict:
-    """What one forward of a meta copy of `hf` shows ({} when none can run): "calls" {base child: {"before",
-    "after"}: when it is called relative to the decoder layers}, "fed" (a child called before the layers whose output
-    reaches a layer other than as its hidden states), "tuple_out", "batch_seq", "embedding" (see StageParts)."""
+def _weighted(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _around(hf: nn.Module, text: str, prefix: str) -> list[str]:
+    """The modules with parameters beside the text decoder at dotted `text` inside the base model at `prefix` (none
+    when it is the base model): a vision-language model's tower and projector."""
+    parts, top = text.split("."), len(prefix.split("."))
+    return [f"{'.'.join(parts[:depth])}.{name}" for depth in range(top, len(parts))
+            for name, child in hf.get_submodule(".".join(parts[:depth])).named_children()
+            if name != parts[depth] and _weighted(child)]
+
+
+def _probe(hf: nn.Module, text: str, layers: str, names: list[str]) -> dict:
+    """What one forward of a meta copy of `hf` shows ({} when none can run): "calls" {module in `names` (dotted):
+    {"before", "after"}: when it is called relative to the decoder layers}, "fed" (one called before the layers whose
+    output reaches a layer other than as its hidden states), "tuple_out", "batch_seq", "embedding" (see
+    StageParts)."""
     meta = meta_copy(hf)
-    base = getattr(meta, prefix)
+    base = meta.get_submodule(text)
     state: dict = {}
     marks: dict = {}  # autograd node of a child's output -> the child
 
@@ -122,7 +147,7 @@ def _probe(hf: nn.Module, prefix: str, layers: str, names: list[str]) -> dict:
                 marks[t.grad_fn] = f"{type(module).__name__} (an earlier decoder layer)"
 
     for name in names:
-        getattr(base, name).register_forward_hook(called(name))
+        meta.get_submodule(name).register_forward_hook(called(name))
     for layer in getattr(base, layers):
         layer.register_forward_pre_hook(layer_in, with_kwargs=True)
         layer.register_forward_hook(layer_out)

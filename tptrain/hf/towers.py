@@ -145,3 +145,63 @@ def localise_heads(module: nn.Module, heads: int, width: int, tp_size: int) -> N
         for attr in attrs:
             if getattr(module, attr, None) == whole:
                 setattr(module, attr, whole // tp_size)
+
+
+def tower_facts(hf_model: nn.Module, text: tuple[str, ...]) -> dict | None:
+    """What `tptrain plan --train` counts of the vision tower, as plain values read from the (meta) modules and the
+    vision config (diagnostics/model_shapes.TowerShape documents each), or None without one: the sub-model of
+    `vision_config`, its longest layer list and that list's first block; outside the layers, on the image's side
+    (not under the `text` modules: the decoder, the head), each norm as wide as the tower and each linear (a
+    projector's), in order."""
+    from transformers import PreTrainedModel
+
+    vision = getattr(hf_model.config, "vision_config", None)
+    root = next((n for n, m in hf_model.named_modules() if isinstance(m, PreTrainedModel) and m.config is vision), None)
+    if root is None:
+        return None
+    lists = [(n, m) for n, m in hf_model.get_submodule(root).named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return None
+    layers_name, layers = max(lists, key=lambda item: len(item[1]))
+    layers_name, block = f"{root}.{layers_name}", layers[0]
+    attention = next((m for m in block.modules() if _heads(m) and _block(m) is not None), None)
+    linears = [c for c in (attention.children() if attention is not None else ()) if type(c) is nn.Linear]
+    hidden = int(vision.hidden_size)
+    heads = _heads(attention) or int(getattr(vision, "num_attention_heads", getattr(vision, "num_heads", 1)))
+    mlps = [m for m in block.modules() if m is not attention and _block(m) is not None and not _heads(m)]
+    gated = bool(mlps) and sum(type(c) is nn.Linear for c in mlps[0].children()) == 3
+    act = str(getattr(vision, "hidden_act", "gelu"))
+    norm = next((m for m in block.modules() if "norm" in type(m).__name__.lower()), None)
+    outside = []
+    for name, module in hf_model.named_modules():
+        if name.startswith((layers_name + ".", *(t + "." for t in text))) or name in text or not name:
+            continue
+        if type(module) is nn.Linear:
+            outside.append(("linear", module.in_features, module.out_features))
+        elif "norm" in type(module).__name__.lower() and _width(module) == hidden:
+            outside.append(("norm", hidden, _norm_kind(module)))
+    patch = getattr(vision, "patch_size", 14)
+    size = getattr(vision, "image_size", None)
+    return dict(root=root, layers=layers_name, depth=len(layers), hidden=hidden, heads=heads,
+                head_dim=hidden // heads, inner=int(getattr(vision, "intermediate_size", 4 * hidden)),
+                norm=_norm_kind(norm), fused_qkv=len(linears) == 2,
+                rotary=any("rotary" in type(m).__name__.lower() for m in hf_model.get_submodule(root).modules()),
+                act_tensors=4 if gated else 3 if act == "quick_gelu" else 2,
+                patch=int(patch[0] if isinstance(patch, (list, tuple)) else patch),
+                image_size=int(size[0] if isinstance(size, (list, tuple)) else size) if size else None,
+                class_token=any(n.endswith("class_embedding") for n, _ in hf_model.get_submodule(root).named_parameters()),
+                outside=tuple(outside))
+
+
+def _heads(module: nn.Module | None) -> int | None:
+    return next((v for a in HEAD_COUNTS if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+
+
+def _width(norm: nn.Module) -> int | None:
+    weight = getattr(norm, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 1 else None
+
+
+def _norm_kind(norm: nn.Module | None) -> str:
+    """"layer" (mean and variance: LayerNorm) or "rms" (transformers' RMSNorms, computed in fp32)."""
+    return "layer" if norm is None or isinstance(norm, nn.LayerNorm) else "rms"

@@ -19,18 +19,22 @@ Not yet: context parallelism (the merged sequence split after the image embeddin
 """
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 import transformers
 from transformers.models.auto.modeling_auto import (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
                                                     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+from tptrain.hf.attention import declare_cp_facts
 from tptrain.hf.model import ConfigLoader, TransformersCausalLM, _init_owner
+from tptrain.hf.stages import stage_parts
 from tptrain.hf.plan import declare_tp_facts, resolve_names, translate_plan, vocab_parallel_embedding
-from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_roots
+from tptrain.hf.towers import decoder_name, derive_plan, localise_heads, tower_facts, tower_roots
 from tptrain.io import resolve_checkpoint
 from tptrain.io.hub import PROCESSOR_PATTERNS
 
@@ -59,6 +63,7 @@ class TransformersImageTextToText(TransformersCausalLM):
         if plan and name and vocab_parallel_embedding(embed, name, declared):
             plan = {name: "embedding_rowwise", **plan}
         self._text_decoder = decoder_name(hf_model)
+        self.layer_list = f"{self._text_decoder}.layers"  # FSDP2's units (the tower stays in the root's: input_reach)
         derived, self._tower_attention = derive_plan(hf_model, tower_roots(hf_model, plan))
         self.tp_optional_plans = {f"{root} ({type(hf_model.get_submodule(root)).__name__}, tptrain's derived plan)":
                                   rules for root, rules in derived.items()}
@@ -68,21 +73,45 @@ class TransformersImageTextToText(TransformersCausalLM):
 
     def _declare_tp_facts(self, plan: dict[str, str]) -> None:
         """Each module's facts from its own sub-model's config (the text config's heads, the vision config's);
-        the derived tower attention split by its own head count, no KV heads to replicate."""
+        the derived tower attention split by its own head count, no KV heads to replicate; why its sequence cannot
+        be split (`sp_refusal`, the rule table's `sp_refused`)."""
         optional = {glob: style for rules in self.tp_optional_plans.values() for glob, style in rules.items()}
         declare_tp_facts(self, {**plan, **optional}, self.config, config_of=lambda name: _init_owner(self, name).config)
         for name, (heads, _) in self._tower_attention.items():
             module = self.get_submodule(name)
             module.tp_heads, module.tp_kv_projections = (heads, heads), ()
+        self.sp_refusal = (f"its decoder's input, the merged sequence (the image features put in place of the whole "
+                           f"row's placeholders, and multimodal rotary positions computed from the whole row), is "
+                           f"made inside transformers' forward of {type(self.hf_model).__name__} before the first "
+                           f"decoder layer, and transformers' modules take their shapes from their input: no layer "
+                           f"can be handed a shard of the sequence")
 
     def _declare_stages(self, prefix: str) -> None:
-        self.pp_refusal = (f"{type(self.hf_model).__name__} ({self.config.model_type}): pipeline stages of a "
-                           f"vision-language model (the tower and projector on the first stage) are not built yet")
+        """The causal backend's cut of the text decoder's layers (hf/stages.py), the tower and projector on the first
+        stage beside the embedding."""
+        self._declare_stage_parts(stage_parts(self, prefix, self._text_decoder or None))
+
+    def input_positions(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor | None:
+        """(batch, rows, seq): the multimodal RoPE position ids (time, height, width) transformers' forward computes
+        from the whole rows' ids, image grids and token types (`compute_3d_position_ids`: Qwen2-VL and its kin), which
+        every pipeline stage needs; None where the model's positions are the plain 0..seq-1 (contract.PipelineModel)."""
+        compute = getattr(getattr(self, self.base_model_prefix), "compute_3d_position_ids", None)
+        if compute is None:
+            return None
+        given = {"input_ids": input_ids, **inputs}
+        named = [p.name for p in inspect.signature(compute).parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        positions = compute(**{name: given.get(name) for name in named})
+        return None if positions is None else positions.movedim(1, 0)
 
     def _declare_cp_facts(self, prefix: str) -> None:
-        """None yet: context parallelism splits the merged sequence, after the image embeddings are placed (the
-        rule table refuses it: no attention declares `attend`)."""
-        self.sequence_mixers = {}
+        """Context parallelism splits the merged sequence where it enters the text decoder (`cp_sequence_entry`),
+        after transformers' forward has run the tower and projector on every image, placed their features and
+        computed the position ids (multimodal RoPE's too) on the whole sequence: `attend` on the text decoder's
+        attention modules only, the masks through the base model (hf/attention.py)."""
+        self.cp_sequence_entry = self._text_decoder
+        layers = getattr(self, "pp_layers", None) or f"{self._text_decoder}.layers"
+        self.sequence_mixers = declare_cp_facts(self, getattr(self, prefix), layers, within=self._text_decoder)
 
     def _set_local_heads(self) -> None:
         """The text decoder's as the causal backend's; each attention outside it split by heads (the tower's) gets
@@ -97,6 +126,18 @@ class TransformersImageTextToText(TransformersCausalLM):
                 continue
             width = self._tower_attention.get(name, (None, heads[0] * getattr(module, "head_dim", 0)))[1]
             localise_heads(module, heads[0], width, self.tp_size)
+
+    def input_dependent_parameters(self) -> list[str]:
+        """The parameters only a batch with images reaches: all but the text decoder's and the output head's (the
+        tower's, the projector's; the Trainer keeps them in step over dp ranks: training/input_reach.py)."""
+        head = next(n for n, m in self.named_modules() if m is self.get_output_embeddings())
+        return [n for n, _ in self.named_parameters()
+                if not n.startswith((self._text_decoder + ".", head + "."))]
+
+    def tower_facts(self) -> dict | None:
+        """The vision tower's widths and variants for the memory planner (hf/towers.py `tower_facts`)."""
+        head = next(n for n, m in self.named_modules() if m is self.get_output_embeddings())
+        return tower_facts(self.hf_model, (self._text_decoder, head))
 
     def extra_files(self) -> dict[str, bytes]:
         """The processor's files (image processor, tokenizer, chat template) of the checkpoint this model was

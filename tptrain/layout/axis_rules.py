@@ -112,6 +112,18 @@ def _cp_masks(c: Case, r: Rule) -> str | None:
                              f"through attention_masks(...) (parallel/contract.py); {r.fix}")
 
 
+@rule(ROWS, "sp_refused", between=("sp",), needs=("facts",),
+      when="enable_sequence_parallel on a model that says why its sequence cannot be split (a vision-language model)",
+      reason="sequence parallelism splits the residual stream's sequence over the TP group from the first decoder "
+             "layer on; a model whose sequence is assembled inside its forward cannot hand its layers a shard",
+      fix="drop enable_sequence_parallel (--sequence-parallel); activation checkpointing (--gradient-checkpointing) "
+          "or a larger tp_size cut activation memory instead")
+def _sp_refused(c: Case, r: Rule) -> str | None:
+    if c.features.sequence_parallel and c.facts.sp_refusal:
+        return (f"{c.facts.name} ({c.facts.model_type}) cannot run with enable_sequence_parallel: "
+                f"{c.facts.sp_refusal}; {r.fix}")
+
+
 @rule(ROWS, "sp_transformers", between=("sp", "transformers_backend"), needs=("facts",),
       when="enable_sequence_parallel on the transformers backend",
       reason="transformers' attention and MLP modules take their shapes from their input (the attention output is "
@@ -139,3 +151,39 @@ def _expert_parallel_dense(c: Case, r: Rule) -> str | None:
     if c.features.expert_parallel and not c.facts.ep_plan:
         return (f"enable_expert_parallel=True (--expert-parallel), but {c.facts.name} ({c.facts.model_type!r}) has "
                 f"no experts to split: {r.reason}; {r.fix}")
+
+
+GENERATION = ("dims", "features.generation")
+
+
+@rule(ROWS, "generate_pp", between=("pp", "generation"), needs=GENERATION,
+      when="model.generate on a model cut into pipeline stages (pp_size > 1)",
+      reason="a decode step is one token per sequence through every layer: a pipeline would run its stages one "
+             "after another for each token, and a rank holds only its stages' KV cache",
+      fix="generate from a model loaded with pp_size=1 (e.g. the saved final/ checkpoint)")
+def _generate_pp(c: Case, r: Rule) -> str | None:
+    if c.dims.pp > 1:
+        return f"model.generate cannot run on pipeline stages (pp_size={c.dims.pp}): {r.reason}; {r.fix}"
+
+
+@rule(ROWS, "generate_cp", between=("cp", "generation"), needs=GENERATION,
+      when="model.generate with a KV cache under context parallelism (cp_size > 1)",
+      reason="a decode step's one new token per sequence cannot be split over the cp ranks, and a KV cache would "
+             "hold every position of a sequence on each rank",
+      fix="use_cache=False (each step recomputes the whole sequence, padded to split), or a model loaded with "
+          "cp_size=1")
+def _generate_cp(c: Case, r: Rule) -> str | None:
+    if c.features.generation == "cache" and c.dims.cp > 1:
+        return (f"model.generate cannot keep a KV cache under context parallelism (cp_size={c.dims.cp}): "
+                f"{r.reason}; {r.fix}")
+
+
+@rule(ROWS, "generate_sp", between=("sp", "generation"), needs=GENERATION,
+      when="model.generate with a KV cache under sequence parallelism (enable_sequence_parallel)",
+      reason="a decode step's one new token per sequence cannot be split over the tp ranks",
+      fix="use_cache=False (each step recomputes the whole sequence, padded to split), or a model loaded without "
+          "enable_sequence_parallel")
+def _generate_sp(c: Case, r: Rule) -> str | None:
+    if c.features.generation == "cache" and c.features.sequence_parallel and c.dims.tp > 1:
+        return (f"model.generate cannot keep a KV cache under sequence parallelism (tp_size={c.dims.tp}): "
+                f"{r.reason}; {r.fix}")

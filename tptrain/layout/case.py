@@ -26,6 +26,7 @@ class Features:
     pp_microbatches: int | None = None  # None: as many as pipeline ranks
     batch_size: int | None = None  # per_device_train_batch_size
     seq_len: int | None = None  # the tokens of a sequence (TrainingArguments.seq_len, or an input's length)
+    generation: str | None = None  # model.generate: "cache" (a KV cache) or "recompute" (use_cache=False)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ModelFacts:
     backend: str = "native"
     num_layers: int | None = None  # the decoder layers a pipeline cuts; None: it cannot be cut into stages
     pp_refusal: str | None = None  # why it cannot be cut into stages, if the model says
+    sp_refusal: str | None = None  # why its sequence cannot be split over tp (sequence parallelism), if the model says
     attention: int = 1  # attention modules (tp_kv_projections declared)
     without_attend: tuple[str, ...] = ()  # "name (Class)" of attention modules with no attend(q, k, v, mask)
     mask_builder: str | None = None  # the base model lacking attention_masks(...), e.g. "Qwen3Model at 'model'"

@@ -13,7 +13,7 @@ END = "<!-- end of the rule table -->"
 # The axes (the matrix's columns) and what else a layout can meet (its further rows), as the rules name them.
 AXES = {"tp": "TP", "sp": "SP", "ep": "EP axis", "ep_tp": "EP over TP", "cp": "CP", "pp": "PP", "dp": "FSDP2/DDP"}
 OTHERS = {"dense_model": "a dense model", "transformers_backend": "transformers backend", "device_map": "device_map",
-          "sequence_mixers": "key indexers / compressors"}
+          "sequence_mixers": "key indexers / compressors", "generation": "model.generate"}
 KEYS = {"tp": "tp_size", "sp": "enable_sequence_parallel", "ep": "ep_size", "ep_tp": "enable_expert_parallel",
         "cp": "cp_size", "pp": "pp_size", "dp": "dp_shard_size / dp_replicate_size"}
 

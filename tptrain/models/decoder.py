@@ -14,15 +14,15 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tptrain.losses import CausalLMOutput, causal_lm_loss, chunked_causal_lm_loss
 from tptrain.modeling import PreTrainedModel
+from tptrain.models.cache import KVCache, LayerCache
 from tptrain.models.configuration import PretrainedConfig
-from tptrain.models.layers import (Embedding, FusedLinear, HeadGradient, RMSNorm, causal_mask, document_ids, rms_norm,
-                                   scaled, sdpa, softcapped_attention, split_fused, tanh_softcap)
+from tptrain.models.layers import (MLP, Embedding, FusedLinear, HeadGradient, RMSNorm, causal_mask, document_ids,
+                                   rms_norm, scaled, sdpa, softcapped_attention, split_fused, tanh_softcap)
 from tptrain.models.latent_attention import LatentAttention
 from tptrain.models.moe import Experts, GroupLimitedRouter, SparseMoeBlock, balancing_loss, router_statistics
 from tptrain.models.rope import RotaryEmbedding, apply_rotary
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.rope_in_float32 = config.rope_in_float32
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                q_scale: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         if self.fused:
             q, k, v = split_fused(self.qkv_proj, x)  # (batch, seq, local width of each)
             v = v.contiguous()  # attention saves v: a view would keep the whole fused output (q and k too) alive
@@ -83,6 +83,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, cos, sin, keep_dtype=self.rope_in_float32)
         if q_scale is not None:  # (batch or 1, 1, seq, 1): config.query_position_scale
             q = q * q_scale.to(q.dtype)
+        if cache is not None:  # the keys and values of every position so far, this forward's appended
+            k, v = cache.update(k, v)
         out = self.attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))  # (batch, seq, local_heads * head_dim)
 
@@ -105,28 +107,6 @@ class Attention(nn.Module):
         return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
 
 
-class MLP(nn.Module):
-    tp_pairs = {"down_proj": ("gate_proj", "up_proj")}  # see Attention
-
-    def __init__(self, config: PretrainedConfig, *, inner: int | None = None) -> None:
-        super().__init__()
-        hidden, inner = config.hidden_size, inner or config.intermediate_size
-        self.fused = config.fused_projections
-        if self.fused:  # one gate_up_proj: gate rows, then up rows
-            self.gate_up_proj = FusedLinear(hidden, ((inner, False), (inner, False)), bias=config.mlp_bias)
-            self.tp_pairs = {"down_proj": ("gate_up_proj",)}
-        else:
-            self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
-            self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
-        self.gelu_tanh = config.mlp_activation == "gelu_pytorch_tanh"  # else SiLU
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = split_fused(self.gate_up_proj, x) if self.fused else (self.gate_proj(x), self.up_proj(x))
-        gate = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
-        return self.down_proj(gate * up)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
@@ -145,9 +125,9 @@ class DecoderLayer(nn.Module):
         return x if name is None else getattr(self, name)(x)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                q_scale: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         (attn_in, attn_out), (mlp_in, mlp_out) = self.attn_norms, self.mlp_norms
-        attn = self.self_attn(self._norm(attn_in, h), cos, sin, mask, q_scale)
+        attn = self.self_attn(self._norm(attn_in, h), cos, sin, mask, q_scale, cache)
         h = h + scaled(self._norm(attn_out, attn), self.residual_scale)
         return h + scaled(self._norm(mlp_out, self.mlp(self._norm(mlp_in, h))), self.residual_scale)
 
@@ -199,14 +179,16 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, *, hidden_states: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                head_gradient: HeadGradient | None = None) -> torch.Tensor:
+                head_gradient: HeadGradient | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """The token ids, or (a pipeline stage without the embedding) the hidden states of the layers before, run
         through the layers this module holds and the final norm if it holds one. `head_gradient`: where the
-        embedding's backward adds its rows into the tied head's gradient (`DecoderForCausalLM.forward`)."""
+        embedding's backward adds its rows into the tied head's gradient (`DecoderForCausalLM.forward`). `cache`:
+        the earlier positions' keys and values, which these tokens follow (`attention_mask` then covers both)."""
         h = self.embed(input_ids, head_gradient) if hidden_states is None else hidden_states
         seq, device = (input_ids if hidden_states is None else h).shape[1], h.device
+        past = 0 if cache is None else cache.get_seq_length()
         if position_ids is None:
-            position_ids = torch.arange(seq, device=device)[None]
+            position_ids = torch.arange(past, past + seq, device=device)[None]
         layer_rope = self.rotary_emb.layer_rope  # per layer: the first layer with the same RoPE
         layers = self.indexed_layers()
         rope = {r: self.rotary_emb(h, position_ids, r) for r in {layer_rope[i] for i, _ in layers}}  # {that: (cos, sin)}
@@ -214,24 +196,28 @@ class DecoderModel(nn.Module):
         if self.query_position_scale is not None:  # as transformers: fp32 positions, log(1 + .)
             beta, length = self.query_position_scale
             q_scale = (1 + beta * torch.log(1 + torch.floor(position_ids.float() / length)))[:, None, :, None]
-        masks = self.attention_masks(position_ids, attention_mask, {layer.sliding_window for _, layer in layers})
+        masks = self.attention_masks(position_ids, attention_mask, {layer.sliding_window for _, layer in layers},
+                                     past=past)
         for i, layer in layers:
             mask = masks[layer.sliding_window]
             cos, sin = rope[layer_rope[i]]
-            if self.gradient_checkpointing and self.training:
+            if self.gradient_checkpointing and self.training and cache is None:
                 h = checkpoint(layer, h, cos, sin, mask, q_scale, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, mask, q_scale)
+                h = layer(h, cos, sin, mask, q_scale, None if cache is None else cache.layer(i))
         return h if self.norm is None else self.norm(h)
 
     def attention_masks(self, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, windows: set, *,
-                        query_index: torch.Tensor | None = None,
+                        past: int = 0, query_index: torch.Tensor | None = None,
                         key_index: torch.Tensor | None = None) -> dict[int | None, torch.Tensor | None]:
         """{sliding window (None: none): its mask} over the sequence of `position_ids` (batch or 1, seq), packed
         samples block-diagonal; `query_index` / `key_index` pick and order its rows / columns (`causal_mask`). The
-        engine may wrap it on the instance (context parallelism: the rows of this rank's queries)."""
-        documents = document_ids(position_ids)  # packed samples: block-diagonal causal attention
-        seq = position_ids.shape[-1]
+        engine may wrap it on the instance (context parallelism: the rows of this rank's queries). `past`: the
+        positions a KV cache holds before these (the rows are then the last ones, no packed samples)."""
+        documents = None if past else document_ids(position_ids)  # packed samples: block-diagonal causal attention
+        seq = past + position_ids.shape[-1]
+        if past:
+            query_index = torch.arange(past, seq, device=position_ids.device)
         return {w: causal_mask(seq, device=position_ids.device, attention_mask=attention_mask, sliding_window=w,
                                documents=documents, query_index=query_index, key_index=key_index) for w in windows}
 
@@ -365,27 +351,34 @@ class DecoderForCausalLM(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 num_items_in_batch: int | torch.Tensor | None = None, return_logits: bool = False,
-                per_sequence: bool = False) -> CausalLMOutput:
+                past_key_values: KVCache | None = None, use_cache: bool = False,
+                logits_to_keep: int = 0, per_sequence: bool = False) -> CausalLMOutput:
         """In training mode with labels the loss is computed from the hidden states in chunks of tokens and
-        `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits.
-        `per_sequence`: `loss` is each row's summed token loss (batch,), the router aux loss left out of it."""
+        `logits` is None (`return_logits=True` computes them whole instead); otherwise (batch, seq, vocab) logits,
+        of the last `logits_to_keep` positions only if given. With `use_cache` (or a cache given: transformers'
+        `past_key_values`) the keys and values of these tokens are appended to the cache (a new KVCache if none),
+        returned in `past_key_values`; `attention_mask` then covers the cached positions and these. `per_sequence`:
+        `loss` is each row's summed token loss (batch,), the router aux loss left out of it."""
         fused = labels is not None and not return_logits and self.fuses_head_loss()
         meeting = HeadGradient() if fused and self._head_gradient_meets_embedding() else None
-        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, head_gradient=meeting)
+        cache = past_key_values if past_key_values is not None else KVCache() if use_cache else None
+        h = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids, head_gradient=meeting,
+                       cache=cache)
         if fused:
             logits = None
             weight = self.lm_head.weight if meeting is None else meeting.head_weight(self.lm_head.weight)
             loss = self.head_loss_function(h, weight, labels, num_items_in_batch, transform=self._transform_logits,
                                            per_sequence=per_sequence)
         else:
-            logits = self._transform_logits(self.lm_head(h))  # (batch, seq, vocab)
+            logits = self._transform_logits(self.lm_head(h[:, -logits_to_keep:]))  # (batch, seq or kept, vocab)
             loss = None if labels is None else self.loss_function(logits, labels, num_items_in_batch,
                                                                   per_sequence=per_sequence)
         aux_loss = None
         if getattr(self.config, "output_router_logits", False):  # as transformers: the coefficient only in `loss`
-            aux_loss = self.router_aux_loss_function(self.router_statistics(self._router_logits(), attention_mask))
+            mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:]  # these tokens' own
+            aux_loss = self.router_aux_loss_function(self.router_statistics(self._router_logits(), mask))
             if loss is not None and not per_sequence:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.dtype)
             aux_loss = aux_loss.float()  # reported in fp32, as transformers (the loss keeps an fp64 model's fp64)
-        return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss)
+        return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux_loss, past_key_values=cache)
 

@@ -8,13 +8,16 @@ counts and lengths come from the tensor shapes, never from the config or from x:
 sequence shard, the latents are computed on it (per token), the per-head projections gather them, and the shared RoPE
 key is gathered where it leaves the latent path (`rope_key`, a named point the plan's 'sequence_gather' hooks; as
 Megatron-Core's MLA does). Under context parallelism `attend` sees every rank's keys and values: each head's K
-(qk_nope_head_dim + qk_rope_head_dim) and V (v_head_dim), gathered together.
+(qk_nope_head_dim + qk_rope_head_dim) and V (v_head_dim), gathered together. Its KV cache is the compressed one: per
+position the normalised latent (kv_lora_rank) and the rotated RoPE key (qk_rope_head_dim), the same on every TP rank;
+each step projects every cached latent to this rank's heads' keys and values again (kv_b_proj).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from tptrain.models.cache import LayerCache
 from tptrain.models.configuration import PretrainedConfig
 from tptrain.models.layers import rms_norm, sdpa
 from tptrain.models.rope import apply_rotary, deinterleave
@@ -54,19 +57,23 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                q_scale: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
         assert q_scale is None, "query_position_scale is not a DeepSeek-V3 option"
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.low_rank_q else self.q_proj(x)
         b, s = q.shape[:2]  # the whole sequence (x may be a sequence shard)
         q = q.view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)  # (batch, local heads, seq, qk dim)
         q_pass, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
-        k_pass, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (batch, local heads, seq, each dim)
+        latent = self.kv_a_layernorm(latent)  # (batch, seq, kv rank)
         k_rot = self.rope_key(k_rot).view(b, 1, s, self.rope_dim)  # one RoPE key for every head
         if self.interleaved:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin)
+        if cache is not None:  # the compressed cache: every position's latent and rotated RoPE key, these appended
+            latent, k_rot = cache.update(latent, k_rot)
+        kv = self.kv_b_proj(latent)  # (batch, keys: the cached positions and these, local heads x (nope + v dim))
+        kv = kv.view(b, kv.shape[1], -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        k_pass, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (batch, local heads, keys, each dim)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k = torch.cat((k_pass, k_rot.expand(-1, k_pass.shape[1], -1, -1)), dim=-1)
         out = self.attend(q, k, v, mask)

@@ -1,6 +1,6 @@
 """The small pieces the one decoder is built from: the attention masks (causal, sliding window, packed documents),
-soft-capped attention, RMSNorm (with its variants as flags) and the fused projection (several outputs in one
-weight). Each is named after what it does, not after the family that brought it."""
+soft-capped attention, RMSNorm (with its variants as flags), the fused projection (several outputs in one
+weight) and the gated MLP. Each is named after what it does, not after the family that brought it."""
 from __future__ import annotations
 
 import torch
@@ -230,3 +230,25 @@ class Embedding(nn.Embedding):
         if meeting is None or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
             return super().forward(ids)
         return _TiedEmbedding.apply(ids, self.weight, self.padding_idx, meeting)
+
+
+class MLP(nn.Module):
+    tp_pairs = {"down_proj": ("gate_proj", "up_proj")}  # see decoder.Attention
+
+    def __init__(self, config: PretrainedConfig, *, inner: int | None = None) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, inner or config.intermediate_size
+        self.fused = config.fused_projections
+        if self.fused:  # one gate_up_proj: gate rows, then up rows
+            self.gate_up_proj = FusedLinear(hidden, ((inner, False), (inner, False)), bias=config.mlp_bias)
+            self.tp_pairs = {"down_proj": ("gate_up_proj",)}
+        else:
+            self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+            self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+        self.gelu_tanh = config.mlp_activation == "gelu_pytorch_tanh"  # else SiLU
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = split_fused(self.gate_up_proj, x) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        gate = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
+        return self.down_proj(gate * up)

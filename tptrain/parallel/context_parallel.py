@@ -65,6 +65,7 @@ class CPContext:
     group_name: str
     size: int
     rank: int
+    entry: bool = False  # the model splits its sequence where it enters its text decoder (contract.sequence_entry)
     position_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     query_index: torch.Tensor | None = None
@@ -102,12 +103,14 @@ class CPContext:
         """A whole batch -> this rank's tokens (`split`; when no count is given and labels are, the whole batch's
         real-token count as `num_items_in_batch`, so the loss is a share of one process's); where modules run on it,
         its global positions started (`start`) and this rank's given as `position_ids`. A pipeline stage's batch is
-        this rank's already: its whole sequences' position ids start the masks."""
+        this rank's already: its whole sequences' position ids start the masks. With an `entry` (a vision-language
+        model) only the labels are split here: the ids, mask and positions reach the model whole, and the sequence is
+        split where it enters the text decoder (`_entering`)."""
         mask = batch.attention_mask
         if batch.whole:
             shard = self.split(batch.input_ids, batch.labels, mask)
-            changes = dict(input_ids=shard.input_ids)
-            if mask is not None:
+            changes = {} if self.entry else dict(input_ids=shard.input_ids)
+            if mask is not None and not self.entry:
                 changes["attention_mask"] = shard.attention_mask
             if shard.labels is not None:
                 changes["labels"] = shard.labels
@@ -115,11 +118,15 @@ class CPContext:
                     changes["num_items_in_batch"] = shard.num_items
             seq, device = batch.input_ids.shape[1], batch.input_ids.device
         else:
-            seq, device = batch.position_ids.shape[1], batch.position_ids.device
+            seq, device = batch.position_ids.shape[-1], batch.position_ids.device
             changes = {}
         if batch.runs:
-            changes["position_ids"] = self.start(batch.position_ids, mask if batch.whole else None, seq=seq,
-                                                 device=device)
+            positions = batch.position_ids
+            if self.entry:  # multimodal rows ((batch, rows, seq), (rows, batch, seq)): the masks read no positions
+                positions = positions if positions is not None and positions.dim() == 2 else None
+            local = self.start(positions, mask if batch.whole else None, seq=seq, device=device)
+            if not self.entry:
+                changes["position_ids"] = local
         return batch.replace(**changes)
 
     def end(self, batch: Batch, output):
@@ -183,13 +190,19 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> CPContext | No
     if cp_mesh(mesh) is None:
         return None
     cp_group = cp_mesh(mesh).get_group()
-    ctx = CPContext(comm.group_name(cp_group), dist.get_world_size(cp_group), dist.get_rank(cp_group))
-    for module in model.modules():
+    entry = contract.sequence_entry(model)
+    ctx = CPContext(comm.group_name(cp_group), dist.get_world_size(cp_group), dist.get_rank(cp_group),
+                    entry=entry is not None)
+    held = dict(model.named_modules())  # (a pipeline stage holds its own layers only)
+    for name, module in held.items():
+        if not contract.in_sequence(model, name):  # a vision tower: the whole batch's images, before the split
+            continue
         if isinstance(module, contract.TPAttention):
             module.attend = _gathering(contract.attend(module), ctx)
         if contract.long_context(module) is not None:  # longrope: the whole sequence's length picks the factors
             module.long_context = _on_whole_sequence(contract.long_context(module), ctx)
-    held = dict(model.named_modules())  # (a pipeline stage holds its own layers only)
+    if entry is not None:
+        held[entry].register_forward_pre_hook(functools.partial(_entering, ctx), with_kwargs=True)
     for module in (held[name] for name in contract.whole_sequence_modules(model) if name in held):
         module.register_forward_pre_hook(functools.partial(_whole_sequence_inputs, ctx), with_kwargs=True)
         module.register_forward_hook(functools.partial(_this_ranks_rows, ctx))  # recurrences, short convolutions
@@ -279,6 +292,30 @@ def _this_ranks_rows(ctx: CPContext, module: nn.Module, args: tuple, out):
         return x.index_select(1, index) if torch.is_tensor(x) and x.dim() >= 2 and x.shape[1] == seq else x
 
     return tuple(rows(x) for x in out) if isinstance(out, tuple) else rows(out)
+
+
+def _entering(ctx: CPContext, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The whole sequence entering the model's text decoder (`contract.sequence_entry`) -> this rank's tokens: of
+    `inputs_embeds` (batch, seq, hidden), `position_ids` (..., seq; None: 0..seq-1) and a padding `attention_mask`
+    (batch, seq), the positions `local_index` of the sequence dim. What is this rank's already (a later pipeline
+    stage's hidden states) stays; a dict of built masks holds this rank's rows already (`_rows_for_this_rank`).
+    Backward scatters each rank's rows of the gradient into the whole sequence, so the tower's and projector's
+    gradients are this rank's share, summed over cp with every other."""
+    if ctx.query_index is None:
+        raise RuntimeError(f"under context parallelism {type(module).__name__} runs inside the model's forward (which "
+                           f"starts the split of the sequence); call the model itself, not its text decoder")
+    index, seq = ctx.query_index, len(ctx.key_index)
+    kwargs = dict(kwargs)
+    embeds, positions, mask = (kwargs.get(k) for k in ("inputs_embeds", "position_ids", "attention_mask"))
+    if torch.is_tensor(embeds) and embeds.shape[1] == seq:
+        kwargs["inputs_embeds"] = embeds.index_select(1, index)
+    if positions is None:
+        kwargs["position_ids"] = index[None]
+    elif positions.shape[-1] == seq:
+        kwargs["position_ids"] = positions.index_select(positions.dim() - 1, index)
+    if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[1] == seq:
+        kwargs["attention_mask"] = mask.index_select(1, index)
+    return args, kwargs
 
 
 def _rows_for_this_rank(attention_masks, ctx: CPContext):

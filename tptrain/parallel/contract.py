@@ -69,6 +69,9 @@ class TPModel(Protocol):
     tp_base_plan: the base plan in tptrain's style names, read instead of the config's (`base_plan`; the
         transformers backend, whose config spells transformers' styles; absent or None: the config's).
     tp_ep_plan: the same for the rules enable_expert_parallel adds (`model_ep_plan`; absent: the config's).
+    layer_list: the dotted name of the decoder layers (an nn.ModuleList; a pipeline stage's nn.ModuleDict), each its
+        own FSDP2 unit and compiled on its own (`layers`; absent: `{base_model_prefix}.layers`; a vision-language
+        model's text decoder's, e.g. "model.language_model.layers").
     tp_optional_plans: {what: {full-name glob: style}}: rules applied only at a tp size where they split (every
         width and head count they split divides it, `plan.check_plan`); elsewhere their modules stay whole on every
         rank, and the resolved plan's `notes` say so (`optional_plans`; absent: {}; a vision-language model's derived
@@ -83,6 +86,15 @@ class TPModel(Protocol):
         convolution) that context parallelism runs on the whole sequence (`whole_sequence_modules`; absent: {}): a
         module called with (batch, seq, ...) tensors returning (batch, seq, ...) ones (or a tuple led by one), whose
         every token's output depends on the tokens of its sequence alone; no attention inside.
+    cp_sequence_entry: the dotted name of the module the model's token sequence enters to be mixed, where that is not
+        the model's forward (`sequence_entry`; absent: None, the batch is split before the forward): a
+        vision-language model's text decoder, called with keyword arguments `inputs_embeds` (batch, seq, hidden),
+        `position_ids` (batch, seq), (rows, batch, seq) (multimodal RoPE) or None, and `attention_mask` (batch,
+        seq), a dict of built masks, or None. Under context parallelism the forward takes the whole batch, so
+        what runs before this module (the vision tower and projector on every image, the image features placed
+        among the token embeddings, the multimodal position ids) computes on every token, and the sequence is split
+        at this module's entry; only the attention modules inside it are split over cp, and the masks it is given
+        or builds are this rank's rows.
     router_statistics(router_logits, attention_mask) -> stats and router_aux_loss_function(stats) -> loss: the
         load-balancing loss of a mixture-of-experts model in two steps (`router_aux`; absent: None, no aux loss
         to split): its MoE layers' token statistics (models/moe.py `router_statistics`), then the loss of them,
@@ -260,6 +272,10 @@ def prefix(model: nn.Module) -> str:
     return getattr(model, "base_model_prefix", "model")
 
 
+def layers(model: nn.Module) -> str:
+    return getattr(model, "layer_list", None) or f"{prefix(model)}.layers"
+
+
 def head_plan(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "_tp_plan", None) or {})
 
@@ -323,6 +339,17 @@ def whole_sequence_modules(model: nn.Module) -> dict[str, str]:
     return dict(getattr(model, "cp_whole_sequence", None) or {})
 
 
+def sequence_entry(model: nn.Module) -> str | None:
+    return getattr(model, "cp_sequence_entry", None)
+
+
+def in_sequence(model: nn.Module, name: str) -> bool:
+    """Whether module `name` runs on the token sequence as context parallelism splits it: inside the model's
+    `sequence_entry` where it declares one (a vision-language model's tower runs before, on the whole batch)."""
+    entry = sequence_entry(model)
+    return entry is None or name == entry or name.startswith(f"{entry}.")
+
+
 def base_model(model: nn.Module) -> nn.Module | None:
     return getattr(model, prefix(model), None)
 
@@ -340,15 +367,22 @@ class PipelineModel(Protocol):
         nn.ModuleDict keyed by their index, so every parameter keeps its whole-model name).
     pp_first: dotted names of the modules only the first stage holds (the embedding); the others hold None there.
     pp_last: dotted names of the modules only the last stage holds (the final norm and the head).
-    pipeline_forward(x, *carried, position_ids=None): the stage's computation on what the module holds: token ids
-        or hidden states in, hidden states or logits out (the loss is computed from the logits by `loss_function`);
-        or (output, *carried): tensors besides x each stage passes on to the next (the router statistics of the
-        layers so far), `carried` being the stage before's (none on the first). The Pipeline always passes
-        `position_ids` (batch, tokens): the sequence's length and positions come from them, not from `x`, which
-        under sequence parallelism is a tp rank's shard of the hidden states.
+    pipeline_forward(x, *carried, position_ids=None, **inputs): the stage's computation on what the module holds:
+        token ids or hidden states in, hidden states or logits out (the loss is computed from the logits by
+        `loss_function`); or (output, *carried): tensors besides x each stage passes on to the next (the router
+        statistics of the layers so far), `carried` being the stage before's (none on the first). The Pipeline
+        always passes `position_ids` (batch, tokens), or (batch, rows, tokens) where `input_positions` gives
+        multimodal ones: the sequence's length and positions come from them, not from `x`, which under sequence
+        parallelism is a tp rank's shard of the hidden states. `inputs`: the batch's other inputs where it has any
+        (a vision-language model's): those of one row per token on every stage, those of rows per sample (images,
+        patches) on the first stage only, each the microbatch's own.
     Optional:
     pipeline_loss(loss, *carried) -> loss: the last stage's microbatch loss with what was carried (the router aux
         loss; needed when pipeline_forward carries anything).
+    input_positions(input_ids, **inputs) -> (batch, rows, seq) or None: the whole batch's position ids where the
+        model computes them from its inputs (`input_positions`; absent or None: 0..seq-1): multimodal RoPE's rows
+        (time, height, width) from the ids and the image grids, which every stage needs and only the whole rows
+        give.
     A model that is not one may say why (`pp_refusal`, a str; `pipeline_refusal`), which the refusal repeats.
     """
 
@@ -358,6 +392,12 @@ class PipelineModel(Protocol):
 
     def pipeline_forward(self, x: torch.Tensor, *carried: torch.Tensor,
                          position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+def input_positions(model: nn.Module, input_ids: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+                    ) -> torch.Tensor | None:
+    compute = getattr(model, "input_positions", None)
+    return compute(input_ids, **inputs) if compute is not None else None
 
 
 def long_context(module: nn.Module):
@@ -377,6 +417,12 @@ def router_aux(model: nn.Module) -> tuple[Any, Any] | None:
 
 def pipeline_refusal(model: nn.Module) -> str | None:
     return getattr(model, "pp_refusal", None)
+
+
+def sequence_parallel_refusal(model: nn.Module) -> str | None:
+    """Why the model's sequence cannot be split over the TP group (`sp_refusal`, a str; absent: None, it can be
+    where its plan allows), which the rule table's `sp_refused` repeats."""
+    return getattr(model, "sp_refusal", None)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[str, tuple[str, ...], tuple[str, ...]] | None:

@@ -1,12 +1,13 @@
 """Data parallelism (FSDP2 / HSDP / DDP, all as `fully_shard`) and per-layer torch.compile: the last steps of the one
-parallelize (parallelize.py), on a model already split over its other axes.
+parallelize (parallelize.py), on a model already split over its other axes; the weights held gathered for a
+generation (`held_unsharded`).
 
 TP parameters are plain local tensors, so FSDP shards each rank's TP shard as an ordinary parameter.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -19,8 +20,10 @@ from tptrain.parallel import contract
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks, each its own FSDP unit (one all-gather / reduce-scatter per layer)."""
-    base = getattr(model, contract.prefix(model), None)
-    layers = getattr(base, "layers", [])
+    try:
+        layers = model.get_submodule(contract.layers(model))
+    except AttributeError:  # a model without a layer list: one unit
+        return []
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)  # ModuleDict: a pipeline stage's
 
 
@@ -68,6 +71,43 @@ def apply_data_parallel(model: nn.Module, mesh: DeviceMesh, *, bf16: bool, pipel
             # A plain SUM everywhere: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
             module.set_force_sum_reduction_for_comms(True)
     return True
+
+
+@contextlib.contextmanager
+def held_unsharded(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 module of `model` gathered once and held so until the block ends (no re-gather per forward, no
+    reshard after one: a generation's forwards), then resharded with its reshard_after_forward as it was. Nothing
+    when `model` holds no FSDP2 module. Collective over the data-parallel ranks: every one enters it."""
+    held = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not held:
+        yield
+        return
+    if isinstance(model, FSDPModule):  # which state is the root, settled now (torch does it at the first forward)
+        model._get_fsdp_state()._lazy_init()
+    before = [_reshard_setting(m) for m in held]
+    for module in held:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module, setting in zip(held, before):
+            module.reshard()
+            _restore_reshard_setting(module, setting)
+
+
+def _reshard_setting(module: FSDPModule) -> tuple:
+    """What `set_reshard_after_forward` changes on `module` (torch has no getter): its state's flag and each
+    parameter group's post-forward mesh."""
+    state = module._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_setting(module: FSDPModule, setting: tuple) -> None:
+    state = module._get_fsdp_state()
+    state._auto_reshard_after_forward, meshes = setting
+    for group, mesh_info in zip(state._fsdp_param_groups, meshes):
+        group.post_forward_mesh_info = mesh_info
 
 
 def apply_compile(model: nn.Module, *, backend: str, before_layer: Callable[[], None] | None = None) -> None:

@@ -18,13 +18,15 @@ def model_facts(model: Any, objects: Mapping[str, Any] | None = None) -> ModelFa
     if not isinstance(model, nn.Module):
         return None
     config = getattr(model, "config", None)
-    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)}
+    # (a vision-language model's tower attends before the sequence is split: context parallelism leaves it alone)
+    attention = {name: m for name, m in model.named_modules() if isinstance(m, contract.TPAttention)
+                 and contract.in_sequence(model, name)}
     base = contract.base_model(model)
     experts = None if objects is None else sum(1 for style in objects.values() if style.stacked_experts)
     return ModelFacts(
         name=type(model).__name__, model_type=str(getattr(config, "model_type", "?")),
         backend=getattr(model, "backend", "native"), num_layers=_num_layers(model), attention=len(attention),
-        pp_refusal=contract.pipeline_refusal(model),
+        pp_refusal=contract.pipeline_refusal(model), sp_refusal=contract.sequence_parallel_refusal(model),
         without_attend=tuple((name, type(m).__name__) for name, m in attention.items() if contract.attend(m) is None),
         mask_builder=None if contract.mask_builder(model) is not None else
         f"{type(base).__name__} at {contract.prefix(model)!r}",

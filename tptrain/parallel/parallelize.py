@@ -122,7 +122,8 @@ def router_aux(model: nn.Module, mesh, options: ParallelOptions, device, done: P
 
 def forward_scope(model: nn.Module, mesh, options: ParallelOptions, device, done: Parallelized) -> None:
     """The model's forward runs the scope: a pre-hook begins it on the forward's arguments (what the axes change, a
-    cp rank's tokens say, written back), a hook (always called) ends it on the output."""
+    cp rank's tokens say, written back), a hook (always called) ends it on the output; inside a scope a caller opened
+    (a generation step's) they add nothing."""
     state = done.state
     if options.plan is not None and state.scope.axes:
         _run_scope_around_forward(model, state.scope)
@@ -204,6 +205,9 @@ def _run_scope_around_forward(model: nn.Module, scope: ForwardScope) -> None:
     began: list[bool] = []  # per call in flight: whether its begin completed (the hook is always called)
 
     def begin(module, args, kwargs):
+        if scope.open:  # the caller runs the scope around this forward (the generation engine, with its own batch)
+            began.append(False)
+            return None
         bound = signature.bind(*args, **kwargs)
         try:
             batch = scope.begin(Batch.of_arguments(bound.arguments))

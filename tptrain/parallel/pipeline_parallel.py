@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tptrain.distributed.state import Batch, ForwardScope, state_of
+from tptrain.distributed.state import ROWS, Batch, ForwardScope, state_of
 from tptrain.layout import check, schedules
 from tptrain.layout.schedules import V_SCHEDULES, stages_per_rank
 from tptrain.parallel import contract
@@ -180,7 +180,7 @@ class StageModule(nn.Module):
 
     def __init__(self, model: nn.Module, layers: list[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        self.view = _shallow(model)
+        self.view, self.first = _shallow(model), first
         keep_stage(self.view, layers, first=first, last=last, shallow=True)
         self.scope: ForwardScope = state_of(model).scope  # the model's forward scope (empty for one process)
         self.last = last
@@ -195,19 +195,62 @@ class StageModule(nn.Module):
         _replace(self.view, path, module, shallow=True)
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor,
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, **inputs: torch.Tensor):
         """x: token ids (batch, seq / cp: this rank's tokens under cp) on the first stage, else the hidden states
         the stage before sent (batch, seq / cp (/ tp under SP), hidden); carried: what else it sent (the router
-        statistics, `contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq), which
-        RoPE and the masks read (a stage's input may be a shard of the sequence). Inside the model's forward scope,
-        as the model's own forward would be (a loss follows: MicrobatchLoss computes it from the last stage's
-        logits). rows: the microbatch's per-row values a workflow's loss reads (batch, ...), handed on by the last
-        stage after its output (MicrobatchLoss.objective)."""
+        statistics, `contract.PipelineModel`); position_ids: the microbatch's whole sequences' (batch, seq) or
+        (batch, rows, seq), which RoPE and the masks read (a stage's input may be a shard of the sequence); inputs:
+        the microbatch's other inputs (`by_microbatch`). Inside the model's forward scope, as the model's own forward
+        would be (a loss follows: MicrobatchLoss computes it from the last stage's logits). rows: the microbatch's
+        per-row values a workflow's loss reads (batch, ...), handed on by the last stage after its output
+        (MicrobatchLoss.objective)."""
+        inputs = own_rows(inputs, first=self.first)
         batch = Batch("stage", position_ids=position_ids, loss=True)
-        out = self.scope.run(batch, lambda b: self.view.pipeline_forward(x, *carried, position_ids=b.position_ids))
+        out = self.scope.run(batch, lambda b: self.view.pipeline_forward(x, *carried, position_ids=b.position_ids,
+                                                                         **inputs))
         if rows is None or not self.last:
             return out
         return (*out, rows) if isinstance(out, tuple) else (out, rows)
+
+
+def by_microbatch(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """A whole batch's inputs beside the ids, labels and positions (a vision-language model's) as the schedule is to
+    split them, each along dim 0 into `n` microbatches of consecutive samples: those of one row per sample (attention
+    mask, token types) as they are; one joined along dim 0 from its samples (its rows per sample under name + ROWS:
+    images, patches) regrouped as (n, the most rows of a microbatch, ...), zero-padded, with its rows per microbatch
+    as name + ROWS (n,) (`own_rows` undoes it). ValueError naming an input of other rows and no counts."""
+    size, out = batch["input_ids"].shape[0], {}
+    for name, value in _other_inputs(batch).items():
+        counts = batch.get(name + ROWS)
+        if counts is None:
+            if value.shape[0] != size:
+                raise ValueError(f"the batch's {name!r} has {value.shape[0]} rows for {size} samples and no "
+                                 f"{name + ROWS!r} saying how many are each sample's: a pipeline's microbatches take "
+                                 f"their own samples' rows (training/vision_data.py's collate_vision gives them)")
+            out[name] = value
+            continue
+        per = torch.stack([c.sum() for c in counts.tensor_split(n)])  # rows per microbatch (the schedule's split)
+        packed = value.new_zeros(n, int(per.max()), *value.shape[1:])
+        for m, (start, rows) in enumerate(zip((per.cumsum(0) - per).tolist(), per.tolist())):
+            packed[m, :rows] = value[start:start + rows]
+        out[name], out[name + ROWS] = packed, per
+    return out
+
+
+def own_rows(inputs: dict[str, torch.Tensor], *, first: bool) -> dict[str, torch.Tensor]:
+    """A microbatch's share of `by_microbatch`'s inputs (each (1, ...) after the schedule's split) as the model
+    takes them: a joined input's rows back as they were (on the first stage only, which runs the tower; left out where
+    the microbatch has none), the rest as they are."""
+    out = {}
+    for name, value in inputs.items():
+        rows = inputs.get(name + ROWS)
+        if name.endswith(ROWS):
+            continue
+        if rows is None:
+            out[name] = value
+        elif first and int(rows[0]):
+            out[name] = value[0, :int(rows[0])]
+    return out
 
 
 class MicrobatchLoss:
@@ -245,6 +288,7 @@ class Pipeline:
         state = state_of(model)
         plan = self.plan = state.pp
         self.model, self.loss, self.scope = model, MicrobatchLoss(model), state.scope
+        self.n_microbatches = n_microbatches
         last = plan.n_stages - 1
         self.stages = [PipelineStage(StageModule(model, list(plan.stage_layers[s]), first=s == 0, last=s == last),
                                      s, plan.n_stages, device, group=mesh["pp"].get_group()) for s in plan.stages]
@@ -272,16 +316,21 @@ class Pipeline:
         self.loss.num_items = num_items
         self.ties.refresh()
         ids, positions = batch["input_ids"], batch.get("position_ids")
+        inputs = by_microbatch(batch, self.n_microbatches)
+        if positions is None:  # multimodal RoPE's, from the whole rows (every stage reads them)
+            positions = contract.input_positions(self.model, ids, _other_inputs(batch))
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         whole = Batch("step", input_ids=ids, labels=batch["labels"], position_ids=positions,
                       num_items_in_batch=num_items, loss=True)
-        return self.scope.run(whole, functools.partial(self._run, train=train, rows=rows, per_row=per_row))
+        return self.scope.run(whole, functools.partial(self._run, train=train, inputs=inputs, rows=rows,
+                                                       per_row=per_row))
 
-    def _run(self, batch: Batch, *, train: bool, rows: torch.Tensor | None = None, per_row: bool = False
-             ) -> torch.Tensor:
+    def _run(self, batch: Batch, *, train: bool, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None = None,
+             per_row: bool = False) -> torch.Tensor:
         """torch's schedule on this rank's part of `batch`: the first stage takes the ids, the last the labels, every
-        stage the whole sequences' position ids (RoPE, the masks); the schedule splits each along the batch dim."""
+        stage the whole sequences' position ids (RoPE, the masks) and the other `inputs` (`by_microbatch`); the
+        schedule splits each along dim 0."""
         plan = self.plan
         args = (batch.input_ids,) if plan.holds(0) else ()
         target = batch.labels if plan.holds(plan.n_stages - 1) else None
@@ -290,13 +339,20 @@ class Pipeline:
         # return_outputs=False: the last stage drops each microbatch's logits after its backward instead of keeping
         # them all to the end of the step and concatenating them (nothing reads them: the losses are the output).
         extra = {} if rows is None else {"rows": rows}
-        run(*args, target=target, losses=losses, return_outputs=False, position_ids=batch.position_ids, **extra)
+        run(*args, target=target, losses=losses, return_outputs=False, position_ids=batch.position_ids, **inputs,
+            **extra)
         device = batch.position_ids.device
         if per_row:  # each microbatch's vector, in order
             return torch.cat([v.detach().to(torch.float64) for v in losses]) if losses else \
                 torch.zeros(batch.position_ids.shape[0], dtype=torch.float64, device=device)
         return sum((loss.detach().to(torch.float64) for loss in losses), torch.zeros((), dtype=torch.float64,
                                                                                      device=device))
+
+
+def _other_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch's inputs beside the ids, labels and positions (a vision-language model's), as the model takes them."""
+    return {name: value for name, value in batch.items()
+            if name not in ("input_ids", "labels", "position_ids") and not name.endswith(ROWS)}
 
 
 _FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType values (a str Enum)

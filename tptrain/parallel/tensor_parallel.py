@@ -110,7 +110,8 @@ def _same_ranks(old, new) -> str:
 class TPForward:
     """TP's part of the forward scope (tptrain/distributed/state.py): each forward starts without the last one's
     shared boundary, and the head keeps its logits vocab-sharded when a loss follows (the vocab-parallel loss reads
-    them: a model's forward with labels, a pipeline stage's, whose schedule computes the loss)."""
+    them: a model's forward with labels, a pipeline stage's, whose schedule computes the loss) or the next tokens are
+    sampled from them (a generation step: each rank's candidates)."""
 
     def __init__(self, layout: TPLayout) -> None:
         self.ctx, self.vocab_parallel_loss = layout.ctx, layout.vocab_parallel_loss
@@ -118,7 +119,7 @@ class TPForward:
     def begin(self, batch: Batch) -> Batch:
         if batch.runs:
             self.ctx.reset()
-            self.ctx.keep_logits_sharded = self.vocab_parallel_loss and batch.loss
+            self.ctx.keep_logits_sharded = self.vocab_parallel_loss and (batch.loss or batch.sampled)
         return batch
 
     def end(self, batch: Batch, output):

@@ -106,7 +106,7 @@ def evaluate_pipeline(pipeline: Any, dataset: Any, *, batch_size: int, seq_len: 
             rows = [dataset[i] for i in mine[start:start + batch_size]]
             items = [r if isinstance(r, dict) else {"input_ids": r, "labels": r} for r in rows]
             items += [_ignored(dataset[0])] * (batch_size - len(items))  # every batch of the one shape
-            batch = _pad_to(collate(items, pad_id=pad_id), seq_len, pad_id)
+            batch = _pad_to(collate(items, pad_id=pad_id, length=seq_len, rows=True), seq_len, pad_id)
             totals[1] += int((shift_labels(batch["labels"]) != IGNORE_INDEX).sum())
             loss = pipeline.step({k: v.to(device) for k, v in batch.items()}, 1, train=False)
             comm.all_reduce(loss, mesh["pp"].get_group(), phase="eval")  # held by the last stage's ranks

@@ -306,17 +306,19 @@ def _pack(lengths: list[int], seq_len: int) -> list[int]:
     return starts + [len(lengths)]
 
 
-def collate(items: list[Any], *, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate(items: list[Any], *, pad_id: int, multiple: int = 1, length: int = 0,
+            rows: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch: (batch, seq) input_ids, labels and (for SFT rows) position_ids. Rows of different
     lengths are right-padded to the longest (rounded up to `multiple`, e.g. the TP degree under sequence
-    parallelism), labels -100 there; positions run on, so padding needs no mask (causal attention never
-    lets a real token see a later pad). Plain blocks (LongTensors) are their own labels."""
+    parallelism; at least `length`: a pipeline's one shape), labels -100 there; positions run on, so padding needs
+    no mask (causal attention never lets a real token see a later pad). Plain blocks (LongTensors) are their own
+    labels. Vision rows: collate_vision (`rows`: their images' rows per sample)."""
     if all(isinstance(item, torch.Tensor) for item in items):
         ids = torch.stack(items)
         return {"input_ids": ids, "labels": ids}
     if set(items[0]) - set(TEXT_KEYS):  # a vision-language model's rows: the processor's inputs besides
-        return collate_vision(items, pad_id=pad_id, multiple=multiple)
-    length = -(-max(item["input_ids"].numel() for item in items) // multiple) * multiple
+        return collate_vision(items, pad_id=pad_id, multiple=multiple, length=length, rows=rows)
+    length = max(length, -(-max(item["input_ids"].numel() for item in items) // multiple) * multiple)
     batch = {"input_ids": [], "labels": [], "position_ids": []}
     for item in items:
         pad = length - item["input_ids"].numel()

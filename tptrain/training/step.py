@@ -17,18 +17,20 @@ import torch
 from torch import nn
 
 from tptrain.distributed import comm
-from tptrain.distributed.state import state_of
+from tptrain.distributed.state import ROWS, state_of
 from tptrain.distributed.topology import dp_mesh
 from tptrain.losses import IGNORE_INDEX, shift_labels
 from tptrain.training.args import TrainingArguments
+from tptrain.training.input_reach import InputReach
 from tptrain.training.nonfinite import StepResult, describe, is_finite
 from tptrain.training.optim import clip_grad_norm_
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A batch's inputs beyond the text's (ids, labels, positions): a vision-language model's attention_mask, pixel
-    values, image_grid_thw, ... under the processor's names (training/vision_data.py); none for text."""
-    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids")}
+    values, image_grid_thw, ... under the processor's names (training/vision_data.py; not their rows per sample,
+    which a pipeline reads); none for text."""
+    return {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "position_ids") and not k.endswith(ROWS)}
 
 
 class TrainStep:
@@ -45,6 +47,8 @@ class TrainStep:
         self.specs = state.tp.specs if state.laid_out else {}
         self.grad_sync = state.grad_sync
         self.metrics: dict[str, float] = {}  # what a workflow's step adds to the step's log line (TRL's names)
+        dp = dp_mesh(mesh)  # a vision-language model's tower: reached by images only, kept in step over dp
+        self.reach = InputReach.of(self.inner, dp.get_group(), dp.size()) if pipeline is None else None
 
     def __call__(self, micro: list[dict[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
                  scheduler: Any) -> StepResult:
@@ -55,6 +59,8 @@ class TrainStep:
         loss_sum = self.forward_backward(micro)
         if self.pipeline is not None:
             self.pipeline.ties.sync_grads()
+        if self.reach is not None:
+            self.reach.settle()
         # partial gradients (q/k norms, shared KV chunks) summed over TP; with optim_in_backward the only
         # gradients left: the optimizer held them back for this sum and steps them now
         if self.grad_sync is not None:

@@ -228,7 +228,10 @@ class Trainer:
                 "multiple": math.lcm(sp * self.dims.cp, 2 * self.dims.cp if self.dims.cp > 1 else 1)}
 
     def _batch(self, rows: list[Any]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in collate(rows, **self._padding()).items()}
+        """The micro-batch of `rows` on this rank's device; under pp of the one shape the stages exchange (seq_len
+        tokens), its images' rows per sample given (each pipeline microbatch takes its own)."""
+        staged = dict(length=self.args.seq_len, rows=True) if self.pipeline is not None else {}
+        return {k: v.to(self.device) for k, v in collate(rows, **self._padding(), **staged).items()}
 
     def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
         """{"eval_loss", "eval_ppl", "eval_tokens"} over all of `eval_dataset` (default: the Trainer's);

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from tptrain.distributed.state import ROWS
 from tptrain.io import resolve_checkpoint
 from tptrain.losses import IGNORE_INDEX
 from tptrain.training.vision_records import ImageChat, ImageRecords, image_records, open_image
@@ -158,13 +159,16 @@ def _per_token(value: torch.Tensor, length: int) -> bool:
     return value.dim() == 1 and value.numel() == length
 
 
-def collate_vision(items: list[dict[str, torch.Tensor]], *, pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate_vision(items: list[dict[str, torch.Tensor]], *, pad_id: int, multiple: int = 1, length: int = 0,
+                   rows: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch of vision rows: input_ids, labels and every per-token input right-padded to the longest row
-    (rounded up to `multiple`; pad_id, -100, 0: a padded position is masked out by attention_mask); every image input
-    concatenated in row order (the model places image i at the i-th run of placeholders of the flattened batch),
-    each padded with zeros to the largest of the batch where their shapes differ (a processor that pads its images
-    reads the padding as such: image_sizes, pixel_attention_mask)."""
-    length = math.ceil(max(item["input_ids"].numel() for item in items) / multiple) * multiple
+    (rounded up to `multiple`; at least `length`; pad_id, -100, 0: a padded position is masked out by attention_mask);
+    every image input concatenated in row order (the model places image i at the i-th run of placeholders of the
+    flattened batch), each padded with zeros to the largest of the batch where their shapes differ (a processor that
+    pads its images reads the padding as such: image_sizes, pixel_attention_mask); with `rows`, how many of its rows
+    each sample holds under its name + ROWS (what a pipeline reads to give each microbatch its own samples' images;
+    not a model input)."""
+    length = max(length, math.ceil(max(item["input_ids"].numel() for item in items) / multiple) * multiple)
     keys = list(dict.fromkeys(k for item in items for k in item))
     batch = {}
     for key in keys:
@@ -174,6 +178,8 @@ def collate_vision(items: list[dict[str, torch.Tensor]], *, pad_id: int, multipl
             batch[key] = torch.stack([torch.nn.functional.pad(v, (0, length - v.numel()), value=fill) for v in values])
         else:
             batch[key] = _concatenated(values, key)
+            if rows:
+                batch[key + ROWS] = torch.tensor([item[key].shape[0] if key in item else 0 for item in items])
     return batch
 
 

@@ -26,7 +26,7 @@ from tptrain.training.preference.data import PreferenceDataset, build_preference
 from tptrain.training.preference.reference import ModelReference, NoReference, PrecomputedReference
 from tptrain.training.preference.reference_copy import frozen_copy, precompute, reference_forward
 from tptrain.training.preference.step import PreferenceStep
-from tptrain.training.trainer import Trainer
+from tptrain.training.trainer import Trainer, model_dir
 
 
 class DPOTrainer(Trainer):
@@ -58,9 +58,9 @@ class DPOTrainer(Trainer):
 
     def _dataset(self, source: Any) -> PreferenceDataset:
         if not isinstance(source, PreferenceDataset) and self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self._model_dir())
+            self.tokenizer = load_tokenizer(model_dir(self.inner))
         a = self.args
-        return build_preference_data(source, self.tokenizer, model_dir=self._model_dir(), chat_template=a.chat_template,
+        return build_preference_data(source, self.tokenizer, model_dir=model_dir(self.inner), chat_template=a.chat_template,
                                      max_length=a.max_length, max_prompt_length=a.max_prompt_length,
                                      truncation_mode=a.truncation_mode, cache_dir=a.data_cache_dir,
                                      vocab_size=self.inner.config.vocab_size)

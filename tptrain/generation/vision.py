@@ -1,9 +1,7 @@
-"""Greedy continuation of a prompt: enough to see what a freshly trained model learned.
-
-Works unchanged on a tensor-parallel model: every rank calls it with the same prompt, the model
-all-gathers the full logits when no labels are given, so every rank picks the same token (under sequence or context
-parallelism the context is padded to a length that splits). No KV
-cache: each new token recomputes the whole (short) context.
+"""A vision-language model's greedy reply (the end-of-run sample of a vision-language `tptrain train`): no KV cache,
+each new token recomputes the whole (short) context with the processor's inputs (images, per-token ones) beside it,
+which `generate` does not take. Every rank calls it with the same prompt; under sequence or context parallelism the
+context is padded to a length that splits.
 """
 from __future__ import annotations
 
@@ -15,21 +13,12 @@ from torch import nn
 
 from tptrain.distributed.state import state_of
 from tptrain.parallel.context_parallel import gather_sequence
-from tptrain.text import Tokenizer
-
-
-@torch.no_grad()
-def greedy_generate(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """The `max_new_tokens` most likely next tokens after `prompt`, decoded (prompt not included);
-    stops early at eos. Collective under TP: call it on every rank."""
-    ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id]  # an empty prompt starts a new document
-    return tokenizer.decode(greedy_ids(model, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id))
 
 
 @torch.no_grad()
 def greedy_ids(model: nn.Module, ids: list[int], max_new_tokens: int, *, eos_token_id: int,
                inputs: dict[str, torch.Tensor] | None = None) -> list[int]:
-    """The ids of `greedy_generate`'s continuation of `ids`. inputs: a vision-language model's other inputs for
+    """The ids of the most likely continuation of `ids` (stopped at eos). inputs: a vision-language model's other inputs for
     `ids` (its processor's, batch of one): each per-token one, (1, len(ids)), continued with its last value (the
     prompt ends in text), the image ones passed as they are; the context is then never cut."""
     max_context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or len(ids) + max_new_tokens
