@@ -46,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
     args = parser.parse_args()
-    from tests.dist_utils import reserved_port
+    from tests.helpers.ranks import reserved_port
 
     print(f"{'ranks':>5} | {'median us':>9} | {'p90 us':>7}")
     for world in (2, 4):

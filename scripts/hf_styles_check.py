@@ -36,7 +36,8 @@ def write_checkpoint(model_type: str, root: Path) -> tuple[Path, dict]:
     """(directory written by transformers, {"logits", "loss"} of transformers in fp64 on the batch)."""
     import transformers
 
-    from tests.family_utils import hf_reference, randomize
+    from tests.helpers.checkpoints import randomize
+    from tests.helpers.references import hf_reference
     torch.manual_seed(0)
     fields = {**TINY, **EXTRA.get(model_type, {})}
     config = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in fields.items() if v is not None})
@@ -53,7 +54,7 @@ def write_checkpoint(model_type: str, root: Path) -> tuple[Path, dict]:
 def _worker(tp: int, checkpoints: dict, out: Path, ep: bool) -> None:
     import torch.distributed as dist
 
-    from tests.family_utils import batch
+    from tests.helpers.batches import batch
     from tptrain import AutoModelForCausalLM, DistributedConfig
     results = {}
     for model_type, (path, expected) in checkpoints.items():
@@ -83,8 +84,9 @@ def _random_worker(tp: int, types: list[str], out: Path) -> None:
 
     import transformers
 
-    from tests.family_utils import batch, randomize
-    from tests.helpers import full_grads
+    from tests.helpers.batches import batch
+    from tests.helpers.checkpoints import randomize
+    from tests.helpers.compare import full_grads
     from tptrain import DistributedConfig
     from tptrain.hf.model import TransformersCausalLM
     results = {}
@@ -112,7 +114,7 @@ def _random_worker(tp: int, types: list[str], out: Path) -> None:
 
 
 def main() -> None:
-    from tests.dist_utils import run_distributed
+    from tests.helpers.ranks import run_distributed
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp-size", type=int, default=2)
     parser.add_argument("--ep", action="store_true", help="enable_expert_parallel (MoE types)")

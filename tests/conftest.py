@@ -8,6 +8,9 @@ torchrun as subprocesses, ranks started by hand. The fast tier leaves them (and 
 A test without the marker that starts processes fails at once, saying so, so no test can be missing it: while it
 runs, starting a multiprocessing process (run_distributed, torch's launchers in this process), a subprocess that is
 a launcher (`tptrain train`, torchrun), or a second subprocess while one it started is still running, raises.
+
+The shared fixtures: `checkpoints` (and `checkpoint`, for a module with one) writes what the test module declares as
+CHECKPOINTS (a tests.helpers.checkpoints.Checkpoints) once a session, shared by the modules naming the same object.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import subprocess
 
 import pytest
 
-from tests import dist_utils
+from tests.helpers import ranks
 
 _LAUNCHERS = {"torchrun", "torch.distributed.run"}
 _started: list[subprocess.Popen] = []  # the subprocesses the current test started
@@ -40,17 +43,17 @@ _process_start = multiprocessing.process.BaseProcess.start
 
 
 def _guarded_popen_init(self, args, *rest, **kwargs):
-    if dist_utils.current_test_is_distributed is False:
+    if ranks.current_test_is_distributed is False:
         if _is_launcher(args):
-            dist_utils.require_distributed_marker(f"`{' '.join(_argv(args))}`")
+            ranks.require_distributed_marker(f"`{' '.join(_argv(args))}`")
         if any(p.poll() is None for p in _started):
-            dist_utils.require_distributed_marker("a second subprocess while its first still runs")
+            ranks.require_distributed_marker("a second subprocess while its first still runs")
     _popen_init(self, args, *rest, **kwargs)
     _started.append(self)
 
 
 def _guarded_process_start(self):
-    dist_utils.require_distributed_marker(f"multiprocessing ({type(self).__name__} {self.name})")
+    ranks.require_distributed_marker(f"multiprocessing ({type(self).__name__} {self.name})")
     return _process_start(self)
 
 
@@ -76,12 +79,12 @@ def pytest_unconfigure(config):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Setup (fixtures included), call and teardown of `item` run knowing whether it is marked."""
-    dist_utils.current_test_is_distributed = item.get_closest_marker("distributed") is not None
+    ranks.current_test_is_distributed = item.get_closest_marker("distributed") is not None
     _started.clear()
     try:
         return (yield)
     finally:
-        dist_utils.current_test_is_distributed = None
+        ranks.current_test_is_distributed = None
         _started.clear()
 
 
@@ -91,3 +94,25 @@ def _data_cache(tmp_path_factory):
     never the user's ~/.cache (nor a $TPTRAIN_CACHE of theirs)."""
     os.environ["TPTRAIN_CACHE"] = str(tmp_path_factory.mktemp("data-cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def _written(tmp_path_factory) -> dict:
+    """{a module's CHECKPOINTS: what its write gave}, for the session."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(request, _written, tmp_path_factory):
+    """{name: directory, or (directory, reference)} of the module's CHECKPOINTS (tests.helpers.checkpoints)."""
+    spec = request.module.CHECKPOINTS
+    if spec not in _written:
+        _written[spec] = spec.write(tmp_path_factory)
+    return _written[spec]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+    """The one checkpoint of a module whose CHECKPOINTS names one."""
+    (only,) = checkpoints.values()
+    return only

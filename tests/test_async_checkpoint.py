@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from tests.dist_utils import run_distributed
-from tests.helpers import tiny_dataset, tiny_model, tptrain_train, training_args
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.training.checkpoint.dirs import MARKER, resolve_resume
 from tptrain.training.trainer import Trainer

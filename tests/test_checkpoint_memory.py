@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import BIG, PeakSampler, _rss_anon, pin_mmap_threshold
+from tests.helpers.configs import BIG
+from tests.helpers.memory import PeakSampler, pin_mmap_threshold, rss_anon
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.data import PackedDataset
@@ -50,7 +51,7 @@ def _save_worker(tmp: str) -> None:
     tensors = [t for p in trainer.inner.parameters() for t in (p, *trainer.optimizer.state[p].values())]
     state = sum(_local_bytes(t) for t in tensors)
     largest = max(_local_bytes(t) for t in tensors)
-    before = _rss_anon()
+    before = rss_anon()
     with PeakSampler() as sampler:
         trainer.save_checkpoint()
     rank = torch.distributed.get_rank()

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.helpers import tiny_dataset, tiny_model, training_args
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.cli import main
 from tptrain.training.checkpoint import dirs as ckpt

@@ -17,8 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from tests.dist_utils import run_distributed
-from tests.helpers import tiny_dataset, tiny_model, training_args
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.training.checkpoint import state as ckpt
 from tptrain.training.args import ParallelismConfig

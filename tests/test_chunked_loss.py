@@ -8,12 +8,14 @@ saved for backward.
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import assert_grads_match, assert_params_match
+from tests.helpers.batches import labelled_batch
+from tests.helpers.compare import assert_grads_match, assert_params_match
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig, losses
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -21,6 +23,7 @@ from tptrain.models import AutoConfig, AutoModelForCausalLM
 F64 = torch.float64
 EXACT = dict(rtol=1e-10, atol=1e-10)
 VOCAB, B, S = 96, 2, 10
+_batch = partial(labelled_batch, VOCAB, 3, B, S, ignored=((0, slice(None, 4)),))  # row 0's first 4 labels ignored
 CONFIGS = {  # plain; logits divided (Granite) with tied embeddings; soft-capped logits (Gemma 2)
     "qwen3": {},
     "granite": dict(logits_scaling=4.0, tie_word_embeddings=True),
@@ -34,14 +37,6 @@ def _model(model_type: str) -> torch.nn.Module:
                                   **CONFIGS[model_type])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=F64)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (B, S), generator=g)
-    labels = ids.clone()
-    labels[0, :4] = -100
-    return ids, labels
 
 
 def _saved_shapes(fn) -> list[tuple[int, ...]]:

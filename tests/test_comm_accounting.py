@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.helpers import TP_TINY as TINY, batch, make_config
+from tests.helpers.batches import labelled_batch as batch
+from tests.helpers.configs import TP_TINY as TINY, make_config
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.distributed import comm
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -135,7 +136,7 @@ def test_ep_dispatch_minimum_reads_the_rows_received_from_the_tracker():
 
 
 def _deepseek_report_worker() -> None:
-    from tests.deepseek_utils import DEEPSEEK_TINY
+    from tests.helpers.configs import DEEPSEEK_TINY
 
     torch.manual_seed(0)
     config = type(AutoConfig.for_model("deepseek_v3")).from_dict({"model_type": "deepseek_v3", **DEEPSEEK_TINY})

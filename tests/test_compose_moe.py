@@ -25,10 +25,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.cp_utils import CP_FAMILIES, F64, packed_batch
-from tests.dist_utils import run_distributed
-from tests.helpers import (MOE_TRAIN_TINY, TOL, full_grads, full_params, microbatch_reference, reference_losses,
-                           tiny_dataset, training_args)
+from tests.helpers.batches import packed_batch
+from tests.helpers.checkpoints import PerturbedCheckpoints
+from tests.helpers.compare import TOL, full_grads, full_params
+from tests.helpers.configs import CP_FAMILIES, F64, MOE_TRAIN_TINY
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import microbatch_reference, reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -47,20 +50,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{name: directory} of a seeded fp64 checkpoint of each family, its parameters away from their init."""
-    root, out = tmp_path_factory.mktemp("compose"), {}
-    for i, (name, (model_type, kw)) in enumerate(FAMILIES.items()):
-        torch.manual_seed(i)
-        config = type(AutoConfig.for_model(model_type)).from_dict({"model_type": model_type, **kw})
-        model = AutoModelForCausalLM.from_config(config, dtype=F64)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        out[name] = str(root / name)
-        model.save_pretrained(out[name])
-    return out
+CHECKPOINTS = PerturbedCheckpoints(FAMILIES)  # {name: directory}, its parameters away from their init
 
 
 def _masked(batch: dict) -> dict:

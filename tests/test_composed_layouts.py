@@ -22,9 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.helpers import (LORA_TARGETS, MOE_TRAIN_TINY, TRAINER_TINY, microbatch_reference, random_lora, save_perturbed,
-                           tiny_dataset, training_args)
+from tests.helpers.checkpoints import save_perturbed
+from tests.helpers.configs import MOE_TRAIN_TINY, TRAINER_TINY
+from tests.helpers.lora import LORA_TARGETS, random_lora
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import microbatch_reference
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 

@@ -1,5 +1,5 @@
 """Context parallelism (cp_size) against one process, in fp64: the loss and every gradient of a bare model on a
-packed batch longer than the sliding windows, for every family of tests/cp_utils.py, at cp 2, cp 4 and cp 2 x tp 2
+packed batch longer than the sliding windows, for every family of helpers/configs.py, at cp 2, cp 4 and cp 2 x tp 2
 (DeepSeek-V3's latent attention, whose values are narrower than its keys, also 3 AdamW steps at cp 2 and cp 2 x tp 2);
 the bytes each rank keeps for backward, at most 1/cp of one process's; and the errors a user can get."""
 from __future__ import annotations
@@ -7,9 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cp_utils import CP_FAMILIES, F64, SEQ, packed_batch, write_checkpoints
-from tests.dist_utils import run_distributed
-from tests.helpers import TOL, full_grads, tiny_model
+from tests.helpers.batches import PACKED_SEQ as SEQ, packed_batch
+from tests.helpers.checkpoints import PerturbedCheckpoints
+from tests.helpers.compare import TOL, full_grads
+from tests.helpers.configs import CP_FAMILIES, F64, SOFTCAP
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_model
 from tptrain import DistributedConfig
 from tptrain.distributed import ParallelDims
 from tptrain.models import AutoConfig, AutoModelForCausalLM
@@ -17,9 +20,8 @@ from tptrain.training.args import ParallelismConfig
 from tptrain.training.mesh import resolve_parallelism
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return write_checkpoints(tmp_path_factory.mktemp("cp"))
+# {model_type: directory} of a seeded fp64 checkpoint of every family (tptrain's save_pretrained, HF format)
+CHECKPOINTS = PerturbedCheckpoints({t: (t, kw) for t, kw in {**CP_FAMILIES, **SOFTCAP}.items()})
 
 
 def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
@@ -67,7 +69,7 @@ def _compare_families(paths: dict[str, str], layouts: list[dict]) -> None:
 def _adamw_steps(path: str, steps: int = 3, **kwargs) -> None:
     """`steps` AdamW steps on one packed batch: each step's loss and then every parameter (gathered over TP) equal
     one process's."""
-    from tests.helpers import full_params
+    from tests.helpers.compare import full_params
 
     batch = packed_batch(seed=1)
     ref = AutoModelForCausalLM.from_pretrained(path).train()
@@ -139,7 +141,8 @@ def _trainer_with_tp(tmp: str) -> None:
     cp 1 x tp 2 (dp_shard 2)."""
     import copy
 
-    from tests.helpers import reference_losses, tiny_dataset
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset
 
     ref = tiny_model()
     trainer = _trainer(copy.deepcopy(ref).parallelize(DistributedConfig(cp_size=2, tp_size=2)), f"{tmp}/tp2", 2,
@@ -213,7 +216,7 @@ def test_plan_states_mla_keys_and_narrower_values_per_token():
 # ------------------------------------------------------------------ the Trainer at cp 2 against one process
 
 def _trainer(model, out_dir, cp: int, batch: int = 4, eval_dataset=None, **kw):
-    from tests.helpers import tiny_dataset, training_args
+    from tests.helpers.trainer import tiny_dataset, training_args
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
 
@@ -258,7 +261,8 @@ def _trainer_worker(tmp: str) -> None:
     checkpointing and LoRA; a checkpoint saved at cp 2 resumes at cp 1 (dp 2) and one saved at cp 1 at cp 2."""
     import copy
 
-    from tests.helpers import reference_losses, tiny_dataset, tiny_model
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset, tiny_model
     from tptrain.distributed import comm, init_distributed
     from tptrain.parallel.saving import gather_parameters
 
@@ -315,7 +319,7 @@ def _trainer_worker(tmp: str) -> None:
 
 def ac_args(tmp: str):
     """The arguments of the 3-step runs, for their one-process reference."""
-    from tests.helpers import training_args
+    from tests.helpers.trainer import training_args
 
     return training_args(f"{tmp}/ref", max_steps=3)
 
@@ -334,8 +338,8 @@ def test_cli_fine_tunes_and_plans_at_cp2(tmp_path, capsys):
     sample included; `tptrain plan --cp-size 2`; a --seq-len that does not split, refused before any worker."""
     import json
 
-    from tests.helpers import chat_records, tptrain_train
-    from tests.sft_utils import BUNDLED, CHATML_GENERATION, chat_checkpoint
+    from tests.helpers.chat import BUNDLED, CHATML_GENERATION, chat_checkpoint, chat_records
+    from tests.helpers.launch import tptrain_train
     from tptrain.cli import main
     from tptrain.training.reporting import read_metrics
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.text import ByteTokenizer, load_tokenizer

@@ -12,11 +12,14 @@ import json
 import pytest
 import torch
 
-from tests.deepseek_utils import deepseek_checkpoint
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch
-from tests.helpers import (F64, MOE_HF_TOL as HF_TOL, _hf, adapter_keys_and_shapes, random_lora, reference_losses,
-                           tiny_dataset, training_args)
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import deepseek_checkpoint
+from tests.helpers.compare import MOE_HF_TOL as HF_TOL
+from tests.helpers.configs import F64
+from tests.helpers.lora import adapter_keys_and_shapes, random_lora
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses, transformers_fp64
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model
@@ -35,7 +38,7 @@ def base(tmp_path_factory):
 
 def test_adapters_cross_between_peft_and_tptrain(base, tmp_path):
     ids = batch()[0]
-    hf = peft.get_peft_model(_hf(base), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    hf = peft.get_peft_model(transformers_fp64(base), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
     random_lora(hf, seed=1)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
@@ -55,7 +58,7 @@ def test_adapters_cross_between_peft_and_tptrain(base, tmp_path):
     assert adapter_keys_and_shapes(tmp_path / "ours") == keys
     assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_parameters"] == EXPERTS
     with torch.no_grad():
-        reloaded = peft.PeftModel.from_pretrained(_hf(base), tmp_path / "ours")
+        reloaded = peft.PeftModel.from_pretrained(transformers_fp64(base), tmp_path / "ours")
         torch.testing.assert_close(reloaded(ids).logits, ours(ids).logits, **HF_TOL)
 
 

@@ -197,7 +197,7 @@ ruff() { (cd "$DOCS_ROOT" && RUFF_NO_CACHE=true RUFF_COMMAND "$@"); }
 # ------------------------------------------------------------------ what the examples name
 
 
-class Checkpoints:
+class HubCheckpoints:
     """Local stand-ins for the hub ids, built on first use (one session-wide directory)."""
 
     def __init__(self, root: Path) -> None:
@@ -251,7 +251,7 @@ class Checkpoints:
         return directory
 
     def _instruct(self, directory: Path) -> Path:
-        from tests.sft_utils import QWEN3, chat_checkpoint
+        from tests.helpers.chat import QWEN3, chat_checkpoint
 
         chat_checkpoint(directory / "template", QWEN3)
         return self._save(json.loads((directory / "template" / "config.json").read_text()), directory / "model",
@@ -259,7 +259,7 @@ class Checkpoints:
 
 
 def _chats(n: int, offset: int = 0) -> str:
-    from tests.sft_utils import CHATS
+    from tests.helpers.chat import CHATS
 
     lines = []
     for i in range(offset, offset + n):
@@ -270,8 +270,8 @@ def _chats(n: int, offset: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> Checkpoints:
-    return Checkpoints(tmp_path_factory.mktemp("docs-checkpoints"))
+def hub_checkpoints(tmp_path_factory) -> HubCheckpoints:
+    return HubCheckpoints(tmp_path_factory.mktemp("docs-checkpoints"))
 
 
 @pytest.fixture(scope="session")
@@ -286,7 +286,7 @@ def data_files(tmp_path_factory) -> Path:
     return directory
 
 
-def _prepare(block: Block, workdir: Path, checkpoints: Checkpoints, data_files: Path) -> str:
+def _prepare(block: Block, workdir: Path, checkpoints: HubCheckpoints, data_files: Path) -> str:
     """The example's text with hub ids and repo paths substituted; the files it names put in `workdir`."""
     code = block.code
     for hub_id, kind in HUB_IDS.items():
@@ -319,10 +319,10 @@ def _environment(workdir: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("block", CASES)
-def test_example_runs(block: Block, tmp_path: Path, checkpoints: Checkpoints, data_files: Path) -> None:
+def test_example_runs(block: Block, tmp_path: Path, hub_checkpoints: HubCheckpoints, data_files: Path) -> None:
     workdir = tmp_path / "work"
     workdir.mkdir()
-    code = _prepare(block, workdir, checkpoints, data_files)
+    code = _prepare(block, workdir, hub_checkpoints, data_files)
     if RUNNABLE[block.lang] == "python":
         first = TORCHRUN_LINE.match(code.lstrip())
         script = workdir / (first.group(2) if first else "example.py")

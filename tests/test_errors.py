@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import CheckpointReader, save_checkpoint
 from tptrain.models import MODEL_REGISTRY

@@ -17,8 +17,13 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import LORA_TARGETS, SIMPLE_FAMILIES as FAMILIES, SIMPLE_TINY as TINY, assert_trains_like
+from tests.helpers.batches import batch as _batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import assert_trains_like
+from tests.helpers.configs import SIMPLE_FAMILIES as FAMILIES, SIMPLE_TINY as TINY
+from tests.helpers.lora import LORA_TARGETS
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import logits_and_loss
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig
 
@@ -26,57 +31,17 @@ TOL = dict(rtol=2e-5, atol=2e-5)  # tptrain vs transformers (fp32 checkpoints)
 EXACT = dict(rtol=1e-10, atol=1e-10)  # tptrain at tp 2 vs tptrain on one device (fp64)
 # transformers runs RMSNorm and RoPE in fp32 even for an fp64 model: ~1e-6 apart (as tests/test_lora_interop.py).
 LORA_TOL = dict(rtol=1e-5, atol=1e-5)
-SEQ = 12
 
 
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (2, SEQ), generator=g)
-    labels = ids.clone()
-    labels[:, :3] = -100
-    labels[1, -4:-1] = -100
-    return ids, labels
-
-
-def _hf_reference(hf, ids, labels) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss}
-
-
-def _write_hf_checkpoint(transformers, model_type: str, kwargs: dict, path, seed: int):
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs)).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # every parameter random (norms around 1), as tests/test_models.py
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.2
-            p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
-    hf.save_pretrained(path)
-    return hf
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{family: (directory written by transformers, its logits and loss on _batch())}."""
-    import transformers  # here, not at module level: the spawned ranks import this module too
-    root = tmp_path_factory.mktemp("hf")
-    ids, labels = _batch()
-    out = {}
-    for i, (name, kwargs) in enumerate(FAMILIES.items()):
-        hf = _write_hf_checkpoint(transformers, name, kwargs, root / name, seed=i)
-        out[name] = (root / name, _hf_reference(hf, ids, labels))
-    return out
-
-
-def _logits_and_loss(model) -> dict[str, torch.Tensor]:
-    ids, labels = _batch()
-    with torch.no_grad():
-        return {"logits": model(ids).logits, "loss": model(ids, labels=labels).loss}
+# {family: (directory written by transformers, its logits and loss on _batch())}: every parameter random (norms
+# around 1), as tests/test_models.py
+CHECKPOINTS = TransformersCheckpoints({name: (name, kw) for name, kw in FAMILIES.items()}, seed=None,
+                                      reference=lambda hf: logits_and_loss(hf, *_batch()))
 
 
 def _check(model, expected, what: str) -> float:
     """Asserts transformers' logits and loss; returns max |logits - transformers|."""
-    got = _logits_and_loss(model)
+    got = logits_and_loss(model, *_batch())
     torch.testing.assert_close(got["logits"], expected["logits"], **TOL, msg=lambda m: f"{what} logits: {m}")
     torch.testing.assert_close(got["loss"], expected["loss"], **TOL, msg=lambda m: f"{what} loss: {m}")
     return (got["logits"] - expected["logits"]).abs().max().item()
@@ -91,7 +56,7 @@ def test_tp1_matches_transformers_and_the_window_matters(checkpoints, tmp_path):
     shutil.copytree(checkpoints["mistral"][0], full)
     config = json.loads((full / "config.json").read_text())
     (full / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
-    got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32))["logits"]
+    got = logits_and_loss(AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32), *_batch())["logits"]
     assert (got - checkpoints["mistral"][1]["logits"]).abs().max() > 1e-2
     # Ministral 3's YaRN and its query scale change the logits: both are really applied.
     path, expected = checkpoints["ministral3"]
@@ -101,7 +66,7 @@ def test_tp1_matches_transformers_and_the_window_matters(checkpoints, tmp_path):
         shutil.copytree(path, changed)
         (changed / "config.json").write_text(json.dumps(
             {**config, "rope_parameters": {**config["rope_parameters"], **change}}))
-        got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32))["logits"]
+        got = logits_and_loss(AutoModelForCausalLM.from_pretrained(changed, dtype=torch.float32), *_batch())["logits"]
         assert (got - expected["logits"]).abs().max() > 1e-3, change
     # Left padding combined with the window, as transformers masks it.
     ids, _ = _batch()
@@ -181,7 +146,7 @@ def test_tp2_training_saving_and_lora_match(checkpoints, tmp_path):
             warnings.simplefilter("ignore")
             hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / name,
                                                                    dtype=torch.float32).eval()
-            got = _hf_reference(hf, ids, labels)
+            got = logits_and_loss(hf, ids, labels)
             torch.testing.assert_close(got["logits"], expected["logits"], **TOL, msg=lambda m: f"{name} saved: {m}")
             base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
             lora = peft.PeftModel.from_pretrained(base, tmp_path / "lora" / name).eval()

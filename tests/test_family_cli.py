@@ -2,7 +2,7 @@
 smoke run's 4 steps at tp 2 (two ranks), its final checkpoint reloaded by tptrain and transformers.
 
 The command runs as it does under torchrun (`torchrun -m tptrain train ...`: each rank runs `tptrain train` with
-RANK set), in the suite's rank pool (tests/dist_utils.py), whose ranks have torch and tptrain imported already: 18
+RANK set), in the suite's rank pool (tests/helpers/ranks.py), whose ranks have torch and tptrain imported already: 18
 types x two fresh interpreters and a launcher were a minute and a half of the suite. The launcher itself (`tptrain
 train` starting its own workers) is tested in test_train_cli.py, test_launch_faults.py and test_faults.py.
 
@@ -15,11 +15,10 @@ import warnings
 import pytest
 import torch
 
-from tests.deepseek_utils import DEEPSEEK_TINY
-from tests.family_utils import randomize, save_byte_tokenizer
-from tests.dist_utils import run_distributed
-from tests.helpers import (GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE, OLMO3_TINY, PHI3_TINY,
-                           SIMPLE_FAMILIES, SIMPLE_TINY)
+from tests.helpers.checkpoints import randomize, save_byte_tokenizer
+from tests.helpers.configs import (DEEPSEEK_TINY, GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, OLMO2_TINY, OLMO3_ROPE,
+                                   OLMO3_TINY, PHI3_TINY, SIMPLE_FAMILIES, SIMPLE_TINY)
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoModelForCausalLM
 from tptrain.models import MODEL_REGISTRY
 from tptrain.training.reporting import read_metrics

@@ -16,24 +16,21 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from tests.deepseek_utils import DEEPSEEK_TINY, deepseek_checkpoint
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, check_against_hf, hf_reference
-from tests.helpers import F64, MOE_HF_TOL as HF_TOL, TOL, _hf, _hf_grad, assert_trains_like, full_grads
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import DeepSeekCheckpoints
+from tests.helpers.compare import MOE_HF_TOL as HF_TOL, TOL, assert_trains_like, check_against_hf, full_grads, hf_grad
+from tests.helpers.configs import DEEPSEEK_TINY, F64
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import hf_reference, transformers_fp64
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.distributed.topology import dp_mesh
 from tptrain.models import AutoConfig, DeepseekV3Config
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{"q_lora": ..., "q_proj": ...}: (directory written by transformers, its fp64 logits and loss on batch()); the
-    second also rotates its RoPE features as halves, not interleaved pairs."""
-    out = {}
-    for name, keys in (("q_lora", {}), ("q_proj", dict(q_lora_rank=None, rope_interleave=False))):
-        path = deepseek_checkpoint(tmp_path_factory.mktemp(name), **keys)
-        out[name] = path, hf_reference(_hf(path))
-    return out
+# {"q_lora": ..., "q_proj": ...}: (directory written by transformers, its fp64 logits and loss on batch()); the
+# second also rotates its RoPE features as halves, not interleaved pairs
+CHECKPOINTS = DeepSeekCheckpoints({"q_lora": {}, "q_proj": dict(q_lora_rank=None, rope_interleave=False)},
+                                  reference=lambda path: hf_reference(transformers_fp64(path)))
 
 
 def test_logits_loss_and_grads_match_transformers(checkpoints):
@@ -44,14 +41,14 @@ def test_logits_loss_and_grads_match_transformers(checkpoints):
         assert moe.experts.gate_proj.shape == (8, 16, 32) and moe.shared_experts.gate_proj.weight.shape == (16, 32)
         assert not moe.gate.e_score_correction_bias.requires_grad and moe.gate.e_score_correction_bias.abs().sum() > 0
         check_against_hf(model, expected, name, HF_TOL)
-        hf = _hf(path)
+        hf = transformers_fp64(path)
         ids, labels = batch()
         model(ids, labels=labels).loss.backward()
         hf(ids, labels=labels).loss.backward()
         hf_grads = {n: p.grad for n, p in hf.named_parameters()}
         for n, p in model.named_parameters():
             if p.requires_grad:
-                want = _hf_grad(hf_grads, n, 16)
+                want = hf_grad(hf_grads, n, 16)
                 torch.testing.assert_close(p.grad, want, **HF_TOL, msg=lambda m: f"{name}: grad of {n}: {m}")
 
 
@@ -69,7 +66,7 @@ def test_native_equals_the_transformers_backend(checkpoints):
     grads = {n: p.grad for n, p in backend.named_parameters()}
     for n, p in native.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(p.grad, _hf_grad(grads, n, 16), **HF_TOL, msg=lambda m: f"grad of {n}: {m}")
+            torch.testing.assert_close(p.grad, hf_grad(grads, n, 16), **HF_TOL, msg=lambda m: f"grad of {n}: {m}")
 
 
 def test_bf16_arithmetic_is_transformers(checkpoints):
@@ -106,7 +103,7 @@ def test_save_pretrained_writes_the_hubs_layout(checkpoints, tmp_path):
     _assert_same_checkpoint(path, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["n_routed_experts"] == 8 and "num_experts" not in config and "decoder_sparse_step" not in config
-    got = hf_reference(_hf(tmp_path))
+    got = hf_reference(transformers_fp64(tmp_path))
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
 
 
@@ -171,7 +168,7 @@ def _check_ep_axis(path, tp: int, ep: int) -> None:
     assert tuple(model.model.layers[1].mlp.experts.gate_proj.shape) == (8 // ep, 16 // tp, 32)
     ids, labels = batch(seed=10 + dp.get_local_rank())
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, _hf(path)(ids).logits, **HF_TOL)
+        torch.testing.assert_close(model(ids).logits, transformers_fp64(path)(ids).logits, **HF_TOL)
     parts = [batch(seed=10 + r) for r in range(dp.size())]
     all_ids, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     count = int((all_labels[:, 1:] != -100).sum())

@@ -19,9 +19,13 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch as _batch, hf_reference as _hf_reference
-from tests.helpers import GEMMA_FAMILIES as FAMILIES, GEMMA_TINY as TINY, LORA_TARGETS, assert_trains_like
+from tests.helpers.batches import batch as _batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import assert_trains_like, check_against_hf
+from tests.helpers.configs import GEMMA_FAMILIES as FAMILIES, GEMMA_TINY as TINY
+from tests.helpers.lora import LORA_TARGETS
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference, hf_reference as _hf_reference, logits_and_loss
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.models import MODEL_REGISTRY, AutoConfig, Gemma2Config, Gemma3TextConfig
@@ -34,36 +38,15 @@ LORA_TOL = dict(rtol=1e-5, atol=1e-5)
 B, S = 2, 12
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{family: (directory written by transformers, its fp64 logits and loss on _batch())}."""
-    import transformers  # here: the spawned ranks import this module too
-    root = tmp_path_factory.mktemp("gemma")
-    out = {}
-    for i, (name, kwargs) in enumerate(FAMILIES.items()):
-        torch.manual_seed(i)
-        hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(name, **kwargs)).eval()
-        gen = torch.Generator().manual_seed(i)
-        with torch.no_grad():  # every parameter random; the (1 + w) norms' weights around 0
-            for p in hf.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-        hf.save_pretrained(root / name)
-        out[name] = (root / name, _hf_reference(hf.to(F64)))
-    return out
-
-
-def _logits_and_loss(model) -> dict[str, torch.Tensor]:
-    ids, labels = _batch()
-    with torch.no_grad():
-        return {"logits": model(ids).logits, "loss": model(ids, labels=labels).loss}
+# {family: (directory written by transformers, its fp64 logits and loss on _batch())}: every parameter random; the
+# (1 + w) norms' weights around 0
+CHECKPOINTS = TransformersCheckpoints({name: (name, kw) for name, kw in FAMILIES.items()}, seed=None,
+                                      norm_weights=dict.fromkeys(FAMILIES, 0.0), reference=fp64_reference)
 
 
 def _check_against_hf(model, expected, what: str) -> float:
     """Asserts logits and loss equal transformers'; returns max |logits - transformers|."""
-    got = _logits_and_loss(model)
-    torch.testing.assert_close(got["logits"], expected["logits"], **HF_TOL, msg=lambda m: f"{what} logits: {m}")
-    torch.testing.assert_close(got["loss"], expected["loss"], **HF_TOL, msg=lambda m: f"{what} loss: {m}")
-    return (got["logits"] - expected["logits"]).abs().max().item()
+    return check_against_hf(model, expected, what, HF_TOL)
 
 
 def test_tp1_logits_loss_and_grads_match_transformers(checkpoints):
@@ -113,7 +96,7 @@ def test_caps_windows_and_rope_bases_matter(checkpoints, tmp_path, name, changes
     import transformers
     path, expected = checkpoints[name]
     edited = _edited(path, tmp_path, **changes)
-    got = _logits_and_loss(AutoModelForCausalLM.from_pretrained(edited, dtype=F64))["logits"]
+    got = logits_and_loss(AutoModelForCausalLM.from_pretrained(edited, dtype=F64), *_batch())["logits"]
     assert (got - expected["logits"]).abs().max() > 1e-2, changes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

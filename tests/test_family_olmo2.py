@@ -14,10 +14,13 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch as _batch, hf_reference as _hf_reference, randomize
-from tests.helpers import (F64, OLMO2_HF_TOL as HF_TOL, OLMO2_TINY as TINY, _assert_lora_crossed, _check_against_hf,
-                           _equivalence, _lora_crossing, _peft_adapter)
+from tests.helpers.batches import batch as _batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import OLMO2_HF_TOL as HF_TOL, check_against_olmo_hf, trains_like_on_batch
+from tests.helpers.configs import F64, OLMO2_TINY as TINY
+from tests.helpers.lora import assert_lora_crossed, lora_crossing, peft_adapter
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference, hf_reference as _hf_reference
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.diagnostics.plan_report import plan_report
@@ -28,16 +31,8 @@ from tptrain.parallel.plan import check_plan
 B, S = 2, 12
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(directory written by transformers, its fp64 logits and loss on _batch())."""
-    import transformers  # here: the spawned ranks import this module too
-    torch.manual_seed(0)
-    hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**TINY)).eval()
-    randomize(hf)  # every parameter random, norms around 1
-    path = tmp_path_factory.mktemp("olmo2")
-    hf.save_pretrained(path)
-    return path, _hf_reference(hf.to(F64))
+# (directory written by transformers, its fp64 logits and loss on _batch()): every parameter random, norms around 1
+CHECKPOINTS = TransformersCheckpoints({"olmo2": ("olmo2", TINY)}, reference=fp64_reference)
 
 
 def test_tp1_logits_loss_and_grads_match_transformers(checkpoint):
@@ -48,7 +43,7 @@ def test_tp1_logits_loss_and_grads_match_transformers(checkpoint):
     layer = model.model.layers[0]
     assert not hasattr(layer, "input_layernorm") and hasattr(layer, "post_feedforward_layernorm")
     assert layer.self_attn.q_norm.weight.shape == (64,) and layer.self_attn.k_norm.weight.shape == (32,)
-    _check_against_hf(model, expected, "tp=1")
+    check_against_olmo_hf(model, expected, "tp=1")
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
     ids, labels = _batch()
@@ -131,21 +126,21 @@ def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
     attn = model.model.layers[0].self_attn
     assert model.tp_plan["model.layers.0.self_attn.q_norm"] == "distributed_rmsnorm"
     assert attn.q_norm.weight.shape == (32,) and attn.k_norm.weight.shape == (16,)
-    diff = _check_against_hf(model, expected, "tp=2")
+    diff = check_against_olmo_hf(model, expected, "tp=2")
     model.save_pretrained(save_dir)
     _assert_communication(model, 2)
-    vs_tp1 = _equivalence(model, ref)
+    vs_tp1 = trains_like_on_batch(model, ref)
     # Sequence parallelism: the residual-stream norms hold sequence shards, the q/k norms full sequences.
     sp = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
-    _equivalence(sp, copy.deepcopy(ref), steps=1)
+    trains_like_on_batch(sp, copy.deepcopy(ref), steps=1)
     report = comm_report(sp, *_batch())
     assert report.matches_minimum, report.table()
     # Activation checkpointing: the recomputed norms sum their squares again, in step on every rank.
     recomputed = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2))
     recomputed.gradient_checkpointing_enable()
     recomputed.train()
-    _equivalence(recomputed, copy.deepcopy(ref), steps=1)
-    lora = _lora_crossing(path, peft_dir, adapter_dir)
+    trains_like_on_batch(recomputed, copy.deepcopy(ref), steps=1)
+    lora = lora_crossing(path, peft_dir, adapter_dir)
     if torch.distributed.get_rank() == 0:
         torch.save({"diff": diff, "vs_tp1": vs_tp1, "table": report.table(), **lora}, out)
 
@@ -156,9 +151,9 @@ def _tp4_worker(path, expected, out) -> None:
     specs = model.parallel.tp.specs
     assert specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2  # 2 KV heads over 4 ranks
     assert model.model.layers[0].self_attn.k_norm.weight.shape == (16,)
-    diff = _check_against_hf(model, expected, "tp=4 (KV replicated)")
+    diff = check_against_olmo_hf(model, expected, "tp=4 (KV replicated)")
     _assert_communication(model, 4)
-    vs_tp1 = _equivalence(model, ref)
+    vs_tp1 = trains_like_on_batch(model, ref)
     if torch.distributed.get_rank() == 0:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
@@ -167,7 +162,7 @@ def _tp4_worker(path, expected, out) -> None:
 def test_tp2_matches_transformers_single_device_saves_for_transformers_and_crosses_lora_with_peft(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
-    peft_logits = _peft_adapter(path, tmp_path / "peft_adapter")
+    peft_logits = peft_adapter(path, tmp_path / "peft_adapter")
     run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt",
                     tmp_path / "peft_adapter", tmp_path / "tptrain_adapter")
     result = torch.load(tmp_path / "tp2.pt")
@@ -179,7 +174,7 @@ def test_tp2_matches_transformers_single_device_saves_for_transformers_and_cross
     got = _hf_reference(hf)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
-    _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
+    assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
 @pytest.mark.distributed

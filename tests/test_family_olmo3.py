@@ -16,28 +16,19 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch as _batch, hf_reference as _hf_reference
-from tests.helpers import (F64, OLMO2_HF_TOL as HF_TOL, OLMO3_LAYER_TYPES as LAYER_TYPES, OLMO3_ROPE as ROPE,
-                           OLMO3_TINY as TINY, _assert_lora_crossed, _check_against_hf, _equivalence, _lora_crossing,
-                           _peft_adapter)
+from tests.helpers.batches import batch as _batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import OLMO2_HF_TOL as HF_TOL, check_against_olmo_hf, trains_like_on_batch
+from tests.helpers.configs import F64, OLMO3_LAYER_TYPES as LAYER_TYPES, OLMO3_ROPE as ROPE, OLMO3_TINY as TINY
+from tests.helpers.lora import assert_lora_crossed, lora_crossing, peft_adapter
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference, hf_reference as _hf_reference
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig, Olmo3Config
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(directory written by transformers, its fp64 logits and loss on _batch())."""
-    import transformers
-    torch.manual_seed(0)
-    hf = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**TINY, rope_parameters=ROPE)).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
-    path = tmp_path_factory.mktemp("olmo3")
-    hf.save_pretrained(path)
-    return path, _hf_reference(hf.to(F64))
+# (directory written by transformers, its fp64 logits and loss on _batch()): every parameter random, norms around 1
+CHECKPOINTS = TransformersCheckpoints({"olmo3": ("olmo3", dict(TINY, rope_parameters=ROPE))}, reference=fp64_reference)
 
 
 def test_tp1_matches_transformers_and_the_window_matters(checkpoint):
@@ -46,7 +37,7 @@ def test_tp1_matches_transformers_and_the_window_matters(checkpoint):
     config = model.config
     assert type(config) is Olmo3Config and config.layer_sliding_windows == [4, None, 4]
     assert config.layer_ropes == [(1000.0, None), (10000.0, {"rope_type": "linear", "factor": 2.0}), (1000.0, None)]
-    _check_against_hf(model, expected, "tp=1")
+    check_against_olmo_hf(model, expected, "tp=1")
     # Without the window (every layer full) the logits are another model's.
     full = AutoConfig.from_pretrained(path)
     full.layer_types = ["full_attention"] * 3
@@ -82,16 +73,16 @@ def _tp2_worker(path, expected, save_dir, out, peft_dir, adapter_dir) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=2))
     assert model.tp_plan["model.layers.0.self_attn.q_norm"] == "distributed_rmsnorm"
-    diff = _check_against_hf(model, expected, "tp=2")
+    diff = check_against_olmo_hf(model, expected, "tp=2")
     model.save_pretrained(save_dir)
-    vs_tp1 = _equivalence(model, ref)
+    vs_tp1 = trains_like_on_batch(model, ref)
     # Windows and per-layer RoPEs under sequence parallelism + activation checkpointing.
     sp = copy.deepcopy(ref).parallelize(DistributedConfig(tp_size=2, enable_sequence_parallel=True))
     sp.gradient_checkpointing_enable(), sp.train()
     single = copy.deepcopy(ref)
     single.gradient_checkpointing_enable(), single.train()
-    _equivalence(sp, single, steps=2)
-    lora = _lora_crossing(path, peft_dir, adapter_dir)
+    trains_like_on_batch(sp, single, steps=2)
+    lora = lora_crossing(path, peft_dir, adapter_dir)
     if torch.distributed.get_rank() == 0:
         torch.save({"diff": diff, "vs_tp1": vs_tp1, **lora}, out)
 
@@ -100,8 +91,8 @@ def _tp4_worker(path, expected, out) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, distributed_config=DistributedConfig(tp_size=4))
     assert model.parallel.tp.specs["model.layers.0.self_attn.k_norm.weight"].replicas == 2
-    diff = _check_against_hf(model, expected, "tp=4 (KV replicated)")
-    vs_tp1 = _equivalence(model, ref)
+    diff = check_against_olmo_hf(model, expected, "tp=4 (KV replicated)")
+    vs_tp1 = trains_like_on_batch(model, ref)
     if torch.distributed.get_rank() == 0:
         torch.save({"diff": diff, "vs_tp1": vs_tp1}, out)
 
@@ -110,7 +101,7 @@ def _tp4_worker(path, expected, out) -> None:
 def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_crosses_lora(checkpoint, tmp_path):
     import transformers
     path, expected = checkpoint
-    peft_logits = _peft_adapter(path, tmp_path / "peft_adapter")
+    peft_logits = peft_adapter(path, tmp_path / "peft_adapter")
     run_distributed(_tp2_worker, 2, path, expected, tmp_path / "saved", tmp_path / "tp2.pt",
                     tmp_path / "peft_adapter", tmp_path / "tptrain_adapter")
     result = torch.load(tmp_path / "tp2.pt")
@@ -123,7 +114,7 @@ def test_tp2_matches_transformers_and_single_device_saves_for_transformers_and_c
     got = _hf_reference(hf)
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=0, atol=0)
-    _assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
+    assert_lora_crossed(path, result, peft_logits, tmp_path / "tptrain_adapter")
 
 
 @pytest.mark.distributed

@@ -16,9 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch as _batch, check_against_hf, hf_reference as _hf_reference, randomize
-from tests.helpers import PHI3_TINY as TINY, assert_trains_like, reference_losses, tiny_dataset, training_args
+from tests.helpers.batches import batch as _batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import assert_trains_like, check_against_hf
+from tests.helpers.configs import PHI3_TINY as TINY
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference, hf_reference as _hf_reference, reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.io import CheckpointReader
 from tptrain.diagnostics.accounting import comm_report
@@ -36,16 +40,8 @@ B, S = 2, 12
 FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(directory written by transformers, its fp64 logits and loss on _batch())."""
-    import transformers  # here: the spawned ranks import this module too
-    torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY)).eval()
-    randomize(hf)  # every parameter random, norms around 1
-    path = tmp_path_factory.mktemp("phi3")
-    hf.save_pretrained(path)
-    return path, _hf_reference(hf.to(F64))
+# (directory written by transformers, its fp64 logits and loss on _batch()): every parameter random, norms around 1
+CHECKPOINTS = TransformersCheckpoints({"phi3": ("phi3", TINY)}, reference=fp64_reference)
 
 
 def _check_against_hf(model, expected, what: str) -> float:

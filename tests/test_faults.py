@@ -31,8 +31,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.helpers import ROOT, finish, metrics, tiny_dataset, tiny_model, training_args
+from tests.helpers.launch import ROOT, finish, metrics
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import comm, init_distributed
 from tptrain.training.args import ParallelismConfig, TrainingArguments
@@ -339,7 +340,7 @@ def _gone_within(process, seconds: float) -> float | None:
 ASLEEP_IN_A_STEP = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-from tests.helpers import tiny_dataset, tiny_model, training_args
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer

@@ -15,7 +15,10 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.batches import batch as _batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import logits_and_loss
 from tptrain import AutoModelForCausalLM, DistributedConfig
 
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -32,41 +35,19 @@ SHARDED = "qwen2"  # saved with a small max_shard_size: the index path
 HUB_ID, HUB_REV = "tiny-org/tiny-qwen3", "0123456789abcdef0123456789abcdef01234567"
 
 
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 12), generator=g)
-    labels = ids.clone()
-    labels[:, :3] = -100
-    labels[1, -4:-1] = -100
-    return ids, labels
-
-
-def _reference(hf, ids, labels) -> dict[str, torch.Tensor]:
+def _move_norms_and_biases(hf, seed: int, norm_weight: float) -> None:
+    """Norms and biases away from their 1/0 init, so they are really tested (torch's seed continuing from the init)."""
     with torch.no_grad():
-        return {"logits": hf(ids).logits, "loss": hf(ids, labels=labels).loss}
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn(p.shape) * 0.2)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{family: (directory written by transformers, its logits and loss on _batch())}."""
-    import transformers  # here, not at module level: the spawned ranks import this module too
-    root = tmp_path_factory.mktemp("hf")
-    ids, labels = _batch()
-    out = {}
-    for i, (name, kwargs) in enumerate(FAMILIES.items()):
-        kwargs = dict(kwargs)
-        torch.manual_seed(i)
-        config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():  # norms and biases away from their 1/0 init, so they are really tested
-            for pname, p in hf.named_parameters():
-                if pname.endswith("norm.weight") or pname.endswith(".bias"):
-                    p.add_(torch.randn(p.shape) * 0.2)
-        path = root / name
-        hf.save_pretrained(path, max_shard_size="40KB" if name == SHARDED else "5GB")
-        out[name] = (path, _reference(hf, ids, labels))
-    assert (out[SHARDED][0] / "model.safetensors.index.json").exists()
-    return out
+# {family: (directory written by transformers, its logits and loss on _batch())}; SHARDED's with an index
+CHECKPOINTS = TransformersCheckpoints(
+    {name: (kw["model_type"], {k: v for k, v in kw.items() if k != "model_type"}) for name, kw in FAMILIES.items()},
+    seed=None, perturb=_move_norms_and_biases, max_shard_size={SHARDED: "40KB"},
+    reference=lambda hf: logits_and_loss(hf, *_batch()))
 
 
 def _check(model, expected, what: str) -> None:
@@ -144,7 +125,7 @@ def test_tp2_matches_transformers_and_saves_for_transformers(checkpoints, tmp_pa
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hf = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
-        got = _reference(hf, ids, labels)
+        got = logits_and_loss(hf, ids, labels)
         expected = checkpoints[name.removesuffix("_sharded")][1]
         torch.testing.assert_close(got["logits"], expected["logits"], **TOL, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(got["loss"], expected["loss"], **TOL)

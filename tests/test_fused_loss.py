@@ -9,13 +9,15 @@ incoming gradient other than 1; two all-reduces per chunk; and no matmul over th
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.dist_utils import run_distributed
+from tests.helpers.batches import labelled_batch
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig, losses
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
@@ -28,6 +30,7 @@ EXACT = dict(rtol=1e-12, atol=1e-12)
 # Sizes with no dimension in common with the vocabulary or its shards (120, 60, 30), so a matmul over the
 # vocabulary is recognised by its shapes.
 VOCAB, HIDDEN, B, S = 120, 32, 2, 12
+_batch = partial(labelled_batch, VOCAB, 3, B, S, ignored=((0, slice(None, 4)), (1, 7)))  # 5 labels ignored
 CHUNK = 5  # tokens a chunk in the model tests: 24 tokens in 5 chunks, the last short
 CONFIGS = {  # plain; logits divided (Granite) with tied embeddings; soft-capped logits (Gemma 2)
     "qwen3": {},
@@ -161,15 +164,6 @@ def _model(model_type: str) -> torch.nn.Module:
                                   **CONFIGS[model_type])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=F64)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (B, S), generator=g)
-    labels = ids.clone()
-    labels[0, :4] = IGNORE_INDEX
-    labels[1, 7] = IGNORE_INDEX
-    return ids, labels
 
 
 # name: (num_items_in_batch, head frozen, factor on the loss before backward)

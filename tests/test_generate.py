@@ -20,11 +20,11 @@ from functools import partial
 import pytest
 import torch
 
-from tests.deepseek_utils import DEEPSEEK_TINY
-from tests.dist_utils import run_distributed
-from tests.family_utils import random_checkpoint, transformers_fp64
-from tests.helpers import GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, SIMPLE_FAMILIES
-from tests.hf_axes_utils import FAMILIES as HF_FAMILIES, TINY as HF_TINY
+from tests.helpers.ranks import run_distributed
+from tests.helpers.checkpoints import random_checkpoint
+from tests.helpers.references import transformers_fp64
+from tests.helpers.configs import DEEPSEEK_TINY, GEMMA_FAMILIES, MOE_FAMILIES, MOE_TINY, SIMPLE_FAMILIES
+from tests.helpers.backend import AXES_FAMILIES as HF_FAMILIES, AXES_TINY as HF_TINY
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.distributed.state import ParallelState
 from tptrain.generation import sampling
@@ -87,7 +87,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _load(path: str, backend: str, **sizes):
-    from tests.hf_axes_utils import eager_experts
+    from tests.helpers.backend import eager_experts
     model = AutoModelForCausalLM.from_pretrained(path, dtype=F64, backend=backend,
                                                  distributed_config=DistributedConfig(**sizes) if sizes else None)
     if backend == "transformers":
@@ -328,7 +328,7 @@ def test_tp2_dp2_each_dp_rank_its_own_prompts(checkpoints):
 def _cli_checkpoint(root) -> tuple[str, str]:
     """(a random Qwen3 with the bundled tokenizer, a ChatML template file)."""
     import transformers
-    from tests.sft_utils import BUNDLED, CHATML_GENERATION
+    from tests.helpers.chat import BUNDLED, CHATML_GENERATION
     config = transformers.AutoConfig.for_model("qwen3", **{**QWEN3, "vocab_size": 4096})
     path, _ = random_checkpoint(_Factory(root), "cli", partial(transformers.AutoModelForCausalLM.from_config, config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -345,8 +345,8 @@ def test_cli_generates_at_tp2_as_one_process(tmp_path):
     import subprocess
     import sys
 
-    from tests.dist_utils import require_distributed_marker
-    from tests.helpers import ROOT
+    from tests.helpers.ranks import require_distributed_marker
+    from tests.helpers.launch import ROOT
     from tptrain.generation import complete
     from tptrain.text import load_chat_template, load_tokenizer
     path, template = _cli_checkpoint(tmp_path)
@@ -371,7 +371,7 @@ def test_cli_generates_at_tp2_as_one_process(tmp_path):
 
 
 def test_cli_refuses_bad_input_before_starting(tmp_path, capsys):
-    from tests.sft_utils import BUNDLED
+    from tests.helpers.chat import BUNDLED
     from tptrain.cli import main
     (tmp_path / "bad.jsonl").write_text('{"text": "no prompt"}\n')
     cases = {("--prompts", str(tmp_path / "bad.jsonl")): 'bad.jsonl line 1: expected {"prompt": text or a list',

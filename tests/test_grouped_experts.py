@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
-from tests.helpers import full_grads, tiny_moe
+from tests.helpers.compare import full_grads
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_moe
 from tptrain import DistributedConfig
 from tptrain.models.moe import Experts
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import B, S, batch, check_against_hf, hf_reference, randomize
-from tests.helpers import assert_grads_match, full_params
+from tests.helpers.batches import B, S, batch
+from tests.helpers.checkpoints import TransformersCheckpoints, randomize
+from tests.helpers.compare import assert_grads_match, check_against_hf, full_params
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
@@ -34,20 +36,9 @@ TOL = HF_TOL = dict(rtol=1e-6, atol=1e-6)
 STEP_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: (directory written by transformers, its fp64 logits and loss on batch())}."""
-    import transformers
-    out = {}
-    for model_type, extra in ARCHS.items():
-        torch.manual_seed(0)
-        config = transformers.AutoConfig.for_model(model_type, **TINY, **extra)
-        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-        randomize(hf)
-        path = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(path)
-        out[model_type] = (path, hf_reference(hf.to(F64)))
-    return out
+# {model_type: (directory written by transformers, its fp64 logits and loss on batch())}
+CHECKPOINTS = TransformersCheckpoints({t: (t, dict(TINY, **extra)) for t, extra in ARCHS.items()},
+                                      reference=fp64_reference)
 
 
 @pytest.fixture(scope="module")

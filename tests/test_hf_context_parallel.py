@@ -13,9 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cp_utils import SEQ, packed_batch
-from tests.dist_utils import run_distributed
-from tests.hf_axes_utils import F64, FAMILIES, TINY, TYPES, config, eager_experts, one_process, write_checkpoints
+from tests.helpers.backend import (AXES_CHECKPOINTS, AXES_FAMILIES as FAMILIES, AXES_TINY as TINY, AXES_TYPES as TYPES,
+                                   axes_config as config, eager_experts, one_process)
+from tests.helpers.batches import PACKED_SEQ as SEQ, packed_batch
+from tests.helpers.configs import F64
+from tests.helpers.ranks import run_distributed
 
 # fp64, but transformers keeps fp32 islands in it (eager attention's softmax, Gemma's norms, routers), where another
 # order of sums rounds otherwise: up to ~4e-7 of a soft-capped logit; a layout bug moves them by ~1e-2
@@ -27,9 +29,7 @@ ISLAND_TOL = {"qwen3_next": TP_TOL}
 TP_CP = ("gpt_neox", "cohere2", "granitemoe", "deepseek_v2", "llama4_text", "gemma2", "qwen3_next")  # and tp 2 x cp 2
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return write_checkpoints(tmp_path_factory, TYPES)
+CHECKPOINTS = AXES_CHECKPOINTS  # {model_type: directory}
 
 
 # ------------------------------------------------------------------ no process group
@@ -118,7 +118,7 @@ def test_token_mixers_run_on_the_whole_sequence_and_key_indexers_are_refused():
 def _compare(paths: dict[str, str], types, **layout) -> None:
     """Per type: the loss, every gradient (gathered over TP) and this rank's logits equal one process's, on the
     packed batch and on plain rows."""
-    from tests.helpers import full_grads
+    from tests.helpers.compare import full_grads
     from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.parallel.context_parallel import local_index
 
@@ -146,7 +146,7 @@ def _compare(paths: dict[str, str], types, **layout) -> None:
 
 
 def _adamw_steps(path: str, steps: int = 3, tol: dict = TOL, **layout) -> None:
-    from tests.helpers import full_params
+    from tests.helpers.compare import full_params
     from tptrain import AutoModelForCausalLM, DistributedConfig
 
     batch = packed_batch(seed=1)
@@ -168,7 +168,8 @@ def _adamw_steps(path: str, steps: int = 3, tol: dict = TOL, **layout) -> None:
 
 def _trainer_and_resume(path: str, out: str) -> None:
     """The Trainer at cp 2 (FSDP2 over dp_shard x cp) equals one process; its checkpoint resumes at cp 1 (dp 2)."""
-    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset, training_args
     from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.training.trainer import Trainer
 

@@ -12,9 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, check_against_hf, hf_reference, randomize
-from tests.helpers import full_params
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import check_against_hf, full_params
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference
 from tptrain.io import CheckpointReader
 from tptrain.parallel.styles import ShardSpec
 from tptrain.parallel.tensor_parallel import gather_full
@@ -33,22 +35,10 @@ TOL = dict(rtol=1e-6, atol=1e-6)  # transformers' norms compute in fp32 in an fp
 STEP_TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _write(model_type: str, path, **config) -> dict:
-    """A random transformers model saved by transformers (the hub layout); its fp64 reference on batch()."""
-    import transformers
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **config))
-    randomize(hf.eval())
-    hf.save_pretrained(path)
-    if "n_routed_experts" in config:
-        hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
-    return hf_reference(hf.to(F64))
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {t: (p, _write(t, p, **TINY, **extra)) for t, extra in ARCHS.items()
-            for p in [tmp_path_factory.mktemp(t)]}
+# {model_type: (a random transformers model saved by transformers (the hub layout), its fp64 reference on batch())}
+CHECKPOINTS = TransformersCheckpoints({t: (t, dict(TINY, **extra)) for t, extra in ARCHS.items()},
+                                      reference=fp64_reference)
+MOE_CHECKPOINT = TransformersCheckpoints({"glm4_moe": ("glm4_moe", MOE)}, reference=fp64_reference)
 
 
 def _stored(path) -> dict[str, torch.Tensor]:
@@ -113,8 +103,7 @@ def test_converted_checkpoints_match_transformers_at_tp_and_save_the_hub_layout(
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("glm4_moe")
-    return path, _write("glm4_moe", path, **MOE)
+    return MOE_CHECKPOINT.write(tmp_path_factory)["glm4_moe"]
 
 
 def test_merged_experts_load_train_and_save_like_transformers(moe_checkpoint, tmp_path):

@@ -10,14 +10,14 @@ its experts); fp64, compared with transformers on one process (logits, loss) and
 """
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, check_against_hf, dp_batches, random_checkpoint, step_both
-from tests.helpers import full_grads, full_params
+from tests.helpers.batches import batch, dp_batches
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import check_against_hf, full_grads, full_params, step_both
+from tests.helpers.ranks import run_distributed
 
 F64 = torch.float64
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=16, moe_intermediate_size=16, num_hidden_layers=1,
@@ -46,16 +46,9 @@ def _references(hf) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: (directory written by transformers, its references)}."""
-    import transformers
-    out = {}
-    for model_type in TYPES:
-        path, hf = random_checkpoint(tmp_path_factory, model_type,
-                                     partial(transformers.AutoModelForCausalLM.from_config, _config(model_type)))
-        out[model_type] = (path, _references(hf.to(F64)))
-    return out
+# {model_type: (directory written by transformers, its references)}
+CHECKPOINTS = TransformersCheckpoints({t: (t, {**TINY, **TYPES.get(t, {})}) for t in TYPES},
+                                      reference=lambda hf: _references(hf.to(F64)))
 
 
 def _trains_like(model, ref, what: str, dp=None) -> None:
@@ -149,7 +142,8 @@ def _trainer_with_fsdp(path, ref, *, tp: int = 1, ep: int | None = None) -> None
     The experts' gate_up_proj is fused ([gate; up] halves split each alone, along dim 1): grad-norm clipping over
     all of it, and a DCP checkpoint at step 2 that saves its boxes without a gather. The losses of 3 steps, and of
     the third step resumed from the checkpoint, equal plain one-process training on the same global batches."""
-    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset, training_args
     from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer

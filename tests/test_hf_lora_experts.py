@@ -10,15 +10,17 @@ equals one process's. fp64.
 """
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, dp_batches, random_checkpoint, step_both, transformers_fp64
-from tests.helpers import adapter_keys_and_shapes, random_lora
+from tests.helpers.batches import batch, dp_batches
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import step_both
+from tests.helpers.lora import adapter_keys_and_shapes, random_lora
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import transformers_fp64
 from tptrain.parallel.tensor_parallel import gather_full
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model
 
@@ -42,35 +44,29 @@ def _ours(path, **distributed):
     return TransformersCausalLM.from_pretrained(path, dtype=F64, distributed_config=config)
 
 
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    out = {}
-    for model_type in TYPES:
-        config = transformers.AutoConfig.for_model(model_type, **TINY)
-        out[model_type], _ = random_checkpoint(tmp_path_factory, model_type,
-                                               partial(transformers.AutoModelForCausalLM.from_config, config))
-    return out
+CHECKPOINTS = TransformersCheckpoints({t: (t, TINY) for t in TYPES})  # {model_type: directory}
 
 
 @pytest.mark.parametrize("model_type", TYPES)
-def test_adapters_cross_between_peft_and_the_backend(bases, model_type, tmp_path):
+def test_adapters_cross_between_peft_and_the_backend(checkpoints, model_type, tmp_path):
     ids = batch()[0]
-    hf = peft.get_peft_model(transformers_fp64(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    hf = peft.get_peft_model(transformers_fp64(checkpoints[model_type]),
+                             peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
     random_lora(hf, seed=1)  # peft starts B at zero, which would hide a layout bug
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
         want = hf(ids).logits
-    loaded = PeftModel.from_pretrained(_ours(bases[model_type]), tmp_path / "peft")
+    loaded = PeftModel.from_pretrained(_ours(checkpoints[model_type]), tmp_path / "peft")
     experts = loaded.get_base_model().model.layers[0].mlp.experts
     assert tuple(experts.lora_gate_up_A.default.shape) == (4, 2, 32) and "gate_up_proj" in experts.pairs
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, **TOL)
 
-    ours = get_peft_model(_ours(bases[model_type]), LoraConfig(**SETTINGS))
+    ours = get_peft_model(_ours(checkpoints[model_type]), LoraConfig(**SETTINGS))
     random_lora(ours, seed=2)
     ours.save_pretrained(tmp_path / "ours")
     assert adapter_keys_and_shapes(tmp_path / "ours") == adapter_keys_and_shapes(tmp_path / "peft")
-    reloaded = peft.PeftModel.from_pretrained(transformers_fp64(bases[model_type]), tmp_path / "ours")
+    reloaded = peft.PeftModel.from_pretrained(transformers_fp64(checkpoints[model_type]), tmp_path / "ours")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, ours(ids).logits, **TOL)
         merged = ours.merge_and_unload()(ids).logits  # folded into the stacks: the same function
@@ -116,9 +112,9 @@ LAYOUTS = {"etp": dict(tp_size=2),  # experts split inside (moe_tp_experts), gat
            "ep_axis": dict(tp_size=1, ep_size=2)}  # an ep axis: each rank its own batch and 2 of the 4 experts
 
 
-def _worker(bases: dict, adapters, out) -> None:
+def _worker(checkpoints: dict, adapters, out) -> None:
     from tptrain.distributed.topology import dp_mesh
-    for model_type, path in bases.items():
+    for model_type, path in checkpoints.items():
         for name, distributed in LAYOUTS.items():
             what = f"{model_type} {name}"
             ref = PeftModel.from_pretrained(_ours(path), adapters / model_type, is_trainable=True)
@@ -133,13 +129,13 @@ def _worker(bases: dict, adapters, out) -> None:
 
 
 @pytest.mark.distributed
-def test_expert_lora_at_tp_2_and_ep_2_equals_one_process(bases, tmp_path):
-    for model_type, path in bases.items():
+def test_expert_lora_at_tp_2_and_ep_2_equals_one_process(checkpoints, tmp_path):
+    for model_type, path in checkpoints.items():
         adapter = get_peft_model(_ours(path), LoraConfig(**SETTINGS))
         random_lora(adapter, seed=3)
         adapter.save_pretrained(tmp_path / model_type)
-    run_distributed(_worker, 2, bases, tmp_path, tmp_path, timeout=600)
-    for model_type in bases:
+    run_distributed(_worker, 2, checkpoints, tmp_path, tmp_path, timeout=600)
+    for model_type in checkpoints:
         for name in LAYOUTS:
             with safe_open(str(tmp_path / f"{model_type}-{name}" / "adapter_model.safetensors"), "pt") as f, \
                     safe_open(str(tmp_path / f"{model_type}-{name}-ref" / "adapter_model.safetensors"), "pt") as g:

@@ -17,17 +17,17 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.hf_axes_utils import F64, TINY, TYPES, config, eager_experts, one_process, write_checkpoints
+from tests.helpers.backend import (AXES_CHECKPOINTS, AXES_TINY as TINY, AXES_TYPES as TYPES, axes_config as config,
+                                   eager_experts, one_process)
+from tests.helpers.configs import F64
+from tests.helpers.ranks import run_distributed
 
 TP_PP = ("gpt_neox", "gemma", "cohere2", "deepseek_v2", "qwen3_next")  # also at tp 2 x pp 2
 TOL = dict(rtol=1e-10, atol=1e-10)
 TRAIN_TOL = dict(rtol=1e-7, atol=1e-7)  # the routers' fp32 islands in an fp64 model, through AdamW
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return write_checkpoints(tmp_path_factory, TYPES)
+CHECKPOINTS = AXES_CHECKPOINTS  # {model_type: directory}
 
 
 # ------------------------------------------------------------------ no process group
@@ -89,7 +89,8 @@ def test_what_cannot_be_cut_is_refused_naming_why(model_type):
 def _train(path: str, out: str, *, layout: dict, parallelism: dict | None = None, lora: bool = False,
            steps: int = 3) -> list[float]:
     """`steps` Trainer steps of the backend laid out as `layout`, global batch 4; the one-process losses checked."""
-    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset, training_args
     from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.peft import LoraConfig, get_peft_model
     from tptrain.training.args import ParallelismConfig
@@ -118,7 +119,8 @@ def _reloaded_equals_one_process(path: str, out: str) -> None:
     import torch.distributed as dist
     import transformers
 
-    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset, training_args
 
     if dist.get_rank() == 0:
         ref = one_process(path)
@@ -133,7 +135,8 @@ def _reloaded_equals_one_process(path: str, out: str) -> None:
 def _resume_across_pp(path: str, out: str) -> None:
     """A checkpoint saved at pp 2 (tied embeddings: a copy on each stage) resumes at pp 1 x dp_shard 2, and that run's
     at pp 2: the losses are those of uninterrupted one-process training."""
-    from tests.helpers import reference_losses, tiny_dataset, training_args
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import tiny_dataset, training_args
     from tptrain import AutoModelForCausalLM, DistributedConfig
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
@@ -204,7 +207,7 @@ def test_cli_trains_a_transformers_model_with_pp_size(tmp_path):
     checkpoint transformers loads."""
     import transformers
 
-    from tests.helpers import tptrain_train
+    from tests.helpers.launch import tptrain_train
 
     model_dir = tmp_path / "starcoder2"
     model_dir.mkdir()

@@ -10,20 +10,19 @@ with tptrain on one process (gradients, 3 AdamW steps); one spawned job per worl
 from __future__ import annotations
 
 import json
-from functools import partial
 
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, check_against_hf, hf_reference, random_checkpoint
-from tests.helpers import full_grads, full_params
+from tests.helpers.backend import STYLES_TINY as TINY, STYLES_TOL as TOL, trains_like_one_process as _trains_like
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import check_against_hf
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference
 from tptrain import AutoModelForCausalLM, DistributedConfig
 
 F64 = torch.float64
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-            pad_token_id=0, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # model_type: (the module whose style (or rule) it shows, that style, config beyond TINY)
 ARCHS = {
     "glm": ("model.layers.0.mlp.down_proj", "rowwise_split_input", {}),
@@ -49,40 +48,10 @@ EP = "granitemoe_swa"  # also with enable_expert_parallel (transformers' base_mo
 # ep_dispatch_experts under EP), MLA's three narrow boundaries (no tp_pairs on transformers' modules). Not Llama 4:
 # its experts run on every token repeated num_experts times, a (experts x tokens, hidden) boundary.
 AT_MINIMUM = ("granitemoe_swa", "minicpm3")
-# transformers' norms compute in fp32 even in an fp64 model: a TP sum in another order moves results by ~1e-7
-TOL = dict(rtol=1e-6, atol=1e-6)
-STEP_TOL = dict(rtol=1e-5, atol=1e-5)  # AdamW's 1/sqrt(v) turns that rounding into ~1e-5 of a step of 1e-2
 
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: (directory written by transformers, its fp64 logits and loss on batch())}."""
-    import transformers
-    out = {}
-    for model_type, (_, _, extra) in ARCHS.items():
-        config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
-        path, hf = random_checkpoint(tmp_path_factory, model_type, partial(transformers.AutoModelForCausalLM.from_config,
-                                                                          config), norm_weight=0.0 if model_type == "gemma" else 1.0)
-        out[model_type] = (path, hf_reference(hf.to(F64)))
-    return out
-
-
-def _trains_like(model, ref, what: str) -> None:
-    """Gradients of every parameter and 3 AdamW steps of the TP `model` equal the single-process `ref`."""
-    ids, labels = batch(seed=2)
-    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(3):
-        ref_loss, loss = ref(ids, labels=labels).loss, model(ids, labels=labels).loss
-        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{what} loss, step {step}: {m}")
-        ref_loss.backward(), loss.backward()
-        if step == 0:
-            grads = full_grads(model)
-            for n, p in ref.named_parameters():
-                torch.testing.assert_close(grads[n], p.grad, **TOL, msg=lambda m: f"{what} grad of {n}: {m}")
-        ref_opt.step(), opt.step(), ref_opt.zero_grad(), opt.zero_grad()
-    params = full_params(model)
-    for n, p in ref.named_parameters():
-        torch.testing.assert_close(params[n], p.detach(), **STEP_TOL, msg=lambda m: f"{what} {n} after 3 steps: {m}")
+# {model_type: (directory written by transformers, its fp64 logits and loss on batch())}
+CHECKPOINTS = TransformersCheckpoints({t: (t, {**TINY, **extra}) for t, (_, _, extra) in ARCHS.items()},
+                                      norm_weights={"gemma": 0.0}, reference=fp64_reference)
 
 
 def _worker(tp: int, checkpoints: dict, out) -> None:

@@ -9,15 +9,16 @@ value heads (v_head_dim != head_dim) replicated with its KV heads at tp 4. Tiny 
 """
 from __future__ import annotations
 
-from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import check_against_hf, hf_reference, random_checkpoint
-from tests.test_hf_styles import TINY, TOL, _trains_like
+from tests.helpers.backend import STYLES_TINY as TINY, STYLES_TOL as TOL, trains_like_one_process as _trains_like
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import check_against_hf
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference
 from tptrain import AutoModelForCausalLM, DistributedConfig
 
 F64 = torch.float64
@@ -39,17 +40,9 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: (directory written by transformers, its fp64 logits and loss on batch())}."""
-    import transformers
-    out = {}
-    for model_type, (extra, _, _) in ARCHS.items():
-        config = transformers.AutoConfig.for_model(model_type, **{**TINY, **extra})
-        path, hf = random_checkpoint(tmp_path_factory, model_type, partial(transformers.AutoModelForCausalLM.from_config,
-                                                                          config), norm_weight=0.0 if model_type == "gemma3n_text" else 1.0)
-        out[model_type] = (path, hf_reference(hf.to(F64)))
-    return out
+# {model_type: (directory written by transformers, its fp64 logits and loss on batch())}
+CHECKPOINTS = TransformersCheckpoints({t: (t, {**TINY, **extra}) for t, (extra, _, _) in ARCHS.items()},
+                                      norm_weights={"gemma3n_text": 0.0}, reference=fp64_reference)
 
 
 def _check_layout(model, facts: dict[str, str], what: str) -> None:

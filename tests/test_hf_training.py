@@ -10,9 +10,12 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, randomize
-from tests.helpers import reference_losses, tiny_dataset, tptrain_train, training_args
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.trainer import Trainer
@@ -26,15 +29,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"]
 TOL = dict(rtol=1e-6, atol=1e-6)  # transformers' norms run in fp32 even in fp64 (see test_hf_backend.py)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    import transformers
-    torch.manual_seed(0)
-    hf = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(**TINY))
-    randomize(hf)
-    path = tmp_path_factory.mktemp("starcoder2")
-    hf.save_pretrained(path)
-    return path
+CHECKPOINTS = TransformersCheckpoints({"starcoder2": ("starcoder2", TINY)})  # every parameter random
 
 
 def _trainer_and_lora_worker(path, tmp) -> None:

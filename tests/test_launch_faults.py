@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import reserved_port
-from tests.helpers import ROOT, tptrain_train
+from tests.helpers.launch import ROOT, tptrain_train
+from tests.helpers.ranks import reserved_port
 from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.cli import main
 from tptrain.cli import train as train_cli

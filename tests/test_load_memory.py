@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import CONSTANT, MB, PeakSampler, _rss_anon
+from tests.helpers.memory import CONSTANT, MB, PeakSampler, rss_anon
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import save_checkpoint
 
@@ -35,9 +35,9 @@ def _load(path):
 def _load_worker(path: str, tiny: str) -> None:
     # Warm-up: a tiny checkpoint pays the one-time costs that do not grow with the checkpoint (lazy
     # imports, e.g. torch's Python meta kernels, ~70 MB; the process groups).
-    start = _rss_anon()
+    start = rss_anon()
     _load(tiny)
-    before = _rss_anon()
+    before = rss_anon()
     with PeakSampler() as sampler:
         model = _load(path)
     local = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from tests.dist_utils import run_distributed
+from tests.helpers.batches import labelled_batch
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.distributed.comm import CommTracker, all_gather
@@ -24,6 +26,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attention_bias=True)
 # Every linear layer (colwise, rowwise, the vocab-parallel head) plus the vocab-parallel embedding.
 EVERYTHING = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "embed_tokens"]
+batch = partial(labelled_batch, TINY["vocab_size"])
 
 
 def tiny_model(seed: int = 0):
@@ -38,14 +41,6 @@ def randomize_adapter(peft: PeftModel, seed: int = 1) -> None:
         for name, p in peft.named_parameters():
             if ".lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
-
-
-def batch(seed: int = 1, b: int = 2, s: int = 16):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, TINY["vocab_size"], (b, s), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100
-    return ids, labels
 
 
 @pytest.fixture(scope="module")

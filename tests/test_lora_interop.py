@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.dist_utils import run_distributed
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 

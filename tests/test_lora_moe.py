@@ -6,15 +6,17 @@ peft 0.21 + transformers 5.23 at one device and against one device under expert 
 from __future__ import annotations
 
 import json
-from functools import partial
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import VOCAB, batch, random_checkpoint, transformers_fp64
-from tests.helpers import adapter_keys_and_shapes, random_lora
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.configs import VOCAB
+from tests.helpers.lora import adapter_keys_and_shapes, random_lora
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import transformers_fp64
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel.tensor_parallel import gather_full
@@ -40,24 +42,18 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 SETTINGS = dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], target_parameters=EXPERTS + ["mlp.gate.weight"])
 
 
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    """{model_type: directory of a random tiny checkpoint written by transformers}."""
-    out = {}
-    for model_type, (config_cls, model_cls, keys) in FAMILIES.items():
-        config = getattr(transformers, config_cls)(**TINY, **keys)
-        out[model_type], _ = random_checkpoint(tmp_path_factory, model_type,
-                                               partial(getattr(transformers, model_cls), config))
-    return out
+# {model_type: directory of a random tiny checkpoint written by transformers}
+CHECKPOINTS = TransformersCheckpoints({t: (t, dict(TINY, **keys)) for t, (_, _, keys) in FAMILIES.items()})
 
 
 # ------------------------------------------------------------------ (a) peft is the oracle, one device
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
+def test_adapters_cross_between_peft_and_tptrain(checkpoints, model_type, tmp_path):
     ids = batch()[0]
-    hf = peft.get_peft_model(transformers_fp64(bases[model_type]), peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
+    hf = peft.get_peft_model(transformers_fp64(checkpoints[model_type]),
+                             peft.LoraConfig(task_type="CAUSAL_LM", **SETTINGS))
     random_lora(hf, seed=1)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
@@ -66,7 +62,7 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
     assert keys["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"] == (2 * 4, 32)  # r*E, hidden
 
     # peft's file into tptrain
-    base = AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64)
+    base = AutoModelForCausalLM.from_pretrained(checkpoints[model_type], dtype=F64)
     with torch.no_grad():
         plain = base(ids).logits
     loaded = PeftModel.from_pretrained(base, tmp_path / "peft")
@@ -75,7 +71,8 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
     assert (want - plain).abs().max() > 1e-1  # the adapter moves the logits far more than the tolerance
 
     # tptrain's file into peft: the same keys and shapes, the same logits
-    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64), LoraConfig(**SETTINGS))
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints[model_type], dtype=F64),
+                          LoraConfig(**SETTINGS))
     random_lora(ours, seed=2)
     ours.save_pretrained(tmp_path / "ours")
     assert adapter_keys_and_shapes(tmp_path / "ours") == keys
@@ -83,7 +80,7 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
     assert config["target_parameters"] == SETTINGS["target_parameters"]
     with torch.no_grad():
         mine = ours(ids).logits
-        reloaded = peft.PeftModel.from_pretrained(transformers_fp64(bases[model_type]), tmp_path / "ours")
+        reloaded = peft.PeftModel.from_pretrained(transformers_fp64(checkpoints[model_type]), tmp_path / "ours")
         torch.testing.assert_close(reloaded(ids).logits, mine, **HF_TOL)
         merged = ours.merge_and_unload()  # s * B_e @ A_e folded into the stacked weights
         torch.testing.assert_close(merged(ids).logits, mine, **TOL)
@@ -91,13 +88,14 @@ def test_adapters_cross_between_peft_and_tptrain(bases, model_type, tmp_path):
 
 
 @pytest.mark.parametrize("targets", [["mlp.experts.gate_up_proj"], ["experts.down_proj"], EXPERTS[::-1]])
-def test_key_nesting_follows_peft(bases, targets, tmp_path):
+def test_key_nesting_follows_peft(checkpoints, targets, tmp_path):
     """peft nests one ParamWrapper per parameter (down_proj outermost): the keys depend on which are targeted."""
     settings = dict(r=3, lora_alpha=3, target_parameters=targets)
-    hf = peft.get_peft_model(transformers_fp64(bases["qwen3_moe"]), peft.LoraConfig(task_type="CAUSAL_LM", **settings))
+    hf = peft.get_peft_model(transformers_fp64(checkpoints["qwen3_moe"]),
+                             peft.LoraConfig(task_type="CAUSAL_LM", **settings))
     hf.save_pretrained(tmp_path / "peft")
-    get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), LoraConfig(**settings)).save_pretrained(
-        tmp_path / "ours")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"]),
+                   LoraConfig(**settings)).save_pretrained(tmp_path / "ours")
     assert adapter_keys_and_shapes(tmp_path / "ours") == adapter_keys_and_shapes(tmp_path / "peft")
 
 
@@ -156,14 +154,15 @@ def _worker(base_dir, adapter_dir, tp: int, out) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [2, 4])
-def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
+def test_expert_tp_and_expert_parallel_equal_one_device(checkpoints, tp, tmp_path):
     # gate_up_proj at another rank and alpha than down_proj (peft's rank_pattern)
     settings = {**SETTINGS, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
                 "rank_pattern": {r".*\.gate_up_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 6}}
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=F64),
+                             LoraConfig(**settings))
     random_lora(adapter, seed=3)
     adapter.save_pretrained(tmp_path / "adapter")
-    run_distributed(_worker, tp, bases["qwen3_moe"], tmp_path / "adapter", tp, tmp_path, timeout=600)
+    run_distributed(_worker, tp, checkpoints["qwen3_moe"], tmp_path / "adapter", tp, tmp_path, timeout=600)
     for layout in ("etp", "ep", "all_to_all"):
         with safe_open(str(tmp_path / f"{layout}-tp{tp}" / "adapter_model.safetensors"), "pt") as f, \
                 safe_open(str(tmp_path / f"{layout}-ref" / "adapter_model.safetensors"), "pt") as g:
@@ -186,8 +185,8 @@ def test_expert_tp_and_expert_parallel_equal_one_device(bases, tp, tmp_path):
     ("qwen2_moe", dict(target_modules=["shared_expert_gate"], target_parameters=["mlp.shared_expert_gate.weight"]),
      "both target_modules"),
 ])
-def test_unsupported_expert_targets_say_what_to_write(bases, model_type, settings, message):
-    model = AutoModelForCausalLM.from_pretrained(bases[model_type])
+def test_unsupported_expert_targets_say_what_to_write(checkpoints, model_type, settings, message):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[model_type])
     with pytest.raises(ValueError, match=message):
         get_peft_model(model, LoraConfig(**settings))
 
@@ -201,22 +200,22 @@ def test_expert_dropout_is_refused():
     ("qwen3_moe", ["q_proj", "gate_proj", "up_proj", "down_proj"]), ("qwen3_moe", "all-linear"),
     ("mixtral", ["q_proj", "w1", "w2", "w3", "gate"]), ("olmoe", "all-linear"),
     ("qwen2_moe", "all-linear"), ("qwen2_moe", ["q_proj", "gate_proj", "up_proj", "down_proj"])])
-def test_transformers_4_names_are_rewritten_as_peft_does(bases, model_type, target_modules, tmp_path):
+def test_transformers_4_names_are_rewritten_as_peft_does(checkpoints, model_type, target_modules, tmp_path):
     """peft rewrites transformers 4's MoE names (and "all-linear") per model type into target_parameters on the fused
     experts and the router, gate_up_proj at rank 2r (rank_pattern); on Qwen2-MoE they match only the shared expert.
     The same LoraConfig in tptrain writes peft's file (keys, shapes, targets), and peft's adapter loads into tptrain."""
     ids = batch()[0]
-    hf = peft.get_peft_model(transformers_fp64(bases[model_type]), peft.LoraConfig(
+    hf = peft.get_peft_model(transformers_fp64(checkpoints[model_type]), peft.LoraConfig(
         r=2, lora_alpha=3, task_type="CAUSAL_LM", target_modules=target_modules))
     random_lora(hf, seed=4)
     hf.save_pretrained(tmp_path / "peft")
     with torch.no_grad():
         want = hf(ids).logits
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases[model_type], dtype=F64),
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoints[model_type], dtype=F64),
                                        tmp_path / "peft")
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, **HF_TOL)
-    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(bases[model_type]),
+    ours = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints[model_type]),
                           LoraConfig(r=2, lora_alpha=3, target_modules=target_modules))
     ours.save_pretrained(tmp_path / "ours")
     assert adapter_keys_and_shapes(tmp_path / "ours") == adapter_keys_and_shapes(tmp_path / "peft")
@@ -226,7 +225,7 @@ def test_transformers_4_names_are_rewritten_as_peft_does(bases, model_type, targ
     assert sorted(written[0]["target_modules"] or []) == sorted(written[1]["target_modules"] or [])
 
 
-def test_cli_flags_spell_target_parameters(bases):
+def test_cli_flags_spell_target_parameters(checkpoints):
     """`tptrain train --lora-target-parameters ...`: the experts without the default 'all-linear' modules."""
     import argparse
 
@@ -238,7 +237,7 @@ def test_cli_flags_spell_target_parameters(bases):
     args = parser.parse_args(["--lora-r", "2", "--lora-target-parameters", ",".join(EXPERTS)])
     config = lora_config(args)
     assert config.target_parameters == EXPERTS and config.target_modules == []
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"]), config)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"]), config)
     assert sorted(model.lora_layers) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     args = parser.parse_args(["--lora-r", "2", "--lora-dropout", "0.1", "--lora-target-parameters", EXPERTS[0]])
     with pytest.raises(ValueError, match="lora_dropout"):
@@ -247,7 +246,8 @@ def test_cli_flags_spell_target_parameters(bases):
 
 
 def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
-    from tests.helpers import SEQ, reference_losses, training_args
+    from tests.helpers.references import reference_losses
+    from tests.helpers.trainer import SEQ, training_args
     from tptrain.distributed import init_distributed
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.data import PackedDataset
@@ -278,19 +278,20 @@ def _trainer_worker(base_dir, adapter_dir, tmp) -> None:
 
 
 @pytest.mark.distributed
-def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(bases, tmp_path):
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+def test_trainer_trains_and_resumes_expert_lora_under_expert_parallelism(checkpoints, tmp_path):
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=F64),
                              LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=EXPERTS))
     random_lora(adapter, seed=5)
     adapter.save_pretrained(tmp_path / "adapter")
-    run_distributed(_trainer_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
+    run_distributed(_trainer_worker, 2, checkpoints["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
 
 
 def _ep_axis_worker(base_dir, adapter_dir, out) -> None:
     """At ep 2 (tp 1): each rank its own batch and 2 of the 4 experts, their factors split by expert as the weights
     are; LoRA gradients and 3 AdamW steps equal one process on the concatenated batch (the factors not split by
     expert summed over dp, as data parallelism sums them); the adapter is saved gathered over ep."""
-    from tests.family_utils import dp_batches, step_both
+    from tests.helpers.batches import dp_batches
+    from tests.helpers.compare import step_both
     from tptrain.distributed.topology import dp_mesh
 
     ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=F64), adapter_dir,
@@ -323,29 +324,30 @@ def _ep_axis_worker(base_dir, adapter_dir, out) -> None:
 
 
 @pytest.mark.distributed
-def test_expert_lora_over_an_ep_axis_equals_one_process_and_peft(bases, tmp_path):
+def test_expert_lora_over_an_ep_axis_equals_one_process_and_peft(checkpoints, tmp_path):
     """LoRA on the experts at ep 2 equals one process (gradients, 3 AdamW steps), and the adapter it saves is one
     process's tensors in peft's file: peft loads it onto transformers with the logits tptrain gives it."""
     settings = {**SETTINGS, "rank_pattern": {r".*\.gate_up_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 6}}
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64), LoraConfig(**settings))
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=F64),
+                             LoraConfig(**settings))
     random_lora(adapter, seed=6)
     adapter.save_pretrained(tmp_path / "adapter")
-    run_distributed(_ep_axis_worker, 2, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
+    run_distributed(_ep_axis_worker, 2, checkpoints["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=600)
     with safe_open(str(tmp_path / "ep2" / "adapter_model.safetensors"), "pt") as f, \
             safe_open(str(tmp_path / "ep2-ref" / "adapter_model.safetensors"), "pt") as g:
         assert set(f.keys()) == set(g.keys())
         for key in f.keys():
             torch.testing.assert_close(f.get_tensor(key), g.get_tensor(key), **TOL)
     ids = batch()[0]
-    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=F64),
                                      tmp_path / "ep2")
-    theirs = peft.PeftModel.from_pretrained(transformers_fp64(bases["qwen3_moe"]), tmp_path / "ep2")
+    theirs = peft.PeftModel.from_pretrained(transformers_fp64(checkpoints["qwen3_moe"]), tmp_path / "ep2")
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, **HF_TOL)
 
 
 def _merge_worker(base_dir, adapter_dir, tmp) -> None:
-    from tests.helpers import SEQ, training_args
+    from tests.helpers.trainer import SEQ, training_args
     from tptrain.distributed import init_distributed
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.data import PackedDataset
@@ -372,12 +374,12 @@ def _merge_worker(base_dir, adapter_dir, tmp) -> None:
 
 
 @pytest.mark.distributed
-def test_merge_under_hsdp(bases, tmp_path):
+def test_merge_under_hsdp(checkpoints, tmp_path):
     """merge_and_unload on a model HSDP shards (dp_replicate 2 x dp_shard 2): attention and expert adapters folded
     into each rank's shard, the merged checkpoint computes what the adapter does."""
-    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(bases["qwen3_moe"], dtype=F64),
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], dtype=F64),
                              LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
                                         target_parameters=EXPERTS))
     random_lora(adapter, seed=5)
     adapter.save_pretrained(tmp_path / "adapter")
-    run_distributed(_merge_worker, 4, bases["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=400)
+    run_distributed(_merge_worker, 4, checkpoints["qwen3_moe"], tmp_path / "adapter", tmp_path, timeout=400)

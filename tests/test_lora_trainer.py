@@ -7,8 +7,9 @@ import copy
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import reference_losses, tiny_dataset, tiny_model, training_args
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.peft import LoraConfig, PeftModel, get_peft_model

@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
-from tests.helpers import TOL, batch, full_grads, make_config
+from tests.helpers.batches import labelled_batch as batch
+from tests.helpers.compare import TOL, full_grads
+from tests.helpers.configs import make_config
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.distributed import init_distributed
 from tptrain.models import AutoModelForCausalLM

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import TRAINER_TINY as TINY, tiny_dataset, training_args
+from tests.helpers.configs import TRAINER_TINY as TINY
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.models import AutoConfig
 from tptrain.training.trainer import Trainer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from functools import partial
 
 import pytest
 import safetensors.torch
@@ -13,6 +14,8 @@ import torch
 import transformers
 from torch import nn
 
+from tests.helpers.batches import labelled_batch
+from tests.helpers.checkpoints import TransformersCheckpoints, randomize
 from tptrain.models import MODEL_REGISTRY, AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config
 from tptrain.models.rope import rope_inv_freq
 
@@ -30,21 +33,12 @@ CASES = {
     "qwen3": dict(TINY, model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=24),
 }
 ATOL = RTOL = 1e-5
-
-
-def _randomize(model: nn.Module, seed: int = 0) -> None:
-    """Every parameter random (norms around 1), so zero-init biases and unit norms are tested too."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.2
-            p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
-
-
-def _hf_model(kwargs: dict) -> nn.Module:
-    kwargs = dict(kwargs)
-    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+# {arch: (directory of a transformers-written checkpoint, the transformers model)}, every parameter random (norms
+# around 1), so zero-init biases and unit norms are tested too
+CHECKPOINTS = TransformersCheckpoints({arch: (kw["model_type"], {k: v for k, v in kw.items() if k != "model_type"})
+                                       for arch, kw in CASES.items()}, reference=lambda hf: hf)
+# every row's first 3 labels and 3 of row 1's last 5 ignored
+_batch = partial(labelled_batch, TINY["vocab_size"], s=24, ignored=((slice(None), slice(None, 3)), (1, slice(-5, -2))))
 
 
 def load_weights(model: nn.Module, checkpoint_dir) -> None:
@@ -55,34 +49,15 @@ def load_weights(model: nn.Module, checkpoint_dir) -> None:
     assert not unexpected and set(missing) == tied, (missing, unexpected)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def checkpoint(request, tmp_path_factory):
-    """(arch, directory of a transformers-written checkpoint, the transformers model)."""
-    torch.manual_seed(0)
-    hf = _hf_model(CASES[request.param])
-    _randomize(hf)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    return request.param, path, hf
-
-
 def _load_tptrain(path) -> nn.Module:
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     load_weights(model, path)
     return model.eval()
 
 
-def _batch(seed: int = 1, batch: int = 2, seq: int = 24):
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, TINY["vocab_size"], (batch, seq), generator=gen)
-    labels = input_ids.clone()
-    labels[:, :3] = -100
-    labels[1, -5:-2] = -100
-    return input_ids, labels
-
-
-def test_logits_loss_and_grads_match_transformers(checkpoint):
-    arch, path, hf = checkpoint
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_logits_loss_and_grads_match_transformers(checkpoints, arch):
+    path, hf = checkpoints[arch]
     model = _load_tptrain(path)
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -103,15 +78,17 @@ def test_logits_loss_and_grads_match_transformers(checkpoint):
         torch.testing.assert_close(p.grad, ref_grads[name].grad, atol=ATOL, rtol=RTOL, msg=name)
 
 
-def test_rope_inv_freq_is_transformers(checkpoint):
-    arch, path, hf = checkpoint
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_rope_inv_freq_is_transformers(checkpoints, arch):
+    path, hf = checkpoints[arch]
     assert torch.equal(rope_inv_freq(AutoConfig.from_pretrained(path)), hf.model.rotary_emb.inv_freq)
 
 
-def test_left_padding_mask(checkpoint):
-    arch, path, hf = checkpoint
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_left_padding_mask(checkpoints, arch):
+    path, hf = checkpoints[arch]
     model = _load_tptrain(path)
-    input_ids, _ = _batch(seq=12)
+    input_ids, _ = _batch(s=12)
     mask = torch.ones_like(input_ids)
     mask[0, :5] = 0  # row 0 left-padded by 5
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -137,7 +114,7 @@ def test_saved_config_builds_identical_transformers_model(arch, tmp_path):
     hf_config = transformers.AutoConfig.from_pretrained(tmp_path)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     model = AutoModelForCausalLM.from_config(config).eval()
-    _randomize(model)
+    randomize(model)
 
     hf.load_state_dict(model.state_dict())  # strict: same names, same shapes
     assert torch.equal(rope_inv_freq(config), hf.model.rotary_emb.inv_freq)
@@ -246,7 +223,7 @@ def test_attention_and_mlp_run_on_sharded_weights(tp):
                          attention_bias=True)
     model = AutoModelForCausalLM.from_config(config)
     layer = model.model.layers[0]
-    _randomize(layer)
+    randomize(layer)
     x = torch.randn(2, 10, config.hidden_size)
     cos, sin = model.model.rotary_emb(x, torch.arange(10)[None])
     kv_replicas = max(1, tp // config.num_key_value_heads)

@@ -16,10 +16,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, check_against_hf, hf_reference, randomize
-from tests.helpers import (F64, MOE_FAMILIES as FAMILIES, MOE_HF_TOL as HF_TOL, MOE_TINY as TINY, TOL, _hf,
-                           _hf_grad, _route_to_first_rank, assert_grads_match, assert_params_match)
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import (MOE_HF_TOL as HF_TOL, TOL, assert_grads_match, assert_params_match, check_against_hf,
+                                   hf_grad, route_to_first_rank)
+from tests.helpers.configs import F64, MOE_FAMILIES as FAMILIES, MOE_TINY as TINY
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import fp64_reference, hf_reference, transformers_fp64
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.comm import CommTracker
@@ -29,20 +32,9 @@ from tptrain.parallel.expert_parallel import all_to_all_wins
 EP_STYLES = ("expert_parallel_all_reduce", "expert_parallel_all_to_all")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: (directory written by transformers, its fp64 logits and loss on batch())}."""
-    import transformers
-    out = {}
-    for model_type, (config_cls, model_cls, keys) in FAMILIES.items():
-        torch.manual_seed(0)
-        hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **keys)).eval()
-        randomize(hf)
-        path = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(path)
-        hf.set_experts_implementation("eager")  # its grouped_mm kernels take no fp64
-        out[model_type] = path, hf_reference(hf.to(F64))
-    return out
+# {model_type: (directory written by transformers, its fp64 logits and loss on batch())}
+CHECKPOINTS = TransformersCheckpoints({t: (t, dict(TINY, **keys)) for t, (_, _, keys) in FAMILIES.items()},
+                                      reference=fp64_reference)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -54,7 +46,7 @@ def test_tp1_logits_loss_aux_loss_and_grads_match_transformers(checkpoints, mode
     assert experts.gate_proj.shape == (4, model.config.moe_intermediate_size, 64)  # stacked in memory
     check_against_hf(model, expected, model_type, HF_TOL)
 
-    hf = _hf(path)
+    hf = transformers_fp64(path)
     ids, labels = batch()
     out, hf_out = model(ids, labels=labels), hf(ids, labels=labels)
     torch.testing.assert_close(out.aux_loss, hf_out.aux_loss, **HF_TOL)  # fp32, as transformers
@@ -63,7 +55,7 @@ def test_tp1_logits_loss_aux_loss_and_grads_match_transformers(checkpoints, mode
     hf_out.loss.backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
     for name, p in model.named_parameters():
-        want = _hf_grad(hf_grads, name, model.config.moe_intermediate_size)
+        want = hf_grad(hf_grads, name, model.config.moe_intermediate_size)
         torch.testing.assert_close(p.grad, want, **HF_TOL, msg=lambda m: f"grad of {name}: {m}")
 
 
@@ -99,7 +91,7 @@ def test_save_pretrained_writes_the_hubs_per_expert_layout(checkpoints, model_ty
         torch.testing.assert_close(ours.get_tensor(key), theirs.get_tensor(key), rtol=0, atol=0)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config[{"mixtral": "num_local_experts"}.get(model_type, "num_experts")] == 4
-    got = hf_reference(_hf(tmp_path))
+    got = hf_reference(transformers_fp64(tmp_path))
     torch.testing.assert_close(got["logits"], expected["logits"], rtol=0, atol=0)
 
 
@@ -113,7 +105,7 @@ def test_unsupported_router_options_name_the_key(key, value):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3"])
 def test_keys_the_family_ignores_build_nothing(model_type):
     """transformers keeps any keyword in config.json; these families' models never read this one, nor does tptrain."""
-    from tests.deepseek_utils import DEEPSEEK_TINY
+    from tests.helpers.configs import DEEPSEEK_TINY
 
     tiny = DEEPSEEK_TINY if model_type == "deepseek_v3" else {**TINY, "num_experts": 4, "moe_intermediate_size": 16}
     config_class = type(AutoConfig.for_model(model_type))
@@ -145,8 +137,8 @@ def _no_token_on_other_ranks(path, tp: int, style: str) -> None:
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=F64)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=F64, distributed_config=DistributedConfig(tp_size=tp, tp_plan={"layers.*.mlp.experts": style}))
-    _route_to_first_rank(ref, 4 // tp)
-    _route_to_first_rank(model, 4 // tp)
+    route_to_first_rank(ref, 4 // tp)
+    route_to_first_rank(model, 4 // tp)
     _equivalence(model, ref, steps=1)
     ids, labels = batch(seed=2)
     model(ids, labels=labels).loss.backward()
@@ -236,7 +228,7 @@ def test_experts_over_tp_match_transformers_and_a_single_device(checkpoints, tp,
         return
     for model_type in ("mixtral", "qwen2_moe"):  # saved at tp 2 (both layouts): transformers reloads it unchanged
         for layout in ("etp", "ep"):
-            got = hf_reference(_hf(tmp_path / f"{model_type}-{layout}"))
+            got = hf_reference(transformers_fp64(tmp_path / f"{model_type}-{layout}"))
             torch.testing.assert_close(got["logits"], checkpoints[model_type][1]["logits"], rtol=0, atol=0)
 
 

@@ -18,11 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
-from tests.family_utils import batch, hf_reference, randomize
-from tests.helpers import (F64, MOE_FAMILIES as FAMILIES, MOE_HF_TOL as HF_TOL, MOE_TINY as TINY,
-                           MOE_TRAIN_TINY as TRAIN_TINY, TOL, _hf, _route_to_first_rank, full_grads, reference_losses,
-                           tiny_dataset, training_args, tptrain_train)
+from tests.helpers.batches import batch
+from tests.helpers.checkpoints import TransformersCheckpoints
+from tests.helpers.compare import MOE_HF_TOL as HF_TOL, TOL, full_grads, route_to_first_rank
+from tests.helpers.configs import F64, MOE_FAMILIES as FAMILIES, MOE_TINY as TINY, MOE_TRAIN_TINY as TRAIN_TINY
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import hf_reference, reference_losses, transformers_fp64
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import AutoModelForCausalLM, DistributedConfig
 from tptrain.diagnostics.accounting import comm_report
 from tptrain.distributed.topology import dp_mesh
@@ -32,19 +35,8 @@ from tptrain.parallel.plan import check_plan
 LAYOUTS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}  # world size: [(tp, ep)]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: directory written by transformers} for two families (shared expert: qwen2_moe)."""
-    import transformers
-    out = {}
-    for model_type in ("qwen3_moe", "qwen2_moe"):
-        config_cls, model_cls, keys = FAMILIES[model_type]
-        torch.manual_seed(0)
-        hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **keys)).eval()
-        randomize(hf)
-        out[model_type] = tmp_path_factory.mktemp(model_type)
-        hf.save_pretrained(out[model_type])
-    return out
+# {model_type: directory written by transformers} for two families (shared expert: qwen2_moe)
+CHECKPOINTS = TransformersCheckpoints({t: (t, dict(TINY, **FAMILIES[t][2])) for t in ("qwen3_moe", "qwen2_moe")})
 
 
 def _global_batch(dp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +62,7 @@ def _check_layout(path, tp: int, ep: int, *, route_first: bool = False) -> None:
     rank = dp.get_local_rank()
     ids, labels = batch(seed=10 + rank)
     if not route_first:  # transformers on this rank's own batch
-        hf = _hf(path)
+        hf = transformers_fp64(path)
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, hf(ids).logits, **HF_TOL)
             torch.testing.assert_close(model(ids, labels=labels).loss, hf(ids, labels=labels).loss.to(F64),
@@ -78,8 +70,8 @@ def _check_layout(path, tp: int, ep: int, *, route_first: bool = False) -> None:
     ref = _no_aux(AutoModelForCausalLM.from_pretrained(path, dtype=F64))
     _no_aux(model)
     if route_first:
-        _route_to_first_rank(ref, 4 // ep)
-        _route_to_first_rank(model, 4 // ep)
+        route_to_first_rank(ref, 4 // ep)
+        route_to_first_rank(model, 4 // ep)
     all_ids, all_labels = _global_batch(dp.size())
     count = int((all_labels[:, 1:] != -100).sum())
     ref(all_ids, labels=all_labels, num_items_in_batch=count).loss.backward()
@@ -187,7 +179,8 @@ def _trainer_worker(tmp: str) -> None:
             assert len(norms) == 4 and min(norms) > args.max_grad_norm, norms  # clipped: a wrong norm shows
             ids = batch()[0]
             with torch.no_grad():
-                torch.testing.assert_close(_hf(f"{tmp}/run{i}/final")(ids).logits, ref(ids).logits, **HF_TOL)
+                torch.testing.assert_close(transformers_fp64(f"{tmp}/run{i}/final")(ids).logits, ref(ids).logits,
+                                           **HF_TOL)
     model = _moe().parallelize(DistributedConfig(ep_size=2))
     with pytest.raises(ValueError, match=r"ParallelismConfig\(ep_size=4\) disagrees with the model.*ep_size=2"):
         Trainer(model=model, args=training_args(f"{tmp}/bad", parallelism_config=ParallelismConfig(ep_size=4)),
@@ -321,7 +314,7 @@ def test_ep_axis_forward_gradients_training_saving_and_resuming(checkpoints, tmp
     run_distributed(_two_ranks, 2, checkpoints, tmp_path, timeout=600)
     run_distributed(_four_ranks, 4, checkpoints, tmp_path, timeout=900)
     run_distributed(_resume_worker_1, 1, str(tmp_path), timeout=300)
-    want = hf_reference(_hf(checkpoints["qwen2_moe"]))
+    want = hf_reference(transformers_fp64(checkpoints["qwen2_moe"]))
     for world in (2, 4):  # gathered over ep and tp, in the hub's per-expert layout
-        got = hf_reference(_hf(tmp_path / f"qwen2_moe-{world}"))
+        got = hf_reference(transformers_fp64(tmp_path / f"qwen2_moe-{world}"))
         torch.testing.assert_close(got["logits"], want["logits"], rtol=0, atol=0)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import CONSTANT, MB, PeakSampler, _rss_anon
+from tests.helpers.memory import CONSTANT, MB, PeakSampler, rss_anon
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import save_checkpoint
 from tptrain.modeling import to_checkpoint_names
@@ -42,7 +42,7 @@ def _worker(path: str, tiny: str, layout: str) -> None:
     # grows the allocator's heaps once (~45 MiB here, which the tiny warm-up does not reach), within 1% of the bound.
     for _ in range(2):
         gc.collect()
-        before = _rss_anon()
+        before = rss_anon()
         with PeakSampler() as sampler:
             model = _load(path, layout)
         rises.append(sampler.peak - before)

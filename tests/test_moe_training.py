@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import MOE_TRAIN_TINY as TINY, reference_losses, tiny_dataset, training_args, tptrain_train
+from tests.helpers.configs import MOE_TRAIN_TINY as TINY
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig

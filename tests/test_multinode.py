@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import reserved_port
-from tests.helpers import ROOT, finish, metrics
+from tests.helpers.launch import ROOT, finish, metrics
+from tests.helpers.ranks import reserved_port
 
 pytestmark = pytest.mark.distributed
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import tiny_dataset, tiny_model, training_args, tptrain_train
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.training.args import ParallelismConfig, TrainingArguments
 from tptrain.training.nonfinite import NonFiniteStepError

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import tiny_dataset, tiny_model, training_args
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.training.args import ParallelismConfig
 from tptrain.training.optim import adamw_kernels, build_optimizer

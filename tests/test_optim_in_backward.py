@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import tiny_dataset, tiny_model, training_args
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_dataset, tiny_model, training_args
 from tptrain import DistributedConfig
 from tptrain.parallel.grad_sync import local_tensor
 from tptrain.training.args import ParallelismConfig, TrainingArguments
@@ -158,9 +158,9 @@ OIB = dict(optim_in_backward=True, max_grad_norm=0.0)
 
 
 def _pp_cases(root: str, cases: list[tuple]) -> None:
-    from tests.test_pipeline_data_parallel import _cases
+    from tests.helpers.pipeline import train_cases
 
-    _cases(root, [(family, schedule, {**kw, **OIB}) for family, schedule, kw in cases])
+    train_cases(root, [(family, schedule, {**kw, **OIB}) for family, schedule, kw in cases])
 
 
 @pytest.mark.distributed
@@ -169,7 +169,7 @@ def test_pp2_steps_each_stage_after_its_last_microbatch(tmp_path):
     once its last microbatch's gradients are in (1F1B; InterleavedZeroBubble, whose weight gradients come apart from
     the input gradients; ZBVZeroBubble, where rank 0's one tied weight is in two stage modules), the tied embedding's
     two copies (1F1B) after their gradients are summed; nothing else is left for the optimizer's step()."""
-    from tests.test_pipeline_parallel import save_family
+    from tests.helpers.checkpoints import save_family
 
     for family in ("qwen3_tied", "llama"):
         save_family(family, tmp_path)
@@ -183,7 +183,7 @@ def test_pp2_with_fsdp2_and_tp2_steps_each_stage_after_its_last_microbatch(tmp_p
     """The same at pp 2 x dp_shard 2 (FSDP2's reduce-scatter before the step; ZBVZeroBubble: rank 0's last stage module
     holds its own copy of the tied head, summed into the weight, which is stepped after) and pp 2 x tp 2 (Qwen3's q/k
     norms' partial gradients summed over TP, then stepped)."""
-    from tests.test_pipeline_parallel import save_family
+    from tests.helpers.checkpoints import save_family
 
     save_family("qwen3_tied", tmp_path)
     cases = [("qwen3_tied", "ZBVZeroBubble", dict(dp_shard=2, microbatches=4)),

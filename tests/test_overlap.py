@@ -9,8 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import batch, make_config
+from tests.helpers.batches import labelled_batch as batch
+from tests.helpers.configs import make_config
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoModelForCausalLM

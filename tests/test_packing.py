@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import TOL, assert_grads_match, assert_params_match
+from tests.helpers.compare import TOL, assert_grads_match, assert_params_match
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.losses import IGNORE_INDEX
 from tptrain.models import AutoConfig, AutoModelForCausalLM

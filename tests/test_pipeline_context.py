@@ -12,8 +12,11 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import TRAINER_TINY, reference_losses, save_perturbed, tiny_dataset, training_args
+from tests.helpers.checkpoints import save_perturbed
+from tests.helpers.configs import TRAINER_TINY
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 
@@ -138,7 +141,7 @@ def _lora(root: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from tests.helpers import LORA_TARGETS, random_lora
+    from tests.helpers.lora import LORA_TARGETS, random_lora
     from tptrain.peft import LoraConfig, PeftModel, get_peft_model
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.trainer import Trainer
@@ -219,7 +222,7 @@ def test_pp2_cp2_with_tp2_and_data_parallel_equal_one_process(tmp_path):
 def test_cli_trains_at_pp2_cp2_as_one_process(tmp_path):
     """`tptrain train --pp-size 2 --cp-size 2` on 4 ranks (the bundled tiny Qwen3 at random init, fp64): each step's
     logged loss is a one-process run's."""
-    from tests.helpers import tptrain_train
+    from tests.helpers.launch import tptrain_train
     from tptrain.training.reporting import logged_losses, read_metrics
 
     flags = ("--tp-size", "1", "--dtype", "float64", "--max-steps", "3", "--batch-size", "2", "--save-steps", "0")

@@ -9,29 +9,15 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import MOE_TRAIN_TINY, TRAINER_TINY, reference_losses, tiny_dataset, training_args, tptrain_train
+from tests.helpers.checkpoints import save_family
+from tests.helpers.configs import PIPELINE_FAMILIES as FAMILIES
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
-from tptrain.models import AutoConfig, AutoModelForCausalLM
+from tptrain.models import AutoModelForCausalLM
 from tptrain.parallel import pipeline_parallel as pp
-
-LAYERS = 4
-FAMILIES = {  # one tied (the bundled Qwen3's layout), one untied, one MoE
-    "qwen3_tied": ("qwen3", dict(TRAINER_TINY, tie_word_embeddings=True, num_hidden_layers=LAYERS)),
-    "llama": ("llama", dict(TRAINER_TINY, num_hidden_layers=LAYERS)),
-    "llama8": ("llama", dict(TRAINER_TINY, num_hidden_layers=8)),  # two stages per rank at pp 4
-    "qwen3_moe": ("qwen3_moe", dict(MOE_TRAIN_TINY, num_experts_per_tok=2, output_router_logits=False,
-                                num_hidden_layers=LAYERS)),
-}
-
-
-def save_family(family: str, directory) -> str:
-    model_type, kw = FAMILIES[family]
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **kw)
-    path = os.path.join(directory, family)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float64).save_pretrained(path)
-    return path
 
 
 # ------------------------------------------------------------------ the split and the errors (no process group)

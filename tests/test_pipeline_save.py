@@ -18,9 +18,11 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import random_lora, reference_losses, tiny_dataset, training_args
-from tests.test_pipeline_parallel import save_family
+from tests.helpers.checkpoints import save_family
+from tests.helpers.lora import random_lora
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.trainer import tiny_dataset, training_args
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 
@@ -251,8 +253,9 @@ def test_sft_lora_cli_at_pp2(tmp_path):
     """`tptrain train` fine-tuning (chat records, LoRA, evaluation, --merge) at --pp-size 2: the adapter gathered from
     both stages gives in peft + transformers the logits of the merged checkpoint the stages wrote."""
 
-    from tests.helpers import adapter_keys_and_shapes, chat_records, tptrain_train
-    from tests.test_sft_cli import _checkpoint, _jsonl, exported_logits
+    from tests.helpers.chat import chat_records, exported_logits, sft_checkpoint as _checkpoint, write_jsonl as _jsonl
+    from tests.helpers.launch import tptrain_train
+    from tests.helpers.lora import adapter_keys_and_shapes
     from tptrain.training.reporting import read_metrics
 
     ckpt = _checkpoint(tmp_path)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.preference_utils import checkpoint, plain_records
+from tests.helpers.preference import checkpoint, plain_records
+from tests.helpers.ranks import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from tests.preference_utils import chat_records, checkpoint, plain_records
-from tests.sft_utils import chat_checkpoint
+from tests.helpers.chat import chat_checkpoint
+from tests.helpers.preference import chat_records, checkpoint, plain_records
 from tptrain.losses import IGNORE_INDEX
 from tptrain.text import load_tokenizer
 from tptrain.training.preference import DPOConfig

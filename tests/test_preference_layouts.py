@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.preference_utils import checkpoint, full_tensors, plain_records, record_gradients
+from tests.helpers.preference import checkpoint, full_tensors, plain_records, record_gradients
+from tests.helpers.ranks import run_distributed
 
 pytestmark = pytest.mark.distributed
 

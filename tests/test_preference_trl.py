@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.preference_utils import OPTIM, chat_records, checkpoint, plain_records, trl_run
+from tests.helpers.preference import OPTIM, chat_records, checkpoint, plain_records, trl_run
+from tests.helpers.ranks import run_distributed
 
 pytestmark = pytest.mark.distributed
 

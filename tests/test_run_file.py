@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import ROOT, finish_tptrain_train, start_tptrain_train
+from tests.helpers.launch import ROOT, finish_tptrain_train, start_tptrain_train
 from tptrain.cli import main
 from tptrain.cli.run_file import RUN_CONFIG
 from tptrain.training.reporting import Reporter, read_metrics, wandb_run

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import BIG, PeakSampler, _rss_anon, pin_mmap_threshold, tiny_model
+from tests.helpers.configs import BIG
+from tests.helpers.memory import PeakSampler, pin_mmap_threshold, rss_anon
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import tiny_model
 from tptrain import AutoConfig, AutoModelForCausalLM, DistributedConfig
 from tptrain.io import writer as safetensors_io
 from tptrain.training.args import ParallelismConfig, TrainingArguments
@@ -64,7 +66,7 @@ def _export_worker(tmp: str) -> None:
     _record_writes(log)
     model.save_pretrained(f"{tmp}/warm", max_shard_size=SHARD)  # one-time costs (imports, buffers)
     log.clear()
-    before = _rss_anon()
+    before = rss_anon()
     with PeakSampler() as sampler:
         trainer.inner.save_pretrained(f"{tmp}/hf", max_shard_size=SHARD)
     if torch.distributed.get_rank() == 0:

@@ -7,8 +7,10 @@ import copy
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import TOL, assert_grads_match, assert_params_match, batch, make_config
+from tests.helpers.batches import labelled_batch as batch
+from tests.helpers.compare import TOL, assert_grads_match, assert_params_match
+from tests.helpers.configs import make_config
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoModelForCausalLM
 from tptrain.diagnostics.accounting import SavedTensorMeter

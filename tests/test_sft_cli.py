@@ -3,57 +3,25 @@ with peft + transformers; resume mid-run gives the same losses; bad flags and re
 FSDP2 (and pp 2 x FSDP2)."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import torch
 
-from tests.helpers import chat_records, tptrain_train
-from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
+from tests.helpers.chat import (chat_checkpoint, chat_records, exported_logits, sft_checkpoint as _checkpoint,
+                                write_jsonl as _jsonl)
+from tests.helpers.launch import tptrain_train
 from tptrain.training.reporting import read_metrics
 
 pytestmark = pytest.mark.distributed
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-TINY = dict(vocab_size=4160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
-
-
-def _checkpoint(tmp_path):
-    """A transformers-written Qwen3 checkpoint with the ChatML tokenizer and a {% generation %} chat template."""
-    directory = chat_checkpoint(tmp_path / "ckpt", CHATML_GENERATION)
-    torch.manual_seed(0)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY))
-    hf.save_pretrained(directory)
-    return directory
-
-
-def _jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 FLAGS = ("--tp-size", "2", "--max-steps", "4", "--save-steps", "2", "--batch-size", "2", "--grad-accum", "2",
          "--seq-len", "64",
          "--lr", "3e-3", "--warmup-steps", "1", "--eval-steps", "2", "--save-best", "--lora-r", "4",
          "--lora-alpha", "8", "--lora-dropout", "0.05", "--lora-target-modules", "all-linear",
          "--max-new-tokens", "2", "--prompt", "to be")
-
-
-def exported_logits(ckpt, adapter, merged) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, the base checkpoint's logits, peft's with the exported adapter on it, the merged checkpoint's), in
-    transformers, fp32."""
-    ids = torch.randint(0, 4098, (2, 12), generator=torch.Generator().manual_seed(5))
-    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-    with torch.no_grad():
-        plain = base(ids).logits
-        adapted = peft.PeftModel.from_pretrained(base, adapter).eval()(ids).logits
-        folded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
-    assert (adapted - plain).abs().max() > 1e-3  # the adapter trained
-    torch.testing.assert_close(folded, adapted, rtol=1e-5, atol=1e-5)
-    return ids, plain, adapted, folded
 
 
 def test_lora_sft_run_exports_adapter_and_merged_model_and_resumes(tmp_path):

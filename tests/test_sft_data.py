@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.sft_utils import CHATML_GENERATION, CHATS, QWEN3, chat_checkpoint
+from tests.helpers.chat import CHATML_GENERATION, CHATS, QWEN3, chat_checkpoint
 from tptrain.losses import IGNORE_INDEX
 from tptrain.text import load_chat_template, load_tokenizer
 from tptrain.training.sft_data import SampleEncoder, build_sft_dataset, collate, read_records

@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import chat_records
-from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
+from tests.helpers.chat import CHATML_GENERATION, chat_checkpoint, chat_records
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.training.args import ParallelismConfig, TrainingArguments

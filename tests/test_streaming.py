@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import SEQ, tiny_model, training_args
+from tests.helpers.ranks import run_distributed
+from tests.helpers.trainer import SEQ, tiny_model, training_args
 from tptrain.training.args import ParallelismConfig
 from tptrain.text import ByteTokenizer
 from tptrain.training.data import DataOrder, build_dataset
@@ -226,7 +226,7 @@ def test_trainer_stopped_and_resumed_gives_the_same_losses(tmp_path):
 
 @pytest.mark.distributed
 def test_cli_streaming_run_resumes_with_the_same_losses(tmp_path, capsys):
-    from tests.helpers import tptrain_train
+    from tests.helpers.launch import tptrain_train
     from tptrain.cli import main
     from tptrain.training.reporting import read_metrics
 

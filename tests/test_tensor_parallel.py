@@ -6,8 +6,10 @@ import copy
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import CONFIGS, assert_trains_like, batch, make_config
+from tests.helpers.batches import labelled_batch as batch
+from tests.helpers.compare import assert_trains_like
+from tests.helpers.configs import CONFIGS, make_config
+from tests.helpers.ranks import run_distributed
 from tptrain import DistributedConfig
 from tptrain.distributed.comm import CommTracker
 from tptrain.models import AutoModelForCausalLM

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers.batches import labelled_batch
 from tptrain.diagnostics.tensor_meter import LiveTensorBytes
 from tptrain.models import AutoConfig, AutoModelForCausalLM
 from tptrain.models.layers import Embedding, HeadGradient
@@ -29,7 +30,7 @@ def _model(dtype=torch.float32, **extra):
 
 
 def _batch():
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    ids, _ = labelled_batch(VOCAB, 3, 2, 12, ignored=())
     ids[0, 2] = ids[1, 5] = ids[1, 6] = PAD  # the pad row gets no gradient from the embedding
     ids[0, 3] = ids[1, 9] = ids[0, 8]  # an id seen three times
     return ids, ids.clone()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.sft_utils import CHATML_GENERATION, CHATS, chat_checkpoint
+from tests.helpers.chat import CHATML_GENERATION, CHATS, chat_checkpoint
+from tests.helpers.ranks import run_distributed
 from tptrain.losses import IGNORE_INDEX
 from tptrain.training import token_cache, token_stream
 from tptrain.text import ByteTokenizer, load_chat_template, load_tokenizer

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from tests.helpers.ranks import run_distributed
 from tptrain import AutoConfig, AutoModelForCausalLM
 from tptrain.text import ByteTokenizer, load_tokenizer
 
@@ -40,7 +40,7 @@ def _spm_checkpoint(directory):
     prefix, chat markers as user-defined pieces) and a tokenizer_config.json, as a slow tokenizer saves it."""
     import sentencepiece
 
-    from tests.helpers import ROOT
+    from tests.helpers.launch import ROOT
     _weights(directory)
     lines = (ROOT / "tptrain" / "data" / "corpus.txt").read_text().splitlines()[:3000]
     sentencepiece.SentencePieceTrainer.train(
@@ -105,7 +105,7 @@ def _trainer_worker(tmp: str) -> None:
     """The Trainer refuses weights without a tokenizer, and prints the tokenizer each run uses (rank 0)."""
     from pathlib import Path
 
-    from tests.helpers import training_args
+    from tests.helpers.trainer import training_args
     from tptrain.training.trainer import Trainer
     tmp = Path(tmp)
     def args(name):

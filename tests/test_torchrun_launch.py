@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import batch, finish, make_config
+from tests.helpers.batches import labelled_batch as batch
+from tests.helpers.configs import make_config
+from tests.helpers.launch import finish
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
 

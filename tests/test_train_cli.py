@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import tptrain_train
+from tests.helpers.launch import tptrain_train
 from tptrain.models import AutoModelForCausalLM
 from tptrain.training.reporting import read_metrics
 

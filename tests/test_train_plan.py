@@ -313,7 +313,7 @@ def test_train_gradient_checkpointing_flag():
 @pytest.mark.distributed
 def test_tptrain_train_layout_auto_trains(tmp_path):
     """The whole command: the layout chosen before the workers start, then trained with activation checkpointing."""
-    from tests.helpers import finish_tptrain_train, start_tptrain_train
+    from tests.helpers.launch import finish_tptrain_train, start_tptrain_train
 
     run = finish_tptrain_train(start_tptrain_train("--layout", "auto", "--nproc-per-node", "2",
                                                    "--gradient-checkpointing", "--output-dir", str(tmp_path / "run")))
@@ -322,13 +322,13 @@ def test_tptrain_train_layout_auto_trains(tmp_path):
 
 
 def _family_configs() -> dict:
-    from tests import helpers
-    from tests.deepseek_utils import DEEPSEEK_TINY
+    from tests.helpers import configs
+    from tests.helpers.configs import DEEPSEEK_TINY
     from tptrain.models.configuration import DeepseekV3Config
 
-    families = {**helpers.SIMPLE_FAMILIES, **helpers.GEMMA_FAMILIES, "phi3": helpers.PHI3_TINY,
-                "olmo2": helpers.OLMO2_TINY, "olmo3": helpers.OLMO3_TINY, "llama": helpers.SIMPLE_TINY,
-                "qwen2": helpers.SIMPLE_TINY, "qwen3": helpers.SIMPLE_TINY}
+    families = {**configs.SIMPLE_FAMILIES, **configs.GEMMA_FAMILIES, "phi3": configs.PHI3_TINY,
+                "olmo2": configs.OLMO2_TINY, "olmo3": configs.OLMO3_TINY, "llama": configs.SIMPLE_TINY,
+                "qwen2": configs.SIMPLE_TINY, "qwen3": configs.SIMPLE_TINY}
     out = {name: AutoConfig.for_model(name, **fields) for name, fields in families.items()}
     out["qwen3_moe"] = AutoConfig.for_model("qwen3_moe", **MOE)
     out["deepseek_v3"] = DeepseekV3Config.from_dict(dict(DEEPSEEK_TINY))

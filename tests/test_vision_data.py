@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
+from tests.helpers.chat import write_jsonl
+from tests.helpers.vision_data import chat_records, vision_checkpoint, write_images
 
 pytestmark = pytest.mark.vision
 TYPES = ("qwen2_5_vl", "llava")
@@ -182,7 +183,7 @@ def test_a_checkpoint_without_a_processor(files, tmp_path):
 
 
 def test_image_records_for_a_text_only_checkpoint(files, tmp_path):
-    from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
+    from tests.helpers.chat import CHATML_GENERATION, chat_checkpoint
     from tptrain.text import load_tokenizer
     from tptrain.training.sft_data import build_training_data, scan_data_file
 

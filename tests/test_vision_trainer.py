@@ -12,9 +12,11 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import reference_losses, tptrain_train
-from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
+from tests.helpers.chat import write_jsonl
+from tests.helpers.launch import tptrain_train
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.vision_data import chat_records, vision_checkpoint, write_images
 
 pytestmark = pytest.mark.vision
 TYPES = ("qwen2_5_vl", "llava")

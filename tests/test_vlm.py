@@ -10,22 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.vlm_utils import F64, FAMILIES, TEXT, batch, equivalence, transformers_model, write_checkpoint
+from tests.helpers.ranks import run_distributed
+from tests.helpers.vlm import F64, FAMILIES, TEXT, VisionCheckpoints, batch, equivalence, transformers_model
 
 pytestmark = pytest.mark.vision
 TYPES = tuple(FAMILIES)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """{model_type: (directory written by transformers, a labelled batch)}, and a processor file beside each."""
-    out = {}
-    for model_type in TYPES:
-        path, hf = write_checkpoint(tmp_path_factory, model_type)
-        (path / "preprocessor_config.json").write_text('{"test": "copied beside the weights"}\n')
-        out[model_type] = (path, batch(model_type, hf))
-    return out
+def _with_processor_file(model_type, path, hf):
+    """(the directory, with a processor file beside the weights, a labelled batch)."""
+    (path / "preprocessor_config.json").write_text('{"test": "copied beside the weights"}\n')
+    return path, batch(model_type, hf)
+
+
+# {model_type: (directory written by transformers, a labelled batch)}, and a processor file beside each
+CHECKPOINTS = VisionCheckpoints(TYPES, _with_processor_file)
 
 
 def _tp_worker(tp: int, checkpoints: dict, save_root) -> None:

@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.vlm_utils import F64, IMAGE, TOL, batch, equivalence, gathered_grads, transformers_model, write_checkpoint
+from tests.helpers.ranks import run_distributed
+from tests.helpers.vlm import F64, IMAGE, TOL, batch, equivalence, gathered_grads, transformers_model, write_checkpoint
 
 pytestmark = pytest.mark.vision
 CP_TYPES = ("qwen2_5_vl", "llava", "gemma3")
 
 
 def cp_batch(model_type: str, hf, multiple: int = 4) -> dict[str, torch.Tensor]:
-    """vlm_utils' batch with text appended up to a multiple of `multiple` tokens (2 x cp chunks), and Qwen's
+    """helpers.vlm's batch with text appended up to a multiple of `multiple` tokens (2 x cp chunks), and Qwen's
     mm_token_type_ids (what its processor returns: transformers then computes the multimodal RoPE positions)."""
     inputs = batch(model_type, hf)
     ids = inputs["input_ids"]
@@ -40,7 +40,7 @@ def cp_batch(model_type: str, hf, multiple: int = 4) -> dict[str, torch.Tensor]:
 def checkpoints(tmp_path_factory):
     out = {}
     for model_type in CP_TYPES:
-        path, hf = write_checkpoint(tmp_path_factory, model_type)
+        path, hf = write_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
         out[model_type] = (path, cp_batch(model_type, hf))
     return out
 
@@ -53,7 +53,7 @@ def test_the_cut_and_the_refusals_before_any_process_group():
     from tptrain.hf.vlm import TransformersImageTextToText
     from tptrain.parallel.facts import model_facts
     from tptrain.parallel.parallelize import check
-    from tests.vlm_utils import FAMILIES
+    from tests.helpers.vlm import FAMILIES
 
     qwen = TransformersImageTextToText.from_config(FAMILIES["qwen2_5_vl"].config(), device="meta")
     assert set(qwen.pp_first) == {"model.visual", "model.language_model.embed_tokens"}
@@ -124,7 +124,7 @@ def _pipeline_step(checkpoints: dict, **layout) -> None:
 
 
 def _full_grads(model) -> dict:
-    """vlm_utils.gathered_grads, FSDP2's shards (under cp the pipeline's stages are wrapped over cp) gathered first."""
+    """helpers.vlm.gathered_grads, FSDP2's shards (under cp the pipeline's stages are wrapped over cp) gathered first."""
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
@@ -161,7 +161,8 @@ def test_tp2_cp2_and_pp2_cp2_match_transformers(checkpoints):
 def records(tmp_path_factory):
     """{model_type: a tiny checkpoint with its processor}, and the directory of data.jsonl (image-text chats: one
     image, two images, none; images of different sizes, so Qwen's patches per sample differ)."""
-    from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
+    from tests.helpers.chat import write_jsonl
+    from tests.helpers.vision_data import chat_records, vision_checkpoint, write_images
 
     root = tmp_path_factory.mktemp("records")
     images = write_images(root / "images")
@@ -202,7 +203,7 @@ def _equal_transformers(checkpoints: dict, root, out) -> None:
 
     import transformers
 
-    from tests.helpers import reference_losses
+    from tests.helpers.references import reference_losses
     from tptrain.training.vision_data import build_vision_data, collate_vision, vision_encoder
 
     for model_type, path in checkpoints.items():

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.vlm_utils import F64, STEP_TOL, TOL, batch, gathered_grads, transformers_model, write_checkpoint
+from tests.helpers.ranks import run_distributed
+from tests.helpers.vlm import F64, STEP_TOL, TOL, batch, gathered_grads, transformers_model, write_checkpoint
 
 pytestmark = pytest.mark.vision
 peft = pytest.importorskip("peft")
@@ -55,7 +55,7 @@ def cases(tmp_path_factory):
     """{model_type: (checkpoint, batch, peft's initial adapter directory)}."""
     out = {}
     for model_type in TARGETS:
-        path, hf = write_checkpoint(tmp_path_factory, model_type)
+        path, hf = write_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
         _peft_model(path, model_type).save_pretrained(path / "initial_adapter")
         out[model_type] = (path, batch(model_type, hf))
     return out

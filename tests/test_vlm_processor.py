@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.vlm_utils import F64, IMAGE, equivalence, qwen_processor, transformers_model, write_checkpoint
+from tests.helpers.ranks import run_distributed
+from tests.helpers.vlm import F64, IMAGE, VisionCheckpoints, equivalence, qwen_processor, transformers_model
 from tptrain.hf.vlm import load_processor
 
 pytestmark = pytest.mark.vision
@@ -20,11 +20,12 @@ IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"  # the processor wide
 PROMPTS = [f"{IMAGE_SLOT} w5 w6 w7 w8 w9", f"w3 {IMAGE_SLOT} w11 w12"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path, _ = write_checkpoint(tmp_path_factory, "qwen2_5_vl")
+def _with_processor(model_type, path, hf):
     qwen_processor().save_pretrained(path)
     return path
+
+
+CHECKPOINTS = VisionCheckpoints(("qwen2_5_vl",), _with_processor)  # its processor's files beside the weights
 
 
 def _inputs(processor) -> dict:

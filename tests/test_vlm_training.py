@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.helpers import reference_losses
-from tests.vision_data_utils import chat_records, vision_checkpoint, write_images, write_jsonl
+from tests.helpers.ranks import run_distributed
+from tests.helpers.references import reference_losses
+from tests.helpers.chat import write_jsonl
+from tests.helpers.vision_data import chat_records, vision_checkpoint, write_images
 
 pytestmark = pytest.mark.vision
 TYPES = ("qwen2_5_vl", "llava")
@@ -142,7 +143,7 @@ def test_resume_across_layouts(files):
 
 
 def test_sequence_parallel_is_refused_naming_why():
-    from tests.vlm_utils import FAMILIES
+    from tests.helpers.vlm import FAMILIES
     from tptrain import DistributedConfig
     from tptrain.hf.vlm import TransformersImageTextToText
     from tptrain.parallel.parallelize import check

@@ -1,10 +1,15 @@
-"""Fixtures of the SFT tests: a ChatML tokenizer (the bundled one plus <|im_start|>/<|im_end|>) and chat templates."""
+"""The SFT tests' chats: a ChatML tokenizer (the bundled one plus <|im_start|>/<|im_end|>), chat templates, random
+chat records, a transformers-written checkpoint to fine-tune with `tptrain train`, and what its exports give in
+peft + transformers."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from importlib.resources import files
 from pathlib import Path
+
+import torch
 
 BUNDLED = Path(str(files("tptrain") / "data" / "tiny-qwen3"))
 
@@ -109,3 +114,61 @@ def chat_checkpoint(directory: Path, template: str | None, *, config: dict | Non
 def copy_bundled(directory: Path) -> Path:
     shutil.copytree(BUNDLED, directory)
     return directory
+
+
+WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
+
+
+def chat_records(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+
+    def say(k):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, k)))
+
+    out = []
+    for i in range(n):
+        chat = [{"role": "user", "content": say(6)}, {"role": "assistant", "content": say(10)}]
+        if i % 3 == 0:
+            chat += [{"role": "user", "content": say(4)}, {"role": "assistant", "content": say(6)}]
+        out.append({"messages": chat} if i % 4 else {"prompt": say(5), "completion": " " + say(8)})
+    return out
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# ------------------------------------------------------------------ `tptrain train` fine-tuning (test_sft_cli.py,
+# test_pipeline_save.py)
+
+SFT_TINY = dict(vocab_size=4160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+
+
+def sft_checkpoint(tmp_path):
+    """A transformers-written Qwen3 checkpoint with the ChatML tokenizer and a {% generation %} chat template."""
+    import transformers
+
+    directory = chat_checkpoint(tmp_path / "ckpt", CHATML_GENERATION)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SFT_TINY))
+    hf.save_pretrained(directory)
+    return directory
+
+
+def exported_logits(ckpt, adapter, merged) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, the base checkpoint's logits, peft's with the exported adapter on it, the merged checkpoint's), in
+    transformers, fp32."""
+    import peft
+    import transformers
+
+    ids = torch.randint(0, 4098, (2, 12), generator=torch.Generator().manual_seed(5))
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+        folded = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)(ids).logits
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter trained
+    torch.testing.assert_close(folded, adapted, rtol=1e-5, atol=1e-5)
+    return ids, plain, adapted, folded

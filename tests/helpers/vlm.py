@@ -6,12 +6,13 @@ of transformers' own `get_image_features`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from tests.family_utils import randomize
-from tests.helpers import full_params
+from tests.helpers.checkpoints import Checkpoints, randomize
+from tests.helpers.compare import full_params
 from tptrain.parallel.shards import gather_full
 
 F64 = torch.float64
@@ -94,15 +95,26 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def write_checkpoint(tmp_path_factory, model_type: str):
-    """(directory, transformers' model): a random tiny checkpoint written by transformers' save_pretrained."""
+def write_checkpoint(path: Path, model_type: str):
+    """(path, transformers' model): a random tiny checkpoint written by transformers' save_pretrained."""
     import transformers
     torch.manual_seed(0)
     hf = transformers.AutoModelForImageTextToText.from_config(FAMILIES[model_type].config()).eval()
     randomize(hf)
-    path = tmp_path_factory.mktemp(model_type)
     hf.save_pretrained(path)
     return path, hf
+
+
+class VisionCheckpoints(Checkpoints):
+    """write_checkpoint of each model type; `finish(model_type, directory, model)` (files beside the weights, a
+    batch) gives what the tests get."""
+
+    def __init__(self, types, finish: Callable) -> None:
+        super().__init__(types)
+        self.finish = finish
+
+    def write_one(self, index: int, name: str, directory: Path) -> Any:
+        return self.finish(name, *write_checkpoint(directory, name))
 
 
 def image_tokens(hf, pixels: dict[str, torch.Tensor]) -> int:

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import torch
 
-from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
+from tests.helpers.chat import CHATML_GENERATION, WORDS, chat_checkpoint
 
 F64 = torch.float64
 TINY = dict(vocab_size=4160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
-WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
 # The optimizer both sides run: AdamW at a constant rate, no decay, no clipping (TRL's defaults otherwise)
 OPTIM = dict(learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
              seed=3)

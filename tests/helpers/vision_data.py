@@ -3,15 +3,14 @@ transformers (the bundled BPE tokenizer plus the family's special tokens, a smal
 template), a few small PNG images and image-text chat records pointing at them."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tests.family_utils import randomize
-from tests.sft_utils import BUNDLED
-from tests.vlm_utils import TEXT, VISION
+from tests.helpers.chat import BUNDLED
+from tests.helpers.checkpoints import randomize
+from tests.helpers.vlm import TEXT, VISION
 
 VOCAB = 4160  # the bundled tokenizer's 4096 ids and the special tokens added below, rounded up
 
@@ -135,8 +134,3 @@ def chat_records(images: list[str]) -> list[dict]:
             {"role": "user", "content": [{"type": "text", "text": "Which is larger?"}]},
             {"role": "assistant", "content": [{"type": "text", "text": "The second."}]}]},
     ]
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path

@@ -45,13 +45,14 @@ def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-# Ranks start from a fork server that imported torch, tptrain's models and tests.helpers once (their import is
+# Ranks start from a fork server that imported torch, tptrain's models and the test helpers once (their import is
 # ~4 CPU-seconds per process on this machine: a fresh interpreter per rank, as "spawn" starts, was a third of the
 # suite). The server imports neither transformers nor huggingface_hub, whose settings are read from the
 # environment at import: a rank imports those itself, under the environment its test set. TPTRAIN_TEST_START=spawn
 # restores fresh interpreters (e.g. to rule the fork server out while debugging).
 _START_METHOD = os.environ.get("TPTRAIN_TEST_START", "forkserver")
-_PRELOAD = ["tests.helpers"]
+_PRELOAD = [f"tests.helpers.{name}" for name in ("backend", "batches", "chat", "checkpoints", "compare", "configs",
+                                                 "launch", "lora", "memory", "pipeline", "references", "trainer")]
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, args: tuple, errors, env: dict[str, str],
