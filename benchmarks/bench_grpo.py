@@ -43,7 +43,7 @@ def _checkpoint(directory: Path, hidden: int, layers: int) -> None:
     import transformers
 
     sys.path.insert(0, str(ROOT))
-    from tests.sft_utils import CHATML_GENERATION, chat_checkpoint
+    from tests.helpers.chat import CHATML_GENERATION, chat_checkpoint
 
     chat_checkpoint(directory, CHATML_GENERATION)
     config = transformers.Qwen3Config(vocab_size=4160, hidden_size=hidden, intermediate_size=3 * hidden,

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.grpo_utils import metrics, prompt_records
-from tests.preference_utils import checkpoint
+from tests.helpers.grpo import metrics, prompt_records
+from tests.helpers.preference import checkpoint
 
 pytestmark = pytest.mark.distributed
-REWARDS = f"{Path(__file__).parent / 'grpo_utils.py'}:letter_e"
+REWARDS = f"{Path(__file__).parent / 'helpers' / 'grpo.py'}:letter_e"
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.grpo_utils import letter_e, prompt_records
+from tests.helpers.ranks import run_distributed
+from tests.helpers.grpo import letter_e, prompt_records
 from tptrain.training.rl.prompts import build_prompts
 from tptrain.training.rl.rewards import advantages, load_reward_func, load_reward_funcs, score
 
@@ -103,7 +103,7 @@ def test_reward_functions_load_from_a_module_or_a_file(tmp_path):
     (tmp_path / "my_rewards.py").write_text("def five(prompts, completions, **kw):\n    return [5.0] * len(completions)\n")
     func = load_reward_func(f"{tmp_path}/my_rewards.py:five")
     assert func(prompts=["p"], completions=["c"]) == [5.0]
-    assert load_reward_funcs(["tests.grpo_utils:letter_e"])[0] is letter_e
+    assert load_reward_funcs(["tests.helpers.grpo:letter_e"])[0] is letter_e
     with pytest.raises(ValueError, match="at least one reward function"):
         load_reward_funcs([])
 
@@ -125,7 +125,7 @@ def test_prompt_rows_refused_with_their_place(tmp_path):
 def _trainer_errors(tmp: str) -> None:
     from tptrain import GRPOTrainer
     from tptrain.models import AutoConfig, AutoModelForCausalLM
-    from tests.grpo_utils import BUNDLED, bundled_model
+    from tests.helpers.grpo import BUNDLED, bundled_model
 
     def expect(message, **kwargs):
         model = kwargs.pop("model", None) or AutoModelForCausalLM.from_pretrained(f"{tmp}/ckpt", dtype=torch.float64)
@@ -158,7 +158,7 @@ def _trainer_errors(tmp: str) -> None:
 
 @pytest.mark.distributed
 def test_trainer_refuses_before_training(tmp_path):
-    from tests.preference_utils import checkpoint
+    from tests.helpers.preference import checkpoint
 
     checkpoint(tmp_path / "ckpt")
     run_distributed(_trainer_errors, 1, str(tmp_path))
@@ -186,7 +186,7 @@ def _raises_on_one_rank(tmp: str) -> None:
 
 @pytest.mark.distributed
 def test_a_reward_error_on_one_dp_rank_reaches_every_rank(tmp_path):
-    from tests.preference_utils import checkpoint
+    from tests.helpers.preference import checkpoint
 
     checkpoint(tmp_path / "ckpt")
     run_distributed(_raises_on_one_rank, 2, str(tmp_path))

@@ -12,9 +12,9 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.grpo_utils import letter_e, metrics, prompt_records, short
-from tests.preference_utils import checkpoint, full_tensors, record_gradients
+from tests.helpers.ranks import run_distributed
+from tests.helpers.grpo import letter_e, metrics, prompt_records, short
+from tests.helpers.preference import checkpoint, full_tensors, record_gradients
 
 pytestmark = pytest.mark.distributed
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.grpo_utils import bundled_model, letter_e, metrics, prompt_records
+from tests.helpers.ranks import run_distributed
+from tests.helpers.grpo import bundled_model, letter_e, metrics, prompt_records
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +39,7 @@ def _resumable(tmp: str, name: str, tp: int, resume: str | None) -> None:
 
     from tptrain import DistributedConfig, GRPOConfig, GRPOTrainer
     from tptrain.models import AutoModelForCausalLM
-    from tests.grpo_utils import short
+    from tests.helpers.grpo import short
 
     config = DistributedConfig(tp_size=tp) if tp > 1 else None
     model = AutoModelForCausalLM.from_pretrained(f"{tmp}/ckpt", dtype=torch.float64, distributed_config=config)
@@ -57,7 +57,7 @@ def test_resume_continues_as_the_uninterrupted_run_at_another_layout(tmp_path):
     equal the uninterrupted run's."""
     import json
 
-    from tests.preference_utils import checkpoint
+    from tests.helpers.preference import checkpoint
 
     checkpoint(tmp_path / "ckpt")
     run_distributed(_resumable, 2, str(tmp_path), "run", 2, None)
@@ -90,7 +90,7 @@ def _chat(tmp: str) -> None:
 def test_chat_prompts_and_columns_reach_the_reward_functions(tmp_path):
     import json
 
-    from tests.preference_utils import checkpoint
+    from tests.helpers.preference import checkpoint
 
     checkpoint(tmp_path / "ckpt")
     run_distributed(_chat, 1, str(tmp_path))
@@ -104,7 +104,7 @@ def test_chat_prompts_and_columns_reach_the_reward_functions(tmp_path):
 def test_each_row_draws_its_own_completion():
     """generate with one seed per returned sequence: a row's completion is the same alone or batched with others."""
     from tptrain.models import AutoConfig, AutoModelForCausalLM
-    from tests.grpo_utils import BUNDLED
+    from tests.helpers.grpo import BUNDLED
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BUNDLED)).double()

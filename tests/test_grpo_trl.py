@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.preference_utils import checkpoint
+from tests.helpers.ranks import run_distributed
+from tests.helpers.preference import checkpoint
 
 pytestmark = pytest.mark.distributed
 

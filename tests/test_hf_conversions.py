@@ -266,7 +266,7 @@ def test_a_prefix_rule_for_another_class_of_the_type_is_not_applied(tmp_path):
     import transformers
 
     from tptrain.hf.conversions import checkpoint_sources
-    from tests.vlm_utils import _GEMMA3, _SIGLIP
+    from tests.helpers.vlm import _GEMMA3, _SIGLIP
     config = transformers.ShieldGemma2Config(text_config=_GEMMA3, vision_config=_SIGLIP, mm_tokens_per_image=4,
                                              image_token_index=120, boi_token_index=121, eoi_token_index=122)
     torch.manual_seed(0)

@@ -20,10 +20,11 @@ from functools import partial
 import pytest
 import torch
 
-from tests.cp_utils import SEQ, packed_batch
-from tests.dist_utils import run_distributed
-from tests.family_utils import random_checkpoint
-from tests.hf_axes_utils import F64, HYBRID, TINY, eager_experts, one_process
+from tests.helpers.batches import PACKED_SEQ as SEQ, packed_batch
+from tests.helpers.ranks import run_distributed
+from tests.helpers.checkpoints import random_checkpoint
+from tests.helpers.backend import AXES_TINY as TINY, HYBRID, eager_experts, one_process
+from tests.helpers.configs import F64
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,7 +79,7 @@ def one_process_of(checkpoints: dict, model_type: str):
     """The backend on one process in fp64 (from its checkpoint; from scratch, every parameter random, without one)."""
     if model_type in checkpoints:
         return one_process(checkpoints[model_type])
-    from tests.family_utils import randomize
+    from tests.helpers.checkpoints import randomize
     from tptrain.hf.model import TransformersCausalLM
 
     torch.manual_seed(0)
@@ -185,7 +186,7 @@ def test_generation_with_a_cache_infers_no_documents(checkpoints, model_type):
     documents filling a cache is refused."""
     import warnings
 
-    from tests.family_utils import transformers_fp64
+    from tests.helpers.references import transformers_fp64
 
     model, hf = one_process_of(checkpoints, model_type).eval(), transformers_fp64(checkpoints[model_type])
     ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -214,7 +215,7 @@ def test_a_model_whose_token_mixing_tptrain_cannot_find_refuses_packed_documents
     rule table's packed_documents refuses it in a run on packed rows (the Trainer's stage 2), not on plain ones."""
     import numpy as np
 
-    from tests.helpers import training_args
+    from tests.helpers.trainer import training_args
     from tptrain.hf.model import TransformersCausalLM
     from tptrain.training.setup import check_packed_documents
     from tptrain.training.sft_data import SampleTable, SFTDataset
@@ -236,7 +237,7 @@ def test_a_model_whose_token_mixing_tptrain_cannot_find_refuses_packed_documents
 
 
 def test_tptrain_train_refuses_packed_documents_before_any_worker(tmp_path, capsys):
-    from tests.sft_utils import chat_checkpoint
+    from tests.helpers.chat import chat_checkpoint
     from tptrain.cli import main
 
     config = _rwkv_config(vocab_size=4160)
@@ -258,7 +259,7 @@ def test_tptrain_train_refuses_packed_documents_before_any_worker(tmp_path, caps
 def _cp2(paths: dict[str, str]) -> None:
     """cp 2: the packed rows (the mixers on the whole sequence gathered over cp, each document a row of its own)
     against the documents alone on one process; with activation checkpointing too."""
-    from tests.helpers import full_grads
+    from tests.helpers.compare import full_grads
     from tptrain import AutoModelForCausalLM, DistributedConfig
 
     for model_type, path in paths.items():
@@ -284,7 +285,7 @@ CP_REFUSED = {"bamba": "cannot run with cp_size", "zamba": "cannot run with cp_s
 def _cp2_each(paths: dict[str, str]) -> None:
     """cp 2 on each of `paths`: the packed rows against the documents alone on one process; those context parallelism
     refuses (CP_REFUSED) refused as said."""
-    from tests.helpers import full_grads
+    from tests.helpers.compare import full_grads
     from tptrain import AutoModelForCausalLM, DistributedConfig
 
     for model_type, path in paths.items():

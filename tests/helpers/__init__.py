@@ -15,6 +15,10 @@
     chat         SFT: the ChatML tokenizer, chat templates and records, a checkpoint to fine-tune
     backend      the transformers backend's tiny types and its one-process reference
     memory       private memory: its value, its sampled peak
+    preference   DPO: a tiny chat checkpoint, preference records, gathered tensors and recorded gradients
+    grpo         GRPO: toy verifiable rewards, prompt records, the bundled model, a run's metrics
+    vlm          vision-language models: tiny checkpoints of each family, batches with images, their comparison
+    vision_data  image-text chat records, images on disk, processors' checkpoints
 
 The fixtures live in tests/conftest.py. Modules import transformers inside their functions: the ranks a test
 starts import them (ranks.py preloads them in its fork server, which must not import transformers).

@@ -3,13 +3,14 @@ weights, seeded) and a tiny fp64 checkpoint written by transformers, and a GRPOT
 from __future__ import annotations
 
 import json
-from importlib.resources import files
 from pathlib import Path
 
 import torch
 
+# self-contained (tests/test_grpo_cli.py hands this file to `tptrain grpo --reward-funcs FILE:function`, which imports
+# it by its path in the workers): the chat helpers' words and bundled model, restated
 WORDS = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
-BUNDLED = str(files("tptrain") / "data" / "tiny-qwen3")
+BUNDLED = str(Path(__file__).resolve().parents[2] / "tptrain" / "data" / "tiny-qwen3")
 
 
 def letter_e(prompts, completions, **columns):
