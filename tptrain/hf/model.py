@@ -34,8 +34,9 @@ from tptrain.hf.attention import declare_cp_facts, running, use_tptrain_attentio
 from tptrain.hf.checkpoint import hub_tensors, materialise_buffers
 from tptrain.hf.conversions import checkpoint_sources, interleaved_parameters
 from tptrain.hf.documents import declare_packed_documents
-from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules, rule_unplanned,
+from tptrain.hf.plan import (base_prefix, declare_tp_facts, module_rules, parameter_rules,
                              translate_plan, unplanned_parameters, vocab_parallel_embedding, packed_like_stored)
+from tptrain.hf.probe import rule_unplanned
 from tptrain.hf.stages import run_stage, stage_parts
 from tptrain.dtypes import dtype_name
 from tptrain.losses import CausalLMOutput, causal_lm_loss

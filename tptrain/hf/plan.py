@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from tptrain.hf.probe import meta_copy, split_readers
 from tptrain.parallel import contract
 from tptrain.parallel.styles import STYLES, ColwiseParallel, ParallelStyle, RowwiseParallel, ShardSpec, canonical_style
 from tptrain.parallel.styles.base import declared
@@ -239,19 +238,3 @@ def unplanned_parameters(model: nn.Module, styles: dict[str, str], whole: set[st
 def _parents(name: str) -> list[str]:
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
-
-
-def rule_unplanned(model: nn.Module, prefix: str) -> set[str]:
-    """A transformers-backend model's modules with parameters the plan leaves without a rule inside a split region,
-    sorted by what they read (hf/probe.py, on a meta copy): those reading this rank's share of the features get
-    'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
-    activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
-    styles = resolve_names(model, {**{f"{prefix}.{g}": s for g, s in model.tp_base_plan.items()}, **model._tp_plan})
-    candidates = unplanned_modules(model, styles)
-    if not candidates:
-        return set()
-    kinds = split_readers(meta_copy(model.hf_model), styles, candidates) or {}
-    for name, kind in kinds.items():
-        if kind == "per_part" and name.startswith(prefix + "."):
-            model.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
-    return {name for name, kind in kinds.items() if kind == "whole"}

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tptrain.hf.plan import resolve_names, unplanned_modules
 from tptrain.hf.towers import decoder_name
 from tptrain.parallel.styles import STYLES, canonical_style
 
@@ -149,3 +150,19 @@ def masks_see_positions(hf_model: nn.Module) -> bool | None:
     finally:
         masking_utils.find_packed_sequence_indices = search
     return bool(looked)
+
+
+def rule_unplanned(model: nn.Module, prefix: str) -> set[str]:
+    """A transformers-backend model's modules with parameters the plan leaves without a rule inside a split region,
+    sorted by what they read (split_readers, on a meta copy): those reading this rank's share of the features get
+    'replicated_with_grad_allreduce' (their partial gradient summed over TP); the names of those reading whole
+    activations are returned (they need nothing); the rest stay plan problems (`unplanned_parameters`)."""
+    styles = resolve_names(model, {**{f"{prefix}.{g}": s for g, s in model.tp_base_plan.items()}, **model._tp_plan})
+    candidates = unplanned_modules(model, styles)
+    if not candidates:
+        return set()
+    kinds = split_readers(meta_copy(model.hf_model), styles, candidates) or {}
+    for name, kind in kinds.items():
+        if kind == "per_part" and name.startswith(prefix + "."):
+            model.tp_base_plan[name[len(prefix) + 1:]] = "replicated_with_grad_allreduce"
+    return {name for name, kind in kinds.items() if kind == "whole"}
