@@ -112,8 +112,16 @@ def _measured(record: dict) -> int:
 
 def _own(result: dict) -> int | None:
     """The run's own measurement in metrics.jsonl: the largest rank's peak (None where the run wrote none)."""
-    peaks = [r["peak_memory"] for r in result["metrics"] if "peak_memory" in r]
+    peaks = [max(r["peak_memory"]) for r in result["metrics"] if "peak_memory" in r]
     return max(peaks) if peaks else None
+
+
+def _own_ratio(result: dict) -> float | None:
+    """The run's own check: its largest rank's measured peak over its plan (runtime included), as it printed."""
+    for r in result["metrics"]:
+        if "peak_memory" in r and all(r["planned_peak_memory"]):
+            return max(m / p for m, p in zip(r["peak_memory"], r["planned_peak_memory"]))
+    return None
 
 
 def predict(model: Path, sizes: dict, run_settings: dict, device: str) -> list[int]:
@@ -145,21 +153,26 @@ def measure_layout(name: str, big: dict, tiny: dict, device: str) -> dict:
     own_big, own_tiny = _own(results["big"]), _own(results["tiny"])
     row = dict(name=name, per_rank=per_rank, measured=max(per_rank), predicted=max(planned),
                big=[_measured(r) for r in results["big"]["ranks"]], tiny=[_measured(r) for r in results["tiny"]["ranks"]],
-               own=None if own_big is None or own_tiny is None else own_big - own_tiny)
+               own=None if own_big is None or own_tiny is None else own_big - own_tiny,
+               own_ratio=_own_ratio(results["big"]))
     row["ratio"] = row["predicted"] / row["measured"]
     return row
 
 
 MiB = 2**20
 HEADER = (f"{'layout':<10} {'predicted MiB':>13} {'measured MiB':>12} {'pred/meas':>9} {'run own MiB':>11} "
-          f"{'per rank (big - tiny) MiB':<28} {'big MiB':<16}")
+          f"{'run meas/plan':>13} {'per rank (big - tiny) MiB':<26} {'big MiB':<16}")
 
 
 def _row(r: dict) -> str:
     own = _own_text(r)
     return (f"{r['name']:<10} {r['predicted'] / MiB:>13.0f} {r['measured'] / MiB:>12.0f} {r['ratio']:>9.2f} "
-            f"{own:>11} {' '.join(f'{x / MiB:.0f}' for x in r['per_rank']):<28} "
+            f"{own:>11} {_ratio_text(r):>13} {' '.join(f'{x / MiB:.0f}' for x in r['per_rank']):<26} "
             f"{' '.join(f'{x / MiB:.0f}' for x in r['big']):<16}")
+
+
+def _ratio_text(r: dict) -> str:
+    return "-" if r.get("own_ratio") is None else f"{r['own_ratio']:.2f}"
 
 
 def _own_text(r: dict) -> str:
@@ -167,10 +180,10 @@ def _own_text(r: dict) -> str:
 
 
 def _markdown(rows: list[dict], what: str) -> str:
-    lines = [f"| layout | predicted MiB | measured {what} MiB | predicted / measured | run's own MiB | per rank MiB |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [f"| layout | predicted MiB | measured {what} MiB | predicted / measured | run's own MiB | run's measured / planned | "
+             "per rank MiB |", "|---|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {r['name']} | {r['predicted'] / MiB:.0f} | {r['measured'] / MiB:.0f} | {r['ratio']:.2f} | "
-              f"{_own_text(r)} | "
+              f"{_own_text(r)} | {_ratio_text(r)} | "
               f"{', '.join(f'{x / MiB:.0f}' for x in r['per_rank'])} |" for r in rows]
     return "\n".join(lines) + "\n"
 

@@ -34,6 +34,7 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.text import load_tokenizer
 from tptrain.training.data import PackedDataset
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
+from tptrain.training.memory_check import MemoryCheck, release_freed_memory
 from tptrain.training.nonfinite import NonFiniteGuard, NonFiniteStepError, StepResult, Verdict
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.mesh import resolve_parallelism
@@ -80,6 +81,7 @@ class Trainer:
         # A PeftModel wraps the TP model: parameter names, layouts and sharding are the inner model's,
         # while forward and the final save (which then writes the adapter) go through the wrapper.
         self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        release_freed_memory()  # CPU: freed tensors' pages back to the OS, so max RSS is what the plan predicts
         model = self.inner
         # Stages 1 and 2 are pure: what one rank can get wrong is raised on every rank before any collective.
         self.dims = resolve_parallelism(model, args.parallelism_config, args=args)  # the rule table: every refusal
@@ -91,6 +93,8 @@ class Trainer:
         placement = place(model, args, self.dims, data)  # the first collective
         self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
+        pp_rank = self.mesh["pp"].get_local_rank() if self.dims.pp > 1 else 0
+        self.memory = MemoryCheck(self.model, args, self.dims, self.device, pp_rank=pp_rank)
         self.fsdp, self.pipeline = apply_training_steps(model, args, placement,
                                                         on_forward=getattr(self.model, "count_forward", None))
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=self.pipeline)
@@ -167,6 +171,7 @@ class Trainer:
         if failed:  # a non-finite step: nothing is written after it
             raise NonFiniteStepError(failed.message)
         final = None if stop.stopped else self.save_model()
+        self.memory.report(reporter, self.optimizer)  # each rank's peak (the final save's included) beside the plan's
         return TrainOutput(self.global_step, losses, final, stopped=stop.stopped, skipped_steps=self.nonfinite.skipped)
 
     def _run(self, reporter, stop: StopOnSignal, watchdog: HangWatchdog) -> tuple[list[float], Verdict | None]:
