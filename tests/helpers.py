@@ -291,7 +291,8 @@ class PeakSampler:
 
 # ------------------------------------------------------------------ launcher processes (from test_faults.py)
 
-TIMING_FIELDS = ("step_time", "tokens_per_second")
+TIMING_FIELDS = ("step_time", "tokens_per_second",  # measured, so never the same twice
+                 "peak_memory", "planned_peak_memory", "peak_memory_kind")
 
 
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
