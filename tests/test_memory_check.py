@@ -96,3 +96,21 @@ def test_plan_predicts_max_rss_big_minus_tiny(layout):
     row = bench_rss.measure_layout(layout, medium, bench_rss.TINY, "cpu")
     assert row["measured"] > 300 * MiB, json.dumps(row)
     assert 0.9 <= row["ratio"] <= 1.1, json.dumps(row)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA caching allocator's reserved peak needs a GPU")
+def test_plan_predicts_cuda_reserved(tmp_path):
+    """On a GPU the run's own check compares the caching allocator's reserved peak (no runtime in it) with the plan's
+    tensors: within 10% for a 30M-parameter Qwen3, one rank."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_rss
+
+    medium = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64)
+    model = bench_rss._model_dir(tmp_path, "medium", medium)
+    result = bench_rss.run(model, ["--tp-size", "1", "--nproc-per-node", "1"], tmp_path / "run")
+    last = result["metrics"][-1]
+    assert last["peak_memory_kind"] == "cuda_reserved", last
+    (measured,), (planned,) = last["peak_memory"], last["planned_peak_memory"]
+    assert 0.9 <= measured / planned <= 1.1, (measured, planned)

@@ -36,7 +36,12 @@ MiB = 2**20
 
 def release_freed_memory() -> bool:
     """Fix glibc malloc's mmap threshold at MMAP_THRESHOLD, so that a freed tensor's memory is returned to the OS
-    (this process, from now on). False (nothing done) off glibc, or when MALLOC_MMAP_THRESHOLD_ already says."""
+    (this process, from now on), and, unless PYTORCH_CUDA_ALLOC_CONF says otherwise, have the CUDA caching allocator
+    (not yet started) grow expandable segments: freed blocks are reused across sizes, so the reserved peak stays near
+    the tensors' (torchtitan runs so). Returns whether glibc took the threshold: False off glibc, or when
+    MALLOC_MMAP_THRESHOLD_ already says."""
+    if not torch.cuda.is_initialized():
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:
@@ -107,15 +112,27 @@ def planned_peak(model: nn.Module, args: Any, dims: Any, *, pp_rank: int, device
     fixed, lora = laid_out(inner), getattr(model, "peft_config", {}).get("default")
     dtype = next(inner.parameters()).dtype if lora is None else _base_dtype(inner)
     pp_config = args.parallelism_config
-    settings = TrainSettings(batch_size=args.per_device_train_batch_size, seq_len=args.seq_len, dtype=dtype,
+    reference = _reference(args, lora)
+    settings = TrainSettings(batch_size=(2 if reference else 1) * args.per_device_train_batch_size, seq_len=args.seq_len, dtype=dtype,
                              bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
                              lora_r=getattr(lora, "r", 0), optim_in_backward=args.optim_in_backward,
                              pp_schedule=fixed["pp_schedule"],
                              pp_microbatches=pp_config.pp_microbatches if pp_config is not None else None,
                              sequence_parallel=fixed["sequence_parallel"],
-                             expert_parallel=bool(getattr(state_of(inner).config, "enable_expert_parallel", False)))
+                             expert_parallel=bool(getattr(state_of(inner).config, "enable_expert_parallel", False)),
+                             reference=reference)
     shapes = ModelShapes.of(inner.config, dtype=dtype)
     return rank_memory(shapes, dims, settings, device=device.type)[pp_rank].peak
+
+
+def _reference(args: Any, lora: Any) -> str | None:
+    """The reference a preference run (a DPOConfig: two rows a pair) holds, as `tptrain plan --reference` names it;
+    None for plain training."""
+    if not hasattr(args, "needs_reference"):
+        return None
+    if args.precompute_ref_log_probs or args.reference_free or not args.needs_reference:
+        return "precomputed"
+    return "adapters" if lora is not None else "copy"
 
 
 def _base_dtype(model: nn.Module) -> torch.dtype:
