@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, tptrain_train
-from tptrain.training.memory_check import measured_peak, runtime_memory
+from tptrain.training.memory_check import measured_peak, release_freed_memory, runtime_memory
 from tptrain.training.reporting import Reporter, read_metrics
 
 MiB = 2**20
@@ -43,6 +43,14 @@ def _fell(mode: str) -> int:
 def test_freed_tensors_leave_the_resident_set():
     assert _fell("fixed") >= 120  # the 128 MiB freed went back to the OS
     assert _fell("default") < 64  # glibc's default keeps them (the cause of RSS 20-40% over the tensors)
+
+
+def test_release_freed_memory_can_be_declined(monkeypatch):
+    monkeypatch.setenv("TPTRAIN_RELEASE_FREED_MEMORY", "0")  # glibc's default kept (faster on CPU)
+    assert release_freed_memory() is False
+    monkeypatch.delenv("TPTRAIN_RELEASE_FREED_MEMORY")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own setting wins
+    assert release_freed_memory() is False
 
 
 def test_runtime_memory_counts_each_storage_once():

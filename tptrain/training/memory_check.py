@@ -1,19 +1,23 @@
 """Every run checks the planner: each rank's measured peak memory beside `tptrain plan --train`'s for the same model,
 layout and run, printed at the end of training and written to metrics.jsonl.
 
-    release_freed_memory()                    # CPU: a freed tensor's pages go back to the OS (RSS follows tensors)
-    check = MemoryCheck(model, args, dims, device, pp_rank=0)   # the plan's peak; the runtime's own memory now
-    check.report(reporter)                    # collective: every rank's figures, printed and logged by rank 0
+    release_freed_memory()                    # before the model is built: freed tensors leave the process's memory
+    check = MemoryCheck(model, args, dims, device, pp_rank=0)   # the plan's peak for this rank
+    check.report(reporter, optimizer)         # collective, at the end: every rank's figures, printed and logged
 
 Measured: on CUDA the caching allocator's reserved peak (`torch.cuda.max_memory_reserved`: what decides whether a
 run fits), on CPU the process's peak resident set (VmHWM: what a monitor and the OOM killer see). Planned: the
 planner's peak of this rank's pipeline stage (tensors), plus, on CPU, the runtime's own resident memory (interpreter,
-libraries, gloo, the data) as measured when the Trainer is built, less the model's tensors then.
+libraries, gloo, the data, the threads' stacks), measured at the end as the resident set less the tensors alive.
 
-glibc's malloc serves a large request from its own mmap, given back when freed, only below a threshold that grows to
-32 MiB as such blocks are freed; above it (most activations, once the threshold has grown) freed blocks stay in the
-heap, fragmented, and RSS exceeds the live tensors by a fifth or more. `release_freed_memory` fixes the threshold at
-128 KiB (glibc's default start): RSS then follows the tensors, and the plan predicts it.
+glibc's malloc gives a large block its own mmap, unmapped when freed, only above a threshold that starts at 128 KiB
+and grows to the size of each such block freed (up to 32 MiB); below it (most activations, once it has grown) freed
+blocks stay in the heap, fragmented, and RSS exceeds the live tensors by a fifth to a half (measured:
+docs/planning.md). `release_freed_memory` fixes the threshold at 128 KiB: RSS then follows the tensors, and the plan
+predicts it. The price on CPU: every large tensor's pages are faulted in fresh (up to a third more CPU time per
+step of a 1-thread rank; TPTRAIN_RELEASE_FREED_MEMORY=0 keeps glibc's default). On CUDA the caching allocator is
+asked for expandable segments (unless PYTORCH_CUDA_ALLOC_CONF says otherwise): freed blocks are reused across sizes,
+so its reserved peak stays near the tensors' (torchtitan runs so).
 """
 from __future__ import annotations
 
@@ -35,14 +39,14 @@ MiB = 2**20
 
 
 def release_freed_memory() -> bool:
-    """Fix glibc malloc's mmap threshold at MMAP_THRESHOLD, so that a freed tensor's memory is returned to the OS
-    (this process, from now on), and, unless PYTORCH_CUDA_ALLOC_CONF says otherwise, have the CUDA caching allocator
-    (not yet started) grow expandable segments: freed blocks are reused across sizes, so the reserved peak stays near
-    the tensors' (torchtitan runs so). Returns whether glibc took the threshold: False off glibc, or when
-    MALLOC_MMAP_THRESHOLD_ already says."""
+    """Fix glibc malloc's mmap threshold at MMAP_THRESHOLD (this process, from now on: freed tensors' memory goes back
+    to the OS) and ask the CUDA caching allocator, not yet started, for expandable segments. Returns whether glibc took
+    the threshold: False off glibc, when MALLOC_MMAP_THRESHOLD_ already says, or with TPTRAIN_RELEASE_FREED_MEMORY=0
+    (glibc's default kept: faster on CPU, RSS above the plan)."""
     if not torch.cuda.is_initialized():
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if (not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ
+            or os.environ.get("TPTRAIN_RELEASE_FREED_MEMORY") == "0"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
