@@ -4,6 +4,7 @@ or caching-allocator reserved peak (CUDA), beside the planner's peak for the sam
     .venv/bin/python benchmarks/bench_rss.py                      # the six layouts below (~15 minutes on 2 cores)
     .venv/bin/python benchmarks/bench_rss.py --layouts "tp2,tp2 ac" --json rss.json --markdown rss.md
     .venv/bin/python benchmarks/bench_rss.py --smoke              # two small models, one layout: a minute
+    TPTRAIN_RELEASE_FREED_MEMORY=0 .venv/bin/python benchmarks/bench_rss.py   # glibc's own malloc: the figures before
 
 Two Qwen3 models of one architecture, initialised at random from a config.json: a 66M-parameter one (hidden 768,
 10 layers, vocab 4096: the bundled tokenizer's) and a tiny one (hidden 64, 2 layers). Each layout trains each model
@@ -13,8 +14,9 @@ sample included), one thread per rank. Measured per rank: the process's peak res
 workers are the elastic agent's children, which wait4 on the launcher never sees), or on CUDA
 `torch.cuda.max_memory_reserved`. The tiny model's figure is subtracted rank by rank, so the runtime's own memory
 (interpreter, torch's libraries, gloo, the data) cancels and what is left is what the model's size adds; the
-planner's figures are subtracted alike. "run's own" is what the run itself measured and wrote to metrics.jsonl
-(`peak_memory`, the largest rank's, big minus tiny). Target: every layout within 10%. RSS is less sensitive to a
+planner's figures are subtracted alike. "run own" is what the run itself measured and wrote to metrics.jsonl
+(`peak_memory`, the largest rank's, big minus tiny; it reads VmHWM at the end of training, before the sample), "run
+meas/plan" the big run's own check (measured over planned, the runtime's memory included, its worst rank). Target: every layout within 10%. RSS is less sensitive to a
 loaded machine than time (page reclaim is the exception; this machine has no swap), so a shared machine is fine.
 """
 from __future__ import annotations
