@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import resource
 import sys
 from typing import Any, Iterable, Iterator
 
@@ -75,6 +74,8 @@ def measured_peak(device: torch.device) -> int:
         return torch.cuda.max_memory_reserved(device)
     peak = _status("VmHWM")
     if peak is None:
+        import resource  # Unix only
+
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return peak
 
@@ -115,12 +116,11 @@ def planned_peak(model: nn.Module, args: Any, dims: Any, *, pp_rank: int, device
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     fixed, lora = laid_out(inner), getattr(model, "peft_config", {}).get("default")
     dtype = next(inner.parameters()).dtype if lora is None else _base_dtype(inner)
-    pp_config = args.parallelism_config
-    reference = _reference(args, lora)
-    settings = TrainSettings(batch_size=(2 if reference else 1) * args.per_device_train_batch_size, seq_len=args.seq_len, dtype=dtype,
-                             bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
-                             lora_r=getattr(lora, "r", 0), optim_in_backward=args.optim_in_backward,
-                             pp_schedule=fixed["pp_schedule"],
+    pp_config, reference = args.parallelism_config, _reference(args, lora)
+    rows = (2 if reference else 1) * args.per_device_train_batch_size  # a preference pair: two rows
+    settings = TrainSettings(batch_size=rows, seq_len=args.seq_len, dtype=dtype, bf16=args.bf16,
+                             gradient_checkpointing=args.gradient_checkpointing, lora_r=getattr(lora, "r", 0),
+                             optim_in_backward=args.optim_in_backward, pp_schedule=fixed["pp_schedule"],
                              pp_microbatches=pp_config.pp_microbatches if pp_config is not None else None,
                              sequence_parallel=fixed["sequence_parallel"],
                              expert_parallel=bool(getattr(state_of(inner).config, "enable_expert_parallel", False)),
