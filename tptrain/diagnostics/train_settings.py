@@ -27,7 +27,9 @@ class TrainSettings:
     other frameworks); reference: a preference run's reference model (tptrain dpo; its batch_size counts rows, two
     per pair): "copy" (a frozen copy sharded like the policy: its parameters, no gradients or optimizer states, and a
     forward per step), "adapters" (LoRA's base with the adapters off: a forward per step), "precomputed" (none while
-    training); None: not a preference run."""
+    training); None: not a preference run. final_save: the run ends by writing the consolidated model (`tptrain
+    train`'s final/; the Trainer's save_model): the parameters gathered one at a time, the writer holding one shard
+    file's tensors in host memory; False: one training step only."""
 
     batch_size: int
     seq_len: int
@@ -42,6 +44,7 @@ class TrainSettings:
     expert_parallel: bool = False
     loss: str = "fused"
     reference: str | None = None
+    final_save: bool = True
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):
