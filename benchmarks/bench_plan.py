@@ -142,7 +142,7 @@ def predict(table: dict, name: str, profile) -> tuple[int, float]:
 
     model_spec, sizes, run = table[name]
     shapes = ModelShapes.of(_config(model_spec), dtype=torch.float32)
-    settings = TrainSettings(batch_size=BATCH, seq_len=SEQ, **run)
+    settings = TrainSettings(batch_size=BATCH, seq_len=SEQ, final_save=False, **run)  # it measures a step
     layout = _layout(sizes)
     problem = layout_problem(shapes, layout, settings)
     assert problem is None, f"{name}: the rules refuse {layout.spell()}: {problem}"

@@ -37,7 +37,8 @@ from tptrain.training.trainer import Trainer
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-TIMING_FIELDS = ("step_time", "tokens_per_second")
+TIMING_FIELDS = ("step_time", "tokens_per_second",  # measured, so never the same twice
+                 "peak_memory", "planned_peak_memory", "peak_memory_kind")
 
 
 def _save(path: Path, **kwargs) -> Path:

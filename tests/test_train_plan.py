@@ -267,7 +267,7 @@ def test_measured_peak_of_a_single_device_step(run):
     with LiveTensorBytes(existing) as meter:
         trainer.training_step(trainer.data_order.next_batch())
     shapes = ModelShapes.of(config, dtype=torch.float32)
-    settings = TrainSettings(batch_size=2, seq_len=64, **run)
+    settings = TrainSettings(batch_size=2, seq_len=64, final_save=False, **run)  # the step alone
     predicted = rank_memory(shapes, ParallelDims(), settings, device="cpu")[0].peak
     assert abs(predicted / meter.peak - 1) < 0.05, (predicted, meter.peak)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from tests.helpers.ranks import require_distributed_marker
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
-TIMING_FIELDS = ("step_time", "tokens_per_second")
+TIMING_FIELDS = ("step_time", "tokens_per_second",  # measured, so never the same twice
+                 "peak_memory", "planned_peak_memory", "peak_memory_kind")
 
 
 def tptrain_train(*flags: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -297,8 +297,10 @@ def _train(args: argparse.Namespace) -> None:
     from tptrain.cli import vision as vision_cli
     from tptrain.cli.messages import announce, summary
     from tptrain.generation import complete, layout_refusal
+    from tptrain.training.memory_check import release_freed_memory
     from tptrain.training.trainer import Trainer
 
+    release_freed_memory()  # before the model is built: its full copy, once sharded, goes back to the OS
     threads = _set_threads(torch)
     start = time.perf_counter()
     inputs, error = None, None

@@ -26,6 +26,7 @@ from tptrain.layout import ParallelDims
 from tptrain.diagnostics.model_shapes import ModelShapes, ParamShape
 from tptrain.parallel import pipeline_parallel
 
+SHARD_BYTES = 5 * 10**9  # save_pretrained's max_shard_size ("5GB"): the final save's writer holds one file's tensors
 TERMS = ("parameters", "gradients", "optimizer_states", "activations", "communication_buffers", "largest_transient")
 
 
@@ -318,6 +319,17 @@ def _backward_end(stage: _Stage, st: _States, layout: ParallelDims, prec: Precis
     return _terms(**base, gradients=grads + head * mixed, communication_buffers=int(flat * (1 + copies)))
 
 
+def _final_save(shapes: ModelShapes, stage: _Stage, st: _States, prec: Precision, device: str) -> dict[str, int]:
+    """The end of the run: the stage's parameters gathered one at a time (FSDP2's then TP's all-gather: a whole
+    parameter and its gather's buffer), to the CPU, where its writer (the stage's first rank) keeps one shard file's
+    worth (the stage's, up to SHARD_BYTES) until it is written; the optimizer's states alive, the gradients freed."""
+    held = {p.name for p in stage.params}
+    whole = [p.numel * prec.param for p in shapes.params(1, 1) if p.name in held and not p.tied]
+    shard = min(sum(whole), SHARD_BYTES) if device == "cpu" else 0  # on a GPU the file fills host memory
+    return _terms(parameters=st.params + st.reference, optimizer_states=st.optimizer,
+                  communication_buffers=shard, largest_transient=2 * max(whole, default=0))
+
+
 def rank_memory(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettings, *, device: str = "cuda"
                 ) -> list[RankMemory]:
     """Each pp rank's peak of one training step (after the first: AdamW's states exist)."""
@@ -332,6 +344,8 @@ def rank_memory(shapes: ModelShapes, layout: ParallelDims, settings: TrainSettin
         moments: dict[str, dict[str, int]] = {}
         for scenario in _scenarios(layout, microbatches, flight, stage.last):
             moments.update(_moments(stage, st, acts, layout, settings, prec, scenario, device))
+        if settings.final_save and not settings.lora_r:  # LoRA's final save writes the adapter only
+            moments["final save (the stage's writer)"] = _final_save(shapes, stage, st, prec, device)
         phase, terms = max(moments.items(), key=lambda item: sum(item[1].values()))
         out.append(RankMemory(rank, sum(terms.values()), phase, terms, acts.per_layer, flight, acts.tower))
     return out

@@ -27,9 +27,11 @@ class TrainSettings:
     other frameworks); reference: a preference run's reference model (tptrain dpo; its batch_size counts rows, two
     per pair): "copy" (a frozen copy sharded like the policy: its parameters, no gradients or optimizer states, and a
     forward per step), "adapters" (LoRA's base with the adapters off: a forward per step), "precomputed" (none while
-    training); None: not a preference run; images_per_sample / image_size: a vision-language model's images (or an image's tiles, for
-    families that cut one into tiles) per sequence, and their side in pixels (default: the tower's own size), which
-    its vision tower turns into (side / patch)^2 tokens each."""
+    training); None: not a preference run. images_per_sample / image_size: a vision-language model's images (or an
+    image's tiles, for families that cut one into tiles) per sequence, and their side in pixels (default: the tower's
+    own size), which its vision tower turns into (side / patch)^2 tokens each. final_save: the run ends by writing
+    the consolidated model (`tptrain train`'s final/; the Trainer's save_model): the parameters gathered one at a
+    time, the writer holding one shard file's tensors in host memory; False: one training step only."""
 
     batch_size: int
     seq_len: int
@@ -46,6 +48,7 @@ class TrainSettings:
     reference: str | None = None
     images_per_sample: int = 1
     image_size: int | None = None
+    final_save: bool = True
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len"):

@@ -74,6 +74,19 @@ class Reporter:
 
             tqdm.write(text)
 
+    def amend(self, fields: dict[str, Any]) -> None:
+        """Add `fields` to the last record of metrics.jsonl (the run's last step: e.g. its peak memory, measured
+        after the final save), or write them as a record of their own (step 0) when there is none."""
+        if not self.enabled:
+            return
+        records = read_metrics(self.path)
+        if records:
+            records[-1].update({k: _plain(v) for k, v in fields.items()})
+        else:
+            records = [{"step": 0, **fields}]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
     def close(self) -> None:
         """Finish the bar and plot every logged loss (earlier, resumed runs included) to loss.png."""
         if not self.enabled:

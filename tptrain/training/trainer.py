@@ -34,6 +34,7 @@ from tptrain.training.args import TrainingArguments, check_seq_len
 from tptrain.text import load_tokenizer
 from tptrain.training.data import PackedDataset
 from tptrain.training.evaluation import evaluate_loss, evaluate_pipeline
+from tptrain.training.memory_check import MemoryCheck
 from tptrain.training.nonfinite import NonFiniteGuard, NonFiniteStepError, StepResult, Verdict
 from tptrain.training.sft_data import SFTDataset, build_training_data, collate
 from tptrain.training.mesh import resolve_parallelism
@@ -63,13 +64,12 @@ class Trainer:
         "prompt"/"completion": a .jsonl, a list of dicts, a `datasets.Dataset`) become an SFTDataset (sft_data.py,
         options in TrainingArguments); a `StreamingText` is read while training (streaming.py; needs max_steps); a
         vision-language model's image-text chats go through its checkpoint's processor (vision_data.py).
-    eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end
-        (or `args.eval_split` of the training rows).
-    Every rank must construct the Trainer and call `train()`; all validation happens in the
-    constructor, identically on every rank, before any collective. The constructor is one ordered pass
-    (training/setup.py): layout, data, mesh, parallelisms, optimizer. `args` are the arguments as run,
-    max_steps resolved from num_train_epochs. The Trainer runs the loop; `step` (a TrainStep) does each optimizer
-    step, `checkpoints` (a Checkpointer) the saves and the resume.
+    eval_dataset: the same kinds of source, evaluated every `args.eval_steps` and at the end (or `args.eval_split` of
+        the training rows).
+    Every rank constructs the Trainer and calls `train()`; all validation happens in the constructor, identically
+    on every rank, before any collective, in one ordered pass (setup.py): layout, data, mesh, parallelisms,
+    optimizer. `args`: as run (max_steps from num_train_epochs). The Trainer runs the loop; `step` (a TrainStep)
+    does each optimizer step, `checkpoints` (a Checkpointer) the saves and the resume.
     """
 
     rows_per_item = 1  # the training rows one dataset item makes in a step (GRPO: a prompt's num_generations)
@@ -94,6 +94,7 @@ class Trainer:
         placement = place(model, args, self.dims, data)  # the first collective
         self.mesh, self.device, self.rank = placement.mesh, placement.device, placement.rank
         self.is_rank0, self.data_order = self.rank == 0, placement.data_order
+        self.memory = MemoryCheck(self.model, args, self.dims, self.device, mesh=self.mesh)  # frees pages to the OS
         self.fsdp, self.pipeline = apply_training_steps(model, args, placement,
                                                         on_forward=getattr(self.model, "count_forward", None))
         self.optimizer, self.scheduler = optimizer_and_schedule(model, args, data.max_steps, pipeline=self.pipeline)
@@ -102,9 +103,8 @@ class Trainer:
         self.converter = ckpt.StateConverter(model, self.mesh)
         self.checkpoints = Checkpointer(self.model, args=args, optimizer=self.optimizer, converter=self.converter,
                                         is_rank0=self.is_rank0)
-        self.global_step = 0
         self.nonfinite = NonFiniteGuard(args.on_nonfinite, args.max_nonfinite_skips, args.optim_in_backward)
-        self.best_eval_loss: float | None = None
+        self.global_step, self.best_eval_loss = 0, None  # the best: a float once the run has evaluated
         if self.is_rank0:
             report_inputs(self.tokenizer, {"train": self.dataset, "eval": self.eval_dataset}, seq_len=args.seq_len)
         self.run_id = uuid.uuid4().hex  # marks this run's checkpoints (rank 0's is the one written); kept on resume
@@ -170,6 +170,7 @@ class Trainer:
         if failed:  # a non-finite step: nothing is written after it
             raise NonFiniteStepError(failed.message)
         final = None if stop.stopped else self.save_model()
+        self.memory.report(reporter, self.optimizer)  # each rank's peak (the final save's included) beside the plan's
         return TrainOutput(self.global_step, losses, final, stopped=stop.stopped, skipped_steps=self.nonfinite.skipped)
 
     def _run(self, reporter, stop: StopOnSignal, watchdog: HangWatchdog) -> tuple[list[float], Verdict | None]:
