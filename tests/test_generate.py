@@ -77,7 +77,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for i, (name, (backend, kw)) in enumerate(FAMILIES.items()):
         config = transformers.AutoConfig.for_model(name, **kw)
-        path, _ = random_checkpoint(tmp_path_factory, name, partial(transformers.AutoModelForCausalLM.from_config,
+        path, _ = random_checkpoint(tmp_path_factory.mktemp(name), partial(transformers.AutoModelForCausalLM.from_config,
                                                                      config), norm_weight=0.0 if "gemma" in name else 1.0)
         hf = transformers_fp64(path)
         ids, mask = _prompts(i, padded=name != "gemma2")
@@ -158,7 +158,7 @@ def test_stop_strings_stop_as_transformers(tmp_path):
     from importlib.resources import files
     bundled = files("tptrain") / "data" / "tiny-qwen3"
     config = transformers.AutoConfig.for_model("qwen3", **{**QWEN3, "vocab_size": 4096})
-    path, hf = random_checkpoint(_Factory(tmp_path), "q", partial(transformers.AutoModelForCausalLM.from_config,
+    path, hf = random_checkpoint(tmp_path / "q", partial(transformers.AutoModelForCausalLM.from_config,
                                                                   config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(str(bundled / name), path / name)
@@ -176,15 +176,6 @@ def test_stop_strings_stop_as_transformers(tmp_path):
                              pad_token_id=0, eos_token_id=ours)
         assert torch.equal(got, expected), (eos, got, expected)
         assert (got[0, ids.shape[1]:] == 0).any() == (eos is not None)  # row 0 stopped early, then padded
-
-
-class _Factory:
-    def __init__(self, root):
-        self.root = root
-
-    def mktemp(self, name):
-        (self.root / name).mkdir()
-        return self.root / name
 
 
 def test_bad_input_is_refused(checkpoints):
@@ -330,7 +321,7 @@ def _cli_checkpoint(root) -> tuple[str, str]:
     import transformers
     from tests.helpers.chat import BUNDLED, CHATML_GENERATION
     config = transformers.AutoConfig.for_model("qwen3", **{**QWEN3, "vocab_size": 4096})
-    path, _ = random_checkpoint(_Factory(root), "cli", partial(transformers.AutoModelForCausalLM.from_config, config))
+    path, _ = random_checkpoint(root / "cli", partial(transformers.AutoModelForCausalLM.from_config, config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED / name, path / name)
     (root / "chatml.jinja").write_text(CHATML_GENERATION)

@@ -71,7 +71,7 @@ def config(model_type: str):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return {t: str(random_checkpoint(tmp_path_factory, t, partial(transformers.AutoModelForCausalLM.from_config,
+    return {t: str(random_checkpoint(tmp_path_factory.mktemp(t), partial(transformers.AutoModelForCausalLM.from_config,
                                                                  config(t)))[0]) for t in HYBRIDS if t not in SCRATCH}
 
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.helpers import ROOT, tptrain_train
+from tests.helpers.launch import ROOT, tptrain_train
 from tptrain.training.memory_check import measured_peak, release_freed_memory, runtime_memory
 from tptrain.training.reporting import Reporter, read_metrics
 
