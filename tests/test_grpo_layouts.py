@@ -14,7 +14,7 @@ import torch
 
 from tests.helpers.ranks import run_distributed
 from tests.helpers.grpo import letter_e, metrics, prompt_records, short
-from tests.helpers.preference import checkpoint, full_tensors, record_gradients
+from tests.helpers.preference import checkpoint, load_at_layout, train_and_save
 
 pytestmark = pytest.mark.distributed
 
@@ -39,30 +39,14 @@ LOGGED = ("loss", "grad_norm", "reward", "reward_std", "rewards/letter_e/mean", 
 
 
 def _run(tmp: str, name: str) -> None:
-    import torch.distributed as dist
-
-    from tptrain import DistributedConfig, GRPOConfig, GRPOTrainer
-    from tptrain.models import AutoModelForCausalLM
-    from tptrain.peft import LoraConfig, get_peft_model
+    from tptrain import GRPOConfig, GRPOTrainer
     from tptrain.training.args import ParallelismConfig
 
     layout, parallel, batch, lora = RUNS[name]
-    config = DistributedConfig(**layout) if layout else None
-    path = f"{tmp}/moe" if name.startswith("moe") else f"{tmp}/ckpt"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=config)
-    if lora:
-        torch.manual_seed(0)
-        model = get_peft_model(model, LoraConfig(**LORA))
+    model = load_at_layout(tmp, name, layout, LORA if lora else None)
     args = GRPOConfig(output_dir=f"{tmp}/{name}", per_device_train_batch_size=batch,
                       parallelism_config=ParallelismConfig(**parallel), **OPTIM, **GRPO)
-    trainer = GRPOTrainer(model, [letter_e, short], args=args, train_dataset=prompt_records(8))
-    grads = record_gradients(trainer)
-    out = trainer.train()
-    params = full_tensors(trainer.model, "params")
-    rank = dist.get_rank()
-    torch.save({"grads": grads, "params": params}, f"{tmp}/{name}-{rank}.pt")
-    if rank == 0:
-        json.dump(out.losses, open(f"{tmp}/{name}.json", "w"))
+    train_and_save(GRPOTrainer(model, [letter_e, short], args=args, train_dataset=prompt_records(8)), tmp, name)
 
 
 def _worker(tmp: str, names: list[str]) -> None:

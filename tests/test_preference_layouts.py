@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers.preference import checkpoint, full_tensors, plain_records, record_gradients
+from tests.helpers.preference import checkpoint, load_at_layout, plain_records, train_and_save
 from tests.helpers.ranks import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -35,32 +35,15 @@ RUNS = {
 
 
 def _run(tmp: str, name: str) -> None:
-    import torch.distributed as dist
-
-    from tptrain import DistributedConfig
-    from tptrain.models import AutoModelForCausalLM
-    from tptrain.peft import LoraConfig, get_peft_model
     from tptrain.training.args import ParallelismConfig
     from tptrain.training.preference import DPOConfig, DPOTrainer
 
     layout, parallel, batch, options, lora = RUNS[name]
-    config = DistributedConfig(**layout) if layout else None
-    path = f"{tmp}/moe" if name.startswith("moe") else f"{tmp}/ckpt"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, distributed_config=config)
-    if lora:
-        torch.manual_seed(0)
-        model = get_peft_model(model, LoraConfig(**LORA))
+    model = load_at_layout(tmp, name, layout, LORA if lora else None)
     args = DPOConfig(output_dir=f"{tmp}/{name}", per_device_train_batch_size=batch, max_steps=3, max_length=32,
                      beta=0.5, data_cache_dir=f"{tmp}/cache", parallelism_config=ParallelismConfig(**parallel),
                      **OPTIM, **options)
-    trainer = DPOTrainer(model, args=args, train_dataset=plain_records(12))
-    grads = record_gradients(trainer)
-    out = trainer.train()
-    params = full_tensors(trainer.model, "params")
-    rank = dist.get_rank()
-    torch.save({"grads": grads, "params": params}, f"{tmp}/{name}-{rank}.pt")
-    if rank == 0:
-        json.dump(out.losses, open(f"{tmp}/{name}.json", "w"))
+    train_and_save(DPOTrainer(model, args=args, train_dataset=plain_records(12)), tmp, name)
 
 
 def _worker(tmp: str, names: list[str]) -> None:

@@ -125,3 +125,33 @@ def record_gradients(trainer) -> list[dict[str, torch.Tensor]]:
 
     trainer.optimizer.step = recorded
     return steps
+
+
+def load_at_layout(tmp: str, name: str, layout: dict, lora: dict | None):
+    """The fp64 checkpoint under `tmp` (`moe` for a run named moe*, else `ckpt`) loaded at `layout` (DistributedConfig
+    keywords; {}: one process), with LoRA adapters of `lora` (seeded 0) where given."""
+    from tptrain import DistributedConfig
+    from tptrain.models import AutoModelForCausalLM
+    from tptrain.peft import LoraConfig, get_peft_model
+
+    path = f"{tmp}/moe" if name.startswith("moe") else f"{tmp}/ckpt"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                 distributed_config=DistributedConfig(**layout) if layout else None)
+    if lora is not None:
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(**lora))
+    return model
+
+
+def train_and_save(trainer, tmp: str, name: str) -> None:
+    """Train; each rank saves its gradients before every step and its parameters after the last to
+    `tmp/name-RANK.pt`, rank 0 the losses to `tmp/name.json`."""
+    import torch.distributed as dist
+
+    grads = record_gradients(trainer)
+    out = trainer.train()
+    params = full_tensors(trainer.model, "params")
+    rank = dist.get_rank()
+    torch.save({"grads": grads, "params": params}, f"{tmp}/{name}-{rank}.pt")
+    if rank == 0:
+        json.dump(out.losses, open(f"{tmp}/{name}.json", "w"))
