@@ -198,3 +198,21 @@ def test_prompts_from_a_datasets_dataset():
     data = build_prompts(rows, _Chars(), model_dir=None)
     assert len(data) == 2 and data[1]["prompt_ids"] == [99, 100, 101] and data[1]["columns"] == {"answer": "y"}
     assert data.longest == 3 and not data.conversational
+
+
+@pytest.mark.parametrize("option", [dict(eval_steps=5), dict(eval_split=0.1), dict(save_best=True), "eval_dataset"])
+def test_the_workflows_refuse_evaluation_before_anything(tmp_path, option):
+    """GRPOTrainer and DPOTrainer evaluate no held-out set: every eval option is refused, naming the flags, before
+    the model or the data is read."""
+    from tests.helpers.grpo import bundled_model
+    from tptrain import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+
+    model, _ = bundled_model()
+    options = {} if option == "eval_dataset" else option
+    extra = {"eval_dataset": prompt_records(2)} if option == "eval_dataset" else {}
+    with pytest.raises(ValueError, match=r"GRPOTrainer evaluates no held-out set yet: .*--eval-steps"):
+        GRPOTrainer(model, letter_e, args=GRPOConfig(output_dir=str(tmp_path / "g"), **options),
+                    train_dataset=prompt_records(2), **extra)
+    with pytest.raises(ValueError, match=r"DPOTrainer evaluates no held-out set yet: .*--eval-steps"):
+        DPOTrainer(model, args=DPOConfig(output_dir=str(tmp_path / "d"), **options),
+                   train_dataset=[{"prompt": "a", "chosen": "b", "rejected": "c"}], **extra)

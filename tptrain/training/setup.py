@@ -100,6 +100,13 @@ def training_data(args: TrainingArguments, dims: ParallelDims, train_source: Any
     return TrainingData(train, held, global_batch, max_steps)
 
 
+def refuse_evaluation(workflow: str, args: TrainingArguments, eval_source: Any) -> None:
+    """A workflow's Trainer that evaluates no held-out set yet (DPOTrainer, GRPOTrainer): any eval option refused."""
+    if eval_source is not None or args.eval_split or args.eval_steps or args.save_best:
+        raise ValueError(f"{workflow} evaluates no held-out set yet: drop eval_dataset / eval_split / eval_steps / "
+                         "save_best (--eval-data, --eval-split, --eval-steps, --save-best)")
+
+
 def check_eval_set(args: TrainingArguments, eval_source: Any) -> None:
     """Stage 2's eval options against the eval set given (None: none), pure: `tptrain train`'s preflight runs it
     too, so both raise the same message."""

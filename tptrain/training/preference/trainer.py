@@ -27,6 +27,7 @@ from tptrain.training.preference.reference import ModelReference, NoReference, P
 from tptrain.training.preference.reference_copy import frozen_copy, precompute, reference_forward
 from tptrain.training.preference.step import PreferenceStep
 from tptrain.training.trainer import Trainer, model_dir
+from tptrain.training.setup import refuse_evaluation
 
 
 class DPOTrainer(Trainer):
@@ -41,9 +42,7 @@ class DPOTrainer(Trainer):
         if not isinstance(args, DPOConfig):
             raise TypeError(f"DPOTrainer needs a DPOConfig (TrainingArguments plus the objective's options), got "
                             f"{type(args).__name__}")
-        if eval_dataset is not None or args.eval_split or args.eval_steps or args.save_best:
-            raise ValueError("DPOTrainer evaluates no held-out set yet: drop eval_dataset / eval_split / eval_steps / "
-                             "save_best (--eval-data, --eval-split, --eval-steps, --save-best)")
+        refuse_evaluation("DPOTrainer", args, eval_dataset)
         _check_reference_available(model, ref_model, args)
         self.ref_model = ref_model
         super().__init__(model, args=args, train_dataset=train_dataset, tokenizer=tokenizer)

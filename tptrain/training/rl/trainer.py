@@ -33,6 +33,7 @@ from tptrain.training.rl.rewards import load_reward_funcs
 from tptrain.training.rl.rollout import Rollout, make_rollout
 from tptrain.training.rl.step import GRPOStep
 from tptrain.training.trainer import Trainer, model_dir
+from tptrain.training.setup import refuse_evaluation
 
 
 class GRPOTrainer(Trainer):
@@ -49,9 +50,7 @@ class GRPOTrainer(Trainer):
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"GRPOTrainer needs a GRPOConfig (TrainingArguments plus GRPO's options), got "
                             f"{type(args).__name__}")
-        if eval_dataset is not None or args.eval_split or args.eval_steps or args.save_best:
-            raise ValueError("GRPOTrainer evaluates no held-out set yet: drop eval_dataset / eval_split / eval_steps / "
-                             "save_best (--eval-data, --eval-split, --eval-steps, --save-best)")
+        refuse_evaluation("GRPOTrainer", args, eval_dataset)
         funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs)
         self.reward_funcs = load_reward_funcs(funcs)
         if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
