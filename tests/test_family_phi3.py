@@ -20,6 +20,7 @@ from tests.helpers.batches import batch as _batch
 from tests.helpers.checkpoints import TransformersCheckpoints
 from tests.helpers.compare import assert_trains_like, check_against_hf
 from tests.helpers.configs import PHI3_TINY as TINY
+from tests.helpers.lora import peft_adapter
 from tests.helpers.ranks import run_distributed
 from tests.helpers.references import fp64_reference, hf_reference as _hf_reference, reference_losses
 from tests.helpers.trainer import tiny_dataset, training_args
@@ -200,23 +201,6 @@ LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 LORA_TOL = dict(rtol=1e-5, atol=1e-5)  # the bases differ by transformers' fp32 RMSNorm (~3e-6)
 
 
-def _peft_adapter(path, out_dir):
-    """A random peft adapter on transformers' Phi-3 (the fused projections included), saved to `out_dir`; returns
-    its logits."""
-    import peft
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
-                                                    task_type="CAUSAL_LM"))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.2)
-        model.save_pretrained(out_dir)
-        return model(_batch()[0]).logits
-
-
 def _lora_crossing(path, tp, peft_dir, adapter_dir) -> dict[str, torch.Tensor]:
     """peft's adapter on a TP base (B read per packed segment), and a tptrain-trained adapter (2 AdamW steps,
     gradients equal to single-device tptrain) saved for peft (B gathered back fused)."""
@@ -298,7 +282,7 @@ def _worker(path, expected, tp, save_dir, out, peft_dir, adapter_dir) -> None:
 def test_tp_matches_transformers_and_single_device_and_saves_fused_tensors_exactly(checkpoint, tmp_path, tp):
     import transformers
     path, expected = checkpoint
-    peft_logits = _peft_adapter(path, tmp_path / "peft_adapter")
+    peft_logits = peft_adapter(path, tmp_path / "peft_adapter", LORA_TARGETS)
     run_distributed(_worker, tp, path, expected, tp, tmp_path / "saved", tmp_path / "out.pt",
                     tmp_path / "peft_adapter", tmp_path / "tptrain_adapter")
     result = torch.load(tmp_path / "out.pt")

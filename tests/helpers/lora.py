@@ -1,6 +1,6 @@
 """LoRA in the tests: random adapter tensors (peft starts lora_B at zero, which would hide a layout bug), a saved
-adapter's tensor shapes, and OLMo's adapters crossed between peft and tptrain at tp 2 (test_family_olmo2.py,
-test_family_olmo3.py)."""
+adapter's tensor shapes, a random peft adapter (test_family_olmo2.py, test_family_olmo3.py, test_family_phi3.py), and
+OLMo's adapters crossed between peft and tptrain at tp 2."""
 from __future__ import annotations
 
 import torch
@@ -31,13 +31,13 @@ def adapter_keys_and_shapes(path) -> dict[str, tuple[int, ...]]:
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
-def peft_adapter(path, out_dir):
-    """A random peft adapter on transformers' OLMo 2, saved to `out_dir`; returns its logits."""
+def peft_adapter(path, out_dir, targets: list[str] = LORA_TARGETS):
+    """A random peft adapter on `targets` of transformers' model at `path` (OLMo's, Phi-3's fused projections),
+    saved to `out_dir`; returns its logits on batch()."""
     import peft
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=F64).eval()
-    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS,
-                                                    task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
